@@ -1,0 +1,278 @@
+"""The chunk object format.
+
+One object holds one rank's shard of one chunk: every layer's KV pages for
+``chunk_tokens`` tokens. Layout::
+
+    prefix  24 bytes   magic "S3KV", format version u16, flags u16,
+                       header length u32, xxh3_64 of the header u64, zero u32
+    header  JSON       namespace, key, rank, tokens, codec, shuffle item size,
+                       dtype, page shape, and per layer one frame entry
+                       [offset, stored length, raw length, xxh3_64 of the stored bytes]
+    frames             one per layer, in layer order
+
+Per-layer frames let a reader fetch a few layers per ranged GET and decode
+them as they arrive. Every byte that reaches a KV cache passed a checksum:
+anything else (truncation, flipped bits, another namespace or key, an
+unknown version) raises :class:`CorruptChunk` and returns nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from s3kv.errors import CorruptChunk
+
+MAGIC = b"S3KV"
+FORMAT_VERSION = 1
+PREFIX = struct.Struct("<4sHHIQI")
+PREFIX_LEN = PREFIX.size  # 24
+MAX_HEADER_LEN = 1 << 20
+CODECS = ("zstd", "none")
+
+
+@dataclass(frozen=True)
+class Frame:
+    offset: int
+    length: int
+    raw_length: int
+    checksum: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    namespace: str
+    key: str
+    """Hex of the chunk key."""
+    rank: int
+    tokens: int
+    codec: str
+    shuffle: int
+    """Item size the frames were byte-shuffled with; 1 means not shuffled."""
+    dtype: str
+    page_shape: tuple[int, ...]
+    """Shape of one layer's stored page array (informational)."""
+    frames: tuple[Frame, ...]
+    header_length: int
+    """Bytes of prefix + header: where frames may start."""
+
+    @property
+    def object_length(self) -> int:
+        return max((f.end for f in self.frames), default=self.header_length)
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(f.raw_length for f in self.frames)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(f.length for f in self.frames)
+
+    def check_identity(self, namespace: str, key: str, rank: int) -> None:
+        """Raise CorruptChunk unless this header is the object that was asked for."""
+        if self.namespace != namespace:
+            raise CorruptChunk(f"object is of namespace {self.namespace}, expected {namespace}")
+        if self.key != key:
+            raise CorruptChunk(f"object holds chunk {self.key}, expected {key}")
+        if self.rank != rank:
+            raise CorruptChunk(f"object holds rank {self.rank}, expected {rank}")
+
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "decompressor", None)
+    if d is None:
+        d = _local.decompressor = zstandard.ZstdDecompressor()
+    return d
+
+
+def shuffle(data: memoryview | bytes | np.ndarray, itemsize: int) -> np.ndarray:
+    """Byte-shuffle: all first bytes of the items, then all second bytes, ...
+    Exponent bytes of bf16/fp16 values end up together and compress."""
+    arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    if itemsize <= 1:
+        return arr
+    if arr.size % itemsize:
+        raise ValueError(f"{arr.size} bytes is not a whole number of {itemsize}-byte items")
+    return np.ascontiguousarray(arr.reshape(-1, itemsize).T).reshape(-1)
+
+
+def unshuffle(data: bytes | memoryview | np.ndarray, itemsize: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`shuffle`, optionally into ``out`` (uint8, same size)."""
+    arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    if out is None:
+        out = np.empty(arr.size, dtype=np.uint8)
+    if itemsize <= 1:
+        np.copyto(out, arr)
+        return out
+    np.copyto(out.reshape(-1, itemsize), arr.reshape(itemsize, -1).T)
+    return out
+
+
+def encode_chunk(
+    *,
+    namespace: str,
+    key: str,
+    rank: int,
+    tokens: int,
+    layers: Sequence[memoryview | bytes | np.ndarray],
+    dtype: str,
+    itemsize: int,
+    page_shape: Sequence[int],
+    codec: str = "zstd",
+    level: int = 1,
+) -> bytes:
+    """Encode one chunk shard: ``layers[i]`` are layer i's page bytes."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}")
+    shuffle_size = itemsize if codec == "zstd" else 1
+    stored: list[bytes | memoryview] = []
+    raw_lengths: list[int] = []
+    for layer in layers:
+        raw = np.frombuffer(layer, dtype=np.uint8) if not isinstance(layer, np.ndarray) else layer.reshape(-1).view(np.uint8)
+        raw_lengths.append(raw.size)
+        if codec == "zstd":
+            stored.append(_compressor(level).compress(shuffle(raw, shuffle_size)))
+        else:
+            stored.append(memoryview(np.ascontiguousarray(raw)).cast("B"))
+    entries: list[list[int]] = []
+    # Header length depends on the offsets it contains: compute with a
+    # placeholder size, then fix the offsets (the JSON of ints is stable once
+    # offsets only grow by the header length, so two passes suffice).
+    header_len = 0
+    for _ in range(3):
+        offset = PREFIX_LEN + header_len
+        entries = []
+        for blob, raw_len in zip(stored, raw_lengths):
+            entries.append([offset, len(blob), raw_len, xxhash.xxh3_64_intdigest(blob)])
+            offset += len(blob)
+        header = json.dumps(
+            {
+                "ns": namespace,
+                "key": key,
+                "rank": rank,
+                "tokens": tokens,
+                "codec": codec,
+                "shuffle": shuffle_size,
+                "dtype": dtype,
+                "page_shape": list(page_shape),
+                "frames": entries,
+            },
+            separators=(",", ":"),
+        ).encode()
+        if len(header) == header_len:
+            break
+        header_len = len(header)
+    else:  # pragma: no cover - offsets converge in two passes
+        raise AssertionError("header length did not converge")
+    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), xxhash.xxh3_64_intdigest(header), 0)
+    return b"".join([prefix, header, *stored])
+
+
+def header_length(prefix: bytes | memoryview) -> int:
+    """Total bytes of prefix + header, from the first PREFIX_LEN bytes."""
+    if len(prefix) < PREFIX_LEN:
+        raise CorruptChunk(f"object is {len(prefix)} bytes, shorter than the {PREFIX_LEN}-byte prefix")
+    magic, version, _flags, hlen, _hsum, _zero = PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise CorruptChunk(f"bad magic {bytes(magic)!r}: not an s3kv chunk object")
+    if version != FORMAT_VERSION:
+        raise CorruptChunk(f"chunk format version {version}; this s3kv reads version {FORMAT_VERSION}")
+    if hlen > MAX_HEADER_LEN:
+        raise CorruptChunk(f"header length {hlen} exceeds {MAX_HEADER_LEN}")
+    return PREFIX_LEN + hlen
+
+
+def parse_header(data: bytes | memoryview) -> ChunkHeader:
+    """Parse prefix and header from the start of an object. ``data`` must hold
+    at least :func:`header_length` bytes; frames are not read."""
+    total = header_length(data)
+    if len(data) < total:
+        raise CorruptChunk(f"object truncated inside its header ({len(data)} of {total} bytes)")
+    _magic, _version, _flags, hlen, hsum, _zero = PREFIX.unpack_from(data)
+    header = bytes(data[PREFIX_LEN:total])
+    if xxhash.xxh3_64_intdigest(header) != hsum:
+        raise CorruptChunk("header checksum mismatch")
+    try:
+        h = json.loads(header)
+        frames = tuple(Frame(int(o), int(n), int(r), int(c)) for o, n, r, c in h["frames"])
+        parsed = ChunkHeader(
+            namespace=str(h["ns"]),
+            key=str(h["key"]),
+            rank=int(h["rank"]),
+            tokens=int(h["tokens"]),
+            codec=str(h["codec"]),
+            shuffle=int(h["shuffle"]),
+            dtype=str(h["dtype"]),
+            page_shape=tuple(int(x) for x in h["page_shape"]),
+            frames=frames,
+            header_length=total,
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptChunk(f"malformed header: {e}") from e
+    if parsed.codec not in CODECS:
+        raise CorruptChunk(f"unknown codec {parsed.codec!r}")
+    expect = total
+    for f in frames:
+        if f.offset != expect or f.length < 0 or f.raw_length < 0:
+            raise CorruptChunk("frame table is not contiguous")
+        expect = f.end
+    return parsed
+
+
+def decode_frame(
+    header: ChunkHeader, index: int, stored: bytes | memoryview, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Check and decode frame ``index`` from its stored bytes, into ``out`` if given."""
+    frame = header.frames[index]
+    if len(stored) != frame.length:
+        raise CorruptChunk(f"frame {index}: got {len(stored)} bytes, expected {frame.length}")
+    if xxhash.xxh3_64_intdigest(stored) != frame.checksum:
+        raise CorruptChunk(f"frame {index}: checksum mismatch")
+    if out is not None and out.nbytes != frame.raw_length:
+        raise CorruptChunk(f"frame {index}: holds {frame.raw_length} bytes, the page needs {out.nbytes}")
+    if header.codec == "none":
+        raw = np.frombuffer(stored, dtype=np.uint8)
+    else:
+        try:
+            raw = np.frombuffer(_decompressor().decompress(stored, max_output_size=frame.raw_length), dtype=np.uint8)
+        except zstandard.ZstdError as e:
+            raise CorruptChunk(f"frame {index}: zstd: {e}") from e
+    if raw.size != frame.raw_length:
+        raise CorruptChunk(f"frame {index}: decoded {raw.size} bytes, expected {frame.raw_length}")
+    return unshuffle(raw, header.shuffle, out)
+
+
+def decode_chunk(
+    data: bytes | memoryview, *, namespace: str, key: str, rank: int
+) -> tuple[ChunkHeader, list[np.ndarray]]:
+    """Decode a whole object, checking it is the chunk that was asked for."""
+    header = parse_header(data)
+    header.check_identity(namespace, key, rank)
+    if len(data) != header.object_length:
+        raise CorruptChunk(f"object is {len(data)} bytes, its header says {header.object_length}")
+    mv = memoryview(data)
+    return header, [decode_frame(header, i, mv[f.offset : f.end]) for i, f in enumerate(header.frames)]

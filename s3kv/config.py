@@ -1,0 +1,205 @@
+"""s3kv's configuration, parsed once from vLLM's ``kv_connector_extra_config``.
+
+Every key a user may set is a field of :class:`S3KVConfig`; :func:`parse_config`
+rejects unknown keys and bad values with a :class:`ConfigError` that names the
+key and what it accepts. Credentials are not configuration: they come from the
+standard AWS chain (environment, shared profile, instance or pod role).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from s3kv.errors import ConfigError
+from s3kv.units import parse_duration, parse_size
+
+Codec = Literal["zstd", "none"]
+CODECS: tuple[str, ...] = ("zstd", "none")
+ADDRESSING_STYLES: tuple[str, ...] = ("auto", "path", "virtual")
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_PREFIX_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._\-=]+$")
+
+
+def _key(default: Any, doc: str) -> Any:
+    """A config field whose user-facing description travels with it."""
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class S3KVConfig:
+    """What s3kv needs to know, with units in the names.
+
+    Each field's ``metadata["doc"]`` is its user-facing description.
+    """
+
+    bucket: str | None = _key(None, 'S3 bucket that holds the shared cache. Required.')
+    prefix: str = _key("s3kv", 'Key prefix inside the bucket; several fleets can share a bucket.')
+    region: str | None = _key(None, 'AWS region of the bucket; default from the AWS chain.')
+    endpoint_url: str | None = _key(None, 'S3-compatible endpoint (MinIO, R2, a loopback test server).')
+    addressing_style: str = _key("auto", '"path" or "virtual" host addressing; "auto" picks path with endpoint_url.')
+    chunk_tokens: int = _key(256, "Tokens per stored chunk; a multiple of vLLM's block size.")
+    codec: str = _key("zstd", 'Chunk compression: "zstd" (byte-shuffled) or "none".')
+    zstd_level: int = _key(1, 'zstd level, -7 (fastest) to 22 (smallest).')
+    max_inflight_bytes: int = _key(1 << 30, 'Bytes of KV waiting to be uploaded; beyond it new stores are dropped.')
+    load_timeout_s: float = _key(30.0, 'A chunk load slower than this fails and its tokens are recomputed.')
+    range_bytes: int = _key(8 << 20, 'Target size of one ranged GET; layers are grouped up to this size.')
+    max_connections: int = _key(64, 'HTTP connections per process to the store.')
+    s3_max_attempts: int = _key(3, 'Attempts per S3 request (botocore "standard" retry mode).')
+    s3_connect_timeout_s: float = _key(5.0, 'TCP connect timeout for S3.')
+    s3_read_timeout_s: float = _key(30.0, 'Socket read timeout for S3.')
+    # Reserved for the CPU and NVMe tiers; validated now so configs stay valid.
+    cpu_bytes: int | None = _key(None, 'Reserved: size of the pinned CPU tier.')
+    disk_path: str | None = _key(None, 'Reserved: directory of the NVMe tier.')
+    disk_bytes: int | None = _key(None, 'Reserved: size cap of the NVMe tier.')
+
+    def validate_block_size(self, block_size: int) -> None:
+        """Fail unless ``chunk_tokens`` is a whole number of vLLM blocks."""
+        if self.chunk_tokens % block_size != 0:
+            raise ConfigError(
+                f"chunk_tokens: {self.chunk_tokens} is not a multiple of vLLM's "
+                f"block_size {block_size}; use e.g. "
+                f"{max(1, round(self.chunk_tokens / block_size)) * block_size}"
+            )
+
+    @property
+    def reserved_keys_set(self) -> list[str]:
+        return [k for k in ("cpu_bytes", "disk_path", "disk_bytes") if getattr(self, k) is not None]
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(S3KVConfig)}
+KNOWN_KEYS: tuple[str, ...] = tuple(_FIELDS)
+
+
+def field_docs() -> dict[str, str]:
+    """Key -> one-line description, for ``--help`` texts and the README."""
+    return {name: f.metadata["doc"] for name, f in _FIELDS.items()}
+
+
+def _int(key: str, value: Any, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        else:
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise ConfigError(f"{key}: must be {rng}, got {value}")
+    return value
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ConfigError(f"{key}: must be one of {', '.join(choices)}; got {value!r}")
+    return value.lower()
+
+
+def _positive_duration(key: str, value: Any) -> float:
+    seconds = parse_duration(value, name=key)
+    if seconds <= 0:
+        raise ConfigError(f"{key}: must be greater than zero, got {value!r}")
+    return seconds
+
+
+def _positive_size(key: str, value: Any) -> int:
+    n = parse_size(value, name=key)
+    if n <= 0:
+        raise ConfigError(f"{key}: must be greater than zero, got {value!r}")
+    return n
+
+
+def _bucket(value: Any) -> str:
+    if not isinstance(value, str) or not _BUCKET_RE.match(value) or ".." in value:
+        raise ConfigError(
+            f"bucket: {value!r} is not a valid S3 bucket name (3-63 characters: "
+            "lowercase letters, digits, dots and hyphens)"
+        )
+    return value
+
+
+def _prefix(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"prefix: expected a string, got {value!r}")
+    stripped = value.strip("/")
+    segments = stripped.split("/") if stripped else []
+    for seg in segments:
+        if not _PREFIX_SEGMENT_RE.match(seg) or seg in (".", ".."):
+            raise ConfigError(
+                f"prefix: {value!r} has an invalid segment {seg!r}; use letters, "
+                "digits and . _ - = between slashes"
+            )
+    return "/".join(segments)
+
+
+def _endpoint(value: Any) -> str:
+    if not isinstance(value, str) or not re.match(r"^https?://[^\s/]+", value):
+        raise ConfigError(f"endpoint_url: expected an http(s) URL, got {value!r}")
+    return value.rstrip("/")
+
+
+def _str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+    return value
+
+
+_PARSERS = {
+    "bucket": _bucket,
+    "prefix": _prefix,
+    "region": lambda v: _str("region", v),
+    "endpoint_url": _endpoint,
+    "addressing_style": lambda v: _choice("addressing_style", v, ADDRESSING_STYLES),
+    "chunk_tokens": lambda v: _int("chunk_tokens", v, 1, 1 << 20),
+    "codec": lambda v: _choice("codec", v, CODECS),
+    "zstd_level": lambda v: _int("zstd_level", v, -7, 22),
+    "max_inflight_bytes": lambda v: _positive_size("max_inflight_bytes", v),
+    "load_timeout_s": lambda v: _positive_duration("load_timeout_s", v),
+    "range_bytes": lambda v: _positive_size("range_bytes", v),
+    "max_connections": lambda v: _int("max_connections", v, 1, 4096),
+    "s3_max_attempts": lambda v: _int("s3_max_attempts", v, 1, 20),
+    "s3_connect_timeout_s": lambda v: _positive_duration("s3_connect_timeout_s", v),
+    "s3_read_timeout_s": lambda v: _positive_duration("s3_read_timeout_s", v),
+    "cpu_bytes": lambda v: parse_size(v, name="cpu_bytes"),
+    "disk_path": lambda v: _str("disk_path", v),
+    "disk_bytes": lambda v: parse_size(v, name="disk_bytes"),
+}
+assert set(_PARSERS) == set(KNOWN_KEYS), set(_PARSERS) ^ set(KNOWN_KEYS)
+
+
+def parse_config(raw: dict[str, Any] | None, *, require_bucket: bool = True) -> S3KVConfig:
+    """Validate ``kv_connector_extra_config`` into an :class:`S3KVConfig`.
+
+    Raises :class:`ConfigError` naming the first bad key. Keys of vLLM's own
+    (those starting with ``vllm.``) are ignored, as vLLM may add some.
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {raw!r}")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"config keys must be strings, got {key!r}")
+        if key.startswith("vllm."):
+            continue
+        parser = _PARSERS.get(key)
+        if parser is None:
+            hint = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+            did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(
+                f"unknown s3kv config key {key!r}{did_you_mean}; known keys: "
+                + ", ".join(KNOWN_KEYS)
+            )
+        if value is None:
+            continue
+        values[key] = parser(value)
+    if require_bucket and "bucket" not in values:
+        raise ConfigError(
+            "bucket: missing; set kv_connector_extra_config.bucket to the S3 bucket "
+            "that holds the shared cache"
+        )
+    return S3KVConfig(**values)

@@ -1,0 +1,57 @@
+"""The one error hierarchy of s3kv.
+
+Every failure s3kv raises is an :class:`S3KVError`; backends map their own
+errors (botocore, OSError) onto these names in one place each. Only
+:class:`Transient` is worth retrying.
+"""
+
+from __future__ import annotations
+
+
+class S3KVError(Exception):
+    """Base of every error s3kv raises."""
+
+
+class ConfigError(S3KVError, ValueError):
+    """A configuration key is unknown, missing or has a bad value."""
+
+
+class NotFound(S3KVError, FileNotFoundError):
+    """The object (or bucket) does not exist."""
+
+    def __init__(self, key: str, detail: str = "") -> None:
+        self.key = key
+        super().__init__(f"not found: {key}" + (f" ({detail})" if detail else ""))
+
+
+class AlreadyExists(S3KVError, FileExistsError):
+    """A create-only write found the object already there."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"already exists: {key}")
+
+
+class PermissionDenied(S3KVError, PermissionError):
+    """The store refused the credentials for this operation."""
+
+
+class Transient(S3KVError):
+    """A failure that may pass: timeouts, throttling, connection errors, 5xx.
+
+    The S3 store has already retried these (botocore's retry config) by the
+    time this is raised.
+    """
+
+
+class StorageFull(S3KVError, OSError):
+    """The local filesystem is out of space (ENOSPC, EDQUOT)."""
+
+
+class CorruptChunk(S3KVError):
+    """A chunk object failed validation: bad magic, version, checksum,
+    truncation, or it names another namespace or key than was asked for."""
+
+
+class UnsupportedVersion(S3KVError, RuntimeError):
+    """The installed vLLM is not one s3kv supports."""

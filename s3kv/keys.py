@@ -1,0 +1,180 @@
+"""Namespaces, chained chunk keys and object names.
+
+A *namespace* is a hash of everything that makes KV bytes interchangeable
+(format version, model identity, dtype, block size, page shapes, attention
+layout, TP size). A *chunk key* chains: ``k_i = xxh3_128(k_{i-1} || tokens_i ||
+extras_i)`` with ``k_{-1}`` the namespace, so a key names a whole prefix, not
+just its last chunk. Keys depend only on their inputs (never on
+``PYTHONHASHSEED`` or vLLM's hash settings): two processes on two machines get
+the same key for the same prefix.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+FORMAT_VERSION = 1
+"""Bump when the meaning of stored bytes changes; it is part of every namespace."""
+
+KEY_BYTES = 16
+
+
+def canonical_bytes(obj: Any) -> bytes:
+    """A stable, unambiguous byte encoding of nested None/bool/int/float/str/
+    bytes/tuple/list/dict values (dict keys sorted by their encoding).
+
+    Used for vLLM's extra keys (LoRA, multimodal hashes, cache_salt, prompt
+    embedding hashes) and for namespace fields. Raises TypeError on anything
+    else rather than falling back to ``repr``.
+    """
+    out = bytearray()
+    _encode(obj, out)
+    return bytes(out)
+
+
+def _encode(obj: Any, out: bytearray) -> None:
+    if obj is None:
+        out += b"N"
+    elif obj is True:
+        out += b"T"
+    elif obj is False:
+        out += b"F"
+    elif isinstance(obj, int):
+        digits = str(obj).encode()
+        out += b"i" + struct.pack("<I", len(digits)) + digits
+    elif isinstance(obj, float):
+        out += b"f" + struct.pack("<d", obj)
+    elif isinstance(obj, str):
+        data = obj.encode("utf-8")
+        out += b"s" + struct.pack("<I", len(data)) + data
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        data = bytes(obj)
+        out += b"b" + struct.pack("<I", len(data)) + data
+    elif isinstance(obj, (tuple, list)):
+        out += b"l" + struct.pack("<I", len(obj))
+        for item in obj:
+            _encode(item, out)
+    elif isinstance(obj, Mapping):
+        items = sorted((canonical_bytes(k), canonical_bytes(v)) for k, v in obj.items())
+        out += b"d" + struct.pack("<I", len(items))
+        for k, v in items:
+            out += k + v
+    else:
+        raise TypeError(f"cannot encode {type(obj).__name__} canonically: {obj!r}")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """The compatibility class of stored KV: only equal namespaces share keys."""
+
+    id: str
+    """32 hex characters (xxh3_128 of the canonical fields)."""
+    fields: Mapping[str, Any]
+    """What went into the hash, kept for listings (``s3kv ls``)."""
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> Namespace:
+        full = {"format_version": FORMAT_VERSION, **fields}
+        return cls(id=xxhash.xxh3_128_hexdigest(canonical_bytes(full)), fields=full)
+
+    @property
+    def root_key(self) -> bytes:
+        return bytes.fromhex(self.id)
+
+
+def tokens_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32, the form hashed into chunk keys."""
+    arr = np.asarray(token_ids)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chain_keys(
+    namespace: Namespace,
+    token_ids: Sequence[int] | np.ndarray,
+    chunk_tokens: int,
+    extras: Sequence[Any] | None = None,
+    *,
+    parent: bytes | None = None,
+    start_chunk: int = 0,
+) -> list[bytes]:
+    """Keys of the full chunks of ``token_ids``.
+
+    ``extras[i]`` (optional) are the extra keys of chunk ``start_chunk + i``
+    (anything :func:`canonical_bytes` accepts; ``None`` for none). To extend an
+    earlier chain, pass its last key as ``parent`` and the token ids from the
+    first new chunk on, with ``start_chunk`` set to that chunk's index.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError("chunk_tokens must be positive")
+    data = tokens_bytes(token_ids)
+    step = 4 * chunk_tokens
+    n_chunks = len(data) // step
+    prev = namespace.root_key if parent is None else parent
+    if parent is None and start_chunk != 0:
+        raise ValueError("start_chunk > 0 needs the parent key")
+    keys: list[bytes] = []
+    for i in range(n_chunks):
+        extra = extras[i] if extras is not None and i < len(extras) else None
+        h = xxhash.xxh3_128()
+        h.update(prev)
+        h.update(data[i * step : (i + 1) * step])
+        if extra is not None and extra != () and extra != []:
+            h.update(canonical_bytes(extra))
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+def fingerprint(key: bytes) -> int:
+    """The 64-bit fingerprint of a chunk key (its first 8 bytes, big-endian)."""
+    return int.from_bytes(key[:8], "big")
+
+
+def object_key(prefix: str, namespace_id: str, key: bytes, rank: int) -> str:
+    """``{prefix}/{namespace}/{kk}/{key}.r{rank}``: where one rank's shard of a
+    chunk lives. The two leading hash characters spread load over S3's
+    per-prefix request limits."""
+    hexkey = key.hex()
+    base = f"{namespace_id}/{hexkey[:2]}/{hexkey}.r{rank}"
+    return f"{prefix}/{base}" if prefix else base
+
+
+def namespace_prefix(prefix: str, namespace_id: str) -> str:
+    """The listing prefix of every object of a namespace (ends with '/')."""
+    return f"{prefix}/{namespace_id}/" if prefix else f"{namespace_id}/"
+
+
+def parse_object_key(obj_key: str) -> tuple[str, bytes, int] | None:
+    """(namespace id, chunk key, rank) of a chunk object name; None if it is
+    not one (manifest segments, descriptors, foreign objects)."""
+    parts = obj_key.rsplit("/", 3)
+    if len(parts) < 3:
+        return None
+    ns, shard, name = parts[-3], parts[-2], parts[-1]
+    hexkey, dot, rank = name.partition(".r")
+    if (
+        not dot
+        or len(ns) != 32
+        or len(hexkey) != 2 * KEY_BYTES
+        or shard != hexkey[:2]
+        or not rank.isdigit()
+    ):
+        return None
+    try:
+        return ns, bytes.fromhex(hexkey), int(rank)
+    except ValueError:
+        return None
+
+
+def iter_chunk_ranges(n_tokens: int, chunk_tokens: int) -> Iterable[tuple[int, int]]:
+    """(start, end) token ranges of the full chunks among ``n_tokens``."""
+    for start in range(0, n_tokens - chunk_tokens + 1, chunk_tokens):
+        yield start, start + chunk_tokens

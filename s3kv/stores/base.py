@@ -1,0 +1,120 @@
+"""The object store interface every backend implements.
+
+In the spirit of arrow-rs ``object_store``: backends implement the minimum
+(``put``, ``get``, ``head``, ``list``, ``delete_many``); helpers such as
+``exists`` and ``delete`` are written once here. Preconditions are values
+(:class:`PutMode`), errors are the names in :mod:`s3kv.errors`, and a missing
+object raises :class:`~s3kv.errors.NotFound` (a ``FileNotFoundError``).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+from s3kv.errors import NotFound
+
+
+class PutMode(enum.Enum):
+    OVERWRITE = "overwrite"
+    """Replace whatever is there."""
+    CREATE = "create"
+    """Write only if absent; raise AlreadyExists otherwise (S3: If-None-Match: *)."""
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """Bytes ``[start, end)`` of an object; ``end=None`` reads to the end."""
+
+    start: int
+    end: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or (self.end is not None and self.end <= self.start):
+            raise ValueError(f"invalid byte range [{self.start}, {self.end})")
+
+    def http(self) -> str:
+        return f"bytes={self.start}-" + ("" if self.end is None else str(self.end - 1))
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    key: str
+    size: int
+    last_modified: float
+    """Seconds since the epoch."""
+    etag: str | None = None
+
+
+class ObjectStore(ABC):
+    """An async key -> bytes store with create-only puts and ranged reads.
+
+    Keys are '/'-separated relative paths without empty, '.' or '..' segments.
+    ``list`` yields objects in lexicographic key order, which ``start_after``
+    relies on.
+    """
+
+    @abstractmethod
+    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        """Store ``data`` under ``key``; CREATE raises AlreadyExists if present."""
+
+    @abstractmethod
+    async def get(self, key: str, range: ByteRange | None = None) -> bytes:
+        """The object's bytes (or the part in ``range``; a range running past
+        the end is cut short, one starting past it raises ValueError)."""
+
+    @abstractmethod
+    async def head(self, key: str) -> ObjectMeta:
+        """Size and time of the object; NotFound if absent."""
+
+    @abstractmethod
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
+        """Objects whose key starts with ``prefix`` and sorts after ``start_after``."""
+
+    @abstractmethod
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        """Delete the keys; absent keys are not an error."""
+
+    async def close(self) -> None:
+        """Release connections; the store is unusable afterwards."""
+
+    # Helpers, written once for every backend.
+    async def exists(self, key: str) -> bool:
+        try:
+            await self.head(key)
+        except NotFound:
+            return False
+        return True
+
+    async def delete(self, key: str) -> None:
+        await self.delete_many([key])
+
+    async def list_keys(self, prefix: str = "", *, start_after: str | None = None) -> list[str]:
+        return [m.key async for m in self.list(prefix, start_after=start_after)]
+
+    async def __aenter__(self) -> ObjectStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def check_key(key: str) -> str:
+    """Reject keys that would escape a directory or alias another key."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"invalid object key {key!r}")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts) or "\x00" in key:
+        raise ValueError(f"invalid object key {key!r}: empty, '.' or '..' segment")
+    return key
+
+
+def slice_range(data: bytes, range: ByteRange | None, key: str) -> bytes:
+    """Apply a ByteRange to a whole object's bytes (memory and local stores)."""
+    if range is None:
+        return data
+    if range.start >= len(data) and not (range.start == 0 and len(data) == 0):
+        raise ValueError(f"range start {range.start} is past the end of {key} ({len(data)} bytes)")
+    return data[range.start : range.end]

@@ -1,0 +1,45 @@
+"""A dict-backed store: the reference the other backends are tested against."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterable
+
+from s3kv.errors import AlreadyExists, NotFound
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, check_key, slice_range
+
+
+class MemoryStore(ObjectStore):
+    def __init__(self) -> None:
+        self._objects: dict[str, tuple[bytes, float]] = {}
+
+    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        check_key(key)
+        if mode is PutMode.CREATE and key in self._objects:
+            raise AlreadyExists(key)
+        self._objects[key] = (bytes(data), time.time())
+
+    async def get(self, key: str, range: ByteRange | None = None) -> bytes:
+        try:
+            data, _ = self._objects[check_key(key)]
+        except KeyError:
+            raise NotFound(key) from None
+        return slice_range(data, range, key)
+
+    async def head(self, key: str) -> ObjectMeta:
+        try:
+            data, mtime = self._objects[check_key(key)]
+        except KeyError:
+            raise NotFound(key) from None
+        return ObjectMeta(key, len(data), mtime)
+
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
+        for key in sorted(self._objects):
+            if key.startswith(prefix) and (start_after is None or key > start_after):
+                entry = self._objects.get(key)
+                if entry is not None:
+                    yield ObjectMeta(key, len(entry[0]), entry[1])
+
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._objects.pop(check_key(key), None)

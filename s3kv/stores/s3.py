@@ -1,0 +1,258 @@
+"""The S3 store, over aiobotocore.
+
+Retries are botocore's ("standard" mode: throttling, 5xx, connection errors,
+with exponential backoff and jitter, up to ``max_attempts``). Every botocore
+error is mapped to an :mod:`s3kv.errors` name in :func:`_map_error`, here
+and nowhere else. CREATE puts send ``If-None-Match: *``, so two replicas
+racing on one chunk store it once; the loser gets AlreadyExists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import botocore.exceptions as bexc
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+
+from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, S3KVError, Transient
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, check_key
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
+_DENIED = {"AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
+_EXISTS = {"PreconditionFailed", "412"}
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """Connection settings; a plain value so tests and the CLI can build one."""
+
+    region: str | None = None
+    endpoint_url: str | None = None
+    addressing_style: str = "auto"
+    max_attempts: int = 3
+    """Attempts per request, retried by botocore's "standard" mode: throttling
+    (SlowDown, 503), 500/502/504, and connection or read errors."""
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    max_connections: int = 64
+    multipart_threshold: int = 32 << 20
+    part_size: int = 8 << 20
+    part_concurrency: int = 8
+
+
+def _error_code(e: bexc.ClientError) -> tuple[str, int]:
+    err = e.response.get("Error", {})
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return str(err.get("Code", status)), int(status or 0)
+
+
+def _map_error(e: BaseException, what: str) -> Exception:
+    """The one place where botocore/aiohttp errors become s3kv errors."""
+    if isinstance(e, bexc.ClientError):
+        code, status = _error_code(e)
+        if code == "NoSuchBucket":
+            return NotFound(what, "no such bucket")
+        if code in _NOT_FOUND or status == 404:
+            return NotFound(what)
+        if code in _EXISTS or status == 412:
+            return AlreadyExists(what)
+        if code in _DENIED or status == 403:
+            return PermissionDenied(f"{what}: {code}")
+        if code == "InvalidRange" or status == 416:
+            return ValueError(f"{what}: range not satisfiable")
+        return Transient(f"{what}: {code} (HTTP {status})")
+    if isinstance(e, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
+        return ConfigError(f"no usable AWS credentials: {e}")
+    if isinstance(
+        e,
+        (
+            bexc.EndpointConnectionError,
+            bexc.ConnectionError,
+            bexc.HTTPClientError,
+            aiohttp.ClientError,
+            asyncio.TimeoutError,
+            ConnectionError,
+        ),
+    ):
+        return Transient(f"{what}: {type(e).__name__}: {e}")
+    if isinstance(e, bexc.BotoCoreError):
+        return S3KVError(f"{what}: {e}")
+    return e if isinstance(e, Exception) else S3KVError(str(e))
+
+
+class S3Store(ObjectStore):
+    """Objects in ``bucket`` (keys are used as given; prefixes are the caller's)."""
+
+    def __init__(self, bucket: str, options: S3Options | None = None) -> None:
+        self.bucket = bucket
+        self.options = options or S3Options()
+        self._client: Any = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client_lock: asyncio.Lock | None = None
+
+    async def _get_client(self) -> Any:
+        if self._client is not None:
+            return self._client
+        if self._client_lock is None:
+            self._client_lock = asyncio.Lock()
+        async with self._client_lock:
+            if self._client is None:
+                o = self.options
+                style = o.addressing_style
+                if style == "auto":
+                    style = "path" if o.endpoint_url else "virtual"
+                config = AioConfig(
+                    region_name=o.region,
+                    max_pool_connections=o.max_connections,
+                    connect_timeout=o.connect_timeout_s,
+                    read_timeout=o.read_timeout_s,
+                    retries={"mode": "standard", "max_attempts": o.max_attempts},
+                    s3={"addressing_style": style},
+                    tcp_keepalive=True,
+                )
+                stack = contextlib.AsyncExitStack()
+                self._client = await stack.enter_async_context(
+                    get_session().create_client("s3", endpoint_url=o.endpoint_url, config=config)
+                )
+                self._stack = stack
+        return self._client
+
+    async def close(self) -> None:
+        if self._stack is not None:
+            stack, self._stack, self._client = self._stack, None, None
+            await stack.aclose()
+
+    async def check_access(self) -> None:
+        """Fail unless credentials exist and the bucket is there and ours to read.
+
+        Raises ConfigError (no credentials), NotFound (no bucket),
+        PermissionDenied, or Transient (endpoint unreachable).
+        """
+        session = get_session()
+        if await session.get_credentials() is None:
+            raise ConfigError(
+                "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE, or run with an instance or pod role"
+            )
+        client = await self._get_client()
+        try:
+            await client.head_bucket(Bucket=self.bucket)
+        except Exception as e:
+            mapped = _map_error(e, f"bucket {self.bucket}")
+            if isinstance(mapped, NotFound):
+                raise NotFound(self.bucket, "no such bucket") from e
+            raise mapped from e
+
+    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        check_key(key)
+        client = await self._get_client()
+        extra = {"IfNoneMatch": "*"} if mode is PutMode.CREATE else {}
+        if len(data) >= self.options.multipart_threshold:
+            await self._put_multipart(client, key, memoryview(data), extra)
+            return
+        try:
+            await client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), **extra)
+        except Exception as e:
+            raise _map_error(e, key) from e
+
+    async def _put_multipart(self, client: Any, key: str, data: memoryview, extra: dict[str, str]) -> None:
+        try:
+            upload = await client.create_multipart_upload(Bucket=self.bucket, Key=key)
+        except Exception as e:
+            raise _map_error(e, key) from e
+        upload_id = upload["UploadId"]
+        size = self.options.part_size
+        sem = asyncio.Semaphore(self.options.part_concurrency)
+
+        async def one(number: int, start: int) -> dict[str, Any]:
+            async with sem:
+                resp = await client.upload_part(
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=bytes(data[start : start + size]),
+                )
+                return {"PartNumber": number, "ETag": resp["ETag"]}
+
+        try:
+            parts = await asyncio.gather(
+                *(one(i + 1, start) for i, start in enumerate(range(0, len(data), size)))
+            )
+            await client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": list(parts)},
+                **extra,
+            )
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                await client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            if isinstance(e, Exception):
+                raise _map_error(e, key) from e
+            raise
+
+    async def get(self, key: str, range: ByteRange | None = None) -> bytes:
+        check_key(key)
+        client = await self._get_client()
+        kwargs = {"Range": range.http()} if range is not None else {}
+        try:
+            resp = await client.get_object(Bucket=self.bucket, Key=key, **kwargs)
+            async with resp["Body"] as body:
+                return await body.read()
+        except Exception as e:
+            raise _map_error(e, key) from e
+
+    async def head(self, key: str) -> ObjectMeta:
+        check_key(key)
+        client = await self._get_client()
+        try:
+            resp = await client.head_object(Bucket=self.bucket, Key=key)
+        except Exception as e:
+            raise _map_error(e, key) from e
+        return ObjectMeta(key, int(resp["ContentLength"]), resp["LastModified"].timestamp(), resp.get("ETag"))
+
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
+        client = await self._get_client()
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        if start_after:
+            kwargs["StartAfter"] = start_after
+        try:
+            async for page in client.get_paginator("list_objects_v2").paginate(**kwargs):
+                for obj in page.get("Contents", ()):
+                    yield ObjectMeta(obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp(), obj.get("ETag"))
+        except Exception as e:
+            raise _map_error(e, f"list {prefix!r}") from e
+
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        client = await self._get_client()
+        batch: list[str] = []
+
+        async def flush() -> None:
+            try:
+                resp = await client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                )
+            except Exception as e:
+                raise _map_error(e, f"delete {batch[0]}...") from e
+            errors = [err for err in resp.get("Errors", ()) if err.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise _map_error(
+                    bexc.ClientError({"Error": first, "ResponseMetadata": {}}, "DeleteObjects"), first.get("Key", "?")
+                )
+
+        for key in keys:
+            batch.append(check_key(key))
+            if len(batch) == 1000:
+                await flush()
+                batch = []
+        if batch:
+            await flush()
