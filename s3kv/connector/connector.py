@@ -1,0 +1,155 @@
+"""``S3KVConnector``: the class vLLM instantiates, once per role.
+
+It builds the side its role needs and delegates each vLLM hook to it in a
+line or two; the logic lives in :mod:`scheduler`, :mod:`worker` and the
+vLLM-free core.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from s3kv.config import parse_config
+from s3kv.connector.compat import check_vllm_version
+from s3kv.connector.layout import engine_layout
+from s3kv.connector.metadata import S3KVMetadata
+from s3kv.connector.stats import S3KVPromMetrics, S3KVStats
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from s3kv.connector.scheduler import SchedulerSide
+    from s3kv.connector.worker import WorkerSide
+
+log = logging.getLogger("s3kv")
+
+
+class S3KVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        check_vllm_version()
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        layout = engine_layout(vllm_config, kv_cache_config)
+        self.config.validate_block_size(layout.block_size)
+        if self.config.reserved_keys_set:
+            log.warning(
+                "s3kv: %s configure tiers that this version does not have yet; they are ignored",
+                ", ".join(self.config.reserved_keys_set),
+            )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from s3kv.connector.scheduler import SchedulerSide
+
+            self._scheduler = SchedulerSide(
+                self.config,
+                layout,
+                failure_policy=self._kv_transfer_config.kv_load_failure_policy,
+                model=vllm_config.model_config.model,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from s3kv.connector.worker import WorkerSide
+
+            self._worker = WorkerSide(self.config, layout, get_tensor_model_parallel_rank(), kv_cache_config.num_blocks)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    @property
+    def scheduler(self) -> SchedulerSide:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerSide:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    # -- worker side -----------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, S3KVMetadata)
+        self.worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # S3 loads are asynchronous: blocks are complete before use
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # pages are copied out once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, S3KVMetadata)
+        self.worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.take_report()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    def get_kv_connector_stats(self) -> S3KVStats | None:
+        side = self._worker if self._worker is not None else self._scheduler
+        data = side.counters.take() if side is not None else {}
+        return S3KVStats(data=data) if data else None
+
+    # -- scheduler side --------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.lookup(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.on_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.on_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler.on_finished(request)
+        return False, None
+
+    # -- stats -------------------------------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> S3KVStats:
+        return S3KVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> S3KVPromMetrics:
+        return S3KVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

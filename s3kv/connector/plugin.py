@@ -1,0 +1,14 @@
+"""vLLM general plugin: registers ``S3KVConnector`` in every vLLM process
+(front end, engine core, workers). Cheap: it imports no s3kv code until
+vLLM builds the connector."""
+
+from __future__ import annotations
+
+CONNECTOR_NAME = "S3KVConnector"
+
+
+def register() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "s3kv.connector.connector", CONNECTOR_NAME)

@@ -1,0 +1,111 @@
+"""Run one vLLM replica on a list of token prompts and report what happened.
+
+    python -m s3kv.connector.replica SPEC.json RESULT.json
+
+The demo and the end-to-end tests start each replica as a fresh process with
+this module. SPEC holds the model, the engine arguments, the
+``kv_transfer_config`` (null: no connector, the baseline) and the prompts;
+RESULT gets the greedy outputs, per-request TTFT and cached tokens, s3kv's
+counters from the engine's Prometheus metrics and, once pending uploads
+finished, the workers' totals.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+DRAIN_TIMEOUT_S = 60.0
+
+
+class S3KVWorkerExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``) so that
+    ``collective_rpc("s3kv_drain")`` reaches each worker's s3kv side."""
+
+    def s3kv_drain(self, timeout_s: float) -> dict[str, Any]:
+        """Wait for this rank's pending uploads, then return its s3kv totals."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return {}
+        side = getattr(get_kv_transfer_group(), "_worker", None)
+        if side is None:
+            return {}
+        drained = side.engine.drain(timeout_s)
+        return {"drained": drained, **side.counters.totals()}
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:s3kv_") or m.name in (
+            "vllm:external_prefix_cache_hits",
+            "vllm:external_prefix_cache_queries",
+            "vllm:prefix_cache_hits",
+            "vllm:prefix_cache_queries",
+        ):
+            value = getattr(m, "value", None)
+            if isinstance(value, (int, float)):
+                out[m.name] = out.get(m.name, 0) + value
+    return out
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    engine_args = dict(spec.get("engine_args", {}))
+    if spec.get("kv_transfer_config"):
+        engine_args.setdefault("worker_extension_cls", f"{__name__}.S3KVWorkerExtension")
+    started = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        kv_transfer_config=spec.get("kv_transfer_config"),
+        **engine_args,
+    )
+    startup_s = time.perf_counter() - started
+    params = SamplingParams(max_tokens=int(spec.get("max_tokens", 16)), temperature=0.0, ignore_eos=True)
+    outputs, ttft, cached = [], [], []
+    for prompt in spec["prompts"]:
+        # One at a time: each request's TTFT is its own, and a later prompt
+        # may hit what an earlier one stored.
+        t0 = time.perf_counter()
+        (out,) = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        outputs.append(list(out.outputs[0].token_ids))
+        latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics else 0.0
+        ttft.append(latency or wall)
+        cached.append(int(out.num_cached_tokens or 0))
+    workers: list[dict[str, Any]] = []
+    if spec.get("kv_transfer_config"):
+        workers = llm.collective_rpc("s3kv_drain", args=(DRAIN_TIMEOUT_S,))
+    result = {
+        "outputs": outputs,
+        "ttft_s": ttft,
+        "num_cached_tokens": cached,
+        "metrics": _metrics(llm),
+        "workers": workers,
+        "startup_s": startup_s,
+    }
+    del llm
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m s3kv.connector.replica SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    with open(args[0]) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(args[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

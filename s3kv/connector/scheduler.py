@@ -1,0 +1,185 @@
+"""s3kv's scheduler side, in vLLM's engine-core process.
+
+It answers vLLM's lookups from memory (the :class:`ChunkIndex`), plans loads
+and stores with the :class:`Planner`, and learns from the workers' reports.
+Start-up checks credentials and the bucket; the listing of what the bucket
+already holds runs in the background, so serving starts at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from s3kv.config import S3KVConfig
+from s3kv.connector.layout import EngineLayout
+from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
+from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, Transient
+from s3kv.index import ChunkIndex, load_listing
+from s3kv.keys import namespace_prefix
+from s3kv.stats import Counters
+from s3kv.stores.base import PutMode
+from s3kv.stores.factory import make_store
+from s3kv.tiering.loop import BackgroundLoop
+from s3kv.tiering.planner import Planner, ScheduledRequest
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("s3kv.scheduler")
+
+LISTING_RETRY_S = 10.0
+
+
+def _extras_fn(request: Request) -> Any:
+    """vLLM's own extra block-hash keys (LoRA, multimodal, cache_salt, prompt
+    embeddings) for a token range, or None when the request has none."""
+    if not (request.lora_request or request.mm_features or request.cache_salt or request.prompt_embeds is not None):
+        return None
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    return lambda start, end: generate_block_hash_extra_keys(request, start, end, 0)[0]
+
+
+class SchedulerSide:
+    def __init__(self, config: S3KVConfig, layout: EngineLayout, *, failure_policy: str, model: str) -> None:
+        self.config = config
+        self.layout = layout
+        self.counters = Counters()
+        self.index = ChunkIndex()
+        self.planner = Planner(
+            namespace=layout.namespace,
+            chunk_tokens=config.chunk_tokens,
+            block_size=layout.block_size,
+            index=self.index,
+            world_size=layout.world_size,
+        )
+        self.kv_cache_manager: KVCacheManager | None = None
+        if failure_policy != "recompute":
+            log.warning(
+                "s3kv: kv_load_failure_policy is %r: a chunk that fails to load (deleted, "
+                "corrupt, S3 down) fails the request. Set \"kv_load_failure_policy\": \"recompute\" "
+                "in --kv-transfer-config so vLLM recomputes instead.",
+                failure_policy,
+            )
+        self._loop = BackgroundLoop("s3kv-scheduler")
+        self._store = make_store(config)
+        self._listing_done = False
+        self._check_store()
+        self._loop.submit(self._describe_namespace(model))
+        self._loop.submit(self._list_forever())
+        log.info(
+            "s3kv: namespace %s in s3://%s/%s (chunk_tokens=%d, block_size=%d, ranks=%d)",
+            layout.namespace.id, config.bucket, config.prefix, config.chunk_tokens, layout.block_size, layout.world_size,
+        )
+
+    # -- start-up -------------------------------------------------------------
+    def _check_store(self) -> None:
+        c = self.config
+        budget = (c.s3_connect_timeout_s + c.s3_read_timeout_s) * c.s3_max_attempts + 5
+        try:
+            self._loop.run(self._store.check_access(), timeout=budget)
+        except NotFound as e:
+            raise ConfigError(f"bucket: s3://{c.bucket} does not exist (endpoint {c.endpoint_url or 'AWS'})") from e
+        except PermissionDenied as e:
+            raise ConfigError(f"bucket: access to s3://{c.bucket} denied: {e}") from e
+        except (Transient, TimeoutError) as e:
+            log.warning(
+                "s3kv: S3 is unreachable at start-up (%s); serving without cache hits and retrying in the background",
+                e,
+            )
+
+    async def _describe_namespace(self, model: str) -> None:
+        """Leave a small descriptor so operators can tell namespaces apart."""
+        key = namespace_prefix(self.config.prefix, self.layout.namespace.id) + "namespace.json"
+        body = json.dumps({"namespace": self.layout.namespace.id, "model": model, "fields": dict(self.layout.namespace.fields), "chunk_tokens": self.config.chunk_tokens}, indent=1, default=str)
+        try:
+            await self._store.put(key, body.encode(), mode=PutMode.CREATE)
+        except AlreadyExists:
+            pass
+        except Exception as e:
+            log.debug("s3kv: namespace descriptor not written: %s", e)
+
+    async def _list_forever(self) -> None:
+        while True:
+            start = time.monotonic()
+            try:
+                n = await load_listing(
+                    self.index, self._store, self.config.prefix, self.layout.namespace.id, self.layout.world_size
+                )
+            except Exception as e:
+                log.warning("s3kv: listing the bucket failed (%s); retrying in %.0f s", e, LISTING_RETRY_S)
+                await asyncio.sleep(LISTING_RETRY_S)
+                continue
+            self._listing_done = True
+            log.info("s3kv: %d chunks already in the bucket (listed in %.2f s)", n, time.monotonic() - start)
+            return
+
+    # -- vLLM hooks -------------------------------------------------------------
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        token_ids = request.prompt_token_ids
+        if token_ids is None:  # prompt embeddings only: nothing to key on
+            return 0, False
+        if not self.planner.knows(request.request_id):
+            self.counters.add("lookup_requests")
+            self.counters.add("lookup_tokens", request.num_prompt_tokens)
+        n = self.planner.lookup(
+            request.request_id, token_ids, request.num_prompt_tokens, num_computed_tokens, _extras_fn(request)
+        )
+        return (n, True) if n > 0 else (0, False)
+
+    def on_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        self.planner.on_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+        self.counters.add("hit_tokens", num_external_tokens)
+
+    def build_meta(self, out: SchedulerOutput) -> S3KVMetadata:
+        scheduled: list[ScheduledRequest] = []
+        for new in out.scheduled_new_reqs:
+            scheduled.append(
+                ScheduledRequest(
+                    new.req_id,
+                    new.num_computed_tokens,
+                    out.num_scheduled_tokens.get(new.req_id, 0),
+                    lambda ids=new.block_ids: ids[0],
+                )
+            )
+        cached = out.scheduled_cached_reqs
+        manager = self.kv_cache_manager
+        for i, req_id in enumerate(cached.req_ids):
+            if manager is None:
+                break
+            scheduled.append(
+                ScheduledRequest(
+                    req_id,
+                    cached.num_computed_tokens[i],
+                    out.num_scheduled_tokens.get(req_id, 0),
+                    lambda r=req_id: manager.get_block_ids(r)[0],
+                )
+            )
+        plan = self.planner.plan_step(scheduled)
+        return S3KVMetadata(loads=plan.loads, stores=plan.stores)
+
+    def on_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, S3KVWorkerMetadata):
+            self.planner.on_stored(meta.stored)
+            self.planner.on_store_failed(list(meta.store_failed))
+            self.planner.on_missing(list(meta.missing))
+
+    def on_finished(self, request: Request) -> None:
+        self.planner.on_finished(request.request_id)
+
+    def shutdown(self) -> None:
+        try:
+            self._loop.run(self._store.close(), timeout=5)
+        except Exception:
+            pass
+        self._loop.stop()

@@ -1,0 +1,47 @@
+"""A small random-weights Llama for the demo and the tests (no model hub here).
+
+Random models repeat tokens a lot; this one is wide and deep enough, with
+large enough initial weights, that its greedy output varies and depends on
+early prompt tokens, so loading wrong KV changes what it says.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPEC = {
+    "vocab_size": 2048,
+    "hidden_size": 384,
+    "intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "initializer_range": 0.1,
+}
+
+
+def build_model(path: str | Path, *, seed: int = 0, **overrides: int | float) -> Path:
+    """Write a random Llama to ``path`` (once: an existing one is reused)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    spec = {**SPEC, **overrides}
+    marker = path / "s3kv-model.json"
+    wanted = {"seed": seed, **spec}
+    if marker.is_file() and json.loads(marker.read_text()) == wanted:
+        return path
+    torch.manual_seed(seed)
+    config = LlamaConfig(**spec, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    marker.write_text(json.dumps(wanted))
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(build_model(sys.argv[1], seed=int(sys.argv[2]) if len(sys.argv) > 2 else 0))
