@@ -153,8 +153,6 @@ class Planner:
             chunks.append(LoadChunk(req.keys[c], ids, first))
         if chunks:
             self._pending_loads.append(LoadPlan(req_id, tuple(chunks)))
-        # Chunks being loaded are in the store already: never store them again.
-        req.stored_until = max(req.stored_until, end // self.chunk_tokens)
 
     # -- per step ------------------------------------------------------------
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:

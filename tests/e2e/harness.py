@@ -1,0 +1,119 @@
+"""Running replicas (fresh vLLM engine processes) for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ENGINE_ARGS = {
+    "block_size": 32,
+    "gpu_memory_utilization": 0.15,
+    "max_model_len": 2048,
+    "enforce_eager": True,
+}
+CHUNK_TOKENS = 64
+MAX_TOKENS = 12
+REPLICA_TIMEOUT_S = 300
+# vLLM's CPU build reserves a core for a KV connector, so by default an engine
+# with a connector runs its worker with another OpenMP thread count than one
+# without, which changes float summation order and, for a random model with
+# near-tied logits, greedy tokens. Pin the binding so replicas and baseline
+# compute identically.
+REPLICA_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
+def kv_config(endpoint_url: str, bucket: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "S3KVConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "bucket": bucket,
+            "endpoint_url": endpoint_url,
+            "region": "us-east-1",
+            "chunk_tokens": CHUNK_TOKENS,
+            **extra,
+        },
+    }
+
+
+def workload(seed: int = 0, shared_len: int = 320) -> list[list[int]]:
+    """One prompt family sharing a ``shared_len``-token prefix, plus edge cases:
+    a prompt that is exactly whole chunks, and one shorter than a chunk."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 2048) for _ in range(n)]
+
+    shared = toks(shared_len)
+    return [
+        shared + toks(40),
+        shared + toks(150),
+        shared + toks(97),
+        toks(3 * CHUNK_TOKENS),  # whole chunks: vLLM recomputes the last token
+        toks(CHUNK_TOKENS - 5),  # no full chunk: nothing to store or load
+    ]
+
+
+def run_replica(
+    workdir: Path,
+    name: str,
+    model: Path,
+    prompts: list[list[int]],
+    kv_transfer_config: dict[str, Any] | None,
+    *,
+    engine_args: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Start a fresh replica process, run ``prompts`` one by one, return its report."""
+    spec = {
+        "model": str(model),
+        "engine_args": {**ENGINE_ARGS, **(engine_args or {})},
+        "kv_transfer_config": kv_transfer_config,
+        "prompts": prompts,
+        "max_tokens": MAX_TOKENS,
+    }
+    spec_path = workdir / f"{name}.spec.json"
+    out_path = workdir / f"{name}.result.json"
+    log_path = workdir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "s3kv.connector.replica", str(spec_path), str(out_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **REPLICA_ENV, **(env or {})},
+            timeout=REPLICA_TIMEOUT_S,
+        )
+    if proc.returncode != 0:
+        tail = log_path.read_text()[-6000:]
+        raise AssertionError(f"replica {name} exited with {proc.returncode}; log tail:\n{tail}")
+    result = json.loads(out_path.read_text())
+    result["log"] = str(log_path)
+    return result
+
+
+def worker_total(result: dict[str, Any], name: str) -> float:
+    """A counter summed over the replica's workers (exact, read after drain)."""
+    return sum(w.get(name, 0) for w in result["workers"])
+
+
+def metric(result: dict[str, Any], name: str) -> float:
+    return result["metrics"].get(f"vllm:s3kv_{name}", 0)
+
+
+def chunk_objects(client: Any, bucket: str) -> dict[str, bytes]:
+    """Every chunk object in the bucket (not manifests or descriptors)."""
+    from s3kv.keys import parse_object_key
+
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for obj in page.get("Contents", ()):
+            if parse_object_key(obj["Key"]) is not None:
+                out[obj["Key"]] = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+    return out

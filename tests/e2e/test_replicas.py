@@ -1,0 +1,137 @@
+"""Replicas sharing one bucket, each a fresh vLLM engine process (CPU build),
+against a real S3 server on loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from s3kv import codec
+from s3kv.demo.model import build_model
+from s3kv.keys import parse_object_key
+from tests.e2e.harness import (
+    CHUNK_TOKENS,
+    chunk_objects,
+    kv_config,
+    metric,
+    run_replica,
+    worker_total,
+)
+pytestmark = pytest.mark.engine
+
+from tests.e2e.conftest import PROMPTS
+SHARED_CHUNKS = 320 // CHUNK_TOKENS
+
+
+def copy_bucket(s3_server, src: str, transform=None) -> str:
+    """A new bucket with ``src``'s objects, chunk objects passed through ``transform``."""
+    client = s3_server.client()
+    dst = s3_server.new_bucket()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=src):
+        for obj in page.get("Contents", ()):
+            body = client.get_object(Bucket=src, Key=obj["Key"])["Body"].read()
+            if transform is not None and parse_object_key(obj["Key"]) is not None:
+                body = transform(obj["Key"], body)
+            client.put_object(Bucket=dst, Key=obj["Key"], Body=body)
+    return dst
+
+
+def test_replica_a_stores_full_chunks(replica_a, baseline, s3_server, bucket_a):
+    assert replica_a["outputs"] == baseline["outputs"]
+    objects = chunk_objects(s3_server.client(), bucket_a)
+    # Full prompt chunks, shared prefix stored once: 5 shared + 2 + 1 + 0 suffix
+    # chunks of the family, 3 of the whole-chunk prompt, 0 of the short one.
+    assert len(objects) == SHARED_CHUNKS + 2 + 1 + 0 + 3
+    assert worker_total(replica_a, "store_chunks") == len(objects)
+    assert all(w["drained"] for w in replica_a["workers"])
+    for key, blob in objects.items():
+        ns, chunk_key, rank = parse_object_key(key)
+        header, layers = codec.decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
+        assert header.tokens == CHUNK_TOKENS and len(layers) == 6
+
+
+def test_replica_b_loads_instead_of_computing(replica_a, baseline, workdir, model, s3_server, bucket_a):
+    b = run_replica(workdir, "B", model, PROMPTS, kv_config(s3_server.endpoint_url, bucket_a))
+    assert b["outputs"] == baseline["outputs"]
+    # The first prompt of the family finds its whole shared prefix in S3.
+    assert b["num_cached_tokens"][0] >= SHARED_CHUNKS * CHUNK_TOKENS
+    assert metric(b, "hit_tokens") >= SHARED_CHUNKS * CHUNK_TOKENS
+    assert worker_total(b, "load_chunks") >= SHARED_CHUNKS
+    assert worker_total(b, "store_chunks") == 0  # everything was there already
+    assert sum(worker_total(b, f"load_errors_{k}") for k in ("missing", "corrupt", "timeout", "unavailable", "other")) == 0
+    # The whole-chunk prompt is loaded too (vLLM recomputes only its last token).
+    assert b["num_cached_tokens"][3] >= 3 * CHUNK_TOKENS - 1
+
+
+def _rotate_pages(objects: dict[str, bytes]):
+    """Negative control: valid objects (right namespace, key, checksums) whose
+    pages are another chunk's, i.e. plausible but wrong KV."""
+    keys = sorted(objects)
+    decoded = {}
+    for key in keys:
+        ns, chunk_key, rank = parse_object_key(key)
+        decoded[key] = codec.decode_chunk(objects[key], namespace=ns, key=chunk_key.hex(), rank=rank)
+
+    def transform(key: str, body: bytes) -> bytes:
+        header, _ = decoded[key]
+        donor = keys[(keys.index(key) + 1) % len(keys)]
+        return codec.encode_chunk(
+            namespace=header.namespace,
+            key=header.key,
+            rank=header.rank,
+            tokens=header.tokens,
+            layers=decoded[donor][1],
+            dtype=header.dtype,
+            itemsize=2,
+            page_shape=header.page_shape,
+        )
+
+    return transform
+
+
+def test_negative_control_wrong_kv_changes_output(replica_a, baseline, workdir, model, s3_server, bucket_a):
+    objects = chunk_objects(s3_server.client(), bucket_a)
+    wrong = copy_bucket(s3_server, bucket_a, _rotate_pages(objects))
+    n = run_replica(workdir, "wrong-kv", model, PROMPTS, kv_config(s3_server.endpoint_url, wrong))
+    assert metric(n, "hit_tokens") >= SHARED_CHUNKS * CHUNK_TOKENS
+    assert worker_total(n, "load_chunks") >= SHARED_CHUNKS
+    # The loaded (wrong) KV was used: outputs differ from the baseline's.
+    assert n["outputs"][0] != baseline["outputs"][0]
+    assert n["outputs"] != baseline["outputs"]
+
+
+def _flip_bytes(key: str, body: bytes) -> bytes:
+    data = bytearray(body)
+    at = len(data) - 1 - (len(data) // 3)  # inside a frame, past the header
+    data[at] ^= 0xFF
+    return bytes(data)
+
+
+def test_corrupt_objects_are_recomputed_and_replaced(replica_a, baseline, workdir, model, s3_server, bucket_a):
+    corrupt = copy_bucket(s3_server, bucket_a, _flip_bytes)
+    client = s3_server.client()
+    before = chunk_objects(client, corrupt)
+    c = run_replica(workdir, "C", model, PROMPTS, kv_config(s3_server.endpoint_url, corrupt))
+    assert c["outputs"] == baseline["outputs"]
+    assert metric(c, "hit_tokens") > 0  # the corrupt chunks were offered, then rejected
+    assert worker_total(c, "load_errors_corrupt") >= SHARED_CHUNKS
+    # Self-healing: the corrupt objects were removed and good ones written.
+    after = chunk_objects(client, corrupt)
+    assert set(after) == set(before)
+    for key, blob in after.items():
+        ns, chunk_key, rank = parse_object_key(key)
+        codec.decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
+
+
+def test_different_model_gets_no_hits(replica_a, workdir, tmp_path_factory, s3_server, bucket_a):
+    # Same config.json and file sizes as the first model; other weights.
+    other = build_model(tmp_path_factory.mktemp("other") / "llama", seed=1)
+    d = run_replica(workdir, "D", other, PROMPTS, kv_config(s3_server.endpoint_url, bucket_a))
+    assert metric(d, "lookup_requests") == len(PROMPTS)
+    assert metric(d, "hit_tokens") == 0
+    assert worker_total(d, "load_chunks") == 0
+    assert d["metrics"].get("vllm:external_prefix_cache_hits", 0) == 0
+    namespaces = {parse_object_key(k)[0] for k in chunk_objects(s3_server.client(), bucket_a)}
+    assert len(namespaces) == 2  # D stored under its own namespace
