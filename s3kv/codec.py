@@ -196,11 +196,13 @@ def header_length(prefix: bytes | memoryview) -> int:
     """Total bytes of prefix + header, from the first PREFIX_LEN bytes."""
     if len(prefix) < PREFIX_LEN:
         raise CorruptChunk(f"object is {len(prefix)} bytes, shorter than the {PREFIX_LEN}-byte prefix")
-    magic, version, _flags, hlen, _hsum, _zero = PREFIX.unpack_from(prefix)
+    magic, version, flags, hlen, _hsum, zero = PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise CorruptChunk(f"bad magic {bytes(magic)!r}: not an s3kv chunk object")
     if version != FORMAT_VERSION:
         raise CorruptChunk(f"chunk format version {version}; this s3kv reads version {FORMAT_VERSION}")
+    if flags or zero:
+        raise CorruptChunk(f"unknown flags {flags:#x}/{zero:#x} in the prefix")
     if hlen > MAX_HEADER_LEN:
         raise CorruptChunk(f"header length {hlen} exceeds {MAX_HEADER_LEN}")
     return PREFIX_LEN + hlen

@@ -40,9 +40,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("s3kv")
 
 
+def _log_through_vllm() -> None:
+    """Send s3kv's log records to vLLM's handlers, so they appear beside vLLM's own."""
+    vllm_logger = logging.getLogger("vllm")
+    if not log.handlers and vllm_logger.handlers:
+        for handler in vllm_logger.handlers:
+            log.addHandler(handler)
+        log.setLevel(vllm_logger.level or logging.INFO)
+        log.propagate = False
+
+
 class S3KVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         check_vllm_version()
+        _log_through_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
         layout = engine_layout(vllm_config, kv_cache_config)

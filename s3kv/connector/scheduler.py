@@ -9,6 +9,7 @@ already holds runs in the background, so serving starts at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import time
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("s3kv.scheduler")
 
 LISTING_RETRY_S = 10.0
+LISTING_WAIT_S = 5.0
+"""At start-up, wait this long for the bucket listing, so that a fresh
+replica's first requests already hit; a longer listing goes on in the background."""
 
 
 def _extras_fn(request: Request) -> Any:
@@ -73,7 +77,11 @@ class SchedulerSide:
         self._listing_done = False
         self._check_store()
         self._loop.submit(self._describe_namespace(model))
-        self._loop.submit(self._list_forever())
+        listing = self._loop.submit(self._list_forever())
+        try:
+            listing.result(timeout=LISTING_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            log.info("s3kv: the bucket listing continues in the background")
         log.info(
             "s3kv: namespace %s in s3://%s/%s (chunk_tokens=%d, block_size=%d, ranks=%d)",
             layout.namespace.id, config.bucket, config.prefix, config.chunk_tokens, layout.block_size, layout.world_size,
@@ -173,6 +181,7 @@ class SchedulerSide:
             self.planner.on_stored(meta.stored)
             self.planner.on_store_failed(list(meta.store_failed))
             self.planner.on_missing(list(meta.missing))
+            self.planner.on_load_results(meta.load_failed, loaded=meta.loaded, unavailable=meta.unavailable)
 
     def on_finished(self, request: Request) -> None:
         self.planner.on_finished(request.request_id)

@@ -79,9 +79,13 @@ class WorkerSide:
         result = self.engine.poll()
         if result.finished_loads and self.pages is not None:
             self.pages.synchronize()
-        for failed in result.finished_loads.values():
+        for req_id, failed in result.finished_loads.items():
+            if failed:
+                self._report.load_failed.add(req_id)
             for chunk in failed:
                 self._load_errors.update(chunk.block_ids[chunk.first_block :])
+        self._report.loaded += result.loaded
+        self._report.unavailable += result.unavailable
         for key in result.stored:
             self._report.stored[key] = self._report.stored.get(key, 0) + 1
         self._report.missing.update(result.missing)

@@ -1,0 +1,180 @@
+"""``s3kv demo``: two replicas share one prefix cache through S3.
+
+Replica A serves a family of prompts that share a long prefix and stores
+their KV chunks; a fresh replica B (a new engine process, cold) serves the
+same prompts and loads those chunks instead of computing them. With no bucket
+given, an S3-compatible server (moto) is started on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from s3kv.units import format_size
+
+
+@dataclass
+class DemoOptions:
+    model: str | None = None
+    workdir: str = ".s3kv-demo"
+    bucket: str | None = None
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    prefix: str = "s3kv-demo"
+    prompts: int = 4
+    shared_tokens: int = 1536
+    unique_tokens: int = 128
+    max_tokens: int = 16
+    chunk_tokens: int = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackS3:
+    """moto's S3 server in a child process, on 127.0.0.1 only."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("could not start the loopback S3 server (is moto[server] installed?)") from None
+                time.sleep(0.1)
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def _prompts(o: DemoOptions) -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 2000) for _ in range(o.shared_tokens)]
+    return [shared + [rng.randrange(3, 2000) for _ in range(o.unique_tokens)] for _ in range(o.prompts)]
+
+
+def _run_replica(workdir: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    spec_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("spec.json", "result.json", "log"))
+    spec_path.write_text(json.dumps(spec))
+    print(f"  starting replica {name} (a new vLLM engine; log: {log_path}) ...", flush=True)
+    with open(log_path, "w") as log:
+        rc = subprocess.call(
+            [sys.executable, "-m", "s3kv.connector.replica", str(spec_path), str(out_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    if rc != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"replica {name} failed (exit {rc}); end of its log:\n{tail}")
+    return json.loads(out_path.read_text())
+
+
+def _total(result: dict[str, Any], name: str) -> float:
+    return sum(w.get(name, 0) for w in result["workers"])
+
+
+def run_demo(o: DemoOptions) -> int:
+    workdir = Path(o.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    server = None
+    if o.bucket is None:
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
+        server = LoopbackS3()
+        import boto3
+
+        o.endpoint_url = server.endpoint_url
+        o.bucket = "s3kv-demo"
+        boto3.client("s3", endpoint_url=o.endpoint_url, region_name=o.region).create_bucket(Bucket=o.bucket)
+        print(f"S3: a loopback S3 server at {o.endpoint_url}, bucket {o.bucket}")
+    else:
+        print(f"S3: bucket {o.bucket} ({o.endpoint_url or 'AWS'}), prefix {o.prefix}")
+    try:
+        model = o.model
+        if model is None:
+            from s3kv.demo.model import DEMO_SPEC, build_model
+
+            model = str(build_model(workdir / "model", **DEMO_SPEC))
+            print(f"Model: a random-weights Llama built at {model} (no model hub needed)")
+        else:
+            print(f"Model: {model}")
+        kv = {
+            "kv_connector": "S3KVConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "bucket": o.bucket,
+                "prefix": o.prefix,
+                "region": o.region,
+                "chunk_tokens": o.chunk_tokens,
+                **({"endpoint_url": o.endpoint_url} if o.endpoint_url else {}),
+            },
+        }
+        prompts = _prompts(o)
+        spec = {
+            "model": model,
+            "engine_args": {"gpu_memory_utilization": 0.15, "max_model_len": 4096, "enforce_eager": True},
+            "kv_transfer_config": kv,
+            "prompts": prompts,
+            "max_tokens": o.max_tokens,
+        }
+        print(
+            f"Workload: {len(prompts)} prompts of {len(prompts[0])} tokens sharing a "
+            f"{o.shared_tokens}-token prefix, {o.max_tokens} greedy tokens each\n"
+        )
+        a = _run_replica(workdir, "replica-A", spec)
+        b = _run_replica(workdir, "replica-B", spec)
+        print()
+        rows = [("replica", "prompts", "hit tokens", "stored", "loaded", "TTFT 1st", "TTFT median")]
+        for name, r in (("A (cold, computes)", a), ("B (fresh, loads)", b)):
+            ttft = sorted(r["ttft_s"])
+            rows.append(
+                (
+                    name,
+                    str(len(r["outputs"])),
+                    str(int(r["metrics"].get("vllm:s3kv_hit_tokens", 0))),
+                    format_size(_total(r, "store_bytes")),
+                    format_size(_total(r, "load_bytes")),
+                    f"{r['ttft_s'][0] * 1000:.0f} ms",
+                    f"{ttft[len(ttft) // 2] * 1000:.0f} ms",
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+        same = a["outputs"] == b["outputs"]
+        print(f"\nB's outputs equal A's: {'yes' if same else 'NO'}")
+        return 0 if same else 1
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def default_workdir() -> str:
+    return os.environ.get("S3KV_DEMO_DIR", os.path.join(tempfile.gettempdir(), "s3kv-demo"))

@@ -21,6 +21,16 @@ SPEC = {
     "initializer_range": 0.1,
 }
 
+DEMO_SPEC = {
+    # Wider and deeper than the tests' model, so a prefill costs real time
+    # on a CPU and a cache hit has something to save.
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+}
+
 
 def build_model(path: str | Path, *, seed: int = 0, **overrides: int | float) -> Path:
     """Write a random Llama to ``path`` (once: an existing one is reused)."""

@@ -77,6 +77,9 @@ class ObjectStore(ABC):
     async def delete_many(self, keys: Iterable[str]) -> None:
         """Delete the keys; absent keys are not an error."""
 
+    async def open(self) -> None:
+        """Set up connections ahead of the first request (optional)."""
+
     async def close(self) -> None:
         """Release connections; the store is unusable afterwards."""
 

@@ -123,6 +123,9 @@ class S3Store(ObjectStore):
                 self._stack = stack
         return self._client
 
+    async def open(self) -> None:
+        await self._get_client()
+
     async def close(self) -> None:
         if self._stack is not None:
             stack, self._stack, self._client = self._stack, None, None

@@ -8,7 +8,7 @@ is made here, once, so that all TP ranks execute the same plan.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,9 @@ class _Request:
     local_tokens: int = 0
     stored_until: int = 0
     """Chunks below this index are stored, planned, or known to the index."""
+    load_failed: bool = False
+    """A load for this request failed: vLLM recomputes it, and asking again
+    (vLLM does when nothing was computed) would only fail again."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class Planner:
         index: ChunkIndex,
         world_size: int = 1,
         store_retry_s: float = 120.0,
+        backoff_s: tuple[float, float] = (5.0, 60.0),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if chunk_tokens % block_size:
@@ -95,6 +99,10 @@ class Planner:
         self._storing: dict[bytes, float] = {}
         """Keys planned for store and not yet reported, with when."""
         self._stored_ranks: dict[bytes, int] = {}
+        self._backoff_s = backoff_s
+        self._next_backoff_s = backoff_s[0]
+        self._paused_until = 0.0
+        """While the store does not answer, offer no hits (a circuit breaker)."""
 
     # -- lookups -------------------------------------------------------------
     def knows(self, req_id: str) -> bool:
@@ -131,9 +139,12 @@ class Planner:
         req = self._requests.get(req_id)
         if req is None:
             req = self._requests[req_id] = _Request(token_ids, num_prompt_tokens, extras)
+        req.local_tokens = num_computed_tokens
+        if req.load_failed or self._clock() < self._paused_until:
+            req.hit_chunks = 0
+            return 0
         keys = self._keys(req_id, req)
         req.hit_chunks = self.index.prefix_hits(keys)
-        req.local_tokens = num_computed_tokens
         return max(0, req.hit_chunks * self.chunk_tokens - num_computed_tokens)
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -206,6 +217,24 @@ class Planner:
         for key in keys:
             self._storing.pop(key, None)
             self._stored_ranks.pop(key, None)
+
+    def on_load_results(self, failed_req_ids: Iterable[str], *, loaded: int, unavailable: int) -> None:
+        """What loads did: requests with failed chunks get no more hits; loads
+        the store did not answer pause all hits, for a time that doubles while
+        nothing loads (up to ``backoff_s[1]``) and resets on success."""
+        for req_id in failed_req_ids:
+            req = self._requests.get(req_id)
+            if req is not None:
+                req.load_failed = True
+        if unavailable:
+            self._paused_until = self._clock() + self._next_backoff_s
+            self._next_backoff_s = min(self._next_backoff_s * 2, self._backoff_s[1])
+        elif loaded:
+            self._next_backoff_s = self._backoff_s[0]
+
+    @property
+    def paused(self) -> bool:
+        return self._clock() < self._paused_until
 
     def on_missing(self, keys: Sequence[bytes]) -> None:
         """Workers found these keys absent or corrupt in the store."""

@@ -52,6 +52,11 @@ class PollResult:
     """Keys the store does not hold usably (absent or corrupt)."""
     store_failed: list[bytes] = field(default_factory=list)
     """Keys whose store was dropped or failed."""
+    loaded: int = 0
+    """Chunks loaded successfully."""
+    unavailable: int = 0
+    """Chunk loads that failed because the store did not answer (unreachable,
+    throttling, timeout): a reason to stop asking it for a while."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class TransferEngine:
         self._inflight_bytes = 0
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._closed = False
+        self._track(self._loop.submit(store.open()))  # connect before the first load
         self.page_format: PageFormat | None = None
         """Set once the KV cache is known; loads must match it, stores record it."""
 
@@ -134,6 +140,9 @@ class TransferEngine:
             close_gate()
             kind = self._classify(e)
             self.counters.add(f"load_errors_{kind}")
+            if kind in ("unavailable", "timeout"):
+                with self._lock:
+                    self._results.unavailable += 1
             log.warning("s3kv: load of %s failed (%s): %s", cid.object_key, kind, e)
             if kind in ("missing", "corrupt"):
                 with self._lock:
@@ -147,6 +156,8 @@ class TransferEngine:
                     log.warning("s3kv: could not delete corrupt %s: %s", cid.object_key, de)
             return False
         close_gate()
+        with self._lock:
+            self._results.loaded += 1
         self.counters.add("load_chunks")
         self.counters.add("load_bytes", fetched)
         self.counters.add("load_seconds", time.perf_counter() - start)

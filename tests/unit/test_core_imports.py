@@ -1,0 +1,35 @@
+"""The core imports neither vLLM nor torch (checked in a clean interpreter)."""
+
+import subprocess
+import sys
+
+CORE = [
+    "s3kv.config", "s3kv.keys", "s3kv.codec", "s3kv.stores.base", "s3kv.stores.memory",
+    "s3kv.stores.local", "s3kv.stores.s3", "s3kv.stores.factory", "s3kv.index", "s3kv.identity",
+    "s3kv.stats", "s3kv.tiering.chunks", "s3kv.tiering.transfer", "s3kv.tiering.planner",
+    "s3kv.connector", "s3kv.connector.compat", "s3kv.connector.plugin", "s3kv.cli", "s3kv.demo",
+]
+
+
+def test_core_has_no_vllm_or_torch():
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in CORE)
+        + "bad = [m for m in ('vllm', 'torch', 'transformers') if m in sys.modules]\n"
+        + "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ""
+
+
+def test_no_vllm_import_outside_the_connector_package():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "s3kv"
+    offenders = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if "connector" not in p.relative_to(root).parts
+        and any(line.lstrip().startswith(("import vllm", "from vllm")) for line in p.read_text().splitlines())
+    ]
+    assert offenders == []

@@ -1,0 +1,96 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from s3kv.keys import (
+    Namespace,
+    canonical_bytes,
+    chain_keys,
+    fingerprint,
+    object_key,
+    parse_object_key,
+)
+
+NS = Namespace.from_fields({"model_content": "abc", "model_dtype": "torch.bfloat16", "block_size": 32})
+TOKENS = list(range(1000, 1000 + 700))
+
+_SCRIPT = """
+import json, sys
+from s3kv.keys import Namespace, chain_keys
+ns = Namespace.from_fields({"model_content": "abc", "model_dtype": "torch.bfloat16", "block_size": 32})
+keys = chain_keys(ns, list(range(1000, 1700)), 64, [None, ("lora", "x", "/p"), None, ("cache_salt", "s")])
+print(json.dumps([k.hex() for k in keys]))
+"""
+
+
+def test_same_keys_in_separate_processes_with_different_hash_seeds():
+    outs = []
+    for seed in ("1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.append(subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True).stdout)
+    assert outs[0] == outs[1]
+    here = chain_keys(NS, TOKENS, 64, [None, ("lora", "x", "/p"), None, ("cache_salt", "s")])
+    assert outs[0].strip() == "[" + ", ".join(f'"{k.hex()}"' for k in here) + "]"
+
+
+def test_keys_chain_over_the_prefix():
+    keys = chain_keys(NS, TOKENS, 64)
+    assert len(keys) == 700 // 64 and len(set(keys)) == len(keys)
+    changed = list(TOKENS)
+    changed[5] += 1  # a change in chunk 0 changes every later key
+    assert set(chain_keys(NS, changed, 64)).isdisjoint(keys)
+    later = list(TOKENS)
+    later[64 * 3] += 1  # a change in chunk 3 keeps chunks 0..2
+    k2 = chain_keys(NS, later, 64)
+    assert k2[:3] == keys[:3] and set(k2[3:]).isdisjoint(keys)
+
+
+def test_extending_a_chain_equals_computing_it_whole():
+    keys = chain_keys(NS, TOKENS, 64)
+    tail = chain_keys(NS, TOKENS[4 * 64 :], 64, parent=keys[3], start_chunk=4)
+    assert keys[4:] == tail
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("model_content", "other-weights"), ("model_dtype", "torch.float16"), ("block_size", 64), ("tp_size", 2)],
+)
+def test_namespace_fields_give_disjoint_keys(field, value):
+    other = Namespace.from_fields({**NS.fields, field: value})
+    assert other.id != NS.id
+    assert set(chain_keys(other, TOKENS, 64)).isdisjoint(chain_keys(NS, TOKENS, 64))
+
+
+def test_extra_keys_change_keys():
+    plain = chain_keys(NS, TOKENS, 64)
+    salted = chain_keys(NS, TOKENS, 64, [("cache_salt", "tenant-a")])
+    salted_b = chain_keys(NS, TOKENS, 64, [("cache_salt", "tenant-b")])
+    lora = chain_keys(NS, TOKENS, 64, [("lora", "adapter", "/path")] * 10)
+    mm = chain_keys(NS, TOKENS, 64, [None, (("mm", "hash1", 3),)])
+    assert set(salted).isdisjoint(plain) and set(salted).isdisjoint(salted_b)
+    assert set(lora).isdisjoint(plain)
+    assert mm[0] == plain[0] and set(mm[1:]).isdisjoint(plain)
+
+
+def test_canonical_bytes_is_unambiguous():
+    assert canonical_bytes(("a", "bc")) != canonical_bytes(("ab", "c"))
+    assert canonical_bytes(1) != canonical_bytes("1") != canonical_bytes(b"1")
+    assert canonical_bytes({"b": 1, "a": 2}) == canonical_bytes({"a": 2, "b": 1})
+    with pytest.raises(TypeError):
+        canonical_bytes(object())
+
+
+def test_object_key_layout_per_rank():
+    key = chain_keys(NS, TOKENS, 64)[0]
+    names = [object_key("fleet", NS.id, key, r) for r in range(4)]
+    assert names[0] == f"fleet/{NS.id}/{key.hex()[:2]}/{key.hex()}.r0"
+    assert len(set(names)) == 4
+    for r, name in enumerate(names):
+        assert parse_object_key(name) == (NS.id, key, r)
+    assert object_key("", NS.id, key, 1) == f"{NS.id}/{key.hex()[:2]}/{key.hex()}.r1"
+    assert parse_object_key(f"fleet/{NS.id}/manifest/seg-1") is None
+    assert parse_object_key(f"fleet/{NS.id}/namespace.json") is None
+    assert parse_object_key(f"fleet/{NS.id}/zz/{key.hex()}.r0") is None  # shard must match
+    assert fingerprint(key) == int.from_bytes(key[:8], "big")

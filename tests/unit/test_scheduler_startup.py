@@ -1,0 +1,81 @@
+"""Start-up checks of the connector's scheduler side, against a real S3
+server on loopback: what fails start-up, and what only warns."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from s3kv.config import parse_config
+from s3kv.errors import ConfigError
+from s3kv.keys import Namespace
+
+pytest.importorskip("vllm")
+
+from s3kv.connector.layout import EngineLayout  # noqa: E402
+from s3kv.connector.scheduler import SchedulerSide  # noqa: E402
+
+LAYOUT = EngineLayout(Namespace.from_fields({"model": "unit"}), block_size=32, layer_names=("l0",), tp_size=1, world_size=1)
+
+
+def side(**cfg):
+    config = parse_config({"region": "us-east-1", "s3_connect_timeout_s": 1, "s3_max_attempts": 1, **cfg})
+    return SchedulerSide(config, LAYOUT, failure_policy="recompute", model="unit")
+
+
+def test_missing_bucket_fails_startup_naming_it(s3_server):
+    with pytest.raises(ConfigError, match="bucket: s3://no-such-bucket does not exist"):
+        side(bucket="no-such-bucket", endpoint_url=s3_server.endpoint_url)
+
+
+def test_existing_bucket_starts_and_lists(s3_server, bucket):
+    s = side(bucket=bucket, endpoint_url=s3_server.endpoint_url, chunk_tokens=64)
+    try:
+        assert s.planner.chunk_tokens == 64
+    finally:
+        s.shutdown()
+
+
+def test_unreachable_endpoint_only_warns(caplog):
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    s = side(bucket="some-bucket", endpoint_url="http://127.0.0.1:9")  # nothing listens
+    s.shutdown()
+    assert "unreachable at start-up" in caplog.text
+
+
+def test_fail_policy_warns_to_use_recompute(s3_server, bucket, caplog):
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    config = parse_config({"bucket": bucket, "endpoint_url": s3_server.endpoint_url, "region": "us-east-1"})
+    SchedulerSide(config, LAYOUT, failure_policy="fail", model="unit").shutdown()
+    assert '"kv_load_failure_policy": "recompute"' in caplog.text
+
+
+_NO_CREDS = """
+from s3kv.config import parse_config
+from s3kv.connector.layout import EngineLayout
+from s3kv.connector.scheduler import SchedulerSide
+from s3kv.errors import ConfigError
+from s3kv.keys import Namespace
+layout = EngineLayout(Namespace.from_fields({"m": 1}), 32, ("l0",), 1, 1)
+try:
+    SchedulerSide(parse_config({"bucket": "b-x1", "endpoint_url": "%s", "region": "us-east-1"}), layout, failure_policy="recompute", model="m")
+except ConfigError as e:
+    print("ConfigError:", e)
+"""
+
+
+def test_missing_credentials_fail_startup(s3_server, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_CREDS % s3_server.endpoint_url], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "ConfigError: no AWS credentials found" in out.stdout, out.stderr[-2000:]
