@@ -28,7 +28,9 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from s3kv.demo import default_workdir
 
-    parser = argparse.ArgumentParser(prog="s3kv", description="A tiered KV cache for vLLM, shared through S3.")
+    parser = argparse.ArgumentParser(
+        prog="s3kv", description="A tiered KV cache for vLLM, shared through S3."
+    )
     parser.add_argument("--version", action="version", version=f"s3kv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(

@@ -112,7 +112,11 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 def shuffle(data: memoryview | bytes | np.ndarray, itemsize: int) -> np.ndarray:
     """Byte-shuffle: all first bytes of the items, then all second bytes, ...
     Exponent bytes of bf16/fp16 values end up together and compress."""
-    arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    arr = (
+        np.frombuffer(data, dtype=np.uint8)
+        if not isinstance(data, np.ndarray)
+        else data.reshape(-1).view(np.uint8)
+    )
     if itemsize <= 1:
         return arr
     if arr.size % itemsize:
@@ -120,7 +124,9 @@ def shuffle(data: memoryview | bytes | np.ndarray, itemsize: int) -> np.ndarray:
     return np.ascontiguousarray(arr.reshape(-1, itemsize).T).reshape(-1)
 
 
-def unshuffle(data: bytes | memoryview | np.ndarray, itemsize: int, out: np.ndarray | None = None) -> np.ndarray:
+def unshuffle(
+    data: bytes | memoryview | np.ndarray, itemsize: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """Inverse of :func:`shuffle`, optionally into ``out`` (uint8, same size)."""
     arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
     if out is None:
@@ -152,7 +158,11 @@ def encode_chunk(
     stored: list[bytes | memoryview] = []
     raw_lengths: list[int] = []
     for layer in layers:
-        raw = np.frombuffer(layer, dtype=np.uint8) if not isinstance(layer, np.ndarray) else layer.reshape(-1).view(np.uint8)
+        raw = (
+            np.frombuffer(layer, dtype=np.uint8)
+            if not isinstance(layer, np.ndarray)
+            else layer.reshape(-1).view(np.uint8)
+        )
         raw_lengths.append(raw.size)
         if codec == "zstd":
             stored.append(_compressor(level).compress(shuffle(raw, shuffle_size)))
@@ -260,7 +270,9 @@ def decode_frame(
         raw = np.frombuffer(stored, dtype=np.uint8)
     else:
         try:
-            raw = np.frombuffer(_decompressor().decompress(stored, max_output_size=frame.raw_length), dtype=np.uint8)
+            raw = np.frombuffer(
+                _decompressor().decompress(stored, max_output_size=frame.raw_length), dtype=np.uint8
+            )
         except zstandard.ZstdError as e:
             raise CorruptChunk(f"frame {index}: zstd: {e}") from e
     if raw.size != frame.raw_length:

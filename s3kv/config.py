@@ -37,25 +37,29 @@ class S3KVConfig:
     Each field's ``metadata["doc"]`` is its user-facing description.
     """
 
-    bucket: str | None = _key(None, 'S3 bucket that holds the shared cache. Required.')
-    prefix: str = _key("s3kv", 'Key prefix inside the bucket; several fleets can share a bucket.')
-    region: str | None = _key(None, 'AWS region of the bucket; default from the AWS chain.')
-    endpoint_url: str | None = _key(None, 'S3-compatible endpoint (MinIO, R2, a loopback test server).')
-    addressing_style: str = _key("auto", '"path" or "virtual" host addressing; "auto" picks path with endpoint_url.')
+    bucket: str | None = _key(None, "S3 bucket that holds the shared cache. Required.")
+    prefix: str = _key("s3kv", "Key prefix inside the bucket; several fleets can share a bucket.")
+    region: str | None = _key(None, "AWS region of the bucket; default from the AWS chain.")
+    endpoint_url: str | None = _key(None, "S3-compatible endpoint (MinIO, R2, a loopback test server).")
+    addressing_style: str = _key(
+        "auto", '"path" or "virtual" host addressing; "auto" picks path with endpoint_url.'
+    )
     chunk_tokens: int = _key(256, "Tokens per stored chunk; a multiple of vLLM's block size.")
     codec: str = _key("zstd", 'Chunk compression: "zstd" (byte-shuffled) or "none".')
-    zstd_level: int = _key(1, 'zstd level, -7 (fastest) to 22 (smallest).')
-    max_inflight_bytes: int = _key(1 << 30, 'Bytes of KV waiting to be uploaded; beyond it new stores are dropped.')
-    load_timeout_s: float = _key(30.0, 'A chunk load slower than this fails and its tokens are recomputed.')
-    range_bytes: int = _key(8 << 20, 'Target size of one ranged GET; layers are grouped up to this size.')
-    max_connections: int = _key(64, 'HTTP connections per process to the store.')
+    zstd_level: int = _key(1, "zstd level, -7 (fastest) to 22 (smallest).")
+    max_inflight_bytes: int = _key(
+        1 << 30, "Bytes of KV waiting to be uploaded; beyond it new stores are dropped."
+    )
+    load_timeout_s: float = _key(30.0, "A chunk load slower than this fails and its tokens are recomputed.")
+    range_bytes: int = _key(8 << 20, "Target size of one ranged GET; layers are grouped up to this size.")
+    max_connections: int = _key(64, "HTTP connections per process to the store.")
     s3_max_attempts: int = _key(3, 'Attempts per S3 request (botocore "standard" retry mode).')
-    s3_connect_timeout_s: float = _key(5.0, 'TCP connect timeout for S3.')
-    s3_read_timeout_s: float = _key(30.0, 'Socket read timeout for S3.')
+    s3_connect_timeout_s: float = _key(5.0, "TCP connect timeout for S3.")
+    s3_read_timeout_s: float = _key(30.0, "Socket read timeout for S3.")
     # Reserved for the CPU and NVMe tiers; validated now so configs stay valid.
-    cpu_bytes: int | None = _key(None, 'Reserved: size of the pinned CPU tier.')
-    disk_path: str | None = _key(None, 'Reserved: directory of the NVMe tier.')
-    disk_bytes: int | None = _key(None, 'Reserved: size cap of the NVMe tier.')
+    cpu_bytes: int | None = _key(None, "Reserved: size of the pinned CPU tier.")
+    disk_path: str | None = _key(None, "Reserved: directory of the NVMe tier.")
+    disk_bytes: int | None = _key(None, "Reserved: size cap of the NVMe tier.")
 
     def validate_block_size(self, block_size: int) -> None:
         """Fail unless ``chunk_tokens`` is a whole number of vLLM blocks."""
@@ -191,8 +195,7 @@ def parse_config(raw: dict[str, Any] | None, *, require_bucket: bool = True) -> 
             hint = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
             did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
             raise ConfigError(
-                f"unknown s3kv config key {key!r}{did_you_mean}; known keys: "
-                + ", ".join(KNOWN_KEYS)
+                f"unknown s3kv config key {key!r}{did_you_mean}; known keys: " + ", ".join(KNOWN_KEYS)
             )
         if value is None:
             continue

@@ -39,9 +39,7 @@ def model_identity(model: str, revision: str | None = None) -> dict[str, Any]:
         config = path / "config.json"
         if config.is_file():
             h.update(config.read_bytes())
-        weights = sorted(
-            p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
-        )
+        weights = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
         for p in weights:
             file_fingerprint(p, h)
         return {"model_content": h.hexdigest()}

@@ -160,13 +160,7 @@ def parse_object_key(obj_key: str) -> tuple[str, bytes, int] | None:
         return None
     ns, shard, name = parts[-3], parts[-2], parts[-1]
     hexkey, dot, rank = name.partition(".r")
-    if (
-        not dot
-        or len(ns) != 32
-        or len(hexkey) != 2 * KEY_BYTES
-        or shard != hexkey[:2]
-        or not rank.isdigit()
-    ):
+    if not dot or len(ns) != 32 or len(hexkey) != 2 * KEY_BYTES or shard != hexkey[:2] or not rank.isdigit():
         return None
     try:
         return ns, bytes.fromhex(hexkey), int(rank)

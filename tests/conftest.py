@@ -49,7 +49,7 @@ class S3Server:
                     return
             except OSError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError("moto server exited at start-up")
+                    raise RuntimeError("moto server exited at start-up") from None
                 time.sleep(0.1)
         raise RuntimeError("moto server did not start within 30 s")
 

@@ -51,7 +51,9 @@ def _log_through_vllm() -> None:
 
 
 class S3KVConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         check_vllm_version()
         _log_through_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -79,7 +81,9 @@ class S3KVConnector(KVConnectorBase_V1):
 
             from s3kv.connector.worker import WorkerSide
 
-            self._worker = WorkerSide(self.config, layout, get_tensor_model_parallel_rank(), kv_cache_config.num_blocks)
+            self._worker = WorkerSide(
+                self.config, layout, get_tensor_model_parallel_rank(), kv_cache_config.num_blocks
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -107,7 +111,9 @@ class S3KVConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # S3 loads are asynchronous: blocks are complete before use
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return  # pages are copied out once per step, in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -140,10 +146,14 @@ class S3KVConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         self.scheduler.kv_cache_manager = kv_cache_manager
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self.scheduler.lookup(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self.scheduler.on_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -162,5 +172,11 @@ class S3KVConnector(KVConnectorBase_V1):
         return S3KVStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> S3KVPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> S3KVPromMetrics:
         return S3KVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

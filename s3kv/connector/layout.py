@@ -74,7 +74,10 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> En
     }
     if current_platform.device_type == "cpu":
         fields["cpu_attention_isa"] = _cpu_attention_isa(
-            getattr(spec, "dtype", model.dtype), block_size, int(getattr(spec, "head_size", 0) or 0), str(cache.cache_dtype)
+            getattr(spec, "dtype", model.dtype),
+            block_size,
+            int(getattr(spec, "head_size", 0) or 0),
+            str(cache.cache_dtype),
         )
     return EngineLayout(
         namespace=Namespace.from_fields(fields),

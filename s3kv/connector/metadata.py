@@ -51,4 +51,11 @@ class S3KVWorkerMetadata(KVConnectorWorkerMetadata):
         )
 
     def is_empty(self) -> bool:
-        return not (self.stored or self.store_failed or self.missing or self.load_failed or self.loaded or self.unavailable)
+        return not (
+            self.stored
+            or self.store_failed
+            or self.missing
+            or self.load_failed
+            or self.loaded
+            or self.unavailable
+        )

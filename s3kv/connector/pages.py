@@ -47,7 +47,9 @@ class LayerPages:
 
 
 class PageIO:
-    def __init__(self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int) -> None:
+    def __init__(
+        self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int
+    ) -> None:
         missing = [n for n in layer_names if n not in kv_caches]
         if missing:
             raise ConfigError(f"KV caches of layers {missing[:3]} were not registered")
@@ -86,9 +88,7 @@ class PageIO:
             layer.u8.index_copy_(layer.axis, self._index(ids), src)
             return
         with torch.cuda.stream(self._stream):
-            layer.u8.index_copy_(
-                layer.axis, self._index(ids), src.to(self.device, non_blocking=True)
-            )
+            layer.u8.index_copy_(layer.axis, self._index(ids), src.to(self.device, non_blocking=True))
 
     def synchronize(self) -> None:
         """Return once every :meth:`write` so far is visible to the forward."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import time
@@ -44,7 +45,9 @@ replica's first requests already hit; a longer listing goes on in the background
 def _extras_fn(request: Request) -> Any:
     """vLLM's own extra block-hash keys (LoRA, multimodal, cache_salt, prompt
     embeddings) for a token range, or None when the request has none."""
-    if not (request.lora_request or request.mm_features or request.cache_salt or request.prompt_embeds is not None):
+    if not (
+        request.lora_request or request.mm_features or request.cache_salt or request.prompt_embeds is not None
+    ):
         return None
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
@@ -68,7 +71,7 @@ class SchedulerSide:
         if failure_policy != "recompute":
             log.warning(
                 "s3kv: kv_load_failure_policy is %r: a chunk that fails to load (deleted, "
-                "corrupt, S3 down) fails the request. Set \"kv_load_failure_policy\": \"recompute\" "
+                'corrupt, S3 down) fails the request. Set "kv_load_failure_policy": "recompute" '
                 "in --kv-transfer-config so vLLM recomputes instead.",
                 failure_policy,
             )
@@ -84,7 +87,12 @@ class SchedulerSide:
             log.info("s3kv: the bucket listing continues in the background")
         log.info(
             "s3kv: namespace %s in s3://%s/%s (chunk_tokens=%d, block_size=%d, ranks=%d)",
-            layout.namespace.id, config.bucket, config.prefix, config.chunk_tokens, layout.block_size, layout.world_size,
+            layout.namespace.id,
+            config.bucket,
+            config.prefix,
+            config.chunk_tokens,
+            layout.block_size,
+            layout.world_size,
         )
 
     # -- start-up -------------------------------------------------------------
@@ -94,7 +102,9 @@ class SchedulerSide:
         try:
             self._loop.run(self._store.check_access(), timeout=budget)
         except NotFound as e:
-            raise ConfigError(f"bucket: s3://{c.bucket} does not exist (endpoint {c.endpoint_url or 'AWS'})") from e
+            raise ConfigError(
+                f"bucket: s3://{c.bucket} does not exist (endpoint {c.endpoint_url or 'AWS'})"
+            ) from e
         except PermissionDenied as e:
             raise ConfigError(f"bucket: access to s3://{c.bucket} denied: {e}") from e
         except (Transient, TimeoutError) as e:
@@ -106,7 +116,16 @@ class SchedulerSide:
     async def _describe_namespace(self, model: str) -> None:
         """Leave a small descriptor so operators can tell namespaces apart."""
         key = namespace_prefix(self.config.prefix, self.layout.namespace.id) + "namespace.json"
-        body = json.dumps({"namespace": self.layout.namespace.id, "model": model, "fields": dict(self.layout.namespace.fields), "chunk_tokens": self.config.chunk_tokens}, indent=1, default=str)
+        body = json.dumps(
+            {
+                "namespace": self.layout.namespace.id,
+                "model": model,
+                "fields": dict(self.layout.namespace.fields),
+                "chunk_tokens": self.config.chunk_tokens,
+            },
+            indent=1,
+            default=str,
+        )
         try:
             await self._store.put(key, body.encode(), mode=PutMode.CREATE)
         except AlreadyExists:
@@ -119,7 +138,11 @@ class SchedulerSide:
             start = time.monotonic()
             try:
                 n = await load_listing(
-                    self.index, self._store, self.config.prefix, self.layout.namespace.id, self.layout.world_size
+                    self.index,
+                    self._store,
+                    self.config.prefix,
+                    self.layout.namespace.id,
+                    self.layout.world_size,
                 )
             except Exception as e:
                 log.warning("s3kv: listing the bucket failed (%s); retrying in %.0f s", e, LISTING_RETRY_S)
@@ -187,8 +210,6 @@ class SchedulerSide:
         self.planner.on_finished(request.request_id)
 
     def shutdown(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self._loop.run(self._store.close(), timeout=5)
-        except Exception:
-            pass
         self._loop.stop()

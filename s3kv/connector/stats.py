@@ -35,7 +35,13 @@ class S3KVStats(KVConnectorStats):
 class S3KVPromMetrics(KVConnectorPromMetrics):
     """One Prometheus counter per s3kv counter, e.g. ``vllm:s3kv_hit_tokens_total``."""
 
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             name: self._counter_cls(name=PROM_PREFIX + name, documentation=doc, labelnames=labelnames)

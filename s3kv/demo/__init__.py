@@ -61,7 +61,9 @@ class LoopbackS3:
                 return
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("could not start the loopback S3 server (is moto[server] installed?)") from None
+                    raise RuntimeError(
+                        "could not start the loopback S3 server (is moto[server] installed?)"
+                    ) from None
                 time.sleep(0.1)
 
     @property

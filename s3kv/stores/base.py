@@ -77,10 +77,10 @@ class ObjectStore(ABC):
     async def delete_many(self, keys: Iterable[str]) -> None:
         """Delete the keys; absent keys are not an error."""
 
-    async def open(self) -> None:
+    async def open(self) -> None:  # noqa: B027 (optional hook)
         """Set up connections ahead of the first request (optional)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (optional hook)
         """Release connections; the store is unusable afterwards."""
 
     # Helpers, written once for every backend.

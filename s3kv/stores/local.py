@@ -9,6 +9,7 @@ even after a crash. Blocking file I/O runs in threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import uuid
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 from s3kv.errors import AlreadyExists, NotFound, PermissionDenied, StorageFull, Transient
-from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, check_key, slice_range
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, check_key
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -65,10 +66,8 @@ class LocalStore(ObjectStore):
                 finally:
                     os.close(dir_fd)
         finally:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
 
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         try:
@@ -131,10 +130,8 @@ class LocalStore(ObjectStore):
 
     def _delete_sync(self, keys: list[str]) -> None:
         for key in keys:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(key))
-            except FileNotFoundError:
-                pass
 
     async def delete_many(self, keys: Iterable[str]) -> None:
         keys = list(keys)

@@ -24,7 +24,14 @@ from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, 
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, check_key
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
-_DENIED = {"AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
+_DENIED = {
+    "AccessDenied",
+    "403",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AllAccessDisabled",
+}
 _EXISTS = {"PreconditionFailed", "412"}
 
 
@@ -230,7 +237,9 @@ class S3Store(ObjectStore):
         try:
             async for page in client.get_paginator("list_objects_v2").paginate(**kwargs):
                 for obj in page.get("Contents", ()):
-                    yield ObjectMeta(obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp(), obj.get("ETag"))
+                    yield ObjectMeta(
+                        obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp(), obj.get("ETag")
+                    )
         except Exception as e:
             raise _map_error(e, f"list {prefix!r}") from e
 
@@ -249,7 +258,8 @@ class S3Store(ObjectStore):
             if errors:
                 first = errors[0]
                 raise _map_error(
-                    bexc.ClientError({"Error": first, "ResponseMetadata": {}}, "DeleteObjects"), first.get("Key", "?")
+                    bexc.ClientError({"Error": first, "ResponseMetadata": {}}, "DeleteObjects"),
+                    first.get("Key", "?"),
                 )
 
         for key in keys:

@@ -40,7 +40,9 @@ class PageFormat:
     tokens: int
 
 
-def plan_ranges(frames: Sequence[codec.Frame], have_until: int, range_bytes: int) -> list[tuple[int, int, list[int]]]:
+def plan_ranges(
+    frames: Sequence[codec.Frame], have_until: int, range_bytes: int
+) -> list[tuple[int, int, list[int]]]:
     """Group the frames not yet fetched into ranged GETs of about ``range_bytes``:
     (start, end, frame indexes), each group whole frames in layer order."""
     groups: list[tuple[int, int, list[int]]] = []
@@ -90,7 +92,9 @@ async def load_chunk(
     if len(header.frames) != num_layers:
         raise CorruptChunk(f"{chunk.object_key}: {len(header.frames)} layers, this model has {num_layers}")
     if expect is not None and (
-        header.dtype != expect.dtype or header.page_shape != expect.page_shape or header.tokens != expect.tokens
+        header.dtype != expect.dtype
+        or header.page_shape != expect.page_shape
+        or header.tokens != expect.tokens
     ):
         raise CorruptChunk(
             f"{chunk.object_key}: pages are {header.dtype}{list(header.page_shape)} x {header.tokens} tokens, "

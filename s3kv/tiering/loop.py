@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -41,10 +42,8 @@ class BackgroundLoop:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        try:
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
             self.run(cancel_all(), timeout)
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         if not self._thread.is_alive():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -74,12 +75,16 @@ class EngineSettings:
 
 
 class TransferEngine:
-    def __init__(self, store: ObjectStore, settings: EngineSettings, counters: Counters | None = None) -> None:
+    def __init__(
+        self, store: ObjectStore, settings: EngineSettings, counters: Counters | None = None
+    ) -> None:
         self.store = store
         self.s = settings
         self.counters = counters or Counters()
         self._loop = BackgroundLoop("s3kv-transfer")
-        self._executor = concurrent.futures.ThreadPoolExecutor(settings.threads, thread_name_prefix="s3kv-codec")
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            settings.threads, thread_name_prefix="s3kv-codec"
+        )
         self._lock = threading.Lock()
         self._results = PollResult()
         self._inflight_bytes = 0
@@ -91,7 +96,12 @@ class TransferEngine:
 
     # -- identity -----------------------------------------------------------
     def chunk_id(self, key: bytes) -> ChunkId:
-        return ChunkId(object_key(self.s.prefix, self.s.namespace, key, self.s.rank), self.s.namespace, key.hex(), self.s.rank)
+        return ChunkId(
+            object_key(self.s.prefix, self.s.namespace, key, self.s.rank),
+            self.s.namespace,
+            key.hex(),
+            self.s.rank,
+        )
 
     # -- loads --------------------------------------------------------------
     def submit_load(self, job_id: str, chunks: Sequence[LoadRequest], sink: ChunkSink) -> None:
@@ -192,12 +202,20 @@ class TransferEngine:
         self._track(self._loop.submit(self._store_one(key, layers, fmt, nbytes)))
         return True
 
-    async def _store_one(self, key: bytes, layers: Sequence[np.ndarray], fmt: PageFormat, nbytes: int) -> None:
+    async def _store_one(
+        self, key: bytes, layers: Sequence[np.ndarray], fmt: PageFormat, nbytes: int
+    ) -> None:
         cid = self.chunk_id(key)
         start = time.perf_counter()
         try:
             raw, stored, written = await store_chunk(
-                self.store, cid, layers, fmt, codec_name=self.s.codec, level=self.s.zstd_level, executor=self._executor
+                self.store,
+                cid,
+                layers,
+                fmt,
+                codec_name=self.s.codec,
+                level=self.s.zstd_level,
+                executor=self._executor,
             )
         except Exception as e:
             self.counters.add("store_errors")
@@ -255,9 +273,7 @@ class TransferEngine:
             self._closed = True
         if not self.drain(timeout_s):
             log.warning("s3kv: abandoning unfinished transfers at shutdown")
-        try:
+        with contextlib.suppress(Exception):
             self._loop.run(self.store.close(), timeout=5)
-        except Exception:
-            pass
         self._loop.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -37,5 +37,3 @@ def bucket_a(s3_server) -> str:
 @pytest.fixture(scope="session")
 def replica_a(workdir, model, s3_server, bucket_a) -> dict[str, Any]:
     return run_replica(workdir, "A", model, PROMPTS, kv_config(s3_server.endpoint_url, bucket_a))
-
-

@@ -3,9 +3,6 @@ with the baseline's tokens (vLLM recomputes what cannot be loaded)."""
 
 from __future__ import annotations
 
-import gc
-import os
-
 import pytest
 
 from tests.conftest import S3Server, free_port
@@ -25,6 +22,7 @@ def test_s3_stopped_while_serving(replica_a, baseline, s3_server, bucket_a, mode
     # A server of its own, holding replica A's objects, that this test can stop.
     server = S3Server(free_port())
     server.start()
+    engines = []
     try:
         bucket = server.new_bucket()
         src = s3_server.client()
@@ -35,8 +33,17 @@ def test_s3_stopped_while_serving(replica_a, baseline, s3_server, bucket_a, mode
 
         from vllm import LLM, SamplingParams
 
-        config = kv_config(server.endpoint_url, bucket, load_timeout_s=20, s3_connect_timeout_s=1, s3_max_attempts=2)
-        llm = LLM(model=str(model), skip_tokenizer_init=True, disable_log_stats=False, kv_transfer_config=config, **ENGINE_ARGS)
+        config = kv_config(
+            server.endpoint_url, bucket, load_timeout_s=20, s3_connect_timeout_s=1, s3_max_attempts=2
+        )
+        llm = LLM(
+            model=str(model),
+            skip_tokenizer_init=True,
+            disable_log_stats=False,
+            kv_transfer_config=config,
+            **ENGINE_ARGS,
+        )
+        engines.append(llm)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
         def generate(i: int):
@@ -53,7 +60,7 @@ def test_s3_stopped_while_serving(replica_a, baseline, s3_server, bucket_a, mode
         for i in (1, 2, 3):
             assert list(generate(i).outputs[0].token_ids) == baseline["outputs"][i]
         assert _counter(llm, "load_errors_unavailable") >= 1
-        del llm
-        gc.collect()
     finally:
+        for engine in engines:
+            engine.llm_engine.engine_core.shutdown()
         server.stop()

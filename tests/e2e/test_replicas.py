@@ -3,14 +3,12 @@ against a real S3 server on loopback."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from s3kv import codec
 from s3kv.demo.model import build_model
 from s3kv.keys import parse_object_key
+from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import (
     CHUNK_TOKENS,
     chunk_objects,
@@ -19,9 +17,9 @@ from tests.e2e.harness import (
     run_replica,
     worker_total,
 )
+
 pytestmark = pytest.mark.engine
 
-from tests.e2e.conftest import PROMPTS
 SHARED_CHUNKS = 320 // CHUNK_TOKENS
 
 
@@ -60,7 +58,13 @@ def test_replica_b_loads_instead_of_computing(replica_a, baseline, workdir, mode
     assert metric(b, "hit_tokens") >= SHARED_CHUNKS * CHUNK_TOKENS
     assert worker_total(b, "load_chunks") >= SHARED_CHUNKS
     assert worker_total(b, "store_chunks") == 0  # everything was there already
-    assert sum(worker_total(b, f"load_errors_{k}") for k in ("missing", "corrupt", "timeout", "unavailable", "other")) == 0
+    assert (
+        sum(
+            worker_total(b, f"load_errors_{k}")
+            for k in ("missing", "corrupt", "timeout", "unavailable", "other")
+        )
+        == 0
+    )
     # The whole-chunk prompt is loaded too (vLLM recomputes only its last token).
     assert b["num_cached_tokens"][3] >= 3 * CHUNK_TOKENS - 1
 
@@ -109,7 +113,9 @@ def _flip_bytes(key: str, body: bytes) -> bytes:
     return bytes(data)
 
 
-def test_corrupt_objects_are_recomputed_and_replaced(replica_a, baseline, workdir, model, s3_server, bucket_a):
+def test_corrupt_objects_are_recomputed_and_replaced(
+    replica_a, baseline, workdir, model, s3_server, bucket_a
+):
     corrupt = copy_bucket(s3_server, bucket_a, _flip_bytes)
     client = s3_server.client()
     before = chunk_objects(client, corrupt)

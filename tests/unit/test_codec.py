@@ -16,8 +16,15 @@ def _layers(n=3, size=4096, seed=0):
 
 def _encode(codec_name="zstd", layers=None):
     return codec.encode_chunk(
-        namespace=NS, key=KEY, rank=0, tokens=64, layers=layers or _layers(), dtype="bfloat16",
-        itemsize=2, page_shape=[2, 2, 32, 128], codec=codec_name,
+        namespace=NS,
+        key=KEY,
+        rank=0,
+        tokens=64,
+        layers=layers or _layers(),
+        dtype="bfloat16",
+        itemsize=2,
+        page_shape=[2, 2, 32, 128],
+        codec=codec_name,
     )
 
 

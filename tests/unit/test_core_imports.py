@@ -4,10 +4,25 @@ import subprocess
 import sys
 
 CORE = [
-    "s3kv.config", "s3kv.keys", "s3kv.codec", "s3kv.stores.base", "s3kv.stores.memory",
-    "s3kv.stores.local", "s3kv.stores.s3", "s3kv.stores.factory", "s3kv.index", "s3kv.identity",
-    "s3kv.stats", "s3kv.tiering.chunks", "s3kv.tiering.transfer", "s3kv.tiering.planner",
-    "s3kv.connector", "s3kv.connector.compat", "s3kv.connector.plugin", "s3kv.cli", "s3kv.demo",
+    "s3kv.config",
+    "s3kv.keys",
+    "s3kv.codec",
+    "s3kv.stores.base",
+    "s3kv.stores.memory",
+    "s3kv.stores.local",
+    "s3kv.stores.s3",
+    "s3kv.stores.factory",
+    "s3kv.index",
+    "s3kv.identity",
+    "s3kv.stats",
+    "s3kv.tiering.chunks",
+    "s3kv.tiering.transfer",
+    "s3kv.tiering.planner",
+    "s3kv.connector",
+    "s3kv.connector.compat",
+    "s3kv.connector.plugin",
+    "s3kv.cli",
+    "s3kv.demo",
 ]
 
 

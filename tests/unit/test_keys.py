@@ -29,7 +29,11 @@ def test_same_keys_in_separate_processes_with_different_hash_seeds():
     outs = []
     for seed in ("1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        outs.append(subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True).stdout)
+        outs.append(
+            subprocess.run(
+                [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
     assert outs[0] == outs[1]
     here = chain_keys(NS, TOKENS, 64, [None, ("lora", "x", "/p"), None, ("cache_salt", "s")])
     assert outs[0].strip() == "[" + ", ".join(f'"{k.hex()}"' for k in here) + "]"
@@ -55,7 +59,12 @@ def test_extending_a_chain_equals_computing_it_whole():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("model_content", "other-weights"), ("model_dtype", "torch.float16"), ("block_size", 64), ("tp_size", 2)],
+    [
+        ("model_content", "other-weights"),
+        ("model_dtype", "torch.float16"),
+        ("block_size", 64),
+        ("tp_size", 2),
+    ],
 )
 def test_namespace_fields_give_disjoint_keys(field, value):
     other = Namespace.from_fields({**NS.fields, field: value})

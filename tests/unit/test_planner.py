@@ -13,7 +13,9 @@ KEYS = chain_keys(NS, PROMPT, CT)
 def planner(world_size=1, clock=None):
     index = ChunkIndex()
     kwargs = {"clock": clock} if clock else {}
-    return Planner(namespace=NS, chunk_tokens=CT, block_size=BS, index=index, world_size=world_size, **kwargs), index
+    return Planner(
+        namespace=NS, chunk_tokens=CT, block_size=BS, index=index, world_size=world_size, **kwargs
+    ), index
 
 
 def sched(req_id, computed, scheduled, blocks):
@@ -41,7 +43,10 @@ def test_load_plan_skips_blocks_valid_locally():
     plan = p.plan_step([])
     (load,) = plan.loads
     assert load.req_id == "r"
-    assert [(c.key, c.block_ids, c.first_block) for c in load.chunks] == [(KEYS[1], (102, 103), 1), (KEYS[2], (104, 105), 0)]
+    assert [(c.key, c.block_ids, c.first_block) for c in load.chunks] == [
+        (KEYS[1], (102, 103), 1),
+        (KEYS[2], (104, 105), 0),
+    ]
     assert p.plan_step([]).loads == []  # handed out once
 
 
@@ -98,7 +103,12 @@ def test_finished_requests_are_forgotten():
 def test_extras_change_keys_per_chunk():
     p, index = planner()
     index.update(KEYS)
-    assert p.lookup("salted", PROMPT, len(PROMPT), 0, extras=lambda s, e: ("cache_salt", "x") if s == 0 else None) == 0
+    assert (
+        p.lookup(
+            "salted", PROMPT, len(PROMPT), 0, extras=lambda s, e: ("cache_salt", "x") if s == 0 else None
+        )
+        == 0
+    )
     assert p.lookup("plain", PROMPT, len(PROMPT), 0, extras=lambda s, e: None) == 4 * CT
 
 

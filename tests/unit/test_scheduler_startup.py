@@ -19,7 +19,9 @@ pytest.importorskip("vllm")
 from s3kv.connector.layout import EngineLayout  # noqa: E402
 from s3kv.connector.scheduler import SchedulerSide  # noqa: E402
 
-LAYOUT = EngineLayout(Namespace.from_fields({"model": "unit"}), block_size=32, layer_names=("l0",), tp_size=1, world_size=1)
+LAYOUT = EngineLayout(
+    Namespace.from_fields({"model": "unit"}), block_size=32, layer_names=("l0",), tp_size=1, world_size=1
+)
 
 
 def side(**cfg):
@@ -76,6 +78,10 @@ def test_missing_credentials_fail_startup(s3_server, tmp_path):
         AWS_EC2_METADATA_DISABLED="true",
     )
     out = subprocess.run(
-        [sys.executable, "-c", _NO_CREDS % s3_server.endpoint_url], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _NO_CREDS % s3_server.endpoint_url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert "ConfigError: no AWS credentials found" in out.stdout, out.stderr[-2000:]

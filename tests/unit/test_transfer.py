@@ -23,7 +23,9 @@ def layers(seed):
 
 
 def engine(store, **kw):
-    settings = EngineSettings(namespace="n" * 32, prefix="p", rank=0, num_layers=LAYERS, range_bytes=PAGE + 200, **kw)
+    settings = EngineSettings(
+        namespace="n" * 32, prefix="p", rank=0, num_layers=LAYERS, range_bytes=PAGE + 200, **kw
+    )
     e = TransferEngine(store, settings)
     e.page_format = FMT
     return e
@@ -51,7 +53,11 @@ def test_store_then_load_roundtrip():
         assert e.submit_store(key, ls)
     wait_for(e, lambda a: len(a["stored"]) == 3)
     got = {}
-    e.submit_load("job", [LoadRequest(k, k) for k in data], lambda tag, layer, arr: got.__setitem__((tag, layer), arr.copy()))
+    e.submit_load(
+        "job",
+        [LoadRequest(k, k) for k in data],
+        lambda tag, layer, arr: got.__setitem__((tag, layer), arr.copy()),
+    )
     acc = wait_for(e, lambda a: "job" in a["finished_loads"])
     assert acc["finished_loads"]["job"] == []
     for key, ls in data.items():
@@ -67,7 +73,9 @@ def test_ranges_group_whole_layers():
 
     frames = [Frame(100 + i * 10, 10, 20, 0) for i in range(6)]
     assert plan_ranges(frames, have_until=120, range_bytes=25) == [(120, 140, [2, 3]), (140, 160, [4, 5])]
-    assert plan_ranges(frames, have_until=0, range_bytes=5) == [(100 + i * 10, 110 + i * 10, [i]) for i in range(6)]
+    assert plan_ranges(frames, have_until=0, range_bytes=5) == [
+        (100 + i * 10, 110 + i * 10, [i]) for i in range(6)
+    ]
 
 
 def test_second_writer_finds_chunk_existing():
