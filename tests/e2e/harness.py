@@ -27,9 +27,12 @@ REPLICA_TIMEOUT_S = 300
 REPLICA_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
-def kv_config(endpoint_url: str, bucket: str, **extra: Any) -> dict[str, Any]:
+def kv_config(endpoint_url: str, bucket: str, *, module_path: bool = False, **extra: Any) -> dict[str, Any]:
+    """A replica's --kv-transfer-config. By default the connector is found by
+    the name the plugin registers; ``module_path`` loads it by module instead."""
     return {
         "kv_connector": "S3KVConnector",
+        **({"kv_connector_module_path": "s3kv.connector"} if module_path else {}),
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {

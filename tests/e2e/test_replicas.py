@@ -119,7 +119,10 @@ def test_corrupt_objects_are_recomputed_and_replaced(
     corrupt = copy_bucket(s3_server, bucket_a, _flip_bytes)
     client = s3_server.client()
     before = chunk_objects(client, corrupt)
-    c = run_replica(workdir, "C", model, PROMPTS, kv_config(s3_server.endpoint_url, corrupt))
+    # This replica loads the connector by module path, not by the plugin's name.
+    c = run_replica(
+        workdir, "C", model, PROMPTS, kv_config(s3_server.endpoint_url, corrupt, module_path=True)
+    )
     assert c["outputs"] == baseline["outputs"]
     assert metric(c, "hit_tokens") > 0  # the corrupt chunks were offered, then rejected
     assert worker_total(c, "load_errors_corrupt") >= SHARED_CHUNKS

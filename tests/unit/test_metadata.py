@@ -21,7 +21,9 @@ def test_aggregate_over_ranks_then_index():
     assert total.missing == {K2} and total.load_failed == {"r"}
     assert (total.loaded, total.unavailable) == (2, 1)
     index = ChunkIndex()
-    planner = Planner(namespace=Namespace.from_fields({}), chunk_tokens=64, block_size=32, index=index, world_size=2)
+    planner = Planner(
+        namespace=Namespace.from_fields({}), chunk_tokens=64, block_size=32, index=index, world_size=2
+    )
     planner.on_stored(total.stored)
     assert K1 in index and K2 not in index
     assert S3KVWorkerMetadata().is_empty() and not total.is_empty()

@@ -31,6 +31,14 @@ def engine(store, **kw):
     return e
 
 
+def stored_chunk(store, key, seed, **kw):
+    """An engine on ``store`` that has just stored chunk ``key``."""
+    e = engine(store, **kw)
+    e.submit_store(key, layers(seed))
+    wait_for(e, lambda a: a["stored"])
+    return e
+
+
 def wait_for(e, pred, timeout=10):
     deadline = time.monotonic() + timeout
     acc = {"finished_loads": {}, "stored": [], "missing": [], "store_failed": []}
@@ -80,10 +88,8 @@ def test_ranges_group_whole_layers():
 
 def test_second_writer_finds_chunk_existing():
     store = MemoryStore()
-    e1, e2 = engine(store), engine(store)
     key = b"k" * 16
-    e1.submit_store(key, layers(1))
-    wait_for(e1, lambda a: a["stored"])
+    e1, e2 = stored_chunk(store, key, 1), engine(store)
     e2.submit_store(key, layers(2))
     wait_for(e2, lambda a: a["stored"])
     assert e2.counters.totals().get("store_chunks_existing") == 1
@@ -139,10 +145,8 @@ def test_load_failures_are_classified_and_reported(store, kind):
 
 def test_corrupt_object_is_reported_deleted_and_never_written():
     store = MemoryStore()
-    e = engine(store)
     key = b"c" * 16
-    e.submit_store(key, layers(3))
-    wait_for(e, lambda a: a["stored"])
+    e = stored_chunk(store, key, 3)
     name = e.chunk_id(key).object_key
     blob = bytearray(asyncio.run(store.get(name)))
     blob[-10] ^= 0xFF  # last layer's frame
@@ -157,11 +161,8 @@ def test_corrupt_object_is_reported_deleted_and_never_written():
 
 
 def test_layout_mismatch_is_corrupt():
-    store = MemoryStore()
-    e = engine(store)
     key = b"m" * 16
-    e.submit_store(key, layers(4))
-    wait_for(e, lambda a: a["stored"])
+    e = stored_chunk(MemoryStore(), key, 4)
     e.page_format = PageFormat("float16", 2, FMT.page_shape, 64)
     e.submit_load("j", [LoadRequest(key, "t")], lambda *a: None)
     wait_for(e, lambda a: "j" in a["finished_loads"])
@@ -178,11 +179,8 @@ def test_no_write_reaches_pages_after_a_timeout():
                 await asyncio.sleep(1.0)
             return await super().get(key, range)
 
-    store = SlowSecondRange()
-    e = engine(store, load_timeout_s=0.3)
     key = b"t" * 16
-    e.submit_store(key, layers(5))
-    wait_for(e, lambda a: a["stored"])
+    e = stored_chunk(SlowSecondRange(), key, 5, load_timeout_s=0.3)
     writes = []
     e.submit_load("j", [LoadRequest(key, "t")], lambda tag, layer, arr: writes.append(layer))
     wait_for(e, lambda a: "j" in a["finished_loads"])
