@@ -20,6 +20,8 @@ from s3kv.units import parse_duration, parse_size
 Codec = Literal["zstd", "none"]
 CODECS: tuple[str, ...] = ("zstd", "none")
 ADDRESSING_STYLES: tuple[str, ...] = ("auto", "path", "virtual")
+WRITE_POLICIES: tuple[str, ...] = ("write_through", "local_only")
+DISK_FSYNC: tuple[str, ...] = ("never", "always")
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _PREFIX_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._\-=]+$")
@@ -56,10 +58,31 @@ class S3KVConfig:
     s3_max_attempts: int = _key(3, 'Attempts per S3 request (botocore "standard" retry mode).')
     s3_connect_timeout_s: float = _key(5.0, "TCP connect timeout for S3.")
     s3_read_timeout_s: float = _key(30.0, "Socket read timeout for S3.")
-    # Reserved for the CPU and NVMe tiers; validated now so configs stay valid.
-    cpu_bytes: int | None = _key(None, "Reserved: size of the pinned CPU tier.")
-    disk_path: str | None = _key(None, "Reserved: directory of the NVMe tier.")
-    disk_bytes: int | None = _key(None, "Reserved: size cap of the NVMe tier.")
+    cpu_bytes: int = _key(0, "Size of the (pinned) host-memory tier per worker; 0 turns it off.")
+    disk_path: str | None = _key(
+        None, "Directory of the local NVMe tier (one per machine); unset turns it off."
+    )
+    disk_bytes: int | None = _key(
+        None, "Size cap of the NVMe tier; default 80% of the free space of disk_path at start-up."
+    )
+    disk_fsync: str = _key(
+        "never",
+        '"always" fsyncs each chunk file before publishing it; "never" relies on checksums '
+        "(a file torn by a power loss fails its checksum and is recomputed).",
+    )
+    write_policy: str = _key(
+        "write_through",
+        '"write_through" stores new chunks in every tier (CPU, NVMe, S3); "local_only" '
+        "keeps S3 untouched (no bucket needed).",
+    )
+    promote: bool = _key(True, "Copy chunks loaded from NVMe or S3 into the tiers above them.")
+    save_generated: bool = _key(
+        True, "Also store full chunks that contain generated tokens (the next chat turn hits them)."
+    )
+
+    @property
+    def uses_s3(self) -> bool:
+        return self.write_policy != "local_only"
 
     def validate_block_size(self, block_size: int) -> None:
         """Fail unless ``chunk_tokens`` is a whole number of vLLM blocks."""
@@ -69,10 +92,6 @@ class S3KVConfig:
                 f"block_size {block_size}; use e.g. "
                 f"{max(1, round(self.chunk_tokens / block_size)) * block_size}"
             )
-
-    @property
-    def reserved_keys_set(self) -> list[str]:
-        return [k for k in ("cpu_bytes", "disk_path", "disk_bytes") if getattr(self, k) is not None]
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(S3KVConfig)}
@@ -145,6 +164,14 @@ def _endpoint(value: Any) -> str:
     return value.rstrip("/")
 
 
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
 def _str(key: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
@@ -169,7 +196,11 @@ _PARSERS = {
     "s3_read_timeout_s": lambda v: _positive_duration("s3_read_timeout_s", v),
     "cpu_bytes": lambda v: parse_size(v, name="cpu_bytes"),
     "disk_path": lambda v: _str("disk_path", v),
-    "disk_bytes": lambda v: parse_size(v, name="disk_bytes"),
+    "disk_bytes": lambda v: _positive_size("disk_bytes", v),
+    "disk_fsync": lambda v: _choice("disk_fsync", v, DISK_FSYNC),
+    "write_policy": lambda v: _choice("write_policy", v, WRITE_POLICIES),
+    "promote": lambda v: _bool("promote", v),
+    "save_generated": lambda v: _bool("save_generated", v),
 }
 assert set(_PARSERS) == set(KNOWN_KEYS), set(_PARSERS) ^ set(KNOWN_KEYS)
 
@@ -200,9 +231,16 @@ def parse_config(raw: dict[str, Any] | None, *, require_bucket: bool = True) -> 
         if value is None:
             continue
         values[key] = parser(value)
-    if require_bucket and "bucket" not in values:
+    config = S3KVConfig(**values)
+    if not config.uses_s3:
+        if not config.cpu_bytes and not config.disk_path:
+            raise ConfigError(
+                'write_policy: "local_only" keeps S3 untouched, so it needs a local tier: '
+                "set cpu_bytes or disk_path"
+            )
+    elif require_bucket and config.bucket is None:
         raise ConfigError(
             "bucket: missing; set kv_connector_extra_config.bucket to the S3 bucket "
-            "that holds the shared cache"
+            'that holds the shared cache (or write_policy: "local_only" for local tiers only)'
         )
-    return S3KVConfig(**values)
+    return config

@@ -16,12 +16,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from s3kv.config import parse_config
 from s3kv.connector.compat import check_vllm_version
 from s3kv.connector.layout import engine_layout
 from s3kv.connector.metadata import S3KVMetadata
 from s3kv.connector.stats import S3KVPromMetrics, S3KVStats
+from s3kv.tiering.placement import Tier
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +40,12 @@ if TYPE_CHECKING:
     from s3kv.connector.worker import WorkerSide
 
 log = logging.getLogger("s3kv")
+
+HIT_SOURCES = {
+    Tier.CPU: CacheHitSource.HOST,
+    Tier.DISK: CacheHitSource.DISK,
+    Tier.S3: CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
 
 
 def _log_through_vllm() -> None:
@@ -60,11 +68,6 @@ class S3KVConnector(KVConnectorBase_V1):
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
         layout = engine_layout(vllm_config, kv_cache_config)
         self.config.validate_block_size(layout.block_size)
-        if self.config.reserved_keys_set:
-            log.warning(
-                "s3kv: %s configure tiers that this version does not have yet; they are ignored",
-                ", ".join(self.config.reserved_keys_set),
-            )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -103,26 +106,31 @@ class S3KVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register(kv_caches)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+    def _meta(self) -> S3KVMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, S3KVMetadata)
-        self.worker.start_load(meta)
+        return meta
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, S3KVMetadata)
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # S3 loads are asynchronous: blocks are complete before use
+        self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        return  # pages are copied out once per step, in wait_for_save
+        self.worker.save_layer(self._meta(), layer_name)
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, S3KVMetadata)
-        self.worker.save(meta)
+        self.worker.save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self.worker.get_finished()
+        return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
@@ -156,6 +164,15 @@ class S3KVConnector(KVConnectorBase_V1):
     ) -> None:
         self.scheduler.on_alloc(request, blocks, num_external_tokens)
 
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        by_tier = self.scheduler.hit_sources(request)
+        out = {HIT_SOURCES[t]: n for t, n in by_tier.items() if n}
+        if sum(out.values()) != num_external_tokens:  # vLLM trimmed the hit: keep its total
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return out
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_meta(scheduler_output)
 
@@ -163,8 +180,7 @@ class S3KVConnector(KVConnectorBase_V1):
         self.scheduler.on_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler.on_finished(request)
-        return False, None
+        return self.scheduler.request_finished(request, block_ids), None
 
     # -- stats -------------------------------------------------------------------
     @classmethod

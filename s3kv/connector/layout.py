@@ -23,6 +23,12 @@ class EngineLayout:
     tp_size: int
     world_size: int
     """Ranks that each store a shard of every chunk."""
+    page_size_bytes: int = 0
+    """Bytes of one block of one layer on one rank."""
+
+    def shard_bytes(self, chunk_tokens: int) -> int:
+        """Bytes of one rank's pages of a chunk, all layers."""
+        return chunk_tokens // self.block_size * self.page_size_bytes * len(self.layer_names)
 
 
 def _cpu_attention_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
@@ -85,4 +91,5 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> En
         layer_names=tuple(groups[0].layer_names),
         tp_size=int(parallel.tensor_parallel_size),
         world_size=int(parallel.tensor_parallel_size),
+        page_size_bytes=int(spec.page_size_bytes),
     )

@@ -9,53 +9,73 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from s3kv.tiering.placement import Tier
 from s3kv.tiering.planner import LoadPlan, StoreChunk
 
 
 @dataclass
 class S3KVMetadata(KVConnectorMetadata):
-    """Scheduler -> workers: this step's loads (start after the forward) and
-    stores (copy out at the end of the step). Every rank gets the same plan."""
+    """Scheduler -> workers: this step's loads (synchronous ones before the
+    forward, asynchronous ones after it), stores (copied out as the forward
+    writes each layer), and finished requests whose blocks wait for those
+    copies. Every rank gets the same plan."""
 
     loads: list[LoadPlan] = field(default_factory=list)
     stores: list[StoreChunk] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    preempted: bool = False
+
+
+def _add(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, n in b.items():
+        out[k] = out.get(k, 0) + n
+    return out
 
 
 @dataclass
 class S3KVWorkerMetadata(KVConnectorWorkerMetadata):
     """Workers -> scheduler, summed over ranks."""
 
-    stored: dict[bytes, int] = field(default_factory=dict)
-    """Key -> ranks that now hold their shard of it."""
-    store_failed: set[bytes] = field(default_factory=set)
-    missing: set[bytes] = field(default_factory=set)
-    """Keys found absent or corrupt: drop them from the index."""
+    written: dict[tuple[Tier, bytes], int] = field(default_factory=dict)
+    """(tier, key) -> ranks that now hold their shard of key in that tier."""
+    disk_sizes: dict[bytes, int] = field(default_factory=dict)
+    """Key -> bytes of the NVMe files written, summed over ranks."""
+    failed: set[tuple[Tier, bytes]] = field(default_factory=set)
+    """Writes (stores, promotions) that were dropped or failed."""
+    missing: set[tuple[Tier, bytes]] = field(default_factory=set)
+    """Keys a tier turned out not to hold (absent or corrupt): forget them there."""
+    released: dict[bytes, int] = field(default_factory=dict)
+    """Store key -> ranks that no longer read its CPU slot."""
     load_failed: set[str] = field(default_factory=set)
     """Requests whose load failed in part: offer them no more hits."""
     loaded: int = 0
     unavailable: int = 0
-    """Loads that failed because the store did not answer."""
+    """Transfers that failed because S3 did not answer."""
+    disk_full: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, S3KVWorkerMetadata)
-        stored = dict(self.stored)
-        for k, n in other.stored.items():
-            stored[k] = stored.get(k, 0) + n
         return S3KVWorkerMetadata(
-            stored,
-            self.store_failed | other.store_failed,
+            _add(self.written, other.written),
+            _add(self.disk_sizes, other.disk_sizes),
+            self.failed | other.failed,
             self.missing | other.missing,
+            _add(self.released, other.released),
             self.load_failed | other.load_failed,
             self.loaded + other.loaded,
             self.unavailable + other.unavailable,
+            self.disk_full or other.disk_full,
         )
 
     def is_empty(self) -> bool:
         return not (
-            self.stored
-            or self.store_failed
+            self.written
+            or self.failed
             or self.missing
+            or self.released
             or self.load_failed
             or self.loaded
             or self.unavailable
+            or self.disk_full
         )

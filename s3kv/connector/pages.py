@@ -1,18 +1,22 @@
 """Copying whole KV block pages between vLLM's KV cache tensors and host
 memory, for any layout: a layer's tensor has one axis of ``num_blocks``; a
-chunk's pages of a layer are ``index_select`` along it, stored as opaque
-bytes, and written back with ``index_copy_``. Nothing inside a page is
-ever reinterpreted (on the CPU backend its byte order depends on the ISA).
+chunk's pages of a layer are ``index_select`` along it, kept as opaque
+bytes, and written back with ``index_copy_``. Nothing inside a page is ever
+reinterpreted (on the CPU backend its byte order depends on the ISA).
 
 One small interface, two implementations:
-- host tensors (vLLM's CPU backend): plain copies from any thread;
-- device tensors (CUDA/XPU): writes go through a side stream, and
-  :meth:`PageIO.synchronize` waits for them before a load is reported done.
+- host tensors (vLLM's CPU backend): plain copies, from any thread;
+- device tensors (CUDA/XPU): every copy runs on one side stream, in order.
+  Copies out of the cache first wait for the forward's writes; the forward's
+  next work waits for the copies (:meth:`PageIO.fence`), so a block freed and
+  reused by vLLM is never overwritten before it was copied out, and a
+  layer-by-layer load makes the forward wait only for its own layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -54,48 +58,125 @@ class PageIO:
         if missing:
             raise ConfigError(f"KV caches of layers {missing[:3]} were not registered")
         self.layers = [LayerPages(n, kv_caches[n], num_blocks) for n in layer_names]
-        first = kv_caches[layer_names[0]]
-        self.device = first.device
+        self.index_of = {n: i for i, n in enumerate(layer_names)}
+        self.device = kv_caches[layer_names[0]].device
         self._stream = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
 
+    @property
+    def on_device(self) -> bool:
+        return self._stream is not None
+
+    def host_buffer(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        """Host memory for pages (pinned when the cache is on a device)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and self.on_device)
+
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
-    def read(self, block_ids: Sequence[int]) -> list[np.ndarray]:
-        """Private host copies of the pages of ``block_ids``, one array per layer.
-        Called on the forward's thread after the forward, so it sees its writes."""
-        idx = self._index(block_ids)
-        out = []
-        for layer in self.layers:
-            pages = layer.u8.index_select(layer.axis, idx)
-            if pages.device.type != "cpu":
-                pages = pages.to("cpu")
-            out.append(pages.numpy().reshape(-1))
-        return out
+    def read_into(self, layer_index: int, block_ids: Sequence[int], out: np.ndarray) -> None:
+        """Copy the pages of ``block_ids`` of one layer into ``out`` (host,
+        uint8, exactly their size). Call after the forward wrote them."""
+        layer = self.layers[layer_index]
+        dst = torch.from_numpy(out).view(layer.shape_for(len(block_ids)))
+        if self._stream is None:
+            torch.index_select(layer.u8, layer.axis, self._index(block_ids), out=dst)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            dst.copy_(layer.u8.index_select(layer.axis, self._index(block_ids)), non_blocking=True)
 
-    def write(self, layer_index: int, block_ids: Sequence[int], first: int, data: np.ndarray) -> None:
-        """Write pages ``first..`` of a chunk's layer (``data`` holds all of the
-        chunk's pages) into ``block_ids[first:]``. Thread-safe for distinct blocks."""
+    def write(
+        self, layer_index: int, block_ids: Sequence[int], first: int, last: int, data: np.ndarray
+    ) -> None:
+        """Write pages ``first..last`` of a chunk's layer (``data`` holds all of
+        the chunk's pages) into ``block_ids[first:last]``. Thread-safe for
+        distinct blocks."""
         layer = self.layers[layer_index]
         n = len(block_ids)
-        src = torch.from_numpy(data).view(layer.shape_for(n))
-        if first:
-            src = src.narrow(layer.axis, first, n - first)
-        ids = block_ids[first:]
+        src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(layer.shape_for(n))
+        if first or last != n:
+            src = src.narrow(layer.axis, first, last - first)
+        idx = self._index(block_ids[first:last])
         if self._stream is None:
-            layer.u8.index_copy_(layer.axis, self._index(ids), src)
+            layer.u8.index_copy_(layer.axis, idx, src)
             return
         with torch.cuda.stream(self._stream):
-            layer.u8.index_copy_(layer.axis, self._index(ids), src.to(self.device, non_blocking=True))
+            layer.u8.index_copy_(layer.axis, idx, src.to(self.device, non_blocking=True))
+
+    def fence(self) -> Callable[[], None]:
+        """Order the forward's later work after every copy issued so far, and
+        return a function that waits on the host until they are done."""
+        if self._stream is None:
+            return lambda: None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        return event.synchronize
 
     def synchronize(self) -> None:
-        """Return once every :meth:`write` so far is visible to the forward."""
+        """Return once every copy so far is complete."""
         if self._stream is not None:
             self._stream.synchronize()
 
-    @property
-    def page_shape(self) -> tuple[int, ...]:
-        """Shape of one block's page in the first layer (for chunk headers)."""
-        return self.layers[0].shape_for(1)
+    def layerwise_load(
+        self, chunks: Sequence[tuple[Sequence[np.ndarray], Sequence[int], int, int]]
+    ) -> LayerwiseLoad:
+        """Start copying ``chunks`` — (host pages per layer, block ids, first,
+        last) — into the cache, layer after layer, while the forward runs."""
+        return LayerwiseLoad(self, chunks)
+
+
+class LayerwiseLoad:
+    """A synchronous load from the CPU tier that the forward overlaps: layer
+    i+1 is copied while layer i computes. On the CPU platform a thread does
+    the copies; on a device, the side stream, with one event per layer."""
+
+    def __init__(
+        self, pages: PageIO, chunks: Sequence[tuple[Sequence[np.ndarray], Sequence[int], int, int]]
+    ) -> None:
+        self.pages = pages
+        self.chunks = list(chunks)
+        self.error: BaseException | None = None
+        n = len(pages.layers)
+        self._events: list = []
+        if pages.on_device:
+            for i in range(n):
+                self._copy_layer(i)
+                ev = torch.cuda.Event()
+                ev.record(pages._stream)
+                self._events.append(ev)
+            self._thread = None
+        else:
+            self._events = [threading.Event() for _ in range(n)]
+            self._thread = threading.Thread(target=self._run, name="s3kv-layer-load", daemon=True)
+            self._thread.start()
+
+    def _copy_layer(self, i: int) -> None:
+        for arrays, block_ids, first, last in self.chunks:
+            self.pages.write(i, block_ids, first, last, arrays[i])
+
+    def _run(self) -> None:
+        try:
+            for i, ev in enumerate(self._events):
+                self._copy_layer(i)
+                ev.set()
+        except BaseException as e:  # reported as load errors by the caller
+            self.error = e
+            for ev in self._events:
+                ev.set()
+
+    def wait_layer(self, i: int) -> None:
+        ev = self._events[i]
+        if isinstance(ev, threading.Event):
+            ev.wait()
+        else:
+            torch.cuda.current_stream(self.pages.device).wait_event(ev)
+
+    def wait_all(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            for i in range(len(self._events)):
+                self.wait_layer(i)

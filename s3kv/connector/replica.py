@@ -4,10 +4,12 @@
 
 The demo and the end-to-end tests start each replica as a fresh process with
 this module. SPEC holds the model, the engine arguments, the
-``kv_transfer_config`` (null: no connector, the baseline) and the prompts;
-RESULT gets the greedy outputs, per-request TTFT and cached tokens, s3kv's
-counters from the engine's Prometheus metrics and, once pending uploads
-finished, the workers' totals.
+``kv_transfer_config`` (null: no connector, the baseline) and the prompts.
+A prompt is a list of token ids, or ``{"after": i, "append": [...]}``: the
+next turn of a chat (prompt i, its answer, then new tokens). RESULT gets the
+greedy outputs, per-request TTFT and cached tokens, s3kv's counters from the
+engine's Prometheus metrics and, once pending uploads finished, the
+workers' totals.
 """
 
 from __future__ import annotations
@@ -38,18 +40,33 @@ class S3KVWorkerExtension:
 
 
 def _metrics(llm: Any) -> dict[str, float]:
+    """s3kv's counters and vLLM's prefix-cache counters; hits by tier as
+    ``vllm:prompt_tokens_cached_by_source{source=host}`` etc."""
     out: dict[str, float] = {}
     for m in llm.get_metrics():
-        if m.name.startswith("vllm:s3kv_") or m.name in (
+        name = m.name
+        if name == "vllm:prompt_tokens_cached_by_source":
+            name = f"{name}{{source={m.labels.get('source')}}}"
+        elif not m.name.startswith("vllm:s3kv_") and m.name not in (
             "vllm:external_prefix_cache_hits",
             "vllm:external_prefix_cache_queries",
             "vllm:prefix_cache_hits",
             "vllm:prefix_cache_queries",
         ):
-            value = getattr(m, "value", None)
-            if isinstance(value, (int, float)):
-                out[m.name] = out.get(m.name, 0) + value
+            continue
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)):
+            out[name] = out.get(name, 0) + value
     return out
+
+
+def _prompt(entry: Any, prompts: list[Any], outputs: list[list[int]]) -> list[int]:
+    """A prompt: a list of token ids, or a next chat turn
+    ``{"after": i, "append": [...]}`` = prompt i + its output + ``append``."""
+    if isinstance(entry, dict):
+        i = int(entry["after"])
+        return _prompt(prompts[i], prompts, outputs) + outputs[i] + list(entry["append"])
+    return list(entry)
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -69,11 +86,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     startup_s = time.perf_counter() - started
     params = SamplingParams(max_tokens=int(spec.get("max_tokens", 16)), temperature=0.0, ignore_eos=True)
     outputs, ttft, cached = [], [], []
-    for prompt in spec["prompts"]:
+    for entry in spec["prompts"]:
         # One at a time: each request's TTFT is its own, and a later prompt
         # may hit what an earlier one stored.
+        prompt = _prompt(entry, spec["prompts"], outputs)
         t0 = time.perf_counter()
-        (out,) = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         wall = time.perf_counter() - t0
         outputs.append(list(out.outputs[0].token_ids))
         latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics else 0.0

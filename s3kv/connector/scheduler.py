@@ -25,7 +25,9 @@ from s3kv.keys import namespace_prefix
 from s3kv.stats import Counters
 from s3kv.stores.base import PutMode
 from s3kv.stores.factory import make_store
+from s3kv.tiering.local_tiers import DiskCleaner, DiskSetup, cpu_index, open_disk, release_lock
 from s3kv.tiering.loop import BackgroundLoop
+from s3kv.tiering.placement import Tier
 from s3kv.tiering.planner import Planner, ScheduledRequest
 
 if TYPE_CHECKING:
@@ -59,14 +61,32 @@ class SchedulerSide:
         self.config = config
         self.layout = layout
         self.counters = Counters()
-        self.index = ChunkIndex()
+        shard_bytes = layout.shard_bytes(config.chunk_tokens)
+        self.index = ChunkIndex() if config.uses_s3 else None
+        cpu = cpu_index(config.cpu_bytes, shard_bytes)
+        self.disk: DiskSetup | None = None
+        self._cleaner: DiskCleaner | None = None
+        evicted: list = []
+        if config.disk_path is not None:
+            self.disk, evicted = open_disk(
+                config.disk_path, layout.namespace.id, layout.world_size, config.disk_bytes
+            )
         self.planner = Planner(
             namespace=layout.namespace,
             chunk_tokens=config.chunk_tokens,
             block_size=layout.block_size,
-            index=self.index,
+            s3=self.index,
+            cpu=cpu,
+            disk=self.disk.index if self.disk is not None else None,
             world_size=layout.world_size,
+            shard_bytes=shard_bytes,
+            promote=config.promote,
+            save_generated=config.save_generated,
+            counters=self.counters,
         )
+        if self.disk is not None:
+            self._cleaner = DiskCleaner(self.disk.root, layout.namespace.id, layout.world_size)
+            self._cleaner.delete(evicted)
         self.kv_cache_manager: KVCacheManager | None = None
         if failure_policy != "recompute":
             log.warning(
@@ -76,20 +96,22 @@ class SchedulerSide:
                 failure_policy,
             )
         self._loop = BackgroundLoop("s3kv-scheduler")
-        self._store = make_store(config)
+        self._store = make_store(config) if config.uses_s3 else None
         self._listing_done = False
-        self._check_store()
-        self._loop.submit(self._describe_namespace(model))
-        listing = self._loop.submit(self._list_forever())
-        try:
-            listing.result(timeout=LISTING_WAIT_S)
-        except concurrent.futures.TimeoutError:
-            log.info("s3kv: the bucket listing continues in the background")
+        if self._store is not None:
+            self._check_store()
+            self._loop.submit(self._describe_namespace(model))
+            listing = self._loop.submit(self._list_forever())
+            try:
+                listing.result(timeout=LISTING_WAIT_S)
+            except concurrent.futures.TimeoutError:
+                log.info("s3kv: the bucket listing continues in the background")
         log.info(
-            "s3kv: namespace %s in s3://%s/%s (chunk_tokens=%d, block_size=%d, ranks=%d)",
+            "s3kv: namespace %s; tiers: cpu %s, disk %s, s3 %s (chunk_tokens=%d, block_size=%d, ranks=%d)",
             layout.namespace.id,
-            config.bucket,
-            config.prefix,
+            f"{cpu.capacity} slots" if cpu is not None else "off",
+            self.disk.root if self.disk is not None else "off",
+            f"s3://{config.bucket}/{config.prefix}" if self._store is not None else "off",
             config.chunk_tokens,
             layout.block_size,
             layout.world_size,
@@ -109,9 +131,11 @@ class SchedulerSide:
             raise ConfigError(f"bucket: access to s3://{c.bucket} denied: {e}") from e
         except (Transient, TimeoutError) as e:
             log.warning(
-                "s3kv: S3 is unreachable at start-up (%s); serving without cache hits and retrying in the background",
+                "s3kv: S3 is unreachable at start-up (%s); serving from the local tiers and "
+                "retrying in the background",
                 e,
             )
+            self.planner.s3_down = True
 
     async def _describe_namespace(self, model: str) -> None:
         """Leave a small descriptor so operators can tell namespaces apart."""
@@ -149,29 +173,38 @@ class SchedulerSide:
                 await asyncio.sleep(LISTING_RETRY_S)
                 continue
             self._listing_done = True
+            self.planner.s3_down = False
             log.info("s3kv: %d chunks already in the bucket (listed in %.2f s)", n, time.monotonic() - start)
             return
 
     # -- vLLM hooks -------------------------------------------------------------
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        token_ids = request.prompt_token_ids
-        if token_ids is None:  # prompt embeddings only: nothing to key on
+        if request.prompt_token_ids is None:  # prompt embeddings only: nothing to key on
             return 0, False
         if not self.planner.knows(request.request_id):
             self.counters.add("lookup_requests")
             self.counters.add("lookup_tokens", request.num_prompt_tokens)
-        n = self.planner.lookup(
-            request.request_id, token_ids, request.num_prompt_tokens, num_computed_tokens, _extras_fn(request)
+        return self.planner.lookup(
+            request.request_id,
+            request.all_token_ids,
+            request.num_tokens,
+            num_computed_tokens,
+            _extras_fn(request),
+            num_prompt_tokens=request.num_prompt_tokens,
         )
-        return (n, True) if n > 0 else (0, False)
 
     def on_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         self.planner.on_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
-        self.counters.add("hit_tokens", num_external_tokens)
+        self._delete_evicted()
+
+    def hit_sources(self, request: Request) -> dict[Tier, int]:
+        return self.planner.hit_sources(request.request_id)
 
     def build_meta(self, out: SchedulerOutput) -> S3KVMetadata:
+        if self._cleaner is not None:
+            self.planner.on_deleted(self._cleaner.take_done())
         scheduled: list[ScheduledRequest] = []
         for new in out.scheduled_new_reqs:
             scheduled.append(
@@ -196,20 +229,52 @@ class SchedulerSide:
                 )
             )
         plan = self.planner.plan_step(scheduled)
-        return S3KVMetadata(loads=plan.loads, stores=plan.stores)
+        self._delete_evicted()
+        return S3KVMetadata(
+            loads=plan.loads, stores=plan.stores, held=plan.held, preempted=bool(out.preempted_req_ids)
+        )
 
     def on_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
+        p = self.planner
         if isinstance(meta, S3KVWorkerMetadata):
-            self.planner.on_stored(meta.stored)
-            self.planner.on_store_failed(list(meta.store_failed))
-            self.planner.on_missing(list(meta.missing))
-            self.planner.on_load_results(meta.load_failed, loaded=meta.loaded, unavailable=meta.unavailable)
+            for tier in Tier:
+                written = {k: n for (t, k), n in meta.written.items() if t is tier}
+                if written:
+                    p.on_written(tier, written, meta.disk_sizes if tier is Tier.DISK else None)
+                failed = [k for t, k in meta.failed if t is tier]
+                if failed:
+                    p.on_write_failed(tier, failed)
+                missing = [k for t, k in meta.missing if t is tier]
+                if missing:
+                    p.on_missing(tier, missing)
+            p.on_released(meta.released)
+            if meta.disk_full:
+                p.on_disk_full()
+            p.on_load_results(meta.load_failed, loaded=meta.loaded, unavailable=meta.unavailable)
+        p.on_recved(output.finished_recving or ())
+        p.on_sent(output.finished_sending or ())
+        self._delete_evicted()
 
-    def on_finished(self, request: Request) -> None:
-        self.planner.on_finished(request.request_id)
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """True: vLLM keeps the blocks until the workers copied the request's
+        last chunks (those with generated tokens) out of them."""
+        computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+        hold = self.planner.request_finished(request.request_id, block_ids, computed)
+        self._delete_evicted()
+        return hold
+
+    def _delete_evicted(self) -> None:
+        evicted = self.planner.take_disk_evictions()
+        if evicted and self._cleaner is not None:
+            self._cleaner.delete(evicted)
 
     def shutdown(self) -> None:
-        with contextlib.suppress(Exception):
-            self._loop.run(self._store.close(), timeout=5)
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._loop.run(self._store.close(), timeout=5)
         self._loop.stop()
+        if self._cleaner is not None:
+            self._cleaner.close()
+        if self.disk is not None:
+            release_lock(self.disk.lock_fd)

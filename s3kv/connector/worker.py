@@ -1,20 +1,31 @@
 """s3kv's worker side, in each vLLM worker process: executes the
-scheduler's plans against this rank's KV cache."""
+scheduler's plans against this rank's KV cache and tiers.
+
+Per step: synchronous loads (CPU tier) start before the forward and are
+waited for layer by layer; asynchronous loads (NVMe, S3) start after it and
+finish in the background. Stores are copied out of the KV cache as each
+layer is saved (into their CPU slot, or a private buffer without a CPU
+tier) and written through in the background.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from s3kv.config import S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
-from s3kv.connector.pages import PageIO
+from s3kv.connector.pages import LayerwiseLoad, PageIO
+from s3kv.errors import ConfigError
 from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
 from s3kv.tiering.chunks import PageFormat
-from s3kv.tiering.planner import LoadChunk
-from s3kv.tiering.transfer import EngineSettings, LoadRequest, TransferEngine
+from s3kv.tiering.hostpool import HostPool, slots_for
+from s3kv.tiering.placement import Tier
+from s3kv.tiering.planner import LoadChunk, StoreChunk
+from s3kv.tiering.transfer import EngineSettings, StoreJob, TransferEngine
 
 if TYPE_CHECKING:
     import numpy as np
@@ -25,6 +36,36 @@ log = logging.getLogger("s3kv.worker")
 SHUTDOWN_FLUSH_S = 10.0
 
 
+class RecentSet:
+    """A set that keeps only its ``size`` most recent members."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: dict[str, None] = {}
+
+    def update(self, items: Iterable[str]) -> None:
+        for item in items:
+            self._items.pop(item, None)
+            self._items[item] = None
+        while len(self._items) > self.size:
+            del self._items[next(iter(self._items))]
+
+    def __contains__(self, item: str) -> bool:
+        return item in self._items
+
+    def discard(self, item: str) -> None:
+        self._items.pop(item, None)
+
+
+class _StepStores:
+    """This step's stores and the host buffers their pages go to."""
+
+    def __init__(self, meta: S3KVMetadata, buffers: list[tuple[StoreChunk, list[np.ndarray]]]) -> None:
+        self.meta = meta
+        self.buffers = buffers
+        self.copied: set[int] = set()
+
+
 class WorkerSide:
     def __init__(self, config: S3KVConfig, layout: EngineLayout, rank: int, num_blocks: int) -> None:
         self.config = config
@@ -33,7 +74,7 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.counters = Counters()
         self.engine = TransferEngine(
-            make_store(config),
+            make_store(config) if config.uses_s3 else None,
             EngineSettings(
                 namespace=layout.namespace.id,
                 prefix=config.prefix,
@@ -44,38 +85,162 @@ class WorkerSide:
                 range_bytes=config.range_bytes,
                 max_inflight_bytes=config.max_inflight_bytes,
                 load_timeout_s=config.load_timeout_s,
+                disk_path=config.disk_path,
+                disk_fsync=config.disk_fsync == "always",
             ),
             self.counters,
         )
         self.pages: PageIO | None = None
+        self.pool: HostPool | None = None
+        self._pool_tensor: torch.Tensor | None = None
+        self._sync: LayerwiseLoad | None = None
+        self._sync_chunks: list[LoadChunk] = []
+        self._stores: _StepStores | None = None
         self._load_errors: set[int] = set()
+        self._sent: set[str] = set()
+        """Held requests whose copies are done, to report as finished sending."""
+        self._finished = RecentSet(4096)
         self._report = S3KVWorkerMetadata()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = PageIO(kv_caches, self.layout.layer_names, self.num_blocks)
         first = self.pages.layers[0]
-        self.engine.page_format = PageFormat(
-            dtype=first.dtype,
-            itemsize=first.itemsize,
-            page_shape=first.shape_for(self.config.chunk_tokens // self.layout.block_size),
-            tokens=self.config.chunk_tokens,
+        expected = self.layout.page_size_bytes
+        if expected and any(layer.page_bytes != expected for layer in self.pages.layers):
+            raise ConfigError(
+                f"KV cache pages are {first.page_bytes} bytes a block, vLLM's spec says {expected}: "
+                "this attention backend's layout is not supported"
+            )
+        bpc = self.config.chunk_tokens // self.layout.block_size
+        layer_bytes = bpc * first.page_bytes
+        num_slots = slots_for(self.config.cpu_bytes, layer_bytes * len(self.pages.layers))
+        if num_slots:
+            self._pool_tensor = self.pages.host_buffer(
+                num_slots * layer_bytes * len(self.pages.layers), pinned=True
+            )
+            self.pool = HostPool(
+                num_slots, layer_bytes, len(self.pages.layers), buffer=self._pool_tensor.numpy()
+            )
+        self.engine.configure(
+            PageFormat(
+                dtype=first.dtype,
+                itemsize=first.itemsize,
+                page_shape=first.shape_for(bpc),
+                tokens=self.config.chunk_tokens,
+            ),
+            self.pool,
         )
 
+    # -- loads ---------------------------------------------------------------------
     def _write(self, chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
         assert self.pages is not None
-        self.pages.write(layer, chunk.block_ids, chunk.first_block, data)
+        self.pages.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data)
 
     def start_load(self, meta: S3KVMetadata) -> None:
+        sync: list[tuple[list[np.ndarray], tuple[int, ...], int, int]] = []
+        self._sync_chunks = []
         for plan in meta.loads:
-            self.engine.submit_load(plan.req_id, [LoadRequest(c.key, c) for c in plan.chunks], self._write)
+            if not plan.sync:
+                self.engine.submit_load(plan.req_id, plan.chunks, self._write)
+                continue
+            for c in plan.chunks:
+                if self.pool is None or c.cpu_slot is None or not self.pool.holds(c.cpu_slot, c.key):
+                    log.warning("s3kv: CPU slot %s does not hold chunk %s", c.cpu_slot, c.key.hex())
+                    self._load_errors.update(c.write_ids)
+                    self._report.missing.add((Tier.CPU, c.key))
+                    continue
+                sync.append((self.pool.layer_views(c.cpu_slot), c.block_ids, c.first_block, c.last_block))
+                self._sync_chunks.append(c)
+        if sync and self.pages is not None:
+            self._sync = self.pages.layerwise_load(sync)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        if self._sync is not None and self.pages is not None:
+            i = self.pages.index_of.get(layer_name)
+            if i is not None:
+                self._sync.wait_layer(i)
+
+    def _finish_sync_load(self) -> None:
+        load, self._sync = self._sync, None
+        if load is None:
+            return
+        load.wait_all()
+        if load.error is not None:
+            log.error("s3kv: copying from the CPU tier failed: %s", load.error)
+            for c in self._sync_chunks:
+                self._load_errors.update(c.write_ids)
+            return
+        n = len(self._sync_chunks)
+        self.counters.add("load_chunks_cpu", n)
+        self.counters.add("load_bytes_cpu", n * (self.pool.slot_bytes if self.pool else 0))
+        self._report.loaded += len(self._sync_chunks)
+        self._sync_chunks = []
+
+    # -- stores --------------------------------------------------------------------
+    def _step_stores(self, meta: S3KVMetadata) -> _StepStores | None:
+        """This step's store buffers, made on first use."""
+        if self._stores is not None and self._stores.meta is meta:
+            return self._stores
+        self._stores = None
+        if not meta.stores or self.pages is None:
+            return None
+        n_layers = len(self.pages.layers)
+        buffers = []
+        for s in meta.stores:
+            if s.cpu_slot is not None and self.pool is not None:
+                self.pool.claim(s.cpu_slot, None)  # being overwritten
+                buffers.append((s, self.pool.layer_views(s.cpu_slot)))
+                continue
+            nbytes = len(s.block_ids) * self.pages.layers[0].page_bytes
+            if not self.engine.accepts(nbytes * n_layers):
+                self.engine.drop(s)  # over the byte budget: not even copied
+                continue
+            flat = self.pages.host_buffer(nbytes * n_layers, pinned=True).numpy()
+            buffers.append((s, [flat[i * nbytes : (i + 1) * nbytes] for i in range(n_layers)]))
+        self._stores = _StepStores(meta, buffers)
+        return self._stores
+
+    def save_layer(self, meta: S3KVMetadata, layer_name: str) -> None:
+        """The forward has written this layer's KV for the step: copy it out."""
+        assert self.pages is not None
+        i = self.pages.index_of.get(layer_name)
+        step = self._step_stores(meta)
+        if step is None or i is None or i in step.copied:
+            return
+        for s, bufs in step.buffers:
+            self.pages.read_into(i, s.block_ids, bufs[i])
+        step.copied.add(i)
 
     def save(self, meta: S3KVMetadata) -> None:
-        if not meta.stores or self.pages is None:
+        """End of the step: copy the layers not saved yet (a step without a
+        forward saves none), then hand the stores to the background."""
+        self._finish_sync_load()
+        if self.pages is None:
             return
-        for chunk in meta.stores:
-            self.engine.submit_store(chunk.key, self.pages.read(chunk.block_ids))
+        step = self._step_stores(meta)
+        if step is not None:
+            for i in range(len(self.pages.layers)):
+                if i not in step.copied:
+                    for s, bufs in step.buffers:
+                        self.pages.read_into(i, s.block_ids, bufs[i])
+            ready = self.pages.fence()
+            for s, bufs in step.buffers:
+                self.engine.submit_store(
+                    StoreJob(s.key, bufs, s.cpu_slot, s.disk, s.s3, ready if self.pages.on_device else None)
+                )
+            if meta.held:
+                ready()  # the blocks of finished requests go back to vLLM next
+        self._stores = None
+        self._sent.update(meta.held)
 
-    def get_finished(self) -> set[str] | None:
+    def handle_preemptions(self, meta: S3KVMetadata) -> None:
+        """Preempted requests' blocks may be reused by this step's forward:
+        no copy out of them may still be pending."""
+        if meta.preempted and self.pages is not None:
+            self.pages.synchronize()
+
+    # -- reports -------------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         result = self.engine.poll()
         if result.finished_loads and self.pages is not None:
             self.pages.synchronize()
@@ -83,14 +248,30 @@ class WorkerSide:
             if failed:
                 self._report.load_failed.add(req_id)
             for chunk in failed:
-                self._load_errors.update(chunk.block_ids[chunk.first_block :])
-        self._report.loaded += result.loaded
-        self._report.unavailable += result.unavailable
-        for key in result.stored:
-            self._report.stored[key] = self._report.stored.get(key, 0) + 1
-        self._report.missing.update(result.missing)
-        self._report.store_failed.update(result.store_failed)
-        return set(result.finished_loads) or None
+                self._load_errors.update(chunk.write_ids)
+        r = self._report
+        r.loaded += result.loaded
+        r.unavailable += result.unavailable
+        r.disk_full = r.disk_full or result.disk_full
+        for tier, keys in result.written.items():
+            for key, nbytes in keys.items():
+                r.written[(tier, key)] = r.written.get((tier, key), 0) + 1
+                if tier is Tier.DISK:
+                    r.disk_sizes[key] = r.disk_sizes.get(key, 0) + nbytes
+        for tier, keys in result.failed.items():
+            r.failed.update((tier, k) for k in keys)
+        for tier, keys in result.missing.items():
+            r.missing.update((tier, k) for k in keys)
+        for key in result.released:
+            r.released[key] = r.released.get(key, 0) + 1
+        # vLLM accepts only ids it has passed here as finished: held requests
+        # are, in the same step that asks for their copies.
+        self._finished.update(finished_req_ids or ())
+        sent = {r for r in self._sent if r in self._finished}
+        self._sent -= sent
+        for req_id in sent:
+            self._finished.discard(req_id)
+        return sent or None, set(result.finished_loads) or None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -103,4 +284,7 @@ class WorkerSide:
         return report
 
     def shutdown(self) -> None:
+        self._finish_sync_load()
         self.engine.close(SHUTDOWN_FLUSH_S)
+        self.pool = None
+        self._pool_tensor = None

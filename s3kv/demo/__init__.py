@@ -161,8 +161,8 @@ def run_demo(o: DemoOptions) -> int:
                     name,
                     str(len(r["outputs"])),
                     str(int(r["metrics"].get("vllm:s3kv_hit_tokens", 0))),
-                    format_size(_total(r, "store_bytes")),
-                    format_size(_total(r, "load_bytes")),
+                    format_size(_total(r, "store_bytes_s3")),
+                    format_size(_total(r, "load_bytes_s3")),
                     f"{r['ttft_s'][0] * 1000:.0f} ms",
                     f"{ttft[len(ttft) // 2] * 1000:.0f} ms",
                 )

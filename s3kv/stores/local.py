@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
@@ -22,7 +23,8 @@ from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, check_
 PARTIAL_SUFFIX = ".partial"
 
 
-def _map_os_error(e: OSError, key: str) -> Exception:
+def map_os_error(e: OSError, key: str) -> Exception:
+    """The one place where file-system errors become s3kv errors."""
     if isinstance(e, FileNotFoundError):
         return NotFound(key)
     if isinstance(e, FileExistsError):
@@ -32,6 +34,68 @@ def _map_os_error(e: OSError, key: str) -> Exception:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return StorageFull(f"{key}: {e}")
     return Transient(f"{key}: {e}")
+
+
+def partial_path(path: Path) -> Path:
+    """A temporary name beside ``path`` that names its writer's pid, so that a
+    later process can tell a dead writer's leftovers from a live one's."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}")
+
+
+def is_stale_partial(path: Path, *, max_age_s: float = 3600.0) -> bool:
+    """A ``*.partial`` whose writer is dead (or that is older than ``max_age_s``)."""
+    name = path.name
+    if not name.endswith(PARTIAL_SUFFIX):
+        return False
+    try:
+        if time.time() - path.stat().st_mtime > max_age_s:
+            return True
+    except FileNotFoundError:
+        return False
+    pid_part = name[: -len(PARTIAL_SUFFIX)].rsplit(".", 1)[-1].split("-", 1)[0]
+    if not pid_part.isdigit():
+        return True
+    try:
+        os.kill(int(pid_part), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(
+    path: Path, data: bytes | memoryview, *, fsync: bool = False, exclusive: bool = False
+) -> None:
+    """Write ``data`` to a temporary beside ``path`` and publish it by
+    ``os.link`` (``exclusive``: FileExistsError if the name exists) or
+    ``os.replace``. A crash at any point leaves no partial file under
+    ``path``. Raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        if exclusive:
+            os.link(tmp, path)
+        else:
+            os.replace(tmp, path)
+        if fsync:
+            fsync_dir(path.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 class LocalStore(ObjectStore):
@@ -47,33 +111,13 @@ class LocalStore(ObjectStore):
         path = self._path(key)
         if path.name.endswith(PARTIAL_SUFFIX):
             raise ValueError(f"invalid object key {key!r}: {PARTIAL_SUFFIX} is reserved")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            if mode is PutMode.CREATE:
-                os.link(tmp, path)
-            else:
-                os.replace(tmp, path)
-            if self.fsync:
-                dir_fd = os.open(path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        atomic_write(path, data, fsync=self.fsync, exclusive=mode is PutMode.CREATE)
 
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         try:
             await asyncio.to_thread(self._put_sync, key, data, mode)
         except OSError as e:
-            raise _map_os_error(e, key) from e
+            raise map_os_error(e, key) from e
 
     def _get_sync(self, key: str, range: ByteRange | None) -> bytes:
         with open(self._path(key), "rb") as f:
@@ -91,13 +135,13 @@ class LocalStore(ObjectStore):
         except IsADirectoryError as e:
             raise NotFound(key) from e
         except OSError as e:
-            raise _map_os_error(e, key) from e
+            raise map_os_error(e, key) from e
 
     async def head(self, key: str) -> ObjectMeta:
         try:
             st = await asyncio.to_thread(os.stat, self._path(key))
         except OSError as e:
-            raise _map_os_error(e, key) from e
+            raise map_os_error(e, key) from e
         if not os.path.isfile(self._path(key)):
             raise NotFound(key)
         return ObjectMeta(key, st.st_size, st.st_mtime)
@@ -138,4 +182,4 @@ class LocalStore(ObjectStore):
         try:
             await asyncio.to_thread(self._delete_sync, keys)
         except OSError as e:
-            raise _map_os_error(e, ",".join(keys[:3])) from e
+            raise map_os_error(e, ",".join(keys[:3])) from e

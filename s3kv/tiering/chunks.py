@@ -1,7 +1,9 @@
-"""Moving one chunk object between a store and memory: ranged, parallel,
-checked. Pure asyncio over an :class:`~s3kv.stores.base.ObjectStore`; the
-CPU work (checksums, zstd, shuffling) runs in an executor so several chunks
-decode at once."""
+"""One chunk shard in its forms: page bytes per layer (the CPU tier, the KV
+cache) and the encoded object (NVMe, S3). :class:`ChunkCodec` turns one into
+the other with every check; :func:`load_chunk` fetches an object from a store
+with parallel ranged reads and decodes frames as they arrive. The CPU work
+(checksums, zstd, shuffling) runs in an executor so several chunks decode at
+once."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from s3kv import codec
-from s3kv.errors import AlreadyExists, CorruptChunk
-from s3kv.stores.base import ByteRange, ObjectStore, PutMode
+from s3kv.errors import CorruptChunk
+from s3kv.stores.base import ByteRange, ObjectStore
 
 FrameSink = Callable[[int, np.ndarray], None]
 """Called once per layer with that layer's decoded page bytes (uint8)."""
@@ -63,18 +65,116 @@ def plan_ranges(
     return groups
 
 
+@dataclass(frozen=True)
+class ChunkCodec:
+    """How this engine's chunk shards are encoded, and what a decoded one
+    must match: namespace, rank, layer count and page format."""
+
+    namespace: str
+    rank: int
+    num_layers: int
+    fmt: PageFormat
+    codec: str = "zstd"
+    level: int = 1
+
+    def encode(self, key: bytes, layers: Sequence[np.ndarray]) -> bytes:
+        return codec.encode_chunk(
+            namespace=self.namespace,
+            key=key.hex(),
+            rank=self.rank,
+            tokens=self.fmt.tokens,
+            layers=layers,
+            dtype=self.fmt.dtype,
+            itemsize=self.fmt.itemsize,
+            page_shape=self.fmt.page_shape,
+            codec=self.codec,
+            level=self.level,
+        )
+
+    def check(self, header: codec.ChunkHeader, key_hex: str, where: str) -> None:
+        """Raise CorruptChunk unless ``header`` is this engine's chunk ``key_hex``."""
+        try:
+            header.check_identity(self.namespace, key_hex, self.rank)
+        except CorruptChunk as e:
+            raise CorruptChunk(f"{where}: {e}") from None
+        if len(header.frames) != self.num_layers:
+            raise CorruptChunk(f"{where}: {len(header.frames)} layers, this model has {self.num_layers}")
+        fmt = self.fmt
+        if header.dtype != fmt.dtype or header.page_shape != fmt.page_shape or header.tokens != fmt.tokens:
+            raise CorruptChunk(
+                f"{where}: pages are {header.dtype}{list(header.page_shape)} x {header.tokens} tokens, "
+                f"this engine's are {fmt.dtype}{list(fmt.page_shape)} x {fmt.tokens}"
+            )
+
+    def decode(self, key: bytes, blob: bytes | memoryview, sink: FrameSink, where: str) -> None:
+        """Check a whole object and hand each decoded layer to ``sink``."""
+        header = codec.parse_header(blob)
+        self.check(header, key.hex(), where)
+        if len(blob) != header.object_length:
+            raise CorruptChunk(f"{where}: {len(blob)} bytes, its header says {header.object_length}")
+        mv = memoryview(blob)
+        for i, f in enumerate(header.frames):
+            sink(i, codec.decode_frame(header, i, mv[f.offset : f.end]))
+
+
+class ChunkData:
+    """A chunk shard as page bytes per layer, as an encoded object, or both;
+    the missing form is made once, on first use (thread-safe enough: at worst
+    two threads both encode)."""
+
+    def __init__(
+        self,
+        key: bytes,
+        chunk_codec: ChunkCodec,
+        *,
+        layers: Sequence[np.ndarray] | None = None,
+        blob: bytes | None = None,
+    ) -> None:
+        if layers is None and blob is None:
+            raise ValueError("a chunk needs its layers or its encoded bytes")
+        self.key = key
+        self.codec = chunk_codec
+        self._layers = list(layers) if layers is not None else None
+        self._blob = blob
+
+    @property
+    def raw_bytes(self) -> int:
+        if self._layers is not None:
+            return sum(a.nbytes for a in self._layers)
+        return codec.parse_header(self._blob).raw_bytes  # type: ignore[arg-type]
+
+    @property
+    def layers(self) -> list[np.ndarray]:
+        if self._layers is None:
+            out: list[np.ndarray] = [np.empty(0, np.uint8)] * self.codec.num_layers
+            self.codec.decode(self.key, self._blob, out.__setitem__, "chunk")  # type: ignore[arg-type]
+            self._layers = out
+        return self._layers
+
+    @property
+    def blob(self) -> bytes:
+        if self._blob is None:
+            self._blob = self.codec.encode(self.key, self._layers)  # type: ignore[arg-type]
+        return self._blob
+
+    @property
+    def has_blob(self) -> bool:
+        return self._blob is not None
+
+
 async def load_chunk(
     store: ObjectStore,
     chunk: ChunkId,
     sink: FrameSink,
     *,
-    num_layers: int,
+    chunk_codec: ChunkCodec,
     range_bytes: int,
-    expect: PageFormat | None = None,
     executor: concurrent.futures.Executor | None = None,
-) -> int:
+    keep_blob: bool = False,
+) -> tuple[int, bytes | None]:
     """Fetch, check and decode every frame of ``chunk``, handing each layer to
-    ``sink`` as soon as its range arrives. Returns the bytes fetched.
+    ``sink`` as soon as its range arrives. Returns the bytes fetched and, with
+    ``keep_blob``, the whole object (to promote it to another tier).
 
     Raises NotFound, CorruptChunk (wrong identity, layer count, checksum...),
     Transient; ``sink`` sees only verified bytes, but may have seen some
@@ -82,26 +182,16 @@ async def load_chunk(
     """
     loop = asyncio.get_running_loop()
     first = await store.get(chunk.object_key, ByteRange(0, max(range_bytes, codec.PREFIX_LEN)))
-    fetched = len(first)
     need = codec.header_length(first)
     if need > len(first):
         first += await store.get(chunk.object_key, ByteRange(len(first), need))
-        fetched = len(first)
     header = codec.parse_header(first)
-    header.check_identity(chunk.namespace, chunk.key_hex, chunk.rank)
-    if len(header.frames) != num_layers:
-        raise CorruptChunk(f"{chunk.object_key}: {len(header.frames)} layers, this model has {num_layers}")
-    if expect is not None and (
-        header.dtype != expect.dtype
-        or header.page_shape != expect.page_shape
-        or header.tokens != expect.tokens
-    ):
-        raise CorruptChunk(
-            f"{chunk.object_key}: pages are {header.dtype}{list(header.page_shape)} x {header.tokens} tokens, "
-            f"this engine's are {expect.dtype}{list(expect.page_shape)} x {expect.tokens}"
-        )
+    chunk_codec.check(header, chunk.key_hex, chunk.object_key)
     if len(first) > header.object_length:
         raise CorruptChunk(f"{chunk.object_key}: object is longer than its header says")
+    whole = bytearray(header.object_length) if keep_blob else None
+    if whole is not None:
+        whole[: len(first)] = first
 
     def decode(buf: bytes, base: int, indexes: list[int]) -> None:
         mv = memoryview(buf)
@@ -119,6 +209,8 @@ async def load_chunk(
         buf = await store.get(chunk.object_key, ByteRange(start, end))
         if len(buf) != end - start:
             raise CorruptChunk(f"{chunk.object_key}: truncated (range {start}-{end} gave {len(buf)} bytes)")
+        if whole is not None:
+            whole[start:end] = buf
         await loop.run_in_executor(executor, decode, buf, start, indexes)
         return len(buf)
 
@@ -127,42 +219,5 @@ async def load_chunk(
     for r in results:
         if isinstance(r, BaseException):
             raise r
-    return fetched + sum(r for r in results if isinstance(r, int))
-
-
-async def store_chunk(
-    store: ObjectStore,
-    chunk: ChunkId,
-    layers: Sequence[np.ndarray],
-    fmt: PageFormat,
-    *,
-    codec_name: str,
-    level: int,
-    executor: concurrent.futures.Executor | None = None,
-) -> tuple[int, int, bool]:
-    """Encode and write one chunk shard, create-only.
-
-    Returns (raw bytes, stored bytes, written): ``written`` is False when the
-    object already existed (another writer won the race: not an error)."""
-    loop = asyncio.get_running_loop()
-    blob = await loop.run_in_executor(
-        executor,
-        lambda: codec.encode_chunk(
-            namespace=chunk.namespace,
-            key=chunk.key_hex,
-            rank=chunk.rank,
-            tokens=fmt.tokens,
-            layers=layers,
-            dtype=fmt.dtype,
-            itemsize=fmt.itemsize,
-            page_shape=fmt.page_shape,
-            codec=codec_name,
-            level=level,
-        ),
-    )
-    raw = sum(layer.nbytes for layer in layers)
-    try:
-        await store.put(chunk.object_key, blob, mode=PutMode.CREATE)
-    except AlreadyExists:
-        return raw, len(blob), False
-    return raw, len(blob), True
+    fetched = have + sum(r for r in results if isinstance(r, int))
+    return fetched, bytes(whole) if whole is not None else None

@@ -1,19 +1,23 @@
-"""The scheduler side's bookkeeping, free of vLLM: which chunks a request can
-load, which chunks each step should store, and what the workers reported.
+"""The scheduler side's decisions, free of vLLM: which tier each chunk of a
+request loads from, which chunks each step stores and where, what the local
+tiers evict, and what the workers' reports change.
 
-The connector adapts vLLM's objects to these calls; every placement decision
-is made here, once, so that all TP ranks execute the same plan.
+Every decision is made here, once, so that all TP ranks execute the same
+plan. Nothing here does I/O: evicted disk files are handed to the caller
+(:meth:`Planner.take_disk_evictions`) to delete off the scheduling thread.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from s3kv.index import ChunkIndex
 from s3kv.keys import Namespace, chain_keys
+from s3kv.stats import Counters
+from s3kv.tiering.placement import Tier, TierIndex
 
 ExtrasFn = Callable[[int, int], Any]
 """extras(start_token, end_token) -> the extra keys of that chunk, or None."""
@@ -26,36 +30,67 @@ class LoadChunk:
     """Block ids of the whole chunk, in order."""
     first_block: int
     """Pages before this index are already valid locally and are not written."""
+    last_block: int
+    """Pages from this index on are computed by vLLM and are not written."""
+    sources: tuple[Tier, ...]
+    """Tiers to read from, in order: a later one is tried when an earlier one
+    does not have the chunk (a file lost or corrupt)."""
+    cpu_slot: int | None = None
+    """The CPU slot to read, when ``sources`` starts with the CPU tier."""
+    promote_slot: int | None = None
+    """Also copy the loaded pages into this CPU slot."""
+    promote_disk: bool = False
+    """Also write the fetched object to the NVMe tier."""
+
+    @property
+    def write_ids(self) -> tuple[int, ...]:
+        return self.block_ids[self.first_block : self.last_block]
 
 
 @dataclass(frozen=True)
 class LoadPlan:
     req_id: str
     chunks: tuple[LoadChunk, ...]
+    sync: bool
+    """Copied from the CPU tier during this step's forward, layer by layer;
+    otherwise loaded in the background while the request waits."""
 
 
 @dataclass(frozen=True)
 class StoreChunk:
     key: bytes
     block_ids: tuple[int, ...]
+    cpu_slot: int | None
+    """Copy the pages into this CPU slot (else into a private buffer)."""
+    disk: bool
+    s3: bool
 
 
 @dataclass
 class StepPlan:
     loads: list[LoadPlan] = field(default_factory=list)
     stores: list[StoreChunk] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    """Finished requests whose blocks vLLM keeps until this step's copies are done."""
 
 
 @dataclass
 class _Request:
     token_ids: Sequence[int]
+    """The request's tokens so far (vLLM's live list: prompt, then output)."""
     num_prompt_tokens: int
     extras: ExtrasFn | None
     keys: list[bytes] = field(default_factory=list)
-    hit_chunks: int = 0
     local_tokens: int = 0
+    hit_start: int = 0
+    """First chunk of the last lookup's hit (chunks below are local)."""
+    hit: list[Tier] = field(default_factory=list)
+    """Tier of each chunk of the hit, from ``hit_start``."""
+    hit_tokens: dict[Tier, int] = field(default_factory=dict)
     stored_until: int = 0
-    """Chunks below this index are stored, planned, or known to the index."""
+    """Chunks below this index are stored or planned."""
+    loaded_until: int = 0
+    """Chunks below this index were planned to load from a tier."""
     load_failed: bool = False
     """A load for this request failed: vLLM recomputes it, and asking again
     (vLLM does when nothing was computed) would only fail again."""
@@ -71,6 +106,12 @@ class ScheduledRequest:
     """The request's block ids (called only when a store is planned)."""
 
 
+def disk_estimate(shard_bytes: int) -> int:
+    """Bytes to reserve for one rank's file of a chunk before its size is
+    known: the raw pages plus zstd's worst-case growth and the header."""
+    return shard_bytes + shard_bytes // 64 + (16 << 10)
+
+
 class Planner:
     def __init__(
         self,
@@ -78,38 +119,66 @@ class Planner:
         namespace: Namespace,
         chunk_tokens: int,
         block_size: int,
-        index: ChunkIndex,
+        s3: ChunkIndex | None,
+        cpu: TierIndex | None = None,
+        disk: TierIndex | None = None,
         world_size: int = 1,
+        shard_bytes: int = 0,
+        promote: bool = True,
+        save_generated: bool = True,
+        s3_writes: bool = True,
+        counters: Counters | None = None,
         store_retry_s: float = 120.0,
         backoff_s: tuple[float, float] = (5.0, 60.0),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if chunk_tokens % block_size:
             raise ValueError("chunk_tokens must be a multiple of block_size")
+        if cpu is not None and not cpu.slots:
+            raise ValueError("the CPU tier's index must count slots")
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
-        self.index = index
+        self.s3 = s3
+        self.cpu = cpu
+        self.disk = disk
         self.world_size = world_size
+        self.disk_reserve = world_size * disk_estimate(shard_bytes)
+        self.promote = promote
+        self.save_generated = save_generated
+        self.s3_writes = s3_writes and s3 is not None
+        self.counters = counters or Counters()
         self.store_retry_s = store_retry_s
         self._clock = clock
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[LoadPlan] = []
+        self._pending_stores: list[StoreChunk] = []
+        self._pending_held: list[str] = []
+        self._held: set[str] = set()
+        self._load_pins: dict[str, list[tuple[Tier, bytes]]] = {}
+        """Entries an async load reads, unpinned when vLLM reports it done."""
         self._storing: dict[bytes, float] = {}
-        """Keys planned for store and not yet reported, with when."""
-        self._stored_ranks: dict[bytes, int] = {}
+        """Keys planned for an S3 store and not yet reported, with when."""
+        self._tally: dict[tuple[Tier | str, bytes], int] = {}
+        """Ranks that reported a write (or a slot release) so far."""
+        self._disk_sizes: dict[bytes, int] = {}
+        self._deleting: set[Hashable] = set()
+        self._disk_evictions: list[Hashable] = []
         self._backoff_s = backoff_s
         self._next_backoff_s = backoff_s[0]
         self._paused_until = 0.0
-        """While the store does not answer, offer no hits (a circuit breaker)."""
+        """While S3 does not answer, offer no S3 hits and plan no S3 writes (a
+        circuit breaker); the local tiers go on."""
+        self.s3_down = False
+        """S3 did not answer at start-up: paused until it does (set and
+        cleared by the caller, which keeps trying in the background)."""
 
-    # -- lookups -------------------------------------------------------------
+    # -- keys and tiers --------------------------------------------------------
     def knows(self, req_id: str) -> bool:
         return req_id in self._requests
 
-    def _keys(self, req_id: str, req: _Request) -> list[bytes]:
-        n_chunks = req.num_prompt_tokens // self.chunk_tokens
+    def _keys(self, req: _Request, n_chunks: int) -> list[bytes]:
         have = len(req.keys)
         if have < n_chunks:
             ct = self.chunk_tokens
@@ -126,117 +195,351 @@ class Planner:
             )
         return req.keys
 
+    @property
+    def paused(self) -> bool:
+        return self.s3_down or self._clock() < self._paused_until
+
+    def tier_of(self, key: bytes, *, s3_ok: bool = True) -> Tier | None:
+        """The nearest tier that can supply ``key`` now."""
+        if self.cpu is not None and key in self.cpu:
+            return Tier.CPU
+        if self.disk is not None and key in self.disk:
+            return Tier.DISK
+        if s3_ok and self.s3 is not None and key in self.s3:
+            return Tier.S3
+        return None
+
+    def _index(self, tier: Tier) -> TierIndex | None:
+        return self.cpu if tier is Tier.CPU else self.disk if tier is Tier.DISK else None
+
+    # -- lookups -----------------------------------------------------------------
     def lookup(
         self,
         req_id: str,
         token_ids: Sequence[int],
-        num_prompt_tokens: int,
+        num_tokens: int,
         num_computed_tokens: int,
         extras: ExtrasFn | None = None,
-    ) -> int:
-        """Tokens beyond ``num_computed_tokens`` (the local, block-aligned hit)
-        that the store can supply. No I/O; repeated calls are cheap."""
+        *,
+        num_prompt_tokens: int | None = None,
+    ) -> tuple[int, bool]:
+        """(tokens beyond ``num_computed_tokens`` that the tiers can supply,
+        load asynchronously?). No I/O; repeated calls are cheap.
+
+        A load only from the CPU tier is synchronous and leaves the last
+        block with a token to compute to vLLM; any other is asynchronous."""
         req = self._requests.get(req_id)
         if req is None:
-            req = self._requests[req_id] = _Request(token_ids, num_prompt_tokens, extras)
+            prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+            req = self._requests[req_id] = _Request(token_ids, prompt, extras)
+        req.token_ids = token_ids
         req.local_tokens = num_computed_tokens
-        if req.load_failed or self._clock() < self._paused_until:
-            req.hit_chunks = 0
-            return 0
-        keys = self._keys(req_id, req)
-        req.hit_chunks = self.index.prefix_hits(keys)
-        return max(0, req.hit_chunks * self.chunk_tokens - num_computed_tokens)
+        req.hit = []
+        if req.load_failed:
+            return 0, False
+        ct = self.chunk_tokens
+        n_chunks = num_tokens // ct
+        start = num_computed_tokens // ct
+        if start >= n_chunks:
+            return 0, False
+        keys = self._keys(req, n_chunks)
+        s3_ok = not self.paused
+        hit: list[Tier] = []
+        for c in range(start, n_chunks):
+            tier = self.tier_of(keys[c], s3_ok=s3_ok)
+            if tier is None:
+                break
+            hit.append(tier)
+        req.hit_start, req.hit = start, hit
+        end = (start + len(hit)) * ct
+        sync = bool(hit) and all(t is Tier.CPU for t in hit)
+        if sync:
+            # vLLM must compute at least one prompt token; leave it the whole
+            # last block so our copies and its writes never share a block.
+            end = min(end, (num_tokens - 1) // self.block_size * self.block_size)
+        n = end - num_computed_tokens
+        return (n, not sync) if n > 0 else (0, False)
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM allocated blocks for a hit of ``num_external_tokens``: plan the load."""
         req = self._requests.get(req_id)
         if req is None or num_external_tokens <= 0:
             return
+        ct, bs, bpc = self.chunk_tokens, self.block_size, self.blocks_per_chunk
         start = req.local_tokens
         end = start + num_external_tokens
-        bpc = self.blocks_per_chunk
+        first_chunk, end_chunk = start // ct, -(-end // ct)
+        tiers = req.hit[first_chunk - req.hit_start : end_chunk - req.hit_start]
+        if len(tiers) != end_chunk - first_chunk:
+            raise ValueError(f"request {req_id}: {num_external_tokens} tokens exceed the planned hit")
+        sync = all(t is Tier.CPU for t in tiers)
+        pins: list[tuple[Tier, bytes]] = []
         chunks = []
-        for c in range(start // self.chunk_tokens, end // self.chunk_tokens):
+        req.hit_tokens = {}
+        for c, tier in zip(range(first_chunk, end_chunk), tiers):
             ids = tuple(block_ids[c * bpc : (c + 1) * bpc])
             if len(ids) != bpc:
                 raise ValueError(f"request {req_id}: {len(block_ids)} blocks cannot hold chunk {c}")
-            first = max(0, start // self.block_size - c * bpc)
-            chunks.append(LoadChunk(req.keys[c], ids, first))
-        if chunks:
-            self._pending_loads.append(LoadPlan(req_id, tuple(chunks)))
+            first = max(0, start // bs - c * bpc)
+            last = min(bpc, -(-(end - c * ct) // bs))
+            key = req.keys[c]
+            chunks.append(self._plan_load(key, tier, ids, first, last, pins))
+            n_tokens = min(end, (c + 1) * ct) - max(start, c * ct)
+            req.hit_tokens[tier] = req.hit_tokens.get(tier, 0) + n_tokens
+        for tier, n in req.hit_tokens.items():
+            self.counters.add("hit_tokens", n)
+            self.counters.add(f"hit_tokens_{tier.value}", n)
+        req.loaded_until = max(req.loaded_until, end_chunk)
+        plan = LoadPlan(req_id, tuple(chunks), sync)
+        self._pending_loads.append(plan)
+        self._load_pins[req_id] = pins
 
-    # -- per step ------------------------------------------------------------
+    def _plan_load(
+        self,
+        key: bytes,
+        tier: Tier,
+        ids: tuple[int, ...],
+        first: int,
+        last: int,
+        pins: list[tuple[Tier, bytes]],
+    ) -> LoadChunk:
+        cpu_slot = promote_slot = None
+        promote_disk = False
+        index = self._index(tier)
+        if index is not None:
+            index.touch(key)
+            index.pin(key)
+            pins.append((tier, key))
+        if tier is Tier.CPU:
+            entry = self.cpu.get(key)  # type: ignore[union-attr]
+            cpu_slot = entry.slot if entry is not None else None
+            sources: tuple[Tier, ...] = (Tier.CPU,)
+        elif tier is Tier.DISK:
+            s3_too = self.s3 is not None and key in self.s3 and not self.paused
+            sources = (Tier.DISK, Tier.S3) if s3_too else (Tier.DISK,)
+        else:
+            sources = (Tier.S3,)
+        if self.promote and tier is not Tier.CPU:
+            if self.cpu is not None and (got := self.cpu.reserve(key)) is not None:
+                promote_slot = got[0].slot
+            if tier is Tier.S3 and self._reserve_disk(key):
+                promote_disk = True
+        return LoadChunk(key, ids, first, last, sources, cpu_slot, promote_slot, promote_disk)
+
+    def _reserve_disk(self, key: bytes) -> bool:
+        if self.disk is None or key in self._deleting:
+            return False
+        got = self.disk.reserve(key, self.disk_reserve)
+        if got is None:
+            return False
+        self._evict_disk(got[1])
+        return True
+
+    def _evict_disk(self, evicted: Iterable[tuple[Hashable, Any]]) -> None:
+        for key, _ in evicted:
+            self.counters.add("evict_chunks_disk")
+            self._deleting.add(key)
+            self._disk_evictions.append(key)
+
+    def hit_sources(self, req_id: str) -> dict[Tier, int]:
+        """Tokens of the request's planned load, by tier."""
+        req = self._requests.get(req_id)
+        return dict(req.hit_tokens) if req is not None else {}
+
+    # -- per step ------------------------------------------------------------------
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
-        plan = StepPlan(loads=self._pending_loads)
-        self._pending_loads = []
-        now = self._clock()
+        plan = StepPlan(loads=self._pending_loads, stores=self._pending_stores, held=self._pending_held)
+        self._pending_loads, self._pending_stores, self._pending_held = [], [], []
         for s in scheduled:
             req = self._requests.get(s.req_id)
             if req is None:
                 continue
-            done_tokens = min(s.num_computed_tokens + s.num_scheduled_tokens, req.num_prompt_tokens)
-            done_chunks = done_tokens // self.chunk_tokens
-            if done_chunks <= req.stored_until:
-                continue
-            keys = self._keys(s.req_id, req)
-            block_ids: Sequence[int] | None = None
-            bpc = self.blocks_per_chunk
-            for c in range(req.stored_until, done_chunks):
-                key = keys[c]
-                if key in self.index:
-                    continue
-                started = self._storing.get(key)
-                if started is not None and now - started < self.store_retry_s:
-                    continue
-                if block_ids is None:
-                    block_ids = s.block_ids()
-                ids = tuple(block_ids[c * bpc : (c + 1) * bpc])
-                if len(ids) != bpc:
-                    break
-                self._storing[key] = now
-                plan.stores.append(StoreChunk(key, ids))
-            req.stored_until = done_chunks
+            done = s.num_computed_tokens + s.num_scheduled_tokens
+            plan.stores += self._plan_stores(req, done, s.block_ids)
+        for load in plan.loads:
+            # Synchronous copies run in this step, so no later plan can
+            # collide with them; this step's stores could, so they were
+            # planned first.
+            if load.sync:
+                self._unpin(self._load_pins.pop(load.req_id, []))
         return plan
 
-    def on_finished(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
+    def _plan_stores(
+        self, req: _Request, done_tokens: int, block_ids: Callable[[], Sequence[int]]
+    ) -> list[StoreChunk]:
+        """Stores of the request's full chunks computed by ``done_tokens``
+        whose token ids are known, and not yet in every tier."""
+        limit = len(req.token_ids) if self.save_generated else req.num_prompt_tokens
+        done_chunks = min(done_tokens, limit) // self.chunk_tokens
+        if done_chunks <= req.stored_until:
+            return []
+        keys = self._keys(req, done_chunks)
+        bpc = self.blocks_per_chunk
+        ids_all: Sequence[int] | None = None
+        out = []
+        for c in range(req.stored_until, done_chunks):
+            if ids_all is None:
+                ids_all = block_ids()
+            ids = tuple(ids_all[c * bpc : (c + 1) * bpc])
+            if len(ids) != bpc:
+                break
+            if not self.promote and c < req.loaded_until and not req.load_failed:
+                continue  # loaded from a tier: copying it up would be a promotion
+            store = self._plan_store(keys[c], ids)
+            if store is not None:
+                out.append(store)
+        req.stored_until = done_chunks
+        return out
 
-    # -- worker reports ----------------------------------------------------
-    def on_stored(self, counts: dict[bytes, int]) -> None:
-        """``counts[key]`` more ranks hold their shard of ``key``."""
-        for key, n in counts.items():
-            total = self._stored_ranks.get(key, 0) + n
-            if total >= self.world_size:
-                self._stored_ranks.pop(key, None)
-                self._storing.pop(key, None)
-                self.index.add(key)
+    def _plan_store(self, key: bytes, ids: tuple[int, ...]) -> StoreChunk | None:
+        now = self._clock()
+        to_s3 = (
+            self.s3_writes
+            and not self.paused
+            and key not in self.s3  # type: ignore[operator]
+            and now - self._storing.get(key, -self.store_retry_s) >= self.store_retry_s
+        )
+        to_disk = self.disk is not None and not self.disk.has(key) and key not in self._deleting
+        slot = None
+        if self.cpu is not None and not self.cpu.has(key):
+            got = self.cpu.reserve(key)
+            if got is not None:
+                slot = got[0].slot
+                self.counters.add("evict_chunks_cpu", len(got[1]))
             else:
-                self._stored_ranks[key] = total
+                self.counters.add("store_dropped_no_slot")
+        if to_disk:
+            to_disk = self._reserve_disk(key)
+        if slot is None and not to_disk and not to_s3:
+            return None
+        if to_s3:
+            self._storing[key] = now
+        if slot is not None and (to_disk or to_s3):
+            self.cpu.pin(key)  # type: ignore[union-attr]  # the write-through reads the slot
+        return StoreChunk(key, ids, slot, to_disk, to_s3)
 
-    def on_store_failed(self, keys: Sequence[bytes]) -> None:
+    def request_finished(self, req_id: str, block_ids: Sequence[int], num_computed_tokens: int) -> bool:
+        """The request is done. Plan stores of its last full chunks (those
+        holding generated tokens) for the next step; True if vLLM must keep
+        its blocks until that step's copies are done."""
+        req = self._requests.get(req_id)
+        if req is None:
+            return False
+        stores = self._plan_stores(req, num_computed_tokens, lambda: block_ids)
+        if not stores:
+            del self._requests[req_id]
+            return False
+        self._pending_stores += stores
+        self._pending_held.append(req_id)
+        self._held.add(req_id)
+        return True
+
+    def on_sent(self, req_ids: Iterable[str]) -> None:
+        """vLLM freed these held requests' blocks (the copies were done)."""
+        for req_id in req_ids:
+            if req_id in self._held:
+                self._held.discard(req_id)
+                self._requests.pop(req_id, None)
+
+    def on_recved(self, req_ids: Iterable[str]) -> None:
+        """Async loads of these requests are over (on every rank)."""
+        for req_id in req_ids:
+            self._unpin(self._load_pins.pop(req_id, []))
+
+    def _unpin(self, pins: Iterable[tuple[Tier, bytes]]) -> None:
+        for tier, key in pins:
+            index = self._index(tier)
+            if index is not None:
+                index.unpin(key)
+
+    # -- worker reports ----------------------------------------------------------
+    def _count(self, what: Tier | str, key: bytes, n: int) -> bool:
+        """Add ``n`` ranks' reports; True once every rank reported."""
+        total = self._tally.get((what, key), 0) + n
+        if total >= self.world_size:
+            self._tally.pop((what, key), None)
+            return True
+        self._tally[(what, key)] = total
+        return False
+
+    def on_written(self, tier: Tier, counts: dict[bytes, int], sizes: dict[bytes, int] | None = None) -> None:
+        """``counts[key]`` more ranks hold their shard of ``key`` in ``tier``
+        (``sizes``: their bytes, for the disk)."""
+        for key, n in counts.items():
+            if tier is Tier.DISK and sizes:
+                self._disk_sizes[key] = self._disk_sizes.get(key, 0) + sizes.get(key, 0)
+            if not self._count(tier, key, n):
+                continue
+            if tier is Tier.S3:
+                self._storing.pop(key, None)
+                if self.s3 is not None:
+                    self.s3.add(key)
+            elif tier is Tier.CPU and self.cpu is not None:
+                self.cpu.commit(key)
+            elif tier is Tier.DISK and self.disk is not None:
+                size = self._disk_sizes.pop(key, None)
+                self._evict_disk(self.disk.commit(key, size))
+
+    def on_write_failed(self, tier: Tier, keys: Iterable[bytes]) -> None:
         for key in keys:
-            self._storing.pop(key, None)
-            self._stored_ranks.pop(key, None)
+            self._tally.pop((tier, key), None)
+            if tier is Tier.S3:
+                self._storing.pop(key, None)
+            elif tier is Tier.CPU and self.cpu is not None:
+                self.cpu.abort(key)
+            elif tier is Tier.DISK and self.disk is not None:
+                self._disk_sizes.pop(key, None)
+                if self.disk.abort(key) is not None:
+                    # Ranks that did write leave files: remove them too.
+                    self._deleting.add(key)
+                    self._disk_evictions.append(key)
+
+    def on_released(self, counts: dict[bytes, int]) -> None:
+        """Ranks no longer read the CPU slot of these stores."""
+        for key, n in counts.items():
+            if self._count("release", key, n) and self.cpu is not None:
+                self.cpu.unpin(key)
+
+    def on_missing(self, tier: Tier, keys: Iterable[bytes]) -> None:
+        """Workers found these keys absent or corrupt in ``tier``."""
+        for key in keys:
+            if tier is Tier.S3:
+                if self.s3 is not None:
+                    self.s3.discard(key)
+            else:
+                index = self._index(tier)
+                if index is not None:
+                    index.remove(key)
+
+    def on_disk_full(self) -> None:
+        """The disk filled up below ``disk_bytes`` (other files grew): take
+        what s3kv holds now as the capacity, so later stores evict instead."""
+        if self.disk is not None:
+            self._evict_disk(self.disk.shrink(self.disk.used))
 
     def on_load_results(self, failed_req_ids: Iterable[str], *, loaded: int, unavailable: int) -> None:
-        """What loads did: requests with failed chunks get no more hits; loads
-        the store did not answer pause all hits, for a time that doubles while
-        nothing loads (up to ``backoff_s[1]``) and resets on success."""
+        """What transfers did: requests with failed chunks get no more hits;
+        S3 not answering pauses S3 hits and writes, for a time that doubles
+        while nothing loads (up to ``backoff_s[1]``) and resets on success."""
         for req_id in failed_req_ids:
             req = self._requests.get(req_id)
             if req is not None:
                 req.load_failed = True
         if unavailable:
-            self._paused_until = self._clock() + self._next_backoff_s
-            self._next_backoff_s = min(self._next_backoff_s * 2, self._backoff_s[1])
+            self.pause_s3()
         elif loaded:
             self._next_backoff_s = self._backoff_s[0]
 
-    @property
-    def paused(self) -> bool:
-        return self._clock() < self._paused_until
+    def pause_s3(self) -> None:
+        self._paused_until = self._clock() + self._next_backoff_s
+        self._next_backoff_s = min(self._next_backoff_s * 2, self._backoff_s[1])
 
-    def on_missing(self, keys: Sequence[bytes]) -> None:
-        """Workers found these keys absent or corrupt in the store."""
+    # -- disk deletions ------------------------------------------------------------
+    def take_disk_evictions(self) -> list[Hashable]:
+        """Disk entries to delete (chunk keys, or paths of other files)."""
+        out, self._disk_evictions = self._disk_evictions, []
+        return out
+
+    def on_deleted(self, keys: Iterable[Hashable]) -> None:
         for key in keys:
-            self.index.discard(key)
+            self._deleting.discard(key)

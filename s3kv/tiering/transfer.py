@@ -1,10 +1,12 @@
-"""The worker's transfer engine: runs loads and stores of chunk shards in the
-background, against one object store, and reports what finished.
+"""The worker's transfer engine: executes the scheduler's plans against this
+rank's tiers (host pool, NVMe directory, S3) in the background, and reports
+what finished.
 
-It knows nothing of vLLM or torch. The connector hands it page bytes to
-store and a sink to receive loaded pages; it polls :meth:`poll` once per
-step. Nothing here blocks the caller on I/O: stores beyond
-``max_inflight_bytes`` are dropped and counted, not queued.
+It knows nothing of vLLM or torch. The connector hands it host buffers to
+store (already filled, or with a ``ready`` callable that waits for the copy)
+and a sink that writes loaded pages into the KV cache; it polls :meth:`poll`
+once per step. Nothing here blocks the caller on I/O: write-through beyond
+``max_inflight_bytes`` is dropped and counted, not queued.
 """
 
 from __future__ import annotations
@@ -17,47 +19,47 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from s3kv.errors import CorruptChunk, NotFound, Transient
+from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, StorageFull, Transient
 from s3kv.keys import object_key
 from s3kv.stats import Counters
-from s3kv.stores.base import ObjectStore
-from s3kv.tiering.chunks import ChunkId, PageFormat, load_chunk, store_chunk
+from s3kv.stores.base import ObjectStore, PutMode
+from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, PageFormat, load_chunk
+from s3kv.tiering.disk import DiskTier
+from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.loop import BackgroundLoop
+from s3kv.tiering.placement import Tier
+from s3kv.tiering.planner import LoadChunk, StoreChunk
 
 log = logging.getLogger("s3kv.transfer")
 
-
-@dataclass(frozen=True)
-class LoadRequest:
-    """One chunk of a load job; ``tag`` is the caller's (e.g. block ids)."""
-
-    key: bytes
-    tag: Any
-
-
-ChunkSink = Callable[[Any, int, np.ndarray], None]
-"""sink(tag, layer index, page bytes): write one layer of a loaded chunk."""
+ChunkSink = Callable[[LoadChunk, int, np.ndarray], None]
+"""sink(chunk, layer index, page bytes): write one layer of a loaded chunk."""
 
 
 @dataclass
 class PollResult:
-    finished_loads: dict[str, list[Any]] = field(default_factory=dict)
-    """Job id -> tags of the chunks that failed (empty list: all loaded)."""
-    stored: list[bytes] = field(default_factory=list)
-    """Keys whose shard this rank has in the store now (written or found)."""
-    missing: list[bytes] = field(default_factory=list)
-    """Keys the store does not hold usably (absent or corrupt)."""
-    store_failed: list[bytes] = field(default_factory=list)
-    """Keys whose store was dropped or failed."""
+    finished_loads: dict[str, list[LoadChunk]] = field(default_factory=dict)
+    """Job id -> the chunks that failed (empty list: all loaded)."""
+    written: dict[Tier, dict[bytes, int]] = field(default_factory=dict)
+    """Tier -> key -> bytes: this rank's shard of the key is in the tier now
+    (stored, promoted, or found already there)."""
+    failed: dict[Tier, set[bytes]] = field(default_factory=dict)
+    """Tier -> keys whose write was dropped or failed."""
+    missing: dict[Tier, set[bytes]] = field(default_factory=dict)
+    """Tier -> keys a load found absent or corrupt there."""
+    released: list[bytes] = field(default_factory=list)
+    """Stores that no longer read their CPU slot."""
     loaded: int = 0
     """Chunks loaded successfully."""
     unavailable: int = 0
-    """Chunk loads that failed because the store did not answer (unreachable,
+    """Transfers that failed because S3 did not answer (unreachable,
     throttling, timeout): a reason to stop asking it for a while."""
+    disk_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,13 +74,31 @@ class EngineSettings:
     max_inflight_bytes: int = 1 << 30
     load_timeout_s: float = 30.0
     threads: int = 4
+    disk_path: str | None = None
+    disk_fsync: bool = False
+
+
+@dataclass
+class StoreJob:
+    key: bytes
+    layers: Sequence[np.ndarray]
+    """Host copies of the chunk's pages, one per layer (slot views or private)."""
+    slot: int | None = None
+    disk: bool = False
+    s3: bool = False
+    ready: Callable[[], None] | None = None
+    """Blocks until ``layers`` hold the pages (a device copy may be in flight)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.layers)
 
 
 class TransferEngine:
     def __init__(
-        self, store: ObjectStore, settings: EngineSettings, counters: Counters | None = None
+        self, s3: ObjectStore | None, settings: EngineSettings, counters: Counters | None = None
     ) -> None:
-        self.store = store
+        self.s3 = s3
         self.s = settings
         self.counters = counters or Counters()
         self._loop = BackgroundLoop("s3kv-transfer")
@@ -90,11 +110,21 @@ class TransferEngine:
         self._inflight_bytes = 0
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._closed = False
-        self._track(self._loop.submit(store.open()))  # connect before the first load
-        self.page_format: PageFormat | None = None
-        """Set once the KV cache is known; loads must match it, stores record it."""
+        if s3 is not None:
+            self._track(self._loop.submit(s3.open()))  # connect before the first load
+        self.codec: ChunkCodec | None = None
+        self.pool: HostPool | None = None
+        self.disk: DiskTier | None = None
 
-    # -- identity -----------------------------------------------------------
+    def configure(self, fmt: PageFormat, pool: HostPool | None = None) -> None:
+        """The KV cache is known: loads must match ``fmt``, stores record it."""
+        self.codec = ChunkCodec(
+            self.s.namespace, self.s.rank, self.s.num_layers, fmt, self.s.codec, self.s.zstd_level
+        )
+        self.pool = pool
+        if self.s.disk_path is not None:
+            self.disk = DiskTier(Path(self.s.disk_path), self.codec, fsync=self.s.disk_fsync)
+
     def chunk_id(self, key: bytes) -> ChunkId:
         return ChunkId(
             object_key(self.s.prefix, self.s.namespace, key, self.s.rank),
@@ -103,21 +133,47 @@ class TransferEngine:
             self.s.rank,
         )
 
-    # -- loads --------------------------------------------------------------
-    def submit_load(self, job_id: str, chunks: Sequence[LoadRequest], sink: ChunkSink) -> None:
+    # -- results ---------------------------------------------------------------
+    def _written(self, tier: Tier, key: bytes, nbytes: int) -> None:
+        with self._lock:
+            self._results.written.setdefault(tier, {})[key] = nbytes
+
+    def _failed(self, tier: Tier, key: bytes) -> None:
+        with self._lock:
+            self._results.failed.setdefault(tier, set()).add(key)
+
+    def _missing(self, tier: Tier, key: bytes) -> None:
+        with self._lock:
+            self._results.missing.setdefault(tier, set()).add(key)
+
+    def _released(self, key: bytes) -> None:
+        with self._lock:
+            self._results.released.append(key)
+
+    def _unavailable(self) -> None:
+        with self._lock:
+            self._results.unavailable += 1
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- loads -----------------------------------------------------------------
+    def submit_load(self, job_id: str, chunks: Sequence[LoadChunk], sink: ChunkSink) -> None:
         """Load ``chunks`` in the background; the job shows up in a later
-        :meth:`poll` with the tags of the chunks that failed."""
+        :meth:`poll` with the chunks that failed."""
         self._track(self._loop.submit(self._load_job(job_id, list(chunks), sink)))
 
-    async def _load_job(self, job_id: str, chunks: list[LoadRequest], sink: ChunkSink) -> None:
+    async def _load_job(self, job_id: str, chunks: list[LoadChunk], sink: ChunkSink) -> None:
         outcomes = await asyncio.gather(*(self._load_one(c, sink) for c in chunks))
-        failed = [c.tag for c, ok in zip(chunks, outcomes) if not ok]
+        failed = [c for c, ok in zip(chunks, outcomes) if not ok]
         with self._lock:
             self._results.finished_loads[job_id] = failed
 
-    async def _load_one(self, chunk: LoadRequest, sink: ChunkSink) -> bool:
-        cid = self.chunk_id(chunk.key)
+    async def _load_one(self, chunk: LoadChunk, sink: ChunkSink) -> bool:
         start = time.perf_counter()
+        pool = self.pool if chunk.promote_slot is not None else None
+        if pool is not None:
+            pool.claim(chunk.promote_slot, None)  # type: ignore[arg-type]
         # Decoding runs in executor threads that a timeout cannot stop. Once
         # this load is over (done, failed or timed out) its blocks belong to
         # vLLM again: the gate makes sure no late write reaches them.
@@ -127,51 +183,98 @@ class TransferEngine:
         def gated_sink(layer: int, data: np.ndarray) -> None:
             with gate:
                 if open_[0]:
-                    sink(chunk.tag, layer, data)
+                    sink(chunk, layer, data)
+                    if pool is not None:
+                        np.copyto(pool.layer_view(chunk.promote_slot, layer), data.reshape(-1))  # type: ignore[arg-type]
 
         def close_gate() -> None:
             with gate:
                 open_[0] = False
 
         try:
-            fetched = await asyncio.wait_for(
-                load_chunk(
-                    self.store,
-                    cid,
-                    gated_sink,
-                    num_layers=self.s.num_layers,
-                    range_bytes=self.s.range_bytes,
-                    expect=self.page_format,
-                    executor=self._executor,
-                ),
-                self.s.load_timeout_s,
+            tier, nbytes, blob = await asyncio.wait_for(
+                self._load_from_sources(chunk, gated_sink), self.s.load_timeout_s
             )
         except Exception as e:  # every failure becomes a recompute, never an engine error
             close_gate()
             kind = self._classify(e)
-            self.counters.add(f"load_errors_{kind}")
+            if kind not in ("missing", "corrupt"):  # those were counted per tier
+                self.counters.add(f"load_errors_{kind}")
+                log.warning("s3kv: load of chunk %s failed (%s): %s", chunk.key.hex(), kind, e)
             if kind in ("unavailable", "timeout"):
-                with self._lock:
-                    self._results.unavailable += 1
-            log.warning("s3kv: load of %s failed (%s): %s", cid.object_key, kind, e)
-            if kind in ("missing", "corrupt"):
-                with self._lock:
-                    self._results.missing.append(chunk.key)
-            if kind == "corrupt":
-                # The object is ours (our namespace and key) and unusable:
-                # remove it so that a later store can write a good one.
-                try:
-                    await self.store.delete(cid.object_key)
-                except Exception as de:
-                    log.warning("s3kv: could not delete corrupt %s: %s", cid.object_key, de)
+                self._unavailable()
+            self._promotion_failed(chunk)
             return False
         close_gate()
         with self._lock:
             self._results.loaded += 1
-        self.counters.add("load_chunks")
-        self.counters.add("load_bytes", fetched)
+        self.counters.add(f"load_chunks_{tier.value}")
+        self.counters.add(f"load_bytes_{tier.value}", nbytes)
         self.counters.add("load_seconds", time.perf_counter() - start)
+        if pool is not None:
+            pool.claim(chunk.promote_slot, chunk.key)  # type: ignore[arg-type]
+            self._written(Tier.CPU, chunk.key, pool.slot_bytes)
+            self.counters.add("promote_chunks_cpu")
+        if chunk.promote_disk:
+            if blob is not None and self.disk is not None:
+                self._track(self._loop.submit(self._write_disk(ChunkData(chunk.key, self.codec, blob=blob))))
+            else:
+                self._failed(Tier.DISK, chunk.key)
         return True
+
+    def _promotion_failed(self, chunk: LoadChunk) -> None:
+        if chunk.promote_slot is not None:
+            self._failed(Tier.CPU, chunk.key)
+        if chunk.promote_disk:
+            self._failed(Tier.DISK, chunk.key)
+
+    async def _load_from_sources(
+        self, chunk: LoadChunk, sink: Callable[[int, np.ndarray], None]
+    ) -> tuple[Tier, int, bytes | None]:
+        """(tier it came from, bytes read, the object if asked to keep it).
+        A tier that lacks the chunk (absent, corrupt) is reported and the next
+        source tried; other errors end the load."""
+        last: Exception | None = None
+        for tier in chunk.sources:
+            try:
+                if tier is Tier.CPU:
+                    if self.pool is None:
+                        raise NotFound("no host pool")
+                    return tier, await self._run(self.pool.read, chunk.key, sink, chunk.cpu_slot), None
+                if tier is Tier.DISK:
+                    if self.disk is None:
+                        raise NotFound("no disk tier")
+                    return tier, await self._run(self.disk.read, chunk.key, sink), None
+                if self.s3 is None:
+                    raise NotFound("no S3 tier")
+                fetched, blob = await load_chunk(
+                    self.s3,
+                    self.chunk_id(chunk.key),
+                    sink,
+                    chunk_codec=self.codec,  # type: ignore[arg-type]
+                    range_bytes=self.s.range_bytes,
+                    executor=self._executor,
+                    keep_blob=chunk.promote_disk,
+                )
+                return tier, fetched, blob
+            except (NotFound, CorruptChunk) as e:
+                kind = self._classify(e)
+                self.counters.add(f"load_errors_{kind}")
+                log.warning("s3kv: chunk %s %s in %s: %s", chunk.key.hex(), kind, tier.value, e)
+                self._missing(tier, chunk.key)
+                if tier is Tier.S3 and kind == "corrupt":
+                    await self._delete_corrupt(chunk.key)
+                last = e
+        raise last if last is not None else NotFound(chunk.key.hex())
+
+    async def _delete_corrupt(self, key: bytes) -> None:
+        """The object is ours (our namespace and key) and unusable: remove it
+        so that a later store can write a good one."""
+        cid = self.chunk_id(key)
+        try:
+            await self.s3.delete(cid.object_key)  # type: ignore[union-attr]
+        except Exception as e:
+            log.warning("s3kv: could not delete corrupt %s: %s", cid.object_key, e)
 
     @staticmethod
     def _classify(e: BaseException) -> str:
@@ -185,58 +288,124 @@ class TransferEngine:
             return "unavailable"
         return "other"
 
-    # -- stores -------------------------------------------------------------
-    def submit_store(self, key: bytes, layers: Sequence[np.ndarray]) -> bool:
-        """Queue one chunk shard for upload; False if dropped for backpressure.
-        ``layers`` must be private copies: the caller may reuse the pages."""
-        fmt = self.page_format
-        if fmt is None:
-            raise RuntimeError("page_format must be set before storing")
-        nbytes = sum(a.nbytes for a in layers)
+    # -- stores ------------------------------------------------------------------
+    def accepts(self, nbytes: int) -> bool:
+        """Would a write-through of ``nbytes`` fit in the byte budget now?"""
         with self._lock:
-            if self._closed or self._inflight_bytes + nbytes > self.s.max_inflight_bytes:
+            return not self._closed and self._inflight_bytes + nbytes <= self.s.max_inflight_bytes
+
+    def drop(self, store: StoreChunk) -> None:
+        """A planned store that is not even copied out (over the byte budget)."""
+        self.counters.add("store_dropped_backpressure")
+        if store.disk:
+            self._failed(Tier.DISK, store.key)
+        if store.s3:
+            self._failed(Tier.S3, store.key)
+
+    def submit_store(self, job: StoreJob) -> bool:
+        """Take one chunk shard into the tiers the job names. Its CPU slot (if
+        any) counts as written once ``ready``; the write-through to NVMe and S3
+        runs in the background, or is dropped (False) past the byte budget."""
+        if self.codec is None:
+            raise RuntimeError("configure() must be called before storing")
+        through = job.disk or job.s3
+        nbytes = job.nbytes
+        with self._lock:
+            if through and (self._closed or self._inflight_bytes + nbytes > self.s.max_inflight_bytes):
+                through = False
                 self.counters.add("store_dropped_backpressure")
-                self._results.store_failed.append(key)
-                return False
-            self._inflight_bytes += nbytes
-        self._track(self._loop.submit(self._store_one(key, layers, fmt, nbytes)))
-        return True
+            elif through:
+                self._inflight_bytes += nbytes
+        if job.disk and not through:
+            self._failed(Tier.DISK, job.key)
+        if job.s3 and not through:
+            self._failed(Tier.S3, job.key)
+        self._track(self._loop.submit(self._store(job, through, nbytes)))
+        return through or not (job.disk or job.s3)
 
-    async def _store_one(
-        self, key: bytes, layers: Sequence[np.ndarray], fmt: PageFormat, nbytes: int
-    ) -> None:
-        cid = self.chunk_id(key)
-        start = time.perf_counter()
+    async def _store(self, job: StoreJob, through: bool, nbytes: int) -> None:
+        key = job.key
+        pins_slot = job.slot is not None and (job.disk or job.s3)
         try:
-            raw, stored, written = await store_chunk(
-                self.store,
-                cid,
-                layers,
-                fmt,
-                codec_name=self.s.codec,
-                level=self.s.zstd_level,
-                executor=self._executor,
-            )
-        except Exception as e:
-            self.counters.add("store_errors")
-            log.warning("s3kv: store of %s failed: %s", cid.object_key, e)
-            with self._lock:
-                self._results.store_failed.append(key)
-            return
+            if job.ready is not None:
+                await self._run(job.ready)
+            if job.slot is not None and self.pool is not None:
+                self.pool.claim(job.slot, key)
+                self._written(Tier.CPU, key, self.pool.slot_bytes)
+                self.counters.add("store_chunks_cpu")
+            if not through:
+                return
+            start = time.perf_counter()
+            chunk = ChunkData(key, self.codec, layers=job.layers)  # type: ignore[arg-type]
+            try:
+                await self._run(lambda: chunk.blob)
+            except Exception as e:
+                log.error("s3kv: encoding chunk %s failed: %s", key.hex(), e)
+                for tier, wanted in ((Tier.DISK, job.disk), (Tier.S3, job.s3)):
+                    if wanted:
+                        self._failed(tier, key)
+                return
+            finally:
+                if pins_slot:  # the slot is read: the scheduler may reuse it
+                    self._released(key)
+                    pins_slot = False
+            self.counters.add("store_raw_bytes", chunk.raw_bytes)
+            writes = []
+            if job.disk:
+                writes.append(self._write_disk(chunk))
+            if job.s3:
+                writes.append(self._write_s3(chunk))
+            await asyncio.gather(*writes)
+            self.counters.add("store_seconds", time.perf_counter() - start)
         finally:
-            with self._lock:
-                self._inflight_bytes -= nbytes
-        if written:
-            self.counters.add("store_chunks")
-            self.counters.add("store_raw_bytes", raw)
-            self.counters.add("store_bytes", stored)
-        else:
-            self.counters.add("store_chunks_existing")
-        self.counters.add("store_seconds", time.perf_counter() - start)
-        with self._lock:
-            self._results.stored.append(key)
+            if pins_slot:
+                self._released(key)
+            if through:
+                with self._lock:
+                    self._inflight_bytes -= nbytes
 
-    # -- results and lifecycle ---------------------------------------------
+    async def _write_disk(self, chunk: ChunkData) -> None:
+        if self.disk is None:
+            self._failed(Tier.DISK, chunk.key)
+            return
+        try:
+            n = await self._run(self.disk.write, chunk.key, chunk)
+        except StorageFull as e:
+            self.counters.add("store_dropped_disk_full")
+            log.warning("s3kv: NVMe tier full, chunk not stored there: %s", e)
+            with self._lock:
+                self._results.disk_full = True
+            self._failed(Tier.DISK, chunk.key)
+            return
+        except Exception as e:
+            self.counters.add("store_errors_disk")
+            log.warning("s3kv: NVMe write of chunk %s failed: %s", chunk.key.hex(), e)
+            self._failed(Tier.DISK, chunk.key)
+            return
+        self.counters.add("store_chunks_disk")
+        self.counters.add("store_bytes_disk", n)
+        self._written(Tier.DISK, chunk.key, n)
+
+    async def _write_s3(self, chunk: ChunkData) -> None:
+        cid = self.chunk_id(chunk.key)
+        blob = chunk.blob
+        try:
+            await self.s3.put(cid.object_key, blob, mode=PutMode.CREATE)  # type: ignore[union-attr]
+        except AlreadyExists:
+            self.counters.add("store_chunks_existing")
+        except Exception as e:
+            self.counters.add("store_errors_s3")
+            if isinstance(e, Transient):
+                self._unavailable()
+            log.warning("s3kv: store of %s failed: %s", cid.object_key, e)
+            self._failed(Tier.S3, chunk.key)
+            return
+        else:
+            self.counters.add("store_chunks_s3")
+            self.counters.add("store_bytes_s3", len(blob))
+        self._written(Tier.S3, chunk.key, len(blob))
+
+    # -- results and lifecycle -----------------------------------------------------
     @property
     def inflight_bytes(self) -> int:
         return self._inflight_bytes
@@ -260,20 +429,28 @@ class TransferEngine:
 
     def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for queued work; True if all of it finished."""
-        with self._lock:
-            pending = list(self._pending)
-        done, not_done = concurrent.futures.wait(pending, timeout=timeout_s)
-        return not not_done
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            concurrent.futures.wait(pending, timeout=left)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Flush pending stores for up to ``timeout_s``, then abandon the rest."""
+        """Flush pending writes for up to ``timeout_s``, then abandon the rest."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         if not self.drain(timeout_s):
             log.warning("s3kv: abandoning unfinished transfers at shutdown")
-        with contextlib.suppress(Exception):
-            self._loop.run(self.store.close(), timeout=5)
+        if self.s3 is not None:
+            with contextlib.suppress(Exception):
+                self._loop.run(self.s3.close(), timeout=5)
         self._loop.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pool = None

@@ -39,10 +39,11 @@ def copy_bucket(s3_server, src: str, transform=None) -> str:
 def test_replica_a_stores_full_chunks(replica_a, baseline, s3_server, bucket_a):
     assert replica_a["outputs"] == baseline["outputs"]
     objects = chunk_objects(s3_server.client(), bucket_a)
-    # Full prompt chunks, shared prefix stored once: 5 shared + 2 + 1 + 0 suffix
-    # chunks of the family, 3 of the whole-chunk prompt, 0 of the short one.
-    assert len(objects) == SHARED_CHUNKS + 2 + 1 + 0 + 3
-    assert worker_total(replica_a, "store_chunks") == len(objects)
+    # Full chunks, shared prefix stored once: 5 shared + 2 + 1 + 0 suffix
+    # chunks of the family, 3 of the whole-chunk prompt, and 1 of the short
+    # one, whose 59 prompt tokens fill a chunk with generated ones.
+    assert len(objects) == SHARED_CHUNKS + 2 + 1 + 0 + 3 + 1
+    assert worker_total(replica_a, "store_chunks_s3") == len(objects)
     assert all(w["drained"] for w in replica_a["workers"])
     for key, blob in objects.items():
         ns, chunk_key, rank = parse_object_key(key)
@@ -56,8 +57,8 @@ def test_replica_b_loads_instead_of_computing(replica_a, baseline, workdir, mode
     # The first prompt of the family finds its whole shared prefix in S3.
     assert b["num_cached_tokens"][0] >= SHARED_CHUNKS * CHUNK_TOKENS
     assert metric(b, "hit_tokens") >= SHARED_CHUNKS * CHUNK_TOKENS
-    assert worker_total(b, "load_chunks") >= SHARED_CHUNKS
-    assert worker_total(b, "store_chunks") == 0  # everything was there already
+    assert worker_total(b, "load_chunks_s3") >= SHARED_CHUNKS
+    assert worker_total(b, "store_chunks_s3") == 0  # everything was there already
     assert (
         sum(
             worker_total(b, f"load_errors_{k}")
@@ -100,7 +101,7 @@ def test_negative_control_wrong_kv_changes_output(replica_a, baseline, workdir, 
     wrong = copy_bucket(s3_server, bucket_a, _rotate_pages(objects))
     n = run_replica(workdir, "wrong-kv", model, PROMPTS, kv_config(s3_server.endpoint_url, wrong))
     assert metric(n, "hit_tokens") >= SHARED_CHUNKS * CHUNK_TOKENS
-    assert worker_total(n, "load_chunks") >= SHARED_CHUNKS
+    assert worker_total(n, "load_chunks_s3") >= SHARED_CHUNKS
     # The loaded (wrong) KV was used: outputs differ from the baseline's.
     assert n["outputs"][0] != baseline["outputs"][0]
     assert n["outputs"] != baseline["outputs"]
@@ -140,7 +141,7 @@ def test_different_model_gets_no_hits(replica_a, workdir, tmp_path_factory, s3_s
     d = run_replica(workdir, "D", other, PROMPTS, kv_config(s3_server.endpoint_url, bucket_a))
     assert metric(d, "lookup_requests") == len(PROMPTS)
     assert metric(d, "hit_tokens") == 0
-    assert worker_total(d, "load_chunks") == 0
+    assert worker_total(d, "load_chunks_s3") == 0
     assert d["metrics"].get("vllm:external_prefix_cache_hits", 0) == 0
     namespaces = {parse_object_key(k)[0] for k in chunk_objects(s3_server.client(), bucket_a)}
     assert len(namespaces) == 2  # D stored under its own namespace

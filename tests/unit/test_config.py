@@ -33,12 +33,27 @@ def test_every_key_is_documented():
         ({"bucket": "ok-bucket", "prefix": "a/../b"}, "prefix"),
         ({"bucket": "ok-bucket", "load_timeout_s": 0}, "load_timeout_s"),
         ({"bucket": "ok-bucket", "addressing_style": "sideways"}, "addressing_style"),
+        ({"bucket": "ok-bucket", "disk_bytes": 0}, "disk_bytes"),
+        ({"bucket": "ok-bucket", "disk_fsync": "sometimes"}, "disk_fsync"),
+        ({"bucket": "ok-bucket", "write_policy": "write_back"}, "write_policy"),
+        ({"bucket": "ok-bucket", "promote": "yes"}, "promote"),
+        ({"write_policy": "local_only"}, "needs a local tier"),
     ],
 )
 def test_bad_input_names_the_key(raw, names):
     with pytest.raises(ConfigError) as info:
         parse_config(raw)
     assert names in str(info.value)
+
+
+def test_tier_keys():
+    c = parse_config({"bucket": "ok-bucket", "cpu_bytes": "8GiB", "disk_path": "/nvme/kv", "disk_bytes": "1TiB"})
+    assert c.cpu_bytes == 8 << 30 and c.disk_path == "/nvme/kv" and c.disk_bytes == 1 << 40
+    assert c.write_policy == "write_through" and c.promote and c.save_generated and c.uses_s3
+    assert c.disk_fsync == "never"
+    local = parse_config({"write_policy": "local_only", "disk_path": "/nvme/kv", "save_generated": "false"})
+    assert local.bucket is None and not local.uses_s3 and not local.save_generated
+    assert parse_config({"bucket": "ok-bucket"}).cpu_bytes == 0  # off unless asked for
 
 
 def test_prefix_normalised_and_vllm_keys_ignored():

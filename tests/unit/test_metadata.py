@@ -1,5 +1,5 @@
-"""Worker reports summed over TP ranks: a chunk counts as stored only when
-every rank reports its shard."""
+"""Worker reports summed over TP ranks: a chunk counts as stored in a tier
+only when every rank reports its shard there."""
 
 import pytest
 
@@ -8,22 +8,42 @@ pytest.importorskip("vllm")
 from s3kv.connector.metadata import S3KVWorkerMetadata  # noqa: E402
 from s3kv.index import ChunkIndex  # noqa: E402
 from s3kv.keys import Namespace  # noqa: E402
+from s3kv.tiering.placement import Tier, TierIndex  # noqa: E402
 from s3kv.tiering.planner import Planner  # noqa: E402
 
 K1, K2 = b"1" * 16, b"2" * 16
 
 
 def test_aggregate_over_ranks_then_index():
-    rank0 = S3KVWorkerMetadata(stored={K1: 1, K2: 1}, load_failed={"r"}, loaded=2)
-    rank1 = S3KVWorkerMetadata(stored={K1: 1}, missing={K2}, unavailable=1)
+    rank0 = S3KVWorkerMetadata(
+        written={(Tier.S3, K1): 1, (Tier.S3, K2): 1, (Tier.DISK, K1): 1},
+        disk_sizes={K1: 100},
+        load_failed={"r"},
+        loaded=2,
+        released={K1: 1},
+    )
+    rank1 = S3KVWorkerMetadata(
+        written={(Tier.S3, K1): 1, (Tier.DISK, K1): 1},
+        disk_sizes={K1: 120},
+        missing={(Tier.S3, K2)},
+        failed={(Tier.CPU, K2)},
+        unavailable=1,
+        disk_full=True,
+    )
     total = rank0.aggregate(rank1)
-    assert total.stored == {K1: 2, K2: 1}
-    assert total.missing == {K2} and total.load_failed == {"r"}
+    assert total.written == {(Tier.S3, K1): 2, (Tier.S3, K2): 1, (Tier.DISK, K1): 2}
+    assert total.disk_sizes == {K1: 220} and total.released == {K1: 1}
+    assert total.missing == {(Tier.S3, K2)} and total.failed == {(Tier.CPU, K2)}
+    assert total.load_failed == {"r"} and total.disk_full
     assert (total.loaded, total.unavailable) == (2, 1)
     index = ChunkIndex()
+    disk = TierIndex("disk", 10_000)
+    disk.reserve(K1, 5000)
     planner = Planner(
-        namespace=Namespace.from_fields({}), chunk_tokens=64, block_size=32, index=index, world_size=2
+        namespace=Namespace.from_fields({}), chunk_tokens=64, block_size=32, s3=index, disk=disk, world_size=2
     )
-    planner.on_stored(total.stored)
+    planner.on_written(Tier.S3, {k: n for (t, k), n in total.written.items() if t is Tier.S3})
+    planner.on_written(Tier.DISK, {K1: 2}, total.disk_sizes)
     assert K1 in index and K2 not in index
+    assert K1 in disk and disk.get(K1).size == 220
     assert S3KVWorkerMetadata().is_empty() and not total.is_empty()

@@ -1,134 +1,252 @@
-"""The scheduler side's bookkeeping, without vLLM."""
+"""The scheduler side's decisions, without vLLM: tiers per chunk, sync or
+async loads, stores and where they go, evictions, reports from ranks."""
 
 from s3kv.index import ChunkIndex
 from s3kv.keys import Namespace, chain_keys
-from s3kv.tiering.planner import Planner, ScheduledRequest
+from s3kv.tiering.placement import Tier, TierIndex
+from s3kv.tiering.planner import Planner, ScheduledRequest, disk_estimate
 
 NS = Namespace.from_fields({"model": "m"})
 CT, BS = 64, 32  # 2 blocks a chunk
 PROMPT = list(range(10, 10 + 300))  # 4 full chunks + 44 tokens
 KEYS = chain_keys(NS, PROMPT, CT)
+SHARD = 1000  # raw bytes of one rank's shard of a chunk
 
 
-def planner(world_size=1, clock=None):
-    index = ChunkIndex()
+def planner(world_size=1, clock=None, *, cpu_slots=0, disk_bytes=0, s3=True, **kw):
+    index = ChunkIndex() if s3 else None
     kwargs = {"clock": clock} if clock else {}
-    return Planner(
-        namespace=NS, chunk_tokens=CT, block_size=BS, index=index, world_size=world_size, **kwargs
-    ), index
+    p = Planner(
+        namespace=NS,
+        chunk_tokens=CT,
+        block_size=BS,
+        s3=index,
+        cpu=TierIndex("cpu", cpu_slots, slots=True) if cpu_slots else None,
+        disk=TierIndex("disk", disk_bytes) if disk_bytes else None,
+        world_size=world_size,
+        shard_bytes=SHARD,
+        **kwargs,
+        **kw,
+    )
+    return p, index
 
 
 def sched(req_id, computed, scheduled, blocks):
     return ScheduledRequest(req_id, computed, scheduled, lambda: blocks)
 
 
-def test_lookup_counts_leading_hits_beyond_local():
+def lookup(p, req_id="r", computed=0, tokens=PROMPT, **kw):
+    return p.lookup(req_id, tokens, len(tokens), computed, **kw)
+
+
+def put_cpu(p, keys):
+    for k in keys:
+        p.cpu.reserve(k)
+        p.cpu.commit(k)
+
+
+def test_lookup_counts_hits_beyond_local():
     p, index = planner()
-    assert p.lookup("r", PROMPT, len(PROMPT), 0) == 0
+    assert lookup(p) == (0, False)
     index.update(KEYS[:3])
-    assert p.lookup("r", PROMPT, len(PROMPT), 0) == 3 * CT
-    assert p.lookup("r", PROMPT, len(PROMPT), 2 * BS) == 3 * CT - 2 * BS
-    assert p.lookup("r", PROMPT, len(PROMPT), 4 * BS * 2) == 0  # local hit is longer
+    assert lookup(p) == (3 * CT, True)
+    assert lookup(p, computed=2 * BS) == (3 * CT - 2 * BS, True)
+    assert lookup(p, computed=4 * BS * 2) == (0, False)  # local hit is longer
     index.discard(KEYS[1])  # a gap ends the hit
-    assert p.lookup("r", PROMPT, len(PROMPT), 0) == CT
+    assert lookup(p) == (CT, True)
+    # Chunks held locally need not be in any tier: the hit starts past them.
+    assert lookup(p, computed=2 * CT) == (CT, True)
 
 
-def test_load_plan_skips_blocks_valid_locally():
-    p, index = planner()
-    index.update(KEYS[:3])
-    local = 3 * BS  # one and a half chunks held locally
-    n = p.lookup("r", PROMPT, len(PROMPT), local)
+def test_cpu_only_hits_are_sync_and_leave_the_last_block_to_vllm():
+    p, index = planner(cpu_slots=8)
+    put_cpu(p, KEYS[:3])
+    assert lookup(p) == (3 * CT, False)
+    exact = PROMPT[: 4 * CT]  # the prompt is whole chunks, all in the CPU tier
+    put_cpu(p, KEYS[3:4])
+    assert lookup(p, "whole", tokens=exact) == (4 * CT - BS, False)
+    index.add(KEYS[3])
+    p.cpu.remove(KEYS[3])
+    assert lookup(p) == (4 * CT, True)  # one chunk from S3: the whole load is async
+
+
+def test_load_plan_per_tier_skips_local_blocks_and_pins_sources():
+    p, index = planner(cpu_slots=4, disk_bytes=10 * disk_estimate(SHARD))
+    put_cpu(p, KEYS[:1])
+    p.disk.insert_ready(KEYS[1], 900)
+    index.update(KEYS[1:3])
+    local = BS  # half of the first chunk is held locally
+    n, is_async = lookup(p, computed=local)
+    assert (n, is_async) == (3 * CT - BS, True)
     blocks = list(range(100, 110))
     p.on_alloc("r", blocks, n)
-    plan = p.plan_step([])
-    (load,) = plan.loads
-    assert load.req_id == "r"
-    assert [(c.key, c.block_ids, c.first_block) for c in load.chunks] == [
-        (KEYS[1], (102, 103), 1),
-        (KEYS[2], (104, 105), 0),
-    ]
+    assert p.hit_sources("r") == {Tier.CPU: CT - BS, Tier.DISK: CT, Tier.S3: CT}
+    (load,) = p.plan_step([]).loads
+    c0, c1, c2 = load.chunks
+    assert (c0.sources, c0.block_ids, c0.first_block, c0.write_ids) == ((Tier.CPU,), (100, 101), 1, (101,))
+    assert c0.cpu_slot == p.cpu.get(KEYS[0]).slot and c0.promote_slot is None
+    assert c1.sources == (Tier.DISK, Tier.S3) and c1.promote_slot is not None and not c1.promote_disk
+    assert c2.sources == (Tier.S3,) and c2.promote_slot is not None and c2.promote_disk
+    assert not load.sync
+    # What the load reads cannot be evicted until vLLM reports it done.
+    assert p.cpu.get(KEYS[0]).pins == 1 and p.disk.get(KEYS[1]).pins == 1
+    p.on_recved(["r"])
+    assert p.cpu.get(KEYS[0]).pins == 0 and p.disk.get(KEYS[1]).pins == 0
     assert p.plan_step([]).loads == []  # handed out once
 
 
-def test_stores_new_full_chunks_once_across_steps_and_requests():
-    p, index = planner()
+def test_sync_load_pins_only_until_the_plan_is_out():
+    p, _ = planner(cpu_slots=2)
+    put_cpu(p, KEYS[:2])
+    n, is_async = lookup(p)
+    p.on_alloc("r", list(range(10)), n)
+    assert p.cpu.get(KEYS[0]).pins == 1
+    # A store planned in the same step cannot take a slot the load reads.
+    plan = p.plan_step([sched("other", 0, 0, [])])
+    assert plan.loads[0].sync and p.cpu.get(KEYS[0]).pins == 0
+
+
+def test_stores_go_to_every_tier_that_lacks_them_once():
+    p, index = planner(cpu_slots=8, disk_bytes=100 * disk_estimate(SHARD))
     blocks = list(range(10))
-    p.lookup("a", PROMPT, len(PROMPT), 0)
-    p.lookup("b", PROMPT, len(PROMPT), 0)
-    # Chunked prefill: 100 tokens, then the rest.
+    lookup(p, "a")
+    lookup(p, "b")
     s1 = p.plan_step([sched("a", 0, 100, blocks)])
-    assert [s.key for s in s1.stores] == [KEYS[0]] and s1.stores[0].block_ids == (0, 1)
+    (st,) = s1.stores
+    assert st.key == KEYS[0] and st.block_ids == (0, 1) and st.cpu_slot is not None and st.disk and st.s3
     s2 = p.plan_step([sched("a", 100, 200, blocks), sched("b", 0, 300, list(range(20, 30)))])
-    # b shares a's prefix: chunks a plans are not planned again for b.
-    assert [s.key for s in s2.stores] == KEYS[1:4]
+    assert [s.key for s in s2.stores] == KEYS[1:4]  # b shares a's prefix: planned once
     assert p.plan_step([sched("a", 300, 1, blocks)]).stores == []
+    # Written where it lacks: only the disk, for a chunk in the CPU tier and in S3.
+    p2, index2 = planner(cpu_slots=8, disk_bytes=100 * disk_estimate(SHARD))
+    put_cpu(p2, KEYS[:1])
+    index2.add(KEYS[0])
+    lookup(p2, "c", computed=0)
+    (only,) = p2.plan_step([sched("c", 0, 64, blocks)]).stores
+    assert (only.cpu_slot, only.disk, only.s3) == (None, True, False)
 
 
-def test_known_chunks_are_not_stored_and_reports_update_the_index():
-    p, index = planner(world_size=2)
-    index.add(KEYS[0])
-    p.lookup("a", PROMPT, len(PROMPT), 0)
+def test_chunk_is_stored_only_when_every_rank_reports():
+    p, index = planner(world_size=2, cpu_slots=4, disk_bytes=100 * disk_estimate(SHARD))
+    lookup(p, "a")
     plan = p.plan_step([sched("a", 0, 300, list(range(10)))])
-    assert [s.key for s in plan.stores] == KEYS[1:4]
-    p.on_stored({KEYS[1]: 1})
-    assert KEYS[1] not in index  # one of two ranks so far
-    p.on_stored({KEYS[1]: 1, KEYS[2]: 2})
-    assert KEYS[1] in index and KEYS[2] in index
-    p.on_missing([KEYS[0]])
-    assert KEYS[0] not in index
+    assert [s.key for s in plan.stores] == KEYS
+    k = KEYS[1]
+    for tier in Tier:
+        p.on_written(tier, {k: 1}, {k: 500} if tier is Tier.DISK else None)
+    assert k not in p.cpu and k not in p.disk and k not in index  # one of two ranks
+    for tier in Tier:
+        p.on_written(tier, {k: 1}, {k: 600} if tier is Tier.DISK else None)
+    assert k in p.cpu and k in p.disk and k in index
+    assert p.disk.get(k).size == 1100  # the real size replaces the reservation
+    assert p.cpu.get(k).pins == 1  # the write-through still reads the slot
+    p.on_released({k: 2})
+    assert p.cpu.get(k).pins == 0
+    p.on_write_failed(Tier.DISK, [KEYS[2]])
+    assert not p.disk.has(KEYS[2]) and p.take_disk_evictions() == [KEYS[2]]  # the half-written files go
+    p.on_missing(Tier.S3, [k])
+    assert k not in index
+
+
+def test_lru_eviction_hands_disk_files_over_and_never_rewrites_while_deleting():
+    est = disk_estimate(SHARD)
+    p, _ = planner(disk_bytes=2 * est, s3=False)
+    lookup(p, "a")
+    plan = p.plan_step([sched("a", 0, 2 * CT, list(range(10)))])
+    for s in plan.stores:
+        p.on_written(Tier.DISK, {s.key: 1}, {s.key: est})
+    plan = p.plan_step([sched("a", 2 * CT, 2 * CT, list(range(10)))])
+    assert [s.key for s in plan.stores] == KEYS[2:4]
+    assert p.take_disk_evictions() == KEYS[:2]  # oldest first
+    assert p.counters.totals()["evict_chunks_disk"] == 2
+    lookup(p, "b")
+    assert all(s.key not in KEYS[:2] for s in p.plan_step([sched("b", 0, 300, list(range(10)))]).stores)
+    p.on_deleted(KEYS[:2])
+    lookup(p, "c")
+    assert [s.key for s in p.plan_step([sched("c", 0, 300, list(range(10)))]).stores] == []  # full, pending
+    assert p.disk.used <= p.disk.capacity
+
+
+def test_cpu_slots_are_reused_lru_but_never_while_pinned():
+    p, _ = planner(cpu_slots=2, s3=False)
+    put_cpu(p, KEYS[:2])
+    n, _ = lookup(p, "reader", tokens=PROMPT[: 2 * CT + 1])
+    p.on_alloc("reader", list(range(10)), n)  # pins both (sync: until the plan is out)
+    lookup(p, "w", tokens=PROMPT)
+    plan = p.plan_step([sched("w", 2 * CT, 2 * CT, list(range(10)))])
+    assert plan.stores == []  # nothing could be evicted in this step
+    assert p.counters.totals()["store_dropped_no_slot"] == 2
+    plan = p.plan_step([])  # pins are gone: the next new chunks evict LRU
+    lookup(p, "w2", tokens=PROMPT)
+    plan = p.plan_step([sched("w2", 2 * CT, 2 * CT, list(range(10)))])
+    assert len(plan.stores) == 2 and p.counters.totals()["evict_chunks_cpu"] == 2
+
+
+def test_generated_chunks_are_stored_and_blocks_held_until_copied():
+    p, index = planner()
+    tokens = list(PROMPT[:100])  # one full prompt chunk; vLLM appends outputs to this list
+    lookup(p, "chat", tokens=tokens)
+    plan = p.plan_step([sched("chat", 0, 100, list(range(10)))])
+    assert [s.key for s in plan.stores] == KEYS[:1]
+    tokens += PROMPT[100:140]  # decoding: the list grows
+    blocks = list(range(10))
+    plan = p.plan_step([sched("chat", 100, 1, blocks)])  # chunk 1 not full yet
+    assert plan.stores == []
+    # It finishes with 139 tokens computed: chunk 1 (64..127) holds generated tokens.
+    assert p.request_finished("chat", blocks, 139) is True
+    plan = p.plan_step([])
+    assert [s.key for s in plan.stores] == KEYS[1:2] and plan.held == ["chat"]
+    p.on_sent(["chat"])
+    assert not p.knows("chat")
+    # Without save_generated only prompt chunks are stored, and nothing is held.
+    p2, _ = planner(save_generated=False)
+    tokens2 = list(PROMPT[:100])
+    lookup(p2, "x", tokens=tokens2)
+    p2.plan_step([sched("x", 0, 100, blocks)])
+    tokens2 += PROMPT[100:140]
+    assert p2.request_finished("x", blocks, 139) is False and not p2.knows("x")
 
 
 def test_failed_or_stale_stores_are_planned_again():
     now = [0.0]
     p, index = planner(clock=lambda: now[0])
-    p.lookup("a", PROMPT, len(PROMPT), 0)
-    p.lookup("b", PROMPT, len(PROMPT), 0)
-    p.lookup("c", PROMPT, len(PROMPT), 0)
+    for r in "abc":
+        lookup(p, r)
     assert len(p.plan_step([sched("a", 0, 300, list(range(10)))]).stores) == 4
-    p.on_store_failed([KEYS[0]])
+    p.on_write_failed(Tier.S3, [KEYS[0]])
     assert [s.key for s in p.plan_step([sched("b", 0, 300, list(range(10)))]).stores] == [KEYS[0]]
     now[0] = 1000.0  # never reported: retried after store_retry_s
     assert len(p.plan_step([sched("c", 0, 300, list(range(10)))]).stores) == 4
 
 
-def test_finished_requests_are_forgotten():
-    p, _ = planner()
-    p.lookup("a", PROMPT, len(PROMPT), 0)
-    assert p.knows("a")
-    p.on_finished("a")
-    assert not p.knows("a")
-    assert p.plan_step([sched("a", 0, 300, list(range(10)))]).stores == []
-
-
 def test_extras_change_keys_per_chunk():
     p, index = planner()
     index.update(KEYS)
-    assert (
-        p.lookup(
-            "salted", PROMPT, len(PROMPT), 0, extras=lambda s, e: ("cache_salt", "x") if s == 0 else None
-        )
-        == 0
-    )
-    assert p.lookup("plain", PROMPT, len(PROMPT), 0, extras=lambda s, e: None) == 4 * CT
+    salted = lookup(p, "salted", extras=lambda s, e: ("cache_salt", "x") if s == 0 else None)
+    assert salted == (0, False)
+    assert lookup(p, "plain", extras=lambda s, e: None) == (4 * CT, True)
 
 
 def test_failed_request_gets_no_more_hits():
     p, index = planner()
     index.update(KEYS)
-    assert p.lookup("r", PROMPT, len(PROMPT), 0) == 4 * CT
+    assert lookup(p) == (4 * CT, True)
     p.on_load_results({"r"}, loaded=0, unavailable=0)
-    assert p.lookup("r", PROMPT, len(PROMPT), 0) == 0  # vLLM asks again after a failure
-    assert p.lookup("other", PROMPT, len(PROMPT), 0) == 4 * CT
+    assert lookup(p) == (0, False)  # vLLM asks again after a failure
+    assert lookup(p, "other") == (4 * CT, True)
 
 
-def test_unreachable_store_pauses_hits_with_growing_backoff():
+def test_unreachable_s3_pauses_s3_hits_and_writes_with_growing_backoff():
     now = [0.0]
-    p, index = planner(clock=lambda: now[0])
+    p, index = planner(clock=lambda: now[0], cpu_slots=4)
     index.update(KEYS)
+    put_cpu(p, KEYS[:1])
     p.on_load_results(set(), loaded=0, unavailable=1)
-    assert p.paused and p.lookup("a", PROMPT, len(PROMPT), 0) == 0
+    assert p.paused and lookup(p, "a") == (CT, False)  # the CPU tier still serves
+    lookup(p, "w")
+    assert all(not s.s3 for s in p.plan_step([sched("w", 0, 300, list(range(10)))]).stores)
     now[0] = 5.1
-    assert p.lookup("b", PROMPT, len(PROMPT), 0) == 4 * CT
+    assert lookup(p, "b") == (4 * CT, True)
     p.on_load_results(set(), loaded=0, unavailable=1)  # still down: 10 s now
     now[0] = 14.0
     assert p.paused
@@ -138,3 +256,17 @@ def test_unreachable_store_pauses_hits_with_growing_backoff():
     p.on_load_results(set(), loaded=0, unavailable=1)
     now[0] = 20.3
     assert not p.paused
+    p.s3_down = True  # unreachable since start-up: paused until the caller says otherwise
+    now[0] = 1e6
+    assert p.paused
+
+
+def test_disk_full_shrinks_the_capacity_to_what_is_held():
+    est = disk_estimate(SHARD)
+    p, _ = planner(disk_bytes=10 * est, s3=False)
+    lookup(p, "a")
+    plan = p.plan_step([sched("a", 0, 300, list(range(10)))])
+    p.on_written(Tier.DISK, {plan.stores[0].key: 1}, {plan.stores[0].key: est})
+    p.on_write_failed(Tier.DISK, [s.key for s in plan.stores[1:]])
+    p.on_disk_full()
+    assert p.disk.capacity == est

@@ -20,7 +20,12 @@ from s3kv.connector.layout import EngineLayout  # noqa: E402
 from s3kv.connector.scheduler import SchedulerSide  # noqa: E402
 
 LAYOUT = EngineLayout(
-    Namespace.from_fields({"model": "unit"}), block_size=32, layer_names=("l0",), tp_size=1, world_size=1
+    Namespace.from_fields({"model": "unit"}),
+    block_size=32,
+    layer_names=("l0",),
+    tp_size=1,
+    world_size=1,
+    page_size_bytes=16 << 10,
 )
 
 
@@ -85,3 +90,35 @@ def test_missing_credentials_fail_startup(s3_server, tmp_path):
         timeout=120,
     )
     assert "ConfigError: no AWS credentials found" in out.stdout, out.stderr[-2000:]
+
+
+def test_local_only_needs_no_bucket_and_rebuilds_its_disk_index(tmp_path):
+    from s3kv.tiering.disk import shard_path
+
+    key = b"\x07" * 16
+    path = shard_path(tmp_path, LAYOUT.namespace.id, key, 0)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"x" * 1000)  # what an earlier run left
+    s = side(write_policy="local_only", disk_path=str(tmp_path), disk_bytes="1MiB", cpu_bytes="1MiB")
+    try:
+        assert s.index is None and s._store is None  # S3 untouched
+        assert key in s.planner.disk and s.planner.disk.used == 1000
+        assert s.planner.cpu.capacity == (1 << 20) // (256 // 32 * (16 << 10))  # 8 blocks a chunk
+    finally:
+        s.shutdown()
+
+
+def test_unwritable_disk_path_turns_the_tier_off_with_a_warning(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    (tmp_path / "a-file").write_text("")
+    s = side(write_policy="local_only", disk_path=str(tmp_path / "a-file" / "kv"), cpu_bytes="1MiB")
+    try:
+        assert s.planner.disk is None
+        assert "is not writable" in caplog.text
+    finally:
+        s.shutdown()
+
+
+def test_cpu_bytes_smaller_than_a_chunk_fails_startup():
+    with pytest.raises(ConfigError, match="cpu_bytes: .* holds no chunk"):
+        side(write_policy="local_only", cpu_bytes="10KiB")

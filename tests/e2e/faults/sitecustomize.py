@@ -1,0 +1,29 @@
+"""Fault injection for end-to-end tests, loaded by every Python process that
+has this directory on PYTHONPATH (vLLM's engine and worker processes too).
+
+``S3KV_FAULT_DISK_BYTES=N``: the NVMe tier's writes fail with ENOSPC once N
+bytes were written, as on a full file system (for machines where a test
+cannot mount a tiny tmpfs).
+"""
+
+import os
+
+_limit = os.environ.get("S3KV_FAULT_DISK_BYTES")
+if _limit:
+    import errno
+    import threading
+
+    from s3kv.tiering import disk as _disk
+
+    _written = [0]
+    _lock = threading.Lock()
+    _real_write = _disk.atomic_write
+
+    def _atomic_write(path, data, **kw):
+        with _lock:
+            if _written[0] + len(data) > int(_limit):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+            _written[0] += len(data)
+        return _real_write(path, data, **kw)
+
+    _disk.atomic_write = _atomic_write
