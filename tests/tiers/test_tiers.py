@@ -1,0 +1,195 @@
+"""Every local tier (host pool, NVMe directory, in-memory reference) passes
+the same conformance suite; the NVMe tier's checked reads are tested here too."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from s3kv.errors import CorruptChunk, NotFound
+from s3kv.tiering.chunks import ChunkData, PageFormat
+from s3kv.tiering.disk import DiskTier
+from s3kv.tiering.hostpool import HostPool
+from s3kv.tiering.placement import TierIndex
+from s3kv.tiering.tier import MemoryTierStorage
+from tests.tiers.conformance import (
+    LAYER_BYTES,
+    LAYERS,
+    LocalTier,
+    TierConformance,
+    expected,
+    key_of,
+    layers_for,
+    make_chunk,
+    make_codec,
+    read_raw,
+)
+
+
+def byte_capacity(chunks: int, chunk_bytes: int) -> int:
+    """Room for ``chunks`` chunks of about ``chunk_bytes``, not for one more."""
+    return chunks * chunk_bytes + chunk_bytes // 2
+
+
+class TestMemoryTier(TierConformance):
+    @pytest.fixture
+    def make_tier(self):
+        def make(chunks: int) -> LocalTier:
+            index = TierIndex("memory", byte_capacity(chunks, LAYERS * LAYER_BYTES))
+            return LocalTier(index, MemoryTierStorage(), lambda c: c.raw_bytes)
+
+        return make
+
+
+class TestHostPoolTier(TierConformance):
+    @pytest.fixture
+    def make_tier(self):
+        def make(chunks: int) -> LocalTier:
+            pool = HostPool(chunks, LAYER_BYTES, LAYERS)
+            return LocalTier(TierIndex("cpu", pool.num_slots, slots=True), pool, lambda c: 1)
+
+        return make
+
+    def check_bytes_used(self, tier: LocalTier) -> None:
+        pool = tier.storage
+        assert isinstance(pool, HostPool)
+        assert pool.bytes_used() == pool.num_slots * pool.slot_bytes == pool.num_slots * LAYERS * LAYER_BYTES
+        assert tier.index.used <= tier.index.capacity == pool.num_slots
+
+    def test_slots_match_the_index(self, make_tier, chunk_codec):
+        tier = make_tier(3)
+        keys = [key_of(i) for i in range(3)]
+        for k in keys:
+            assert tier.insert(make_chunk(chunk_codec, k))
+        pool = tier.storage
+        for k in keys:
+            slot = tier.index.get(k).slot
+            assert pool.holds(slot, k)
+            assert [v.tobytes() for v in pool.layer_views(slot)] == expected(k)
+
+
+class TestDiskTier(TierConformance):
+    @pytest.fixture(params=["zstd", "none"])
+    def chunk_codec(self, request):
+        return make_codec(request.param)
+
+    @pytest.fixture
+    def make_tier(self, tmp_path: Path, chunk_codec):
+        counter = itertools.count()
+        chunk_bytes = len(make_chunk(chunk_codec, key_of(-1)).blob)
+
+        def make(chunks: int) -> LocalTier:
+            storage = DiskTier(tmp_path / f"disk{next(counter)}", chunk_codec)
+            return LocalTier(
+                TierIndex("disk", byte_capacity(chunks, chunk_bytes)), storage, lambda c: len(c.blob)
+            )
+
+        return make
+
+    def check_bytes_used(self, tier: LocalTier) -> None:
+        super().check_bytes_used(tier)
+        partials = [n for _, _, files in os.walk(tier.storage.root) for n in files if n.endswith(".partial")]
+        assert partials == []
+
+    def test_zstd_compresses(self, chunk_codec):
+        blob = make_chunk(chunk_codec, key_of(0)).blob
+        if chunk_codec.codec == "zstd":
+            assert len(blob) < 0.7 * LAYERS * LAYER_BYTES
+        else:
+            assert len(blob) > LAYERS * LAYER_BYTES
+
+    def test_flipped_bytes_raise_corrupt_and_the_file_goes(self, make_tier, chunk_codec):
+        tier = make_tier(2)
+        k = key_of(0)
+        good = make_chunk(chunk_codec, k).blob
+        path = tier.storage.path(k)
+        for pos in (5, 40, len(good) // 2, len(good) - 1):
+            assert tier.insert(make_chunk(chunk_codec, k))
+            assert path.read_bytes() == good
+            bad = bytearray(good)
+            bad[pos] ^= 0x10
+            path.write_bytes(bytes(bad))
+            with pytest.raises(CorruptChunk):
+                tier.lookup(k)
+            assert not path.exists() and k not in tier.index and not tier.index.has(k)
+            with pytest.raises(NotFound):
+                read_raw(tier.storage, k, None)
+
+    def test_truncated_file_is_corrupt(self, make_tier, chunk_codec):
+        tier = make_tier(2)
+        k = key_of(0)
+        assert tier.insert(make_chunk(chunk_codec, k))
+        path = tier.storage.path(k)
+        path.write_bytes(path.read_bytes()[:-1])
+        with pytest.raises(CorruptChunk):
+            read_raw(tier.storage, k, None)
+        assert not path.exists()
+
+    @pytest.mark.parametrize("what", ["namespace", "key", "rank", "page format"])
+    def test_foreign_file_is_rejected(self, tmp_path, chunk_codec, what):
+        mine = DiskTier(tmp_path / "disk", chunk_codec)
+        k, other_key = key_of(0), key_of(1)
+        foreign_codec = {
+            "namespace": make_codec(chunk_codec.codec, namespace="ab" * 16),
+            "rank": make_codec(chunk_codec.codec, rank=1),
+            "page format": make_codec(
+                chunk_codec.codec, fmt=PageFormat("float16", 2, chunk_codec.fmt.page_shape, 32)
+            ),
+        }.get(what, chunk_codec)
+        theirs = DiskTier(tmp_path / "other", foreign_codec)
+        written = other_key if what == "key" else k
+        theirs.write(written, ChunkData(written, foreign_codec, layers=layers_for(k)))
+        assert read_raw(theirs, written, None) == expected(k)  # valid where it was written
+        mine.path(k).parent.mkdir(parents=True)
+        shutil.copyfile(theirs.path(written), mine.path(k))
+        with pytest.raises(CorruptChunk):
+            read_raw(mine, k, None)
+        assert not mine.path(k).exists()
+
+    def test_readers_racing_a_republisher_see_whole_chunks(self, tmp_path, chunk_codec):
+        layer_bytes, layers = 64 << 10, 8
+        fmt = PageFormat("bfloat16", 2, (2, 1, 32, 512), 32)
+        big = make_codec(chunk_codec.codec, num_layers=layers, fmt=fmt)
+        tier = DiskTier(tmp_path / "disk", big)
+        k = key_of(7)
+        versions = [layers_for(k, v, layers, layer_bytes) for v in range(2)]
+        blobs = [ChunkData(k, big, layers=v).blob for v in versions]
+        wanted = [[a.tobytes() for a in v] for v in versions]
+        done = threading.Event()
+        seen = {"missing": 0, "v0": 0, "v1": 0, "bad": 0, "corrupt": 0}
+        seen_lock = threading.Lock()
+
+        def write() -> None:
+            try:
+                for i in range(150):
+                    tier.write(k, ChunkData(k, big, blob=blobs[i % 2]))
+                    if i % 10 == 4:
+                        tier.delete(k)
+            finally:
+                done.set()
+
+        def read() -> None:
+            while not done.is_set():
+                try:
+                    got = read_raw(tier, k, None)
+                    outcome = "v0" if got == wanted[0] else "v1" if got == wanted[1] else "bad"
+                except NotFound:
+                    outcome = "missing"
+                except CorruptChunk:
+                    outcome = "corrupt"
+                with seen_lock:
+                    seen[outcome] += 1
+
+        threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert seen["bad"] == seen["corrupt"] == 0, seen
+        assert seen["v0"] + seen["v1"] > 0, seen
+        assert read_raw(tier, k, None) == wanted[1]  # the last write (149) was version 1

@@ -1,0 +1,219 @@
+"""The NVMe tier's directory: scan at start-up, stale partials, the lock,
+and what a writer killed mid-write leaves behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from s3kv.errors import CorruptChunk
+from s3kv.keys import KEY_BYTES
+from s3kv.tiering import disk
+from s3kv.tiering.chunks import ChunkData, PageFormat
+from s3kv.tiering.disk import DiskTier
+from tests.tiers.conformance import NAMESPACE, key_of, make_chunk, make_codec, read_raw
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_shard(root: Path, key: bytes, rank: int, mtime: float, namespace: str = NAMESPACE) -> int:
+    chunk_codec = make_codec(namespace=namespace, rank=rank)
+    size = DiskTier(root, chunk_codec).write(key, make_chunk(chunk_codec, key))
+    os.utime(disk.shard_path(root, namespace, key, rank), (mtime, mtime))
+    return size
+
+
+def partial_name(root: Path, key: bytes, pid: int | str, rank: int = 0) -> Path:
+    """Named as s3kv.stores.local.partial_path names a writer's temporary."""
+    target = disk.shard_path(root, NAMESPACE, key, rank)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target.with_name(f".{target.name}.{pid}-{uuid.uuid4().hex[:12]}.partial")
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_scan_finds_complete_chunks_oldest_first(tmp_path):
+    root = tmp_path / "disk"
+    whole, old, half, foreign = (key_of(i) for i in range(4))
+    whole_size = write_shard(root, whole, 0, 1000) + write_shard(root, whole, 1, 1005)
+    old_size = write_shard(root, old, 0, 500) + write_shard(root, old, 1, 400)
+    half_size = write_shard(root, half, 0, 700)
+    other_ns = "ab" * 16
+    foreign0 = write_shard(root, foreign, 0, 600, namespace=other_ns)
+    foreign1 = write_shard(root, foreign, 1, 650, namespace=other_ns)
+    extra_rank = write_shard(root, whole, 2, 800)  # beyond world_size
+    # Not chunk files: ignored.
+    (root / NAMESPACE / "stray").write_bytes(b"x")
+    (root / NAMESPACE / whole.hex()[:2] / "notes.txt").write_bytes(b"x")
+    (root / NAMESPACE / whole.hex()[:2] / f"{'ab' * (KEY_BYTES - 1)}.r0").write_bytes(b"x")
+    (root / "short").mkdir()
+    (root / "short" / "x").write_bytes(b"x")
+
+    result = disk.scan(root, NAMESPACE, world_size=2)
+    assert result.chunks == [(old, old_size, 500), (whole, whole_size, 1005)]
+
+    def rel(ns: str, key: bytes, rank: int) -> str:
+        return os.path.relpath(disk.shard_path(root, ns, key, rank), root)
+
+    assert result.other == [
+        (rel(other_ns, foreign, 0), foreign0, 600),
+        (rel(other_ns, foreign, 1), foreign1, 650),
+        (rel(NAMESPACE, half, 0), half_size, 700),
+        (rel(NAMESPACE, whole, 2), extra_rank, 800),
+    ]
+    assert result.removed_partials == 0
+    # With one rank, every rank-0 file of the namespace is a complete chunk.
+    single = disk.scan(root, NAMESPACE, world_size=1)
+    assert [c[0] for c in single.chunks] == [old, half, whole]
+    assert disk.scan(tmp_path / "absent", NAMESPACE, 1).chunks == []
+
+
+def test_scan_removes_stale_partials_only(tmp_path):
+    root = tmp_path / "disk"
+    k = key_of(0)
+    write_shard(root, k, 0, 1000)
+    dead = partial_name(root, k, dead_pid())
+    junk = partial_name(root, k, "nopid")
+    live = partial_name(root, k, os.getpid())
+    old_live = partial_name(root, k, os.getpid())
+    for p in (dead, junk, live, old_live):
+        p.write_bytes(b"half a chunk")
+    long_ago = time.time() - 7200
+    os.utime(old_live, (long_ago, long_ago))
+    result = disk.scan(root, NAMESPACE, world_size=1)
+    assert result.removed_partials == 3
+    assert not dead.exists() and not junk.exists() and not old_live.exists()
+    assert live.exists()
+    assert [c[0] for c in result.chunks] == [k] and result.other == []
+    assert disk.scan(root, NAMESPACE, world_size=1).removed_partials == 0
+
+
+def test_check_writable(tmp_path):
+    root = tmp_path / "a" / "b"
+    disk.check_writable(root)
+    assert root.is_dir() and os.listdir(root) == []
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"not a directory")
+    with pytest.raises(OSError):
+        disk.check_writable(afile / "sub")
+    with pytest.raises(OSError):
+        disk.check_writable(afile)
+
+
+def test_try_lock_conflicts_within_a_process(tmp_path):
+    fd = disk.try_lock(tmp_path)
+    assert fd is not None
+    try:
+        assert disk.try_lock(tmp_path) is None  # another open file description
+    finally:
+        os.close(fd)
+    again = disk.try_lock(tmp_path)
+    assert again is not None
+    os.close(again)
+
+
+def test_try_lock_held_by_another_process(tmp_path):
+    holder = (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", holder, str(tmp_path / disk.LOCK_NAME)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline() == "locked\n"
+        assert disk.try_lock(tmp_path) is None
+    finally:
+        proc.kill()
+        proc.wait()
+    fd = disk.try_lock(tmp_path)
+    assert fd is not None
+    os.close(fd)
+
+
+# -- a writer killed with SIGKILL mid-write -------------------------------------
+CRASH_LAYERS, CRASH_LAYER_BYTES, CRASH_KEYS = 8, 256 << 10, 16
+CRASH_FMT = PageFormat("bfloat16", 2, (2, 1, 32, 2048), 32)
+
+
+def crash_codec():
+    return make_codec("zstd", num_layers=CRASH_LAYERS, fmt=CRASH_FMT)
+
+
+def crash_layers(key: bytes) -> list[np.ndarray]:
+    rng = np.random.default_rng(int.from_bytes(key, "little"))
+    return [np.frombuffer(rng.bytes(CRASH_LAYER_BYTES), dtype=np.uint8) for _ in range(CRASH_LAYERS)]
+
+
+def crash_writer(root: str, start: int) -> None:
+    """The child: write chunks into ``root`` forever, saying so after each.
+    Blobs are encoded once, so that most of the time goes to writing files."""
+    tier = DiskTier(root, crash_codec(), fsync=False)
+    blobs: dict[bytes, bytes] = {}
+    for i in range(start, start + 10**6):
+        key = key_of(i % CRASH_KEYS)
+        if key not in blobs:
+            blobs[key] = ChunkData(key, tier.codec, layers=crash_layers(key)).blob
+        tier.write(key, ChunkData(key, tier.codec, blob=blobs[key]))
+        print(i, flush=True)
+
+
+def run_and_kill(root: Path, start: int, rng: random.Random) -> None:
+    code = f"from tests.unit.test_disk import crash_writer; crash_writer({str(root)!r}, {start})"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        written = 0
+        while written < 2:  # let it get going
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready and proc.stdout.readline(), "the writer did not start writing"
+            written += 1
+        time.sleep(rng.uniform(0.0, 0.2))
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_writer_killed_mid_write_leaves_no_file_loaded_as_valid(tmp_path):
+    root = tmp_path / "disk"
+    rng = random.Random(os.getpid())
+    for round_ in range(5):
+        run_and_kill(root, start=3 * round_, rng=rng)
+    partials = list(root.rglob("*.partial"))
+    result = disk.scan(root, NAMESPACE, world_size=1)
+    assert result.removed_partials == len(partials)
+    assert list(root.rglob("*.partial")) == []
+
+    tier = DiskTier(root, crash_codec())
+    valid, corrupt = [], []
+    for path in root.rglob("*.r0"):
+        key = bytes.fromhex(path.name.removesuffix(".r0"))
+        assert key in {key_of(i) for i in range(CRASH_KEYS)}
+        try:
+            got = read_raw(tier, key, None)
+        except CorruptChunk:
+            corrupt.append(key)
+            continue
+        assert got == [a.tobytes() for a in crash_layers(key)], key.hex()
+        valid.append(key)
+    assert corrupt == []
+    assert len(valid) >= 2
+    assert sorted(c[0] for c in result.chunks) == sorted(valid) and result.other == []
