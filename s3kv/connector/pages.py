@@ -142,6 +142,8 @@ class LayerwiseLoad:
         n = len(pages.layers)
         self._events: list = []
         if pages.on_device:
+            # The blocks may have been in use by earlier work on the forward's stream.
+            pages._stream.wait_stream(torch.cuda.current_stream(pages.device))
             for i in range(n):
                 self._copy_layer(i)
                 ev = torch.cuda.Event()

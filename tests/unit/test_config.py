@@ -47,7 +47,9 @@ def test_bad_input_names_the_key(raw, names):
 
 
 def test_tier_keys():
-    c = parse_config({"bucket": "ok-bucket", "cpu_bytes": "8GiB", "disk_path": "/nvme/kv", "disk_bytes": "1TiB"})
+    c = parse_config(
+        {"bucket": "ok-bucket", "cpu_bytes": "8GiB", "disk_path": "/nvme/kv", "disk_bytes": "1TiB"}
+    )
     assert c.cpu_bytes == 8 << 30 and c.disk_path == "/nvme/kv" and c.disk_bytes == 1 << 40
     assert c.write_policy == "write_through" and c.promote and c.save_generated and c.uses_s3
     assert c.disk_fsync == "never"
