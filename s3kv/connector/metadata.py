@@ -41,12 +41,14 @@ class S3KVWorkerMetadata(KVConnectorWorkerMetadata):
     """(tier, key) -> ranks that now hold their shard of key in that tier."""
     disk_sizes: dict[bytes, int] = field(default_factory=dict)
     """Key -> bytes of the NVMe files written, summed over ranks."""
-    failed: set[tuple[Tier, bytes]] = field(default_factory=set)
-    """Writes (stores, promotions) that were dropped or failed."""
+    failed: dict[tuple[Tier, bytes], int] = field(default_factory=dict)
+    """(tier, key) -> ranks whose write (store, promotion) was dropped or failed."""
     missing: set[tuple[Tier, bytes]] = field(default_factory=set)
     """Keys a tier turned out not to hold (absent or corrupt): forget them there."""
     released: dict[bytes, int] = field(default_factory=dict)
     """Store key -> ranks that no longer read its CPU slot."""
+    sync_loaded: dict[str, int] = field(default_factory=dict)
+    """Request -> ranks that finished its synchronous load (its CPU slots may go)."""
     load_failed: set[str] = field(default_factory=set)
     """Requests whose load failed in part: offer them no more hits."""
     loaded: int = 0
@@ -59,9 +61,10 @@ class S3KVWorkerMetadata(KVConnectorWorkerMetadata):
         return S3KVWorkerMetadata(
             _add(self.written, other.written),
             _add(self.disk_sizes, other.disk_sizes),
-            self.failed | other.failed,
+            _add(self.failed, other.failed),
             self.missing | other.missing,
             _add(self.released, other.released),
+            _add(self.sync_loaded, other.sync_loaded),
             self.load_failed | other.load_failed,
             self.loaded + other.loaded,
             self.unavailable + other.unavailable,
@@ -74,6 +77,7 @@ class S3KVWorkerMetadata(KVConnectorWorkerMetadata):
             or self.failed
             or self.missing
             or self.released
+            or self.sync_loaded
             or self.load_failed
             or self.loaded
             or self.unavailable

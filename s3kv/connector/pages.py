@@ -87,22 +87,42 @@ class PageIO:
         with torch.cuda.stream(self._stream):
             dst.copy_(layer.u8.index_select(layer.axis, self._index(block_ids)), non_blocking=True)
 
+    def forward_mark(self) -> object | None:
+        """A point on the forward's stream that later :meth:`write` calls
+        wait for (on the host platform, None: nothing to wait for)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def write(
-        self, layer_index: int, block_ids: Sequence[int], first: int, last: int, data: np.ndarray
+        self,
+        layer_index: int,
+        block_ids: Sequence[int],
+        first: int,
+        last: int,
+        data: np.ndarray,
+        *,
+        after: object | None = None,
     ) -> None:
         """Write pages ``first..last`` of a chunk's layer (``data`` holds all of
-        the chunk's pages) into ``block_ids[first:last]``. Thread-safe for
+        the chunk's pages) into ``block_ids[first:last]``, after the forward
+        work marked by ``after`` (:meth:`forward_mark`). Thread-safe for
         distinct blocks."""
         layer = self.layers[layer_index]
         n = len(block_ids)
         src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(layer.shape_for(n))
         if first or last != n:
             src = src.narrow(layer.axis, first, last - first)
-        idx = self._index(block_ids[first:last])
         if self._stream is None:
-            layer.u8.index_copy_(layer.axis, idx, src)
+            layer.u8.index_copy_(layer.axis, self._index(block_ids[first:last]), src)
             return
         with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            # Made on the side stream, so the allocator keeps them until the copy ran.
+            idx = self._index(block_ids[first:last])
             layer.u8.index_copy_(layer.axis, idx, src.to(self.device, non_blocking=True))
 
     def fence(self) -> Callable[[], None]:

@@ -242,13 +242,14 @@ class SchedulerSide:
                 written = {k: n for (t, k), n in meta.written.items() if t is tier}
                 if written:
                     p.on_written(tier, written, meta.disk_sizes if tier is Tier.DISK else None)
-                failed = [k for t, k in meta.failed if t is tier]
+                failed = {k: n for (t, k), n in meta.failed.items() if t is tier}
                 if failed:
                     p.on_write_failed(tier, failed)
                 missing = [k for t, k in meta.missing if t is tier]
                 if missing:
                     p.on_missing(tier, missing)
             p.on_released(meta.released)
+            p.on_sync_loaded(meta.sync_loaded)
             if meta.disk_full:
                 p.on_disk_full()
             p.on_load_results(meta.load_failed, loaded=meta.loaded, unavailable=meta.unavailable)

@@ -95,6 +95,7 @@ class WorkerSide:
         self._pool_tensor: torch.Tensor | None = None
         self._sync: LayerwiseLoad | None = None
         self._sync_chunks: list[LoadChunk] = []
+        self._sync_reqs: list[str] = []
         self._stores: _StepStores | None = None
         self._load_errors: set[int] = set()
         self._sent: set[str] = set()
@@ -132,17 +133,21 @@ class WorkerSide:
         )
 
     # -- loads ---------------------------------------------------------------------
-    def _write(self, chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
-        assert self.pages is not None
-        self.pages.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data)
-
     def start_load(self, meta: S3KVMetadata) -> None:
+        assert self.pages is not None
+        pages = self.pages
+        after = pages.forward_mark()  # async writes wait for the forward's use of the blocks
+
+        def write(chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
+            pages.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data, after=after)
+
         sync: list[tuple[list[np.ndarray], tuple[int, ...], int, int]] = []
-        self._sync_chunks = []
+        self._sync_chunks, self._sync_reqs = [], []
         for plan in meta.loads:
             if not plan.sync:
-                self.engine.submit_load(plan.req_id, plan.chunks, self._write)
+                self.engine.submit_load(plan.req_id, plan.chunks, write)
                 continue
+            self._sync_reqs.append(plan.req_id)
             for c in plan.chunks:
                 if self.pool is None or c.cpu_slot is None or not self.pool.holds(c.cpu_slot, c.key):
                     log.warning("s3kv: CPU slot %s does not hold chunk %s", c.cpu_slot, c.key.hex())
@@ -151,8 +156,8 @@ class WorkerSide:
                     continue
                 sync.append((self.pool.layer_views(c.cpu_slot), c.block_ids, c.first_block, c.last_block))
                 self._sync_chunks.append(c)
-        if sync and self.pages is not None:
-            self._sync = self.pages.layerwise_load(sync)
+        if sync:
+            self._sync = pages.layerwise_load(sync)
 
     def wait_for_layer(self, layer_name: str) -> None:
         if self._sync is not None and self.pages is not None:
@@ -161,20 +166,26 @@ class WorkerSide:
                 self._sync.wait_layer(i)
 
     def _finish_sync_load(self) -> None:
+        """The step's synchronous load is over: wait for its copies (on the
+        host too, so the scheduler may reuse its CPU slots) and report it."""
         load, self._sync = self._sync, None
+        reqs, self._sync_reqs = self._sync_reqs, []
+        chunks, self._sync_chunks = self._sync_chunks, []
+        for req_id in reqs:
+            self._report.sync_loaded[req_id] = self._report.sync_loaded.get(req_id, 0) + 1
         if load is None:
             return
         load.wait_all()
+        if self.pages is not None:
+            self.pages.synchronize()
         if load.error is not None:
             log.error("s3kv: copying from the CPU tier failed: %s", load.error)
-            for c in self._sync_chunks:
+            for c in chunks:
                 self._load_errors.update(c.write_ids)
             return
-        n = len(self._sync_chunks)
-        self.counters.add("load_chunks_cpu", n)
-        self.counters.add("load_bytes_cpu", n * (self.pool.slot_bytes if self.pool else 0))
-        self._report.loaded += len(self._sync_chunks)
-        self._sync_chunks = []
+        self.counters.add("load_chunks_cpu", len(chunks))
+        self.counters.add("load_bytes_cpu", len(chunks) * (self.pool.slot_bytes if self.pool else 0))
+        self._report.loaded += len(chunks)
 
     # -- stores --------------------------------------------------------------------
     def _step_stores(self, meta: S3KVMetadata) -> _StepStores | None:
@@ -259,7 +270,8 @@ class WorkerSide:
                 if tier is Tier.DISK:
                     r.disk_sizes[key] = r.disk_sizes.get(key, 0) + nbytes
         for tier, keys in result.failed.items():
-            r.failed.update((tier, k) for k in keys)
+            for key in keys:
+                r.failed[(tier, key)] = r.failed.get((tier, key), 0) + 1
         for tier, keys in result.missing.items():
             r.missing.update((tier, k) for k in keys)
         for key in result.released:

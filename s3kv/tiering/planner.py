@@ -89,8 +89,11 @@ class _Request:
     hit_tokens: dict[Tier, int] = field(default_factory=dict)
     stored_until: int = 0
     """Chunks below this index are stored or planned."""
-    loaded_until: int = 0
-    """Chunks below this index were planned to load from a tier."""
+    loaded: range = range(0)
+    """Chunks planned to load from a tier: they are not stored from the KV
+    cache again (promotion copies them up from what was loaded and checked)."""
+    load_async: bool = False
+    """What the last lookup told vLLM: an asynchronous load."""
     load_failed: bool = False
     """A load for this request failed: vLLM recomputes it, and asking again
     (vLLM does when nothing was computed) would only fail again."""
@@ -157,11 +160,14 @@ class Planner:
         self._pending_held: list[str] = []
         self._held: set[str] = set()
         self._load_pins: dict[str, list[tuple[Tier, bytes]]] = {}
-        """Entries an async load reads, unpinned when vLLM reports it done."""
+        """Entries a load reads, unpinned when it is over on every rank."""
+        self._async_loading: set[str] = set()
         self._storing: dict[bytes, float] = {}
         """Keys planned for an S3 store and not yet reported, with when."""
         self._tally: dict[tuple[Tier | str, bytes], int] = {}
-        """Ranks that reported a write (or a slot release) so far."""
+        """Ranks that reported a slot release (or a synchronous load) so far."""
+        self._outcomes: dict[tuple[Tier, bytes], tuple[int, int]] = {}
+        """(ranks that wrote, ranks that failed) of each pending write."""
         self._disk_sizes: dict[bytes, int] = {}
         self._deleting: set[Hashable] = set()
         self._disk_evictions: list[Hashable] = []
@@ -258,6 +264,7 @@ class Planner:
             # last block so our copies and its writes never share a block.
             end = min(end, (num_tokens - 1) // self.block_size * self.block_size)
         n = end - num_computed_tokens
+        req.load_async = n > 0 and not sync
         return (n, not sync) if n > 0 else (0, False)
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -272,8 +279,15 @@ class Planner:
         tiers = req.hit[first_chunk - req.hit_start : end_chunk - req.hit_start]
         if len(tiers) != end_chunk - first_chunk:
             raise ValueError(f"request {req_id}: {num_external_tokens} tokens exceed the planned hit")
-        sync = all(t is Tier.CPU for t in tiers)
+        # Pin every source first, so that promotions cannot evict a later
+        # chunk of this very hit.
         pins: list[tuple[Tier, bytes]] = []
+        for c, tier in zip(range(first_chunk, end_chunk), tiers):
+            index = self._index(tier)
+            if index is not None:
+                index.touch(req.keys[c])
+                index.pin(req.keys[c])
+                pins.append((tier, req.keys[c]))
         chunks = []
         req.hit_tokens = {}
         for c, tier in zip(range(first_chunk, end_chunk), tiers):
@@ -282,17 +296,19 @@ class Planner:
                 raise ValueError(f"request {req_id}: {len(block_ids)} blocks cannot hold chunk {c}")
             first = max(0, start // bs - c * bpc)
             last = min(bpc, -(-(end - c * ct) // bs))
-            key = req.keys[c]
-            chunks.append(self._plan_load(key, tier, ids, first, last, pins))
+            chunks.append(self._plan_load(req.keys[c], tier, ids, first, last))
             n_tokens = min(end, (c + 1) * ct) - max(start, c * ct)
             req.hit_tokens[tier] = req.hit_tokens.get(tier, 0) + n_tokens
         for tier, n in req.hit_tokens.items():
             self.counters.add("hit_tokens", n)
             self.counters.add(f"hit_tokens_{tier.value}", n)
-        req.loaded_until = max(req.loaded_until, end_chunk)
-        plan = LoadPlan(req_id, tuple(chunks), sync)
+        req.loaded = range(first_chunk, end_chunk)
+        # vLLM acts on what the lookup said (it may have trimmed the hit since).
+        plan = LoadPlan(req_id, tuple(chunks), not req.load_async)
         self._pending_loads.append(plan)
         self._load_pins[req_id] = pins
+        if req.load_async:
+            self._async_loading.add(req_id)
 
     def _plan_load(
         self,
@@ -301,15 +317,9 @@ class Planner:
         ids: tuple[int, ...],
         first: int,
         last: int,
-        pins: list[tuple[Tier, bytes]],
     ) -> LoadChunk:
         cpu_slot = promote_slot = None
         promote_disk = False
-        index = self._index(tier)
-        if index is not None:
-            index.touch(key)
-            index.pin(key)
-            pins.append((tier, key))
         if tier is Tier.CPU:
             entry = self.cpu.get(key)  # type: ignore[union-attr]
             cpu_slot = entry.slot if entry is not None else None
@@ -338,8 +348,7 @@ class Planner:
     def _evict_disk(self, evicted: Iterable[tuple[Hashable, Any]]) -> None:
         for key, _ in evicted:
             self.counters.add("evict_chunks_disk")
-            self._deleting.add(key)
-            self._disk_evictions.append(key)
+            self._forget_disk_files(key)
 
     def hit_sources(self, req_id: str) -> dict[Tier, int]:
         """Tokens of the request's planned load, by tier."""
@@ -356,12 +365,6 @@ class Planner:
                 continue
             done = s.num_computed_tokens + s.num_scheduled_tokens
             plan.stores += self._plan_stores(req, done, s.block_ids)
-        for load in plan.loads:
-            # Synchronous copies run in this step, so no later plan can
-            # collide with them; this step's stores could, so they were
-            # planned first.
-            if load.sync:
-                self._unpin(self._load_pins.pop(load.req_id, []))
         return plan
 
     def _plan_stores(
@@ -383,8 +386,8 @@ class Planner:
             ids = tuple(ids_all[c * bpc : (c + 1) * bpc])
             if len(ids) != bpc:
                 break
-            if not self.promote and c < req.loaded_until and not req.load_failed:
-                continue  # loaded from a tier: copying it up would be a promotion
+            if c in req.loaded and not req.load_failed:
+                continue
             store = self._plan_store(keys[c], ids)
             if store is not None:
                 out.append(store)
@@ -425,6 +428,11 @@ class Planner:
         req = self._requests.get(req_id)
         if req is None:
             return False
+        if req_id in self._async_loading:
+            # Aborted while loading: vLLM holds the blocks until the load is
+            # over, and they do not hold valid KV yet. Nothing to store.
+            del self._requests[req_id]
+            return False
         stores = self._plan_stores(req, num_computed_tokens, lambda: block_ids)
         if not stores:
             del self._requests[req_id]
@@ -442,9 +450,17 @@ class Planner:
                 self._requests.pop(req_id, None)
 
     def on_recved(self, req_ids: Iterable[str]) -> None:
-        """Async loads of these requests are over (on every rank)."""
+        """Loads of these requests are over on every rank (vLLM's
+        ``finished_recving`` for async loads, the workers' report for
+        synchronous ones): what they read may be evicted again."""
         for req_id in req_ids:
+            self._async_loading.discard(req_id)
             self._unpin(self._load_pins.pop(req_id, []))
+
+    def on_sync_loaded(self, counts: dict[str, int]) -> None:
+        for req_id, n in counts.items():
+            if self._count("sync", req_id, n):  # type: ignore[arg-type]
+                self.on_recved([req_id])
 
     def _unpin(self, pins: Iterable[tuple[Tier, bytes]]) -> None:
         for tier, key in pins:
@@ -462,37 +478,55 @@ class Planner:
         self._tally[(what, key)] = total
         return False
 
+    def _outcome(self, tier: Tier, key: bytes, ok: int, failed: int) -> bool | None:
+        """Add ranks' write outcomes for (tier, key): None while some rank has
+        not reported, then whether every rank succeeded."""
+        good, bad = self._outcomes.get((tier, key), (0, 0))
+        good, bad = good + ok, bad + failed
+        if good + bad < self.world_size:
+            self._outcomes[(tier, key)] = (good, bad)
+            return None
+        self._outcomes.pop((tier, key), None)
+        return bad == 0
+
     def on_written(self, tier: Tier, counts: dict[bytes, int], sizes: dict[bytes, int] | None = None) -> None:
         """``counts[key]`` more ranks hold their shard of ``key`` in ``tier``
         (``sizes``: their bytes, for the disk)."""
         for key, n in counts.items():
             if tier is Tier.DISK and sizes:
                 self._disk_sizes[key] = self._disk_sizes.get(key, 0) + sizes.get(key, 0)
-            if not self._count(tier, key, n):
-                continue
-            if tier is Tier.S3:
-                self._storing.pop(key, None)
-                if self.s3 is not None:
-                    self.s3.add(key)
-            elif tier is Tier.CPU and self.cpu is not None:
-                self.cpu.commit(key)
-            elif tier is Tier.DISK and self.disk is not None:
-                size = self._disk_sizes.pop(key, None)
-                self._evict_disk(self.disk.commit(key, size))
+            self._decide(tier, key, self._outcome(tier, key, n, 0))
 
-    def on_write_failed(self, tier: Tier, keys: Iterable[bytes]) -> None:
-        for key in keys:
-            self._tally.pop((tier, key), None)
-            if tier is Tier.S3:
-                self._storing.pop(key, None)
-            elif tier is Tier.CPU and self.cpu is not None:
+    def on_write_failed(self, tier: Tier, counts: dict[bytes, int]) -> None:
+        """``counts[key]`` more ranks dropped or failed their write of ``key``."""
+        for key, n in counts.items():
+            self._decide(tier, key, self._outcome(tier, key, 0, n))
+
+    def _decide(self, tier: Tier, key: bytes, ok: bool | None) -> None:
+        """Commit a write every rank made; undo one that any rank failed,
+        once none is still writing (a slot or file is not reused under a
+        rank that still writes it)."""
+        if ok is None:
+            return
+        if tier is Tier.S3:
+            self._storing.pop(key, None)
+            if ok and self.s3 is not None:
+                self.s3.add(key)
+        elif tier is Tier.CPU and self.cpu is not None:
+            if ok:
+                self.cpu.commit(key)
+            else:
                 self.cpu.abort(key)
-            elif tier is Tier.DISK and self.disk is not None:
-                self._disk_sizes.pop(key, None)
-                if self.disk.abort(key) is not None:
-                    # Ranks that did write leave files: remove them too.
-                    self._deleting.add(key)
-                    self._disk_evictions.append(key)
+        elif tier is Tier.DISK and self.disk is not None:
+            size = self._disk_sizes.pop(key, None)
+            if ok:
+                self._evict_disk(self.disk.commit(key, size))
+            elif self.disk.abort(key) is not None:
+                self._forget_disk_files(key)  # ranks that did write leave files
+
+    def _forget_disk_files(self, key: Hashable) -> None:
+        self._deleting.add(key)
+        self._disk_evictions.append(key)
 
     def on_released(self, counts: dict[bytes, int]) -> None:
         """Ranks no longer read the CPU slot of these stores."""
@@ -506,16 +540,17 @@ class Planner:
             if tier is Tier.S3:
                 if self.s3 is not None:
                     self.s3.discard(key)
-            else:
-                index = self._index(tier)
-                if index is not None:
-                    index.remove(key)
+            elif tier is Tier.CPU and self.cpu is not None:
+                self.cpu.remove(key)
+            elif tier is Tier.DISK and self.disk is not None and self.disk.has(key):
+                self.disk.remove(key)
+                self._forget_disk_files(key)  # the other ranks' files of it
 
     def on_disk_full(self) -> None:
         """The disk filled up below ``disk_bytes`` (other files grew): take
         what s3kv holds now as the capacity, so later stores evict instead."""
         if self.disk is not None:
-            self._evict_disk(self.disk.shrink(self.disk.used))
+            self._evict_disk(self.disk.shrink(max(self.disk.used, self.disk_reserve)))
 
     def on_load_results(self, failed_req_ids: Iterable[str], *, loaded: int, unavailable: int) -> None:
         """What transfers did: requests with failed chunks get no more hits;

@@ -328,7 +328,18 @@ class TransferEngine:
         pins_slot = job.slot is not None and (job.disk or job.s3)
         try:
             if job.ready is not None:
-                await self._run(job.ready)
+                try:
+                    await self._run(job.ready)
+                except Exception as e:  # the copy out of the KV cache failed
+                    log.error("s3kv: copying chunk %s out of the KV cache failed: %s", key.hex(), e)
+                    for tier, wanted in (
+                        (Tier.CPU, job.slot is not None),
+                        (Tier.DISK, through and job.disk),
+                        (Tier.S3, through and job.s3),
+                    ):
+                        if wanted:
+                            self._failed(tier, key)
+                    return
             if job.slot is not None and self.pool is not None:
                 self.pool.claim(job.slot, key)
                 self._written(Tier.CPU, key, self.pool.slot_bytes)

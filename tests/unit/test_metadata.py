@@ -21,19 +21,22 @@ def test_aggregate_over_ranks_then_index():
         load_failed={"r"},
         loaded=2,
         released={K1: 1},
+        sync_loaded={"s": 1},
     )
     rank1 = S3KVWorkerMetadata(
         written={(Tier.S3, K1): 1, (Tier.DISK, K1): 1},
         disk_sizes={K1: 120},
         missing={(Tier.S3, K2)},
-        failed={(Tier.CPU, K2)},
+        failed={(Tier.CPU, K2): 1},
+        sync_loaded={"s": 1},
         unavailable=1,
         disk_full=True,
     )
     total = rank0.aggregate(rank1)
     assert total.written == {(Tier.S3, K1): 2, (Tier.S3, K2): 1, (Tier.DISK, K1): 2}
     assert total.disk_sizes == {K1: 220} and total.released == {K1: 1}
-    assert total.missing == {(Tier.S3, K2)} and total.failed == {(Tier.CPU, K2)}
+    assert total.missing == {(Tier.S3, K2)} and total.failed == {(Tier.CPU, K2): 1}
+    assert total.sync_loaded == {"s": 2}
     assert total.load_failed == {"r"} and total.disk_full
     assert (total.loaded, total.unavailable) == (2, 1)
     index = ChunkIndex()

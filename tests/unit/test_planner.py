@@ -95,15 +95,17 @@ def test_load_plan_per_tier_skips_local_blocks_and_pins_sources():
     assert p.plan_step([]).loads == []  # handed out once
 
 
-def test_sync_load_pins_only_until_the_plan_is_out():
-    p, _ = planner(cpu_slots=2)
+def test_sync_load_pins_until_every_rank_copied():
+    p, _ = planner(world_size=2, cpu_slots=2)
     put_cpu(p, KEYS[:2])
     n, is_async = lookup(p)
     p.on_alloc("r", list(range(10)), n)
-    assert p.cpu.get(KEYS[0]).pins == 1
-    # A store planned in the same step cannot take a slot the load reads.
     plan = p.plan_step([sched("other", 0, 0, [])])
-    assert plan.loads[0].sync and p.cpu.get(KEYS[0]).pins == 0
+    assert plan.loads[0].sync and p.cpu.get(KEYS[0]).pins == 1
+    p.on_sync_loaded({"r": 1})
+    assert p.cpu.get(KEYS[0]).pins == 1  # one rank may still copy from the slot
+    p.on_sync_loaded({"r": 1})
+    assert p.cpu.get(KEYS[0]).pins == 0
 
 
 def test_stores_go_to_every_tier_that_lacks_them_once():
@@ -142,8 +144,15 @@ def test_chunk_is_stored_only_when_every_rank_reports():
     assert p.cpu.get(k).pins == 1  # the write-through still reads the slot
     p.on_released({k: 2})
     assert p.cpu.get(k).pins == 0
-    p.on_write_failed(Tier.DISK, [KEYS[2]])
-    assert not p.disk.has(KEYS[2]) and p.take_disk_evictions() == [KEYS[2]]  # the half-written files go
+    # One rank failed its write: undone only once the other rank is done too.
+    k2 = KEYS[2]
+    p.on_write_failed(Tier.DISK, {k2: 1})
+    p.on_write_failed(Tier.CPU, {k2: 1})
+    assert p.disk.has(k2) and p.cpu.has(k2) and p.take_disk_evictions() == []
+    p.on_written(Tier.DISK, {k2: 1}, {k2: 500})
+    p.on_written(Tier.CPU, {k2: 1})
+    assert not p.disk.has(k2) and not p.cpu.has(k2)
+    assert p.take_disk_evictions() == [k2]  # the file the other rank wrote goes too
     p.on_missing(Tier.S3, [k])
     assert k not in index
 
@@ -176,7 +185,7 @@ def test_cpu_slots_are_reused_lru_but_never_while_pinned():
     plan = p.plan_step([sched("w", 2 * CT, 2 * CT, list(range(10)))])
     assert plan.stores == []  # nothing could be evicted in this step
     assert p.counters.totals()["store_dropped_no_slot"] == 2
-    plan = p.plan_step([])  # pins are gone: the next new chunks evict LRU
+    p.on_sync_loaded({"reader": 1})  # the copies are done: the next new chunks evict LRU
     lookup(p, "w2", tokens=PROMPT)
     plan = p.plan_step([sched("w2", 2 * CT, 2 * CT, list(range(10)))])
     assert len(plan.stores) == 2 and p.counters.totals()["evict_chunks_cpu"] == 2
@@ -213,7 +222,7 @@ def test_failed_or_stale_stores_are_planned_again():
     for r in "abc":
         lookup(p, r)
     assert len(p.plan_step([sched("a", 0, 300, list(range(10)))]).stores) == 4
-    p.on_write_failed(Tier.S3, [KEYS[0]])
+    p.on_write_failed(Tier.S3, {KEYS[0]: 1})
     assert [s.key for s in p.plan_step([sched("b", 0, 300, list(range(10)))]).stores] == [KEYS[0]]
     now[0] = 1000.0  # never reported: retried after store_retry_s
     assert len(p.plan_step([sched("c", 0, 300, list(range(10)))]).stores) == 4
@@ -267,6 +276,52 @@ def test_disk_full_shrinks_the_capacity_to_what_is_held():
     lookup(p, "a")
     plan = p.plan_step([sched("a", 0, 300, list(range(10)))])
     p.on_written(Tier.DISK, {plan.stores[0].key: 1}, {plan.stores[0].key: est})
-    p.on_write_failed(Tier.DISK, [s.key for s in plan.stores[1:]])
+    p.on_write_failed(Tier.DISK, {s.key: 1 for s in plan.stores[1:]})
     p.on_disk_full()
     assert p.disk.capacity == est
+
+
+def test_abort_during_an_async_load_stores_nothing_and_holds_nothing():
+    p, index = planner(cpu_slots=4)
+    index.update(KEYS)
+    n, is_async = lookup(p)
+    assert is_async
+    p.on_alloc("r", list(range(10)), n)
+    p.plan_step([])
+    # vLLM counts the loading tokens as computed; the blocks are not valid yet.
+    assert p.request_finished("r", list(range(10)), n) is False
+    assert p.plan_step([]).stores == []
+    p.on_recved(["r"])  # vLLM still reports the load's end: the promotion slots are settled by reports
+
+
+def test_chunks_loaded_from_a_tier_are_not_stored_from_the_kv_cache():
+    p, index = planner(cpu_slots=8, disk_bytes=100 * disk_estimate(SHARD))
+    put_cpu(p, KEYS[:2])  # in the CPU tier only: disk and S3 lack them
+    n, is_async = lookup(p, tokens=PROMPT[: 2 * CT + 10])
+    p.on_alloc("r", list(range(10)), n)
+    plan = p.plan_step([sched("r", n, 2 * CT + 10 - n, list(range(10)))])
+    assert plan.stores == []  # a failed copy would otherwise spread garbage to disk and S3
+
+
+def test_promotions_never_evict_a_later_chunk_of_the_same_hit():
+    p, index = planner(cpu_slots=2)
+    index.add(KEYS[0])  # chunk 0 only in S3, chunk 1 only in the CPU tier (the one slot in use)
+    put_cpu(p, [b"other" * 3 + b"x", KEYS[1]])
+    n, _ = lookup(p, tokens=PROMPT[: 2 * CT + 10])
+    assert n == 2 * CT
+    p.on_alloc("r", list(range(10)), n)
+    (load,) = p.plan_step([]).loads
+    c0, c1 = load.chunks
+    assert c1.sources == (Tier.CPU,) and c1.cpu_slot is not None  # still there, pinned
+    assert c0.promote_slot is not None and c0.promote_slot != c1.cpu_slot
+
+
+def test_a_hit_vllm_trims_stays_as_asynchronous_as_announced():
+    p, index = planner(cpu_slots=4)
+    put_cpu(p, KEYS[:1])
+    index.update(KEYS[1:2])
+    n, is_async = lookup(p)
+    assert (n, is_async) == (2 * CT, True)
+    p.on_alloc("r", list(range(10)), CT)  # vLLM took only the CPU chunk
+    (load,) = p.plan_step([]).loads
+    assert not load.sync and [c.sources for c in load.chunks] == [(Tier.CPU,)]
