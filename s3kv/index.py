@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from s3kv.keys import namespace_prefix, parse_object_key
 from s3kv.stores.base import ObjectStore
@@ -39,15 +39,6 @@ class ChunkIndex:
 
     def discard(self, key: bytes) -> None:
         self._keys.discard(key)
-
-    def prefix_hits(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys``, from the first, are present without a gap."""
-        n = 0
-        for key in keys:
-            if key not in self._keys:
-                break
-            n += 1
-        return n
 
 
 async def load_listing(

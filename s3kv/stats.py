@@ -7,7 +7,8 @@ back. Names carry units (``_bytes``, ``_s``) and say what is counted.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
+from typing import TypeVar
 
 COUNTERS: dict[str, str] = {
     "lookup_requests": "Requests whose prefix was looked up in the cache",
@@ -74,7 +75,11 @@ class Counters:
         return values
 
 
-def merge(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+K = TypeVar("K", bound=Hashable)
+
+
+def merge(a: Mapping[K, float], b: Mapping[K, float]) -> dict[K, float]:
+    """Sum two dicts of numbers key by key."""
     out = dict(a)
     for k, v in b.items():
         out[k] = out.get(k, 0) + v

@@ -9,6 +9,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from s3kv.stats import merge
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.planner import LoadPlan, StoreChunk
 
@@ -24,13 +25,6 @@ class S3KVMetadata(KVConnectorMetadata):
     stores: list[StoreChunk] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     preempted: bool = False
-
-
-def _add(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, n in b.items():
-        out[k] = out.get(k, 0) + n
-    return out
 
 
 @dataclass
@@ -59,12 +53,12 @@ class S3KVWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, S3KVWorkerMetadata)
         return S3KVWorkerMetadata(
-            _add(self.written, other.written),
-            _add(self.disk_sizes, other.disk_sizes),
-            _add(self.failed, other.failed),
+            merge(self.written, other.written),
+            merge(self.disk_sizes, other.disk_sizes),
+            merge(self.failed, other.failed),
             self.missing | other.missing,
-            _add(self.released, other.released),
-            _add(self.sync_loaded, other.sync_loaded),
+            merge(self.released, other.released),
+            merge(self.sync_loaded, other.sync_loaded),
             self.load_failed | other.load_failed,
             self.loaded + other.loaded,
             self.unavailable + other.unavailable,

@@ -97,7 +97,6 @@ class SchedulerSide:
             )
         self._loop = BackgroundLoop("s3kv-scheduler")
         self._store = make_store(config) if config.uses_s3 else None
-        self._listing_done = False
         if self._store is not None:
             self._check_store()
             self._loop.submit(self._describe_namespace(model))
@@ -172,7 +171,6 @@ class SchedulerSide:
                 log.warning("s3kv: listing the bucket failed (%s); retrying in %.0f s", e, LISTING_RETRY_S)
                 await asyncio.sleep(LISTING_RETRY_S)
                 continue
-            self._listing_done = True
             self.planner.s3_down = False
             log.info("s3kv: %d chunks already in the bucket (listed in %.2f s)", n, time.monotonic() - start)
             return

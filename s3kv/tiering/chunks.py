@@ -157,10 +157,6 @@ class ChunkData:
             self._blob = self.codec.encode(self.key, self._layers)  # type: ignore[arg-type]
         return self._blob
 
-    @property
-    def has_blob(self) -> bool:
-        return self._blob is not None
-
 
 async def load_chunk(
     store: ObjectStore,

@@ -129,7 +129,6 @@ class Planner:
         shard_bytes: int = 0,
         promote: bool = True,
         save_generated: bool = True,
-        s3_writes: bool = True,
         counters: Counters | None = None,
         store_retry_s: float = 120.0,
         backoff_s: tuple[float, float] = (5.0, 60.0),
@@ -150,7 +149,6 @@ class Planner:
         self.disk_reserve = world_size * disk_estimate(shard_bytes)
         self.promote = promote
         self.save_generated = save_generated
-        self.s3_writes = s3_writes and s3 is not None
         self.counters = counters or Counters()
         self.store_retry_s = store_retry_s
         self._clock = clock
@@ -397,7 +395,7 @@ class Planner:
     def _plan_store(self, key: bytes, ids: tuple[int, ...]) -> StoreChunk | None:
         now = self._clock()
         to_s3 = (
-            self.s3_writes
+            self.s3 is not None
             and not self.paused
             and key not in self.s3  # type: ignore[operator]
             and now - self._storing.get(key, -self.store_retry_s) >= self.store_retry_s

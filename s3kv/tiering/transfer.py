@@ -417,10 +417,6 @@ class TransferEngine:
         self._written(Tier.S3, chunk.key, len(blob))
 
     # -- results and lifecycle -----------------------------------------------------
-    @property
-    def inflight_bytes(self) -> int:
-        return self._inflight_bytes
-
     def _track(self, fut: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             self._pending.add(fut)
