@@ -1,9 +1,12 @@
 """s3kv's scheduler side, in vLLM's engine-core process.
 
-It answers vLLM's lookups from memory (the :class:`ChunkIndex`), plans loads
-and stores with the :class:`Planner`, and learns from the workers' reports.
-Start-up checks credentials and the bucket; the listing of what the bucket
-already holds runs in the background, so serving starts at once.
+It answers vLLM's lookups from memory (the local tiers' indexes and the
+bucket's :class:`ChunkIndex`), plans loads and stores with the
+:class:`Planner`, and learns from the workers' reports. Start-up checks
+credentials and the bucket and rebuilds the NVMe tier's index from its
+directory; the listing of what the bucket already holds runs in the
+background, so serving starts at once. Evicted NVMe files are deleted by a
+thread of their own, never in the scheduling loop.
 """
 
 from __future__ import annotations

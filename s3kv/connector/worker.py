@@ -216,11 +216,16 @@ class WorkerSide:
         assert self.pages is not None
         i = self.pages.index_of.get(layer_name)
         step = self._step_stores(meta)
-        if step is None or i is None or i in step.copied:
+        if step is not None and i is not None:
+            self._copy_out(step, i)
+
+    def _copy_out(self, step: _StepStores, layer: int) -> None:
+        assert self.pages is not None
+        if layer in step.copied:
             return
         for s, bufs in step.buffers:
-            self.pages.read_into(i, s.block_ids, bufs[i])
-        step.copied.add(i)
+            self.pages.read_into(layer, s.block_ids, bufs[layer])
+        step.copied.add(layer)
 
     def save(self, meta: S3KVMetadata) -> None:
         """End of the step: copy the layers not saved yet (a step without a
@@ -231,9 +236,7 @@ class WorkerSide:
         step = self._step_stores(meta)
         if step is not None:
             for i in range(len(self.pages.layers)):
-                if i not in step.copied:
-                    for s, bufs in step.buffers:
-                        self.pages.read_into(i, s.block_ids, bufs[i])
+                self._copy_out(step, i)
             ready = self.pages.fence()
             for s, bufs in step.buffers:
                 self.engine.submit_store(
