@@ -79,6 +79,13 @@ class S3KVConfig:
     save_generated: bool = _key(
         True, "Also store full chunks that contain generated tokens (the next chat turn hits them)."
     )
+    manifest_publish_s: float = _key(
+        5.0, "How often a replica publishes the chunks it stored (a small manifest segment in S3)."
+    )
+    manifest_refresh_s: float = _key(5.0, "How often a replica looks for other replicas' manifest segments.")
+    manifest_clock_skew_s: float = _key(
+        60.0, "Replicas whose clocks disagree by less than this never miss each other's segments."
+    )
 
     @property
     def uses_s3(self) -> bool:
@@ -201,6 +208,9 @@ _PARSERS = {
     "write_policy": lambda v: _choice("write_policy", v, WRITE_POLICIES),
     "promote": lambda v: _bool("promote", v),
     "save_generated": lambda v: _bool("save_generated", v),
+    "manifest_publish_s": lambda v: _positive_duration("manifest_publish_s", v),
+    "manifest_refresh_s": lambda v: _positive_duration("manifest_refresh_s", v),
+    "manifest_clock_skew_s": lambda v: parse_duration(v, name="manifest_clock_skew_s"),
 }
 assert set(_PARSERS) == set(KNOWN_KEYS), set(_PARSERS) ^ set(KNOWN_KEYS)
 

@@ -45,6 +45,17 @@ COUNTERS: dict[str, str] = {
     "store_errors_s3": "S3 writes that failed (the chunk is simply not cached there)",
     "evict_chunks_cpu": "Chunks evicted from the CPU tier (least recently used)",
     "evict_chunks_disk": "Chunks evicted from the NVMe tier (least recently used)",
+    "manifest_segments_published": "Manifest segments this replica wrote (the chunks it stored)",
+    "manifest_segments_loaded": "Manifest segments of the fleet applied",
+    "manifest_snapshots_written": "Manifest snapshots this replica wrote",
+    "manifest_errors": "Manifest reads or writes that failed (retried later)",
+    "manifest_dropped": "Keys dropped from the manifest: their object was missing or corrupt",
+    "s3_requests_get": "HTTP requests sent to S3: GET",
+    "s3_requests_put": "HTTP requests sent to S3: PUT and multipart parts",
+    "s3_requests_list": "HTTP requests sent to S3: LIST",
+    "s3_requests_head": "HTTP requests sent to S3: HEAD",
+    "s3_requests_delete": "HTTP requests sent to S3: DELETE",
+    "s3_requests_other": "HTTP requests sent to S3: other operations",
 }
 
 

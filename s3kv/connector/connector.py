@@ -8,14 +8,23 @@ vLLM-free core.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from s3kv.config import parse_config
@@ -24,6 +33,7 @@ from s3kv.connector.layout import engine_layout
 from s3kv.connector.metadata import S3KVMetadata
 from s3kv.connector.stats import S3KVPromMetrics, S3KVStats
 from s3kv.tiering.placement import Tier
+from s3kv.tiering.planner import TierEvent
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +50,47 @@ if TYPE_CHECKING:
     from s3kv.connector.worker import WorkerSide
 
 log = logging.getLogger("s3kv")
+
+EVENT_MEDIUM = {
+    Tier.CPU: (MEDIUM_CPU, "LOCAL"),
+    Tier.DISK: (MEDIUM_STORAGE, "LOCAL"),
+    Tier.S3: (MEDIUM_STORAGE, "REMOTE"),
+}
+
+
+def kv_events(events: list[TierEvent], chunk_tokens: int) -> list[KVCacheEvent]:
+    """s3kv's tier changes as vLLM KV cache events: one "block" is one chunk,
+    its hash the chunk key, its medium CPU (host pool) or STORAGE (NVMe, LOCAL;
+    S3, REMOTE), ``ownership`` naming the s3kv tier."""
+    out: list[KVCacheEvent] = []
+    for e in events:
+        medium, locality = EVENT_MEDIUM[e.tier]
+        block_hash = maybe_convert_block_hash(e.key)
+        if e.stored:
+            out.append(
+                BlockStored(
+                    block_hashes=[block_hash],
+                    parent_block_hash=maybe_convert_block_hash(e.parent) if e.parent else None,
+                    token_ids=list(e.token_ids),
+                    block_size=chunk_tokens,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    locality=locality,
+                    ownership=f"s3kv:{e.tier.value}",
+                )
+            )
+        else:
+            out.append(
+                BlockRemoved(
+                    block_hashes=[block_hash],
+                    medium=medium,
+                    locality=locality,
+                    ownership=f"s3kv:{e.tier.value}",
+                )
+            )
+    return out
+
 
 HIT_SOURCES = {
     Tier.CPU: CacheHitSource.HOST,
@@ -73,11 +124,13 @@ class S3KVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from s3kv.connector.scheduler import SchedulerSide
 
+            events = vllm_config.kv_events_config
             self._scheduler = SchedulerSide(
                 self.config,
                 layout,
                 failure_policy=self._kv_transfer_config.kv_load_failure_policy,
                 model=vllm_config.model_config.model,
+                emit_events=bool(events is not None and events.enable_kv_cache_events),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -181,6 +234,9 @@ class S3KVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return kv_events(self.scheduler.take_events(), self.config.chunk_tokens)
 
     # -- stats -------------------------------------------------------------------
     @classmethod

@@ -1,7 +1,7 @@
 """s3kv's scheduler side, in vLLM's engine-core process.
 
 It answers vLLM's lookups from memory (the local tiers' indexes and the
-bucket's :class:`ChunkIndex`), plans loads and stores with the
+bucket's hot :class:`Manifest`), plans loads and stores with the
 :class:`Planner`, and learns from the workers' reports. Start-up checks
 credentials and the bucket and rebuilds the NVMe tier's index from its
 directory; the listing of what the bucket already holds runs in the
@@ -11,27 +11,26 @@ thread of their own, never in the scheduling loop.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import json
 import logging
-import time
+import threading
 from typing import TYPE_CHECKING, Any
 
 from s3kv.config import S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, Transient
-from s3kv.index import ChunkIndex, load_listing
 from s3kv.keys import namespace_prefix
+from s3kv.manifest import Manifest, ManifestSync, SyncSettings
+from s3kv.manifest.format import manifest_prefix
 from s3kv.stats import Counters
 from s3kv.stores.base import PutMode
 from s3kv.stores.factory import make_store
 from s3kv.tiering.local_tiers import DiskCleaner, DiskSetup, cpu_index, open_disk, release_lock
 from s3kv.tiering.loop import BackgroundLoop
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.planner import Planner, ScheduledRequest
+from s3kv.tiering.planner import Planner, ScheduledRequest, TierEvent
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -41,10 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("s3kv.scheduler")
 
-LISTING_RETRY_S = 10.0
-LISTING_WAIT_S = 5.0
-"""At start-up, wait this long for the bucket listing, so that a fresh
-replica's first requests already hit; a longer listing goes on in the background."""
+MANIFEST_WAIT_S = 5.0
+"""At start-up, wait this long for the manifest, so that a fresh replica's
+first requests already hit; a longer load goes on in the background."""
+MANIFEST_FLUSH_S = 5.0
 
 
 def _extras_fn(request: Request) -> Any:
@@ -60,12 +59,20 @@ def _extras_fn(request: Request) -> Any:
 
 
 class SchedulerSide:
-    def __init__(self, config: S3KVConfig, layout: EngineLayout, *, failure_policy: str, model: str) -> None:
+    def __init__(
+        self,
+        config: S3KVConfig,
+        layout: EngineLayout,
+        *,
+        failure_policy: str,
+        model: str,
+        emit_events: bool = False,
+    ) -> None:
         self.config = config
         self.layout = layout
         self.counters = Counters()
         shard_bytes = layout.shard_bytes(config.chunk_tokens)
-        self.index = ChunkIndex() if config.uses_s3 else None
+        self.index = Manifest() if config.uses_s3 else None
         cpu = cpu_index(config.cpu_bytes, shard_bytes)
         self.disk: DiskSetup | None = None
         self._cleaner: DiskCleaner | None = None
@@ -85,6 +92,7 @@ class SchedulerSide:
             shard_bytes=shard_bytes,
             promote=config.promote,
             save_generated=config.save_generated,
+            emit_events=emit_events,
             counters=self.counters,
         )
         if self.disk is not None:
@@ -99,15 +107,32 @@ class SchedulerSide:
                 failure_policy,
             )
         self._loop = BackgroundLoop("s3kv-scheduler")
-        self._store = make_store(config) if config.uses_s3 else None
+        self._store = make_store(config, self.counters) if config.uses_s3 else None
+        self._sync: ManifestSync | None = None
         if self._store is not None:
+            assert self.index is not None
+            self._sync = ManifestSync(
+                self._store,
+                manifest_prefix(config.prefix, layout.namespace.id),
+                self.index,
+                SyncSettings(
+                    publish_s=config.manifest_publish_s,
+                    refresh_s=config.manifest_refresh_s,
+                    skew_s=config.manifest_clock_skew_s,
+                ),
+                counters=self.counters,
+            )
             self._check_store()
             self._loop.submit(self._describe_namespace(model))
-            listing = self._loop.submit(self._list_forever())
-            try:
-                listing.result(timeout=LISTING_WAIT_S)
-            except concurrent.futures.TimeoutError:
-                log.info("s3kv: the bucket listing continues in the background")
+            loaded = threading.Event()
+
+            def on_loaded() -> None:
+                self.planner.s3_down = False
+                loaded.set()
+
+            self._loop.submit(self._sync.run(on_loaded))
+            if not loaded.wait(MANIFEST_WAIT_S):
+                log.info("s3kv: the manifest goes on loading in the background")
         log.info(
             "s3kv: namespace %s; tiers: cpu %s, disk %s, s3 %s (chunk_tokens=%d, block_size=%d, ranks=%d)",
             layout.namespace.id,
@@ -158,25 +183,6 @@ class SchedulerSide:
             pass
         except Exception as e:
             log.debug("s3kv: namespace descriptor not written: %s", e)
-
-    async def _list_forever(self) -> None:
-        while True:
-            start = time.monotonic()
-            try:
-                n = await load_listing(
-                    self.index,
-                    self._store,
-                    self.config.prefix,
-                    self.layout.namespace.id,
-                    self.layout.world_size,
-                )
-            except Exception as e:
-                log.warning("s3kv: listing the bucket failed (%s); retrying in %.0f s", e, LISTING_RETRY_S)
-                await asyncio.sleep(LISTING_RETRY_S)
-                continue
-            self.planner.s3_down = False
-            log.info("s3kv: %d chunks already in the bucket (listed in %.2f s)", n, time.monotonic() - start)
-            return
 
     # -- vLLM hooks -------------------------------------------------------------
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -271,7 +277,15 @@ class SchedulerSide:
         if evicted and self._cleaner is not None:
             self._cleaner.delete(evicted)
 
+    def take_events(self) -> list[TierEvent]:
+        return self.planner.take_events()
+
     def shutdown(self) -> None:
+        if self._sync is not None and self._sync.loaded:
+            try:  # what this replica stored since the last publish
+                self._loop.run(self._sync.publish(), timeout=MANIFEST_FLUSH_S)
+            except Exception as e:
+                log.warning("s3kv: could not publish the manifest at shutdown: %s", e)
         if self._store is not None:
             with contextlib.suppress(Exception):
                 self._loop.run(self._store.close(), timeout=5)

@@ -74,7 +74,7 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.counters = Counters()
         self.engine = TransferEngine(
-            make_store(config) if config.uses_s3 else None,
+            make_store(config, self.counters) if config.uses_s3 else None,
             EngineSettings(
                 namespace=layout.namespace.id,
                 prefix=config.prefix,

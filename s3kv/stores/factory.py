@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from s3kv.config import S3KVConfig
+from s3kv.stats import Counters
 from s3kv.stores.s3 import S3Options, S3Store
 
 
@@ -18,7 +19,10 @@ def s3_options(config: S3KVConfig) -> S3Options:
     )
 
 
-def make_store(config: S3KVConfig) -> S3Store:
+def make_store(config: S3KVConfig, counters: Counters | None = None) -> S3Store:
+    """The configured bucket's store; with ``counters``, every HTTP request
+    it sends is counted (``s3_requests_get``, ``_put``, ``_list``, ...)."""
     if not config.bucket:
         raise ValueError("a bucket is required")
-    return S3Store(config.bucket, s3_options(config))
+    on_request = (lambda kind: counters.add(f"s3_requests_{kind}")) if counters is not None else None
+    return S3Store(config.bucket, s3_options(config), on_request)

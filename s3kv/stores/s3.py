@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,12 +93,36 @@ def _map_error(e: BaseException, what: str) -> Exception:
     return e if isinstance(e, Exception) else S3KVError(str(e))
 
 
-class S3Store(ObjectStore):
-    """Objects in ``bucket`` (keys are used as given; prefixes are the caller's)."""
+REQUEST_KINDS = {
+    "GetObject": "get",
+    "PutObject": "put",
+    "CreateMultipartUpload": "put",
+    "UploadPart": "put",
+    "CompleteMultipartUpload": "put",
+    "AbortMultipartUpload": "put",
+    "ListObjectsV2": "list",
+    "ListObjects": "list",
+    "ListMultipartUploads": "list",
+    "HeadObject": "head",
+    "HeadBucket": "head",
+    "DeleteObject": "delete",
+    "DeleteObjects": "delete",
+}
+"""S3 operations by what they cost (S3 prices GET, PUT/LIST, and HEAD apart)."""
 
-    def __init__(self, bucket: str, options: S3Options | None = None) -> None:
+
+class S3Store(ObjectStore):
+    """Objects in ``bucket`` (keys are used as given; prefixes are the caller's).
+
+    ``on_request(kind)`` is called for every HTTP request sent, retries
+    included, with ``kind`` one of get, put, list, head, delete, other."""
+
+    def __init__(
+        self, bucket: str, options: S3Options | None = None, on_request: Callable[[str], None] | None = None
+    ) -> None:
         self.bucket = bucket
         self.options = options or S3Options()
+        self.on_request = on_request
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._client_lock: asyncio.Lock | None = None
@@ -124,11 +148,18 @@ class S3Store(ObjectStore):
                     tcp_keepalive=True,
                 )
                 stack = contextlib.AsyncExitStack()
-                self._client = await stack.enter_async_context(
+                client = await stack.enter_async_context(
                     get_session().create_client("s3", endpoint_url=o.endpoint_url, config=config)
                 )
+                if self.on_request is not None:
+                    client.meta.events.register("before-send.s3", self._count_request)
+                self._client = client
                 self._stack = stack
         return self._client
+
+    def _count_request(self, event_name: str = "", **kwargs: Any) -> None:
+        if self.on_request is not None:
+            self.on_request(REQUEST_KINDS.get(event_name.rsplit(".", 1)[-1], "other"))
 
     async def open(self) -> None:
         await self._get_client()

@@ -10,12 +10,15 @@ plan. Nothing here does I/O: evicted disk files are handed to the caller
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from s3kv.index import ChunkIndex
+import numpy as np
+
 from s3kv.keys import Namespace, chain_keys
+from s3kv.manifest.keyset import EMPTY, Manifest, fingerprints
 from s3kv.stats import Counters
 from s3kv.tiering.placement import Tier, TierIndex
 
@@ -66,6 +69,17 @@ class StoreChunk:
     s3: bool
 
 
+@dataclass(frozen=True)
+class TierEvent:
+    """A chunk entered (``stored``) or left a tier: vLLM KV events for routers."""
+
+    stored: bool
+    tier: Tier
+    key: bytes
+    parent: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+
+
 @dataclass
 class StepPlan:
     loads: list[LoadPlan] = field(default_factory=list)
@@ -81,6 +95,8 @@ class _Request:
     num_prompt_tokens: int
     extras: ExtrasFn | None
     keys: list[bytes] = field(default_factory=list)
+    fps: np.ndarray = field(default_factory=lambda: EMPTY)
+    """Fingerprints of ``keys``, for the manifest's vectorised lookup."""
     local_tokens: int = 0
     hit_start: int = 0
     """First chunk of the last lookup's hit (chunks below are local)."""
@@ -122,13 +138,14 @@ class Planner:
         namespace: Namespace,
         chunk_tokens: int,
         block_size: int,
-        s3: ChunkIndex | None,
+        s3: Manifest | None,
         cpu: TierIndex | None = None,
         disk: TierIndex | None = None,
         world_size: int = 1,
         shard_bytes: int = 0,
         promote: bool = True,
         save_generated: bool = True,
+        emit_events: bool = False,
         counters: Counters | None = None,
         store_retry_s: float = 120.0,
         backoff_s: tuple[float, float] = (5.0, 60.0),
@@ -149,6 +166,10 @@ class Planner:
         self.disk_reserve = world_size * disk_estimate(shard_bytes)
         self.promote = promote
         self.save_generated = save_generated
+        self.emit_events = emit_events
+        self._events: list[TierEvent] = []
+        self._event_info: OrderedDict[bytes, tuple[bytes | None, tuple[int, ...]]] = OrderedDict()
+        """Parent key and tokens of chunks being written, for their events."""
         self.counters = counters or Counters()
         self.store_retry_s = store_retry_s
         self._clock = clock
@@ -189,7 +210,7 @@ class Planner:
             extras = None
             if req.extras is not None:
                 extras = [req.extras(i * ct, (i + 1) * ct) for i in range(have, n_chunks)]
-            req.keys += chain_keys(
+            new = chain_keys(
                 self.namespace,
                 req.token_ids[have * ct : n_chunks * ct],
                 ct,
@@ -197,21 +218,13 @@ class Planner:
                 parent=req.keys[-1] if req.keys else None,
                 start_chunk=have,
             )
+            req.keys += new
+            req.fps = np.concatenate([req.fps, fingerprints(new)])
         return req.keys
 
     @property
     def paused(self) -> bool:
         return self.s3_down or self._clock() < self._paused_until
-
-    def tier_of(self, key: bytes, *, s3_ok: bool = True) -> Tier | None:
-        """The nearest tier that can supply ``key`` now."""
-        if self.cpu is not None and key in self.cpu:
-            return Tier.CPU
-        if self.disk is not None and key in self.disk:
-            return Tier.DISK
-        if s3_ok and self.s3 is not None and key in self.s3:
-            return Tier.S3
-        return None
 
     def _index(self, tier: Tier) -> TierIndex | None:
         return self.cpu if tier is Tier.CPU else self.disk if tier is Tier.DISK else None
@@ -247,13 +260,23 @@ class Planner:
         if start >= n_chunks:
             return 0, False
         keys = self._keys(req, n_chunks)
-        s3_ok = not self.paused
+        # S3 for the whole chain in one vectorised pass; the local tiers per chunk.
+        in_s3 = (
+            self.s3.present_fps(req.fps[start:n_chunks]).tolist()
+            if self.s3 is not None and not self.paused
+            else [False] * (n_chunks - start)
+        )
+        cpu, disk = self.cpu, self.disk
         hit: list[Tier] = []
-        for c in range(start, n_chunks):
-            tier = self.tier_of(keys[c], s3_ok=s3_ok)
-            if tier is None:
+        for key, s3_has in zip(keys[start:n_chunks], in_s3):
+            if cpu is not None and key in cpu:
+                hit.append(Tier.CPU)
+            elif disk is not None and key in disk:
+                hit.append(Tier.DISK)
+            elif s3_has:
+                hit.append(Tier.S3)
+            else:
                 break
-            hit.append(tier)
         req.hit_start, req.hit = start, hit
         end = (start + len(hit)) * ct
         sync = bool(hit) and all(t is Tier.CPU for t in hit)
@@ -286,6 +309,8 @@ class Planner:
                 index.touch(req.keys[c])
                 index.pin(req.keys[c])
                 pins.append((tier, req.keys[c]))
+        if self.s3 is not None:
+            self.s3.touch(req.keys[first_chunk:end_chunk])  # access records, for gc
         chunks = []
         req.hit_tokens = {}
         for c, tier in zip(range(first_chunk, end_chunk), tiers):
@@ -294,6 +319,7 @@ class Planner:
                 raise ValueError(f"request {req_id}: {len(block_ids)} blocks cannot hold chunk {c}")
             first = max(0, start // bs - c * bpc)
             last = min(bpc, -(-(end - c * ct) // bs))
+            self._remember(req, c)
             chunks.append(self._plan_load(req.keys[c], tier, ids, first, last))
             n_tokens = min(end, (c + 1) * ct) - max(start, c * ct)
             req.hit_tokens[tier] = req.hit_tokens.get(tier, 0) + n_tokens
@@ -328,11 +354,22 @@ class Planner:
         else:
             sources = (Tier.S3,)
         if self.promote and tier is not Tier.CPU:
-            if self.cpu is not None and (got := self.cpu.reserve(key)) is not None:
-                promote_slot = got[0].slot
+            promote_slot = self._reserve_cpu(key)
             if tier is Tier.S3 and self._reserve_disk(key):
                 promote_disk = True
         return LoadChunk(key, ids, first, last, sources, cpu_slot, promote_slot, promote_disk)
+
+    def _reserve_cpu(self, key: bytes) -> int | None:
+        """A pending CPU slot for ``key``, evicting the least recently used."""
+        if self.cpu is None:
+            return None
+        got = self.cpu.reserve(key)
+        if got is None:
+            return None
+        for old, _ in got[1]:
+            self.counters.add("evict_chunks_cpu")
+            self._event(False, Tier.CPU, old)
+        return got[0].slot
 
     def _reserve_disk(self, key: bytes) -> bool:
         if self.disk is None or key in self._deleting:
@@ -347,6 +384,8 @@ class Planner:
         for key, _ in evicted:
             self.counters.add("evict_chunks_disk")
             self._forget_disk_files(key)
+            if isinstance(key, bytes):
+                self._event(False, Tier.DISK, key)
 
     def hit_sources(self, req_id: str) -> dict[Tier, int]:
         """Tokens of the request's planned load, by tier."""
@@ -388,6 +427,7 @@ class Planner:
                 continue
             store = self._plan_store(keys[c], ids)
             if store is not None:
+                self._remember(req, c)
                 out.append(store)
         req.stored_until = done_chunks
         return out
@@ -403,11 +443,8 @@ class Planner:
         to_disk = self.disk is not None and not self.disk.has(key) and key not in self._deleting
         slot = None
         if self.cpu is not None and not self.cpu.has(key):
-            got = self.cpu.reserve(key)
-            if got is not None:
-                slot = got[0].slot
-                self.counters.add("evict_chunks_cpu", len(got[1]))
-            else:
+            slot = self._reserve_cpu(key)
+            if slot is None:
                 self.counters.add("store_dropped_no_slot")
         if to_disk:
             to_disk = self._reserve_disk(key)
@@ -506,6 +543,8 @@ class Planner:
         rank that still writes it)."""
         if ok is None:
             return
+        if ok:
+            self._event(True, tier, key)
         if tier is Tier.S3:
             self._storing.pop(key, None)
             if ok and self.s3 is not None:
@@ -536,13 +575,15 @@ class Planner:
         """Workers found these keys absent or corrupt in ``tier``."""
         for key in keys:
             if tier is Tier.S3:
-                if self.s3 is not None:
+                if self.s3 is not None and key in self.s3:
                     self.s3.discard(key)
+                    self.counters.add("manifest_dropped")
             elif tier is Tier.CPU and self.cpu is not None:
                 self.cpu.remove(key)
             elif tier is Tier.DISK and self.disk is not None and self.disk.has(key):
                 self.disk.remove(key)
                 self._forget_disk_files(key)  # the other ranks' files of it
+            self._event(False, tier, key)
 
     def on_disk_full(self) -> None:
         """The disk filled up below ``disk_bytes`` (other files grew): take
@@ -576,3 +617,28 @@ class Planner:
     def on_deleted(self, keys: Iterable[Hashable]) -> None:
         for key in keys:
             self._deleting.discard(key)
+
+    # -- KV events -------------------------------------------------------------
+    def _remember(self, req: _Request, c: int) -> None:
+        """Keep what a chunk's BlockStored event needs until it is written."""
+        if not self.emit_events:
+            return
+        ct = self.chunk_tokens
+        key = req.keys[c]
+        self._event_info[key] = (req.keys[c - 1] if c else None, tuple(req.token_ids[c * ct : (c + 1) * ct]))
+        self._event_info.move_to_end(key)
+        while len(self._event_info) > 1 << 14:
+            self._event_info.popitem(last=False)
+
+    def _event(self, stored: bool, tier: Tier, key: bytes) -> None:
+        if not self.emit_events:
+            return
+        if stored:
+            parent, tokens = self._event_info.get(key, (None, ()))
+            self._events.append(TierEvent(True, tier, key, parent, tokens))
+        else:
+            self._events.append(TierEvent(False, tier, key))
+
+    def take_events(self) -> list[TierEvent]:
+        out, self._events = self._events, []
+        return out

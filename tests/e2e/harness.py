@@ -63,17 +63,18 @@ def workload(seed: int = 0, shared_len: int = 320) -> list[list[int]]:
     ]
 
 
-def run_replica(
+def start_replica(
     workdir: Path,
     name: str,
     model: Path,
-    prompts: list[list[int]],
+    prompts: list[Any],
     kv_transfer_config: dict[str, Any] | None,
     *,
     engine_args: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """Start a fresh replica process, run ``prompts`` one by one, return its report."""
+) -> subprocess.Popen:
+    """Start a fresh replica process that runs ``prompts`` one by one;
+    :func:`finish_replica` waits for it and returns its report."""
     spec = {
         "model": str(model),
         "engine_args": {**ENGINE_ARGS, **(engine_args or {})},
@@ -82,23 +83,48 @@ def run_replica(
         "max_tokens": MAX_TOKENS,
     }
     spec_path = workdir / f"{name}.spec.json"
-    out_path = workdir / f"{name}.result.json"
-    log_path = workdir / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
-    with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "s3kv.connector.replica", str(spec_path), str(out_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **REPLICA_ENV, **(env or {})},
-            timeout=REPLICA_TIMEOUT_S,
-        )
-    if proc.returncode != 0:
+    log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed by finish_replica)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "s3kv.connector.replica",
+            str(spec_path),
+            str(workdir / f"{name}.result.json"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **REPLICA_ENV, **(env or {})},
+    )
+    proc.s3kv_name = name  # type: ignore[attr-defined]
+    proc.s3kv_log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def finish_replica(workdir: Path, proc: subprocess.Popen) -> dict[str, Any]:
+    name, log = proc.s3kv_name, proc.s3kv_log  # type: ignore[attr-defined]
+    try:
+        returncode = proc.wait(REPLICA_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    finally:
+        log.close()
+    log_path = workdir / f"{name}.log"
+    if returncode != 0:
         tail = log_path.read_text()[-6000:]
-        raise AssertionError(f"replica {name} exited with {proc.returncode}; log tail:\n{tail}")
-    result = json.loads(out_path.read_text())
+        raise AssertionError(f"replica {name} exited with {returncode}; log tail:\n{tail}")
+    result = json.loads((workdir / f"{name}.result.json").read_text())
     result["log"] = str(log_path)
     return result
+
+
+def run_replica(
+    workdir: Path, name: str, model: Path, prompts: list[Any], kv_transfer_config, **kw
+) -> dict[str, Any]:
+    """Start a fresh replica process, run ``prompts`` one by one, return its report."""
+    return finish_replica(workdir, start_replica(workdir, name, model, prompts, kv_transfer_config, **kw))
 
 
 def worker_total(result: dict[str, Any], name: str) -> float:
@@ -108,6 +134,21 @@ def worker_total(result: dict[str, Any], name: str) -> float:
 
 def metric(result: dict[str, Any], name: str) -> float:
     return result["metrics"].get(f"vllm:s3kv_{name}", 0)
+
+
+def copy_bucket(s3_server: Any, src: str, transform: Any = None) -> str:
+    """A new bucket with ``src``'s objects, chunk objects passed through ``transform``."""
+    from s3kv.keys import parse_object_key
+
+    client = s3_server.client()
+    dst = s3_server.new_bucket()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=src):
+        for obj in page.get("Contents", ()):
+            body = client.get_object(Bucket=src, Key=obj["Key"])["Body"].read()
+            if transform is not None and parse_object_key(obj["Key"]) is not None:
+                body = transform(obj["Key"], body)
+            client.put_object(Bucket=dst, Key=obj["Key"], Body=body)
+    return dst
 
 
 def chunk_objects(client: Any, bucket: str) -> dict[str, bytes]:

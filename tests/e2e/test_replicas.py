@@ -12,6 +12,7 @@ from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import (
     CHUNK_TOKENS,
     chunk_objects,
+    copy_bucket,
     kv_config,
     metric,
     run_replica,
@@ -21,19 +22,6 @@ from tests.e2e.harness import (
 pytestmark = pytest.mark.engine
 
 SHARED_CHUNKS = 320 // CHUNK_TOKENS
-
-
-def copy_bucket(s3_server, src: str, transform=None) -> str:
-    """A new bucket with ``src``'s objects, chunk objects passed through ``transform``."""
-    client = s3_server.client()
-    dst = s3_server.new_bucket()
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=src):
-        for obj in page.get("Contents", ()):
-            body = client.get_object(Bucket=src, Key=obj["Key"])["Body"].read()
-            if transform is not None and parse_object_key(obj["Key"]) is not None:
-                body = transform(obj["Key"], body)
-            client.put_object(Bucket=dst, Key=obj["Key"], Body=body)
-    return dst
 
 
 def test_replica_a_stores_full_chunks(replica_a, baseline, s3_server, bucket_a):

@@ -6,8 +6,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from s3kv.connector.metadata import S3KVWorkerMetadata  # noqa: E402
-from s3kv.index import ChunkIndex  # noqa: E402
 from s3kv.keys import Namespace  # noqa: E402
+from s3kv.manifest import Manifest  # noqa: E402
 from s3kv.tiering.placement import Tier, TierIndex  # noqa: E402
 from s3kv.tiering.planner import Planner  # noqa: E402
 
@@ -39,7 +39,7 @@ def test_aggregate_over_ranks_then_index():
     assert total.sync_loaded == {"s": 2}
     assert total.load_failed == {"r"} and total.disk_full
     assert (total.loaded, total.unavailable) == (2, 1)
-    index = ChunkIndex()
+    index = Manifest()
     disk = TierIndex("disk", 10_000)
     disk.reserve(K1, 5000)
     planner = Planner(

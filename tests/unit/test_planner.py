@@ -1,8 +1,8 @@
 """The scheduler side's decisions, without vLLM: tiers per chunk, sync or
 async loads, stores and where they go, evictions, reports from ranks."""
 
-from s3kv.index import ChunkIndex
 from s3kv.keys import Namespace, chain_keys
+from s3kv.manifest import Manifest
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.planner import Planner, ScheduledRequest, disk_estimate
 
@@ -14,7 +14,7 @@ SHARD = 1000  # raw bytes of one rank's shard of a chunk
 
 
 def planner(world_size=1, clock=None, *, cpu_slots=0, disk_bytes=0, s3=True, **kw):
-    index = ChunkIndex() if s3 else None
+    index = Manifest() if s3 else None
     kwargs = {"clock": clock} if clock else {}
     p = Planner(
         namespace=NS,

@@ -1,0 +1,129 @@
+"""Manifest objects in S3: what each replica publishes, and their names.
+
+Under ``{prefix}/{namespace}/manifest/``:
+
+- ``seg/{ts}-{writer}-{seq}``: a *segment*, immutable: the fingerprints a
+  replica stored since its last segment, and removals (tombstones, written by
+  ``s3kv gc`` for chunks it deleted).
+- ``snap/{ts}-{writer}``: a *snapshot*: every live fingerprint as of the
+  segments it names (``horizon`` and the recent ones it includes), so a new
+  replica loads the manifest with one listing and a few GETs.
+- ``access/{yyyymmddhh}/{ts}-{writer}-{seq}``: *access records*: fingerprints
+  of chunks used (loaded from any tier) in that hour, for gc's
+  least-recently-used policy.
+
+``ts`` is milliseconds since the epoch, zero-padded, so names sort by time.
+A writer stamps ``max(its clock, newest ts it has seen + 1)``; readers list
+from a margin before the newest name they have seen, so replicas whose
+clocks disagree by less than the margin never miss each other's segments.
+
+Each object: a 32-byte prefix (magic ``S3KM``, version, kind, counts, xxh3 of
+the rest), a JSON header, then little-endian uint64 arrays, sorted.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from s3kv.errors import S3KVError
+from s3kv.manifest.keyset import EMPTY, as_sorted_unique
+
+MAGIC = b"S3KM"
+VERSION = 1
+PREFIX = struct.Struct("<4sHBBIQQ")  # magic, version, kind, flags, header len, n_add, n_del
+CHECKSUM = struct.Struct("<Q")
+KINDS = {"segment": 1, "snapshot": 2, "access": 3}
+_KIND_NAMES = {v: k for k, v in KINDS.items()}
+TS_DIGITS = 13
+
+
+class CorruptManifest(S3KVError):
+    """A manifest object failed validation."""
+
+
+@dataclass
+class ManifestObject:
+    kind: str
+    added: np.ndarray = field(default_factory=lambda: EMPTY)
+    """Sorted, unique uint64 fingerprints (a snapshot: all of them)."""
+    removed: np.ndarray = field(default_factory=lambda: EMPTY)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def encode(obj: ManifestObject) -> bytes:
+    added = as_sorted_unique(obj.added).astype("<u8").tobytes()
+    removed = as_sorted_unique(obj.removed).astype("<u8").tobytes()
+    header = json.dumps(obj.meta, separators=(",", ":"), sort_keys=True).encode()
+    body = header + added + removed
+    prefix = PREFIX.pack(MAGIC, VERSION, KINDS[obj.kind], 0, len(header), len(added) // 8, len(removed) // 8)
+    return prefix + CHECKSUM.pack(xxhash.xxh3_64_intdigest(prefix + body)) + body
+
+
+def decode(data: bytes, *, name: str = "manifest object") -> ManifestObject:
+    head = PREFIX.size + CHECKSUM.size
+    if len(data) < head:
+        raise CorruptManifest(f"{name}: {len(data)} bytes, shorter than its prefix")
+    magic, version, kind, flags, hlen, n_add, n_del = PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptManifest(f"{name}: bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise CorruptManifest(f"{name}: manifest format version {version}; this s3kv reads {VERSION}")
+    if kind not in _KIND_NAMES or flags:
+        raise CorruptManifest(f"{name}: unknown kind {kind} or flags {flags}")
+    if len(data) != head + hlen + 8 * (n_add + n_del):
+        raise CorruptManifest(
+            f"{name}: {len(data)} bytes, its prefix says {head + hlen + 8 * (n_add + n_del)}"
+        )
+    (checksum,) = CHECKSUM.unpack_from(data, PREFIX.size)
+    if xxhash.xxh3_64_intdigest(data[: PREFIX.size] + data[head:]) != checksum:
+        raise CorruptManifest(f"{name}: checksum mismatch")
+    try:
+        meta = json.loads(data[head : head + hlen])
+    except ValueError as e:
+        raise CorruptManifest(f"{name}: malformed header: {e}") from e
+    start = head + hlen
+    added = np.frombuffer(data, dtype="<u8", count=n_add, offset=start).astype(np.uint64)
+    removed = np.frombuffer(data, dtype="<u8", count=n_del, offset=start + 8 * n_add).astype(np.uint64)
+    if (len(added) > 1 and not (added[1:] > added[:-1]).all()) or (
+        len(removed) > 1 and not (removed[1:] > removed[:-1]).all()
+    ):
+        raise CorruptManifest(f"{name}: fingerprints are not sorted and unique")
+    return ManifestObject(_KIND_NAMES[kind], added, removed, meta if isinstance(meta, dict) else {})
+
+
+# -- names -----------------------------------------------------------------------
+
+
+def manifest_prefix(prefix: str, namespace: str) -> str:
+    return f"{prefix}/{namespace}/manifest/" if prefix else f"{namespace}/manifest/"
+
+
+def stamp(ts_ms: int) -> str:
+    return f"{ts_ms:0{TS_DIGITS}d}"
+
+
+def segment_name(base: str, ts_ms: int, writer: str, seq: int) -> str:
+    return f"{base}seg/{stamp(ts_ms)}-{writer}-{seq:06d}"
+
+
+def snapshot_name(base: str, ts_ms: int, writer: str) -> str:
+    return f"{base}snap/{stamp(ts_ms)}-{writer}"
+
+
+def access_name(base: str, ts_ms: int, writer: str, seq: int) -> str:
+    hour = time.strftime("%Y%m%d%H", time.gmtime(ts_ms / 1000))
+    return f"{base}access/{hour}/{stamp(ts_ms)}-{writer}-{seq:06d}"
+
+
+def name_ts(name: str) -> int | None:
+    """The millisecond stamp a segment or snapshot name starts with."""
+    leaf = name.rsplit("/", 1)[-1]
+    head = leaf.split("-", 1)[0]
+    return int(head) if len(head) == TS_DIGITS and head.isdigit() else None

@@ -1,0 +1,121 @@
+"""A fleet of replicas sharing one bucket through the hot manifest: separate
+vLLM engine processes (CPU build) against a real S3 server on loopback."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from s3kv import codec
+from s3kv.keys import Namespace, chain_keys, object_key, parse_object_key
+from tests.e2e.conftest import PROMPTS
+from tests.e2e.harness import (
+    CHUNK_TOKENS,
+    ENGINE_ARGS,
+    MAX_TOKENS,
+    REPLICA_ENV,
+    chunk_objects,
+    copy_bucket,
+    finish_replica,
+    kv_config,
+    metric,
+    run_replica,
+    start_replica,
+    workload,
+)
+
+pytestmark = pytest.mark.engine
+
+SHARED = 320  # each family's shared prefix (5 chunks)
+FAMILY_A = workload(seed=1)[:3]
+FAMILY_B = workload(seed=2)[:3]
+QUIET = {"manifest_refresh_s": 3600}  # no polling while the test counts requests
+
+
+@pytest.fixture(scope="module")
+def fleet(workdir, model, s3_server):
+    """Replicas A and B, at the same time, each on its own prompt family."""
+    bucket = s3_server.new_bucket()
+    procs = [
+        start_replica(workdir, "fleet-A", model, FAMILY_A, kv_config(s3_server.endpoint_url, bucket)),
+        start_replica(workdir, "fleet-B", model, FAMILY_B, kv_config(s3_server.endpoint_url, bucket)),
+    ]
+    a, b = (finish_replica(workdir, p) for p in procs)
+    return bucket, a, b
+
+
+def test_new_replica_is_warm_for_every_family_without_per_request_listing(fleet, workdir, model, s3_server):
+    bucket, a, b = fleet
+    interleaved = [p for pair in zip(FAMILY_A, FAMILY_B) for p in pair]
+    c = run_replica(
+        workdir, "fleet-C", model, interleaved, kv_config(s3_server.endpoint_url, bucket, **QUIET)
+    )
+    # Its first request of each family already hits what A and B stored.
+    assert c["num_cached_tokens"][0] >= SHARED and c["num_cached_tokens"][1] >= SHARED
+    expected = [out for pair in zip(a["outputs"], b["outputs"]) for out in pair]
+    assert c["outputs"] == expected
+    assert metric(c, "hit_tokens_s3") >= 2 * SHARED
+    # The manifest was read with one listing of snapshots and one of segments
+    # at start-up, plus the bucket check; no request listed or HEADed anything.
+    assert metric(c, "s3_requests_list") == 2
+    assert metric(c, "s3_requests_head") == 1
+    assert metric(c, "manifest_segments_loaded") >= 2  # at least one from each of A and B
+
+
+def test_running_replica_sees_new_chunks_within_the_refresh_period(workdir, model, s3_server, monkeypatch):
+    bucket = s3_server.new_bucket()
+    refresh_s = 1.0
+    for k, v in REPLICA_ENV.items():
+        monkeypatch.setenv(k, v)
+    from vllm import LLM, SamplingParams
+
+    config = kv_config(
+        s3_server.endpoint_url, bucket, manifest_refresh_s=refresh_s, manifest_publish_s=refresh_s
+    )
+    llm = LLM(model=str(model), skip_tokenizer_init=True, kv_transfer_config=config, **ENGINE_ARGS)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        family = workload(seed=3)[:2]
+        writer = run_replica(
+            workdir, "fleet-writer", model, family, kv_config(s3_server.endpoint_url, bucket)
+        )
+        time.sleep(refresh_s + 2.0)  # one refresh period, and a margin
+        (out,) = llm.generate([{"prompt_token_ids": family[0]}], params, use_tqdm=False)
+        assert out.num_cached_tokens >= SHARED
+        assert list(out.outputs[0].token_ids) == writer["outputs"][0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_racing_replicas_write_each_chunk_once(baseline, workdir, model, s3_server):
+    bucket = s3_server.new_bucket()
+    config = kv_config(s3_server.endpoint_url, bucket, **QUIET)  # neither learns of the other's stores
+    procs = [start_replica(workdir, f"race-{i}", model, PROMPTS, config) for i in range(2)]
+    results = [finish_replica(workdir, p) for p in procs]
+    for r in results:
+        assert r["outputs"] == baseline["outputs"]
+    objects = chunk_objects(s3_server.client(), bucket)
+    written = sum(metric(r, "store_chunks_s3") for r in results)
+    existing = sum(metric(r, "store_chunks_existing") for r in results)
+    assert written == len(objects) > 0  # each object was PUT successfully once
+    assert existing >= 1  # the loser of a race got 412 Precondition Failed and took it as success
+    for name, blob in objects.items():
+        ns, key, rank = parse_object_key(name)
+        codec.decode_chunk(blob, namespace=ns, key=key.hex(), rank=rank)
+
+
+def test_deleted_object_is_recomputed_and_dropped(replica_a, baseline, workdir, model, s3_server, bucket_a):
+    bucket = copy_bucket(s3_server, bucket_a)  # A's chunks and manifest
+    client = s3_server.client()
+    ns = {parse_object_key(n)[0] for n in chunk_objects(client, bucket)}.pop()
+    chain = chain_keys(Namespace(ns, {}), PROMPTS[0], CHUNK_TOKENS)
+    gone = [object_key("s3kv", ns, k, 0) for k in chain[1:3]]  # the family's 2nd and 3rd chunks
+    for name in gone:
+        client.delete_object(Bucket=bucket, Key=name)
+    d = run_replica(workdir, "fleet-D", model, PROMPTS, kv_config(s3_server.endpoint_url, bucket))
+    assert d["outputs"] == baseline["outputs"]
+    assert metric(d, "load_errors_missing") >= 1
+    assert metric(d, "manifest_dropped") >= 1
+    # The recomputed chunks were stored again.
+    assert set(gone) <= set(chunk_objects(client, bucket))

@@ -1,0 +1,269 @@
+"""The hot manifest: the in-memory fingerprint set, the object format, and
+replicas keeping in step through a store (the in-memory one here; the
+end-to-end tests use a real S3 server)."""
+
+import asyncio
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from s3kv.manifest import format as mf
+from s3kv.manifest.keyset import FingerprintSet, Manifest, delete_sorted, fingerprints, insert_sorted
+from s3kv.manifest.sync import ManifestSync, SyncSettings
+from s3kv.stores.base import PutMode
+from s3kv.stores.memory import MemoryStore
+
+BASE = "pfx/" + "ab" * 16 + "/manifest/"
+
+
+def fps(*values):
+    return np.array(values, dtype=np.uint64)
+
+
+def test_fingerprint_set_adds_removes_and_merges():
+    s = FingerprintSet(merge_at=4)
+    s.replace(fps(10, 20, 30))
+    s.add(25)
+    s.discard(20)
+    assert [x in s for x in (10, 20, 25, 30, 40)] == [True, False, True, True, False]
+    assert s.present(fps(40, 30, 25, 20, 10)).tolist() == [False, True, True, False, True]
+    s.merge()
+    assert s.array().tolist() == [10, 25, 30] and not s._added and not s._removed
+    s.discard(10)
+    s.add(10)  # the later change wins
+    s.add(99)
+    s.discard(99)
+    assert 10 in s and 99 not in s
+    assert FingerprintSet().present(fps(1, 2)).tolist() == [False, False]
+
+
+def test_sorted_insert_and_delete_keep_arrays_sorted_and_unique():
+    base = fps(2, 4, 6)
+    assert insert_sorted(base, fps(5, 4, 1, 7, 5)).tolist() == [1, 2, 4, 5, 6, 7]
+    assert delete_sorted(base, fps(4, 9, 2)).tolist() == [6]
+    assert delete_sorted(base, fps(9)) is base
+
+
+def test_changes_during_a_merge_are_not_lost():
+    """A writer racing merges must end where a plain set would."""
+    s = FingerprintSet(merge_at=1)
+    ref: set[int] = set()
+    rng = random.Random(5)
+    stop = threading.Event()
+
+    def merger():
+        while not stop.is_set():
+            s.merge()
+
+    t = threading.Thread(target=merger)
+    t.start()
+    try:
+        for _ in range(20000):
+            fp = rng.randrange(200)
+            if rng.random() < 0.6:
+                s.add(fp)
+                ref.add(fp)
+            else:
+                s.discard(fp)
+                ref.discard(fp)
+    finally:
+        stop.set()
+        t.join()
+    probe = np.arange(200, dtype=np.uint64)
+    assert set(probe[s.present(probe)].tolist()) == ref
+    s.merge()
+    assert set(s.array().tolist()) == ref
+
+
+def test_manifest_keys_and_journal():
+    m = Manifest()
+    told = []
+
+    class J:
+        def stored(self, fp):
+            told.append(("stored", fp))
+
+        def used(self, arr):
+            told.append(("used", arr.tolist()))
+
+    k1, k2 = b"\x01" * 16, b"\x02" * 16
+    m.journal = J()
+    m.add(k1)
+    assert k1 in m and k2 not in m and m.present([k2, k1]).tolist() == [False, True]
+    m.touch([k1, k2])
+    m.discard(k1)  # local only: nothing published
+    assert k1 not in m
+    assert told == [("stored", int.from_bytes(k1[:8], "big")), ("used", fingerprints([k1, k2]).tolist())]
+
+
+def test_object_format_roundtrip_and_every_corruption_is_caught():
+    obj = mf.ManifestObject("segment", fps(3, 1, 2, 3), fps(9), {"writer": "w"})
+    blob = mf.encode(obj)
+    back = mf.decode(blob)
+    assert back.kind == "segment" and back.added.tolist() == [1, 2, 3] and back.removed.tolist() == [9]
+    assert back.meta == {"writer": "w"}
+    for i in range(len(blob)):
+        bad = bytearray(blob)
+        bad[i] ^= 0x10
+        with pytest.raises(mf.CorruptManifest):
+            mf.decode(bytes(bad))
+    for cut in (0, 10, len(blob) - 1):
+        with pytest.raises(mf.CorruptManifest):
+            mf.decode(blob[:cut])
+
+
+def test_names_sort_by_time():
+    a = mf.segment_name(BASE, 1_700_000_000_000, "w1", 2)
+    b = mf.segment_name(BASE, 1_700_000_000_001, "w0", 1)
+    assert a < b and mf.name_ts(a) == 1_700_000_000_000
+    assert mf.access_name(BASE, 1_700_000_000_000, "w", 1).startswith(BASE + "access/2023111422/")
+
+
+def replica(store, clock, writer, **kw):
+    settings = SyncSettings(publish_s=1, refresh_s=1, skew_s=60, **kw)
+    return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=lambda: clock[0])
+
+
+def key(i):
+    return i.to_bytes(8, "big") * 2
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_replicas_learn_each_others_chunks_and_a_new_one_starts_warm():
+    store = MemoryStore()
+    clock = [1_700_000_000.0]
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+    run(a.load())
+    run(b.load())
+    a.manifest.add(key(1))
+    run(a.publish())
+    clock[0] += 1
+    b.manifest.add(key(2))
+    run(b.publish())
+    run(a.refresh())
+    run(b.refresh())
+    assert key(2) in a.manifest and key(1) in b.manifest
+    assert run(a.refresh()) == 0  # nothing new: nothing fetched again
+    c = replica(store, clock, "cccc")
+    assert run(c.load()) == 2 and key(1) in c.manifest and key(2) in c.manifest
+
+
+def test_clock_skew_within_the_margin_loses_nothing():
+    store = MemoryStore()
+    fast, slow = [1_700_000_100.0], [1_700_000_070.0]  # 30 s apart
+    a, b = replica(store, fast, "aaaa"), replica(store, slow, "bbbb")
+    run(a.load())
+    run(b.load())
+    a.manifest.add(key(1))
+    run(a.publish())  # named at a's (later) time
+    run(a.refresh())
+    b.manifest.add(key(2))
+    run(b.publish())  # b has not seen a's segment: named 30 s before it
+    run(a.refresh())
+    assert key(2) in a.manifest
+    run(b.refresh())
+    b.manifest.add(key(3))
+    run(b.publish())  # b has now seen a's segment: named after it, whatever b's clock says
+    names = sorted(run(store.list_keys(BASE + "seg/")))
+    assert names[-1].split("-")[1] == "bbbb"
+    run(a.refresh())
+    assert key(3) in a.manifest
+
+
+def test_snapshot_then_newer_segments_and_tombstones():
+    store = MemoryStore()
+    clock = [1_700_000_000.0]
+    a = replica(store, clock, "aaaa", snapshot_every=3)
+    run(a.load())
+    for i in range(4):
+        a.manifest.add(key(i))
+        run(a.publish())
+        clock[0] += 1
+    run(a.refresh())
+    assert run(a.maybe_snapshot()) is True
+    (snap,) = run(store.list_keys(BASE + "snap/"))
+    # After the snapshot: one more store, and gc's tombstone for key 0.
+    a.manifest.add(key(10))
+    run(a.publish())
+    clock[0] += 1
+    gc = mf.ManifestObject("segment", removed=fingerprints([key(0)]))
+    run(store.put(mf.segment_name(BASE, int(clock[0] * 1000), "gc00", 1), mf.encode(gc)))
+    run(a.refresh())
+    assert key(0) not in a.manifest  # every replica drops what gc deleted
+    fresh = replica(store, clock, "dddd")
+    run(fresh.load())
+    got = {i for i in (0, 1, 2, 3, 10) if key(i) in fresh.manifest}
+    assert got == {1, 2, 3, 10}
+    # It read the snapshot and only the segments after it.
+    assert fresh.counters.totals()["manifest_segments_loaded"] == 2
+
+
+def test_only_the_first_writer_snapshots():
+    store = MemoryStore()
+    clock = [1_700_000_000.0]
+    a, b = replica(store, clock, "aaaa", snapshot_every=1), replica(store, clock, "bbbb", snapshot_every=1)
+    for r in (a, b):
+        run(r.load())
+        r.manifest.add(key(ord(r.writer[0])))
+        run(r.publish())
+    for r in (a, b):
+        run(r.refresh())
+    assert run(b.maybe_snapshot()) is False and run(a.maybe_snapshot()) is True
+
+
+def test_corrupt_segment_is_skipped_and_counted():
+    store = MemoryStore()
+    clock = [1_700_000_000.0]
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+    run(a.load())
+    run(b.load())
+    run(store.put(mf.segment_name(BASE, int(clock[0] * 1000) + 5, "zzzz", 1), b"garbage"))
+    a.manifest.add(key(7))
+    run(a.publish())
+    run(b.refresh())
+    assert key(7) in b.manifest and b.counters.totals()["manifest_errors"] == 1
+
+
+def test_access_records_are_batched_per_hour_without_repeats():
+    store = MemoryStore()
+    clock = [1_700_000_000.0]
+    a = replica(store, clock, "aaaa")
+    run(a.load())
+    a.manifest.touch([key(1), key(2)])
+    run(a.publish())
+    a.manifest.touch([key(2)])  # already recorded this hour
+    run(a.publish())
+    clock[0] += 3600
+    a.manifest.touch([key(2)])
+    run(a.publish())
+    names = sorted(run(store.list_keys(BASE + "access/")))
+    assert len(names) == 2 and names[0].split("/")[-2] != names[1].split("/")[-2]
+    first = mf.decode(run(store.get(names[0])))
+    assert first.kind == "access" and first.added.tolist() == sorted(fingerprints([key(1), key(2)]).tolist())
+
+
+def test_failed_publish_is_retried_with_the_same_keys():
+    class Failing(MemoryStore):
+        fail = True
+
+        async def put(self, key, data, *, mode=PutMode.OVERWRITE):
+            if self.fail:
+                raise OSError("down")
+            return await super().put(key, data, mode=mode)
+
+    store = Failing()
+    clock = [1_700_000_000.0]
+    a = replica(store, clock, "aaaa")
+    run(a.load())
+    a.manifest.add(key(4))
+    with pytest.raises(OSError):
+        run(a.publish())
+    store.fail = False
+    run(a.publish())
+    (name,) = run(store.list_keys(BASE + "seg/"))
+    assert mf.decode(run(store.get(name))).added.tolist() == fingerprints([key(4)]).tolist()
