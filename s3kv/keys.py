@@ -11,7 +11,9 @@ the same key for the same prefix.
 
 from __future__ import annotations
 
+import array
 import struct
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,12 +90,24 @@ class Namespace:
         return bytes.fromhex(self.id)
 
 
+_UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+
+
 def tokens_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as little-endian uint32, the form hashed into chunk keys."""
-    arr = np.asarray(token_ids)
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+    if not isinstance(token_ids, np.ndarray):
+        # array.array takes a list of ints ~4x faster than numpy does: this
+        # runs on the first lookup of every request, in vLLM's scheduling loop.
+        try:
+            packed = array.array(_UINT32, token_ids)
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"token ids must fit in uint32: {e}") from None
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return packed.tobytes()
+    if token_ids.size and (token_ids.min() < 0 or token_ids.max() > 0xFFFFFFFF):
         raise ValueError("token ids must fit in uint32")
-    return arr.astype("<u4", copy=False).tobytes()
+    return token_ids.astype("<u4", copy=False).tobytes()
 
 
 def chain_keys(

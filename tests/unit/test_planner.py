@@ -325,3 +325,39 @@ def test_a_hit_vllm_trims_stays_as_asynchronous_as_announced():
     p.on_alloc("r", list(range(10)), CT)  # vLLM took only the CPU chunk
     (load,) = p.plan_step([]).loads
     assert not load.sync and [c.sources for c in load.chunks] == [(Tier.CPU,)]
+
+
+def test_tier_changes_become_events_with_tokens_and_parent():
+    p, index = planner(cpu_slots=1, disk_bytes=100 * disk_estimate(SHARD), emit_events=True)
+    lookup(p, "a")
+    plan = p.plan_step([sched("a", 0, 2 * CT, list(range(10)))])
+    k0, k1 = KEYS[0], KEYS[1]
+    assert [s.key for s in plan.stores] == [k0, k1] and plan.stores[1].cpu_slot is None  # one slot
+    for tier in Tier:
+        p.on_written(tier, {k0: 1}, {k0: 900} if tier is Tier.DISK else None)
+    p.on_written(Tier.S3, {k1: 1})
+    events = p.take_events()
+    assert [(e.stored, e.tier) for e in events] == [
+        (True, Tier.CPU),
+        (True, Tier.DISK),
+        (True, Tier.S3),
+        (True, Tier.S3),
+    ]
+    first, last = events[0], events[-1]
+    assert first.key == k0 and first.parent is None and first.token_ids == tuple(PROMPT[:CT])
+    assert last.key == k1 and last.parent == k0 and last.token_ids == tuple(PROMPT[CT : 2 * CT])
+    # The CPU slot goes to the next chunk (k0 is released): k0 leaves the CPU tier.
+    p.on_released({k0: 1})
+    lookup(p, "b")
+    p.plan_step([sched("b", 2 * CT, CT, list(range(10)))])
+    p.on_missing(Tier.DISK, [k0])
+    assert [(e.stored, e.tier, e.key) for e in p.take_events()] == [
+        (False, Tier.CPU, k0),
+        (False, Tier.DISK, k0),
+    ]
+    assert p.take_events() == []
+    quiet, _ = planner(cpu_slots=1)
+    lookup(quiet, "a")
+    quiet.plan_step([sched("a", 0, CT, list(range(10)))])
+    quiet.on_written(Tier.S3, {k0: 1})
+    assert quiet.take_events() == []  # off unless vLLM's KV events are on
