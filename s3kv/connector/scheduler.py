@@ -11,6 +11,7 @@ thread of their own, never in the scheduling loop.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -109,6 +110,7 @@ class SchedulerSide:
         self._loop = BackgroundLoop("s3kv-scheduler")
         self._store = make_store(config, self.counters) if config.uses_s3 else None
         self._sync: ManifestSync | None = None
+        self._sync_task: concurrent.futures.Future[None] | None = None
         if self._store is not None:
             assert self.index is not None
             self._sync = ManifestSync(
@@ -130,7 +132,7 @@ class SchedulerSide:
                 self.planner.s3_down = False
                 loaded.set()
 
-            self._loop.submit(self._sync.run(on_loaded))
+            self._sync_task = self._loop.submit(self._sync.run(on_loaded))
             if not loaded.wait(MANIFEST_WAIT_S):
                 log.info("s3kv: the manifest goes on loading in the background")
         log.info(
@@ -281,6 +283,10 @@ class SchedulerSide:
         return self.planner.take_events()
 
     def shutdown(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()  # a publish it was making puts its keys back
+            with contextlib.suppress(Exception):
+                concurrent.futures.wait([self._sync_task], timeout=MANIFEST_FLUSH_S)
         if self._sync is not None and self._sync.loaded:
             try:  # what this replica stored since the last publish
                 self._loop.run(self._sync.publish(), timeout=MANIFEST_FLUSH_S)

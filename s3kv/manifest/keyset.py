@@ -33,6 +33,8 @@ def fingerprints(keys: Sequence[bytes]) -> np.ndarray:
 
 def as_sorted_unique(values: Iterable[int] | np.ndarray) -> np.ndarray:
     arr = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.uint64)
+    if len(arr) < 2 or (arr[1:] > arr[:-1]).all():  # already so (a snapshot): O(n), no sort
+        return arr
     return np.unique(arr)
 
 
@@ -84,7 +86,10 @@ class FingerprintSet:
 
     def present(self, fps: np.ndarray) -> np.ndarray:
         """A bool array: which of ``fps`` are present (one vectorised pass)."""
-        base, added, removed = self._base, self._added, self._removed
+        # The sets before the array: a merge swapping both in between then
+        # only makes the sets repeat what the new array already says.
+        added, removed = self._added, self._removed
+        base = self._base
         if len(base):
             idx = np.searchsorted(base, fps)
             np.minimum(idx, len(base) - 1, out=idx)

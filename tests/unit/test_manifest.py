@@ -267,3 +267,82 @@ def test_failed_publish_is_retried_with_the_same_keys():
     run(a.publish())
     (name,) = run(store.list_keys(BASE + "seg/"))
     assert mf.decode(run(store.get(name))).added.tolist() == fingerprints([key(4)]).tolist()
+
+
+def test_an_unreadable_newest_snapshot_falls_back_to_an_older_one():
+    store = MemoryStore()
+    clock = [1_700_000_000.0]
+    a = replica(store, clock, "aaaa", snapshot_every=1, snapshot_interval_s=0)
+    run(a.load())
+    a.manifest.add(key(1))
+    run(a.publish())
+    assert run(a.maybe_snapshot())
+    clock[0] += 1
+    run(store.put(mf.snapshot_name(BASE, int(clock[0] * 1000), "zzzz"), b"torn"))
+    b = replica(store, clock, "bbbb")
+    run(b.load())
+    assert key(1) in b.manifest and b.counters.totals()["manifest_errors"] == 1
+
+
+def test_a_segment_whose_get_failed_is_fetched_later_even_past_the_floor():
+    class Flaky(MemoryStore):
+        fail: set[str] = set()
+
+        async def get(self, key, range=None):
+            if key in self.fail:
+                raise OSError("connection reset")
+            return await super().get(key, range)
+
+    store = Flaky()
+    clock = [1_700_000_000.0]
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+    run(a.load())
+    run(b.load())
+    a.manifest.add(key(1))
+    run(a.publish())
+    (name,) = run(store.list_keys(BASE + "seg/"))
+    store.fail = {name}
+    run(b.refresh())
+    assert key(1) not in b.manifest
+    clock[0] += 3600  # b's own publishes move its floor far past a's segment
+    b.manifest.add(key(2))
+    run(b.publish())
+    store.fail = set()
+    run(b.refresh())
+    assert key(1) in b.manifest
+
+
+def test_a_slow_put_is_published_again_under_a_fresh_stamp():
+    class Slow(MemoryStore):
+        async def put(self, key, data, *, mode=PutMode.OVERWRITE):
+            if "/seg/" in key and not self.objects_seen:
+                clock[0] += 40  # longer than half the 60 s margin
+            self.objects_seen = True
+            return await super().put(key, data, mode=mode)
+
+        objects_seen = False
+
+    clock = [1_700_000_000.0]
+    store = Slow()
+    a = replica(store, clock, "aaaa")
+    run(a.load())
+    a.manifest.add(key(5))
+    run(a.publish())
+    names = sorted(run(store.list_keys(BASE + "seg/")))
+    assert len(names) == 2 and mf.name_ts(names[1]) - mf.name_ts(names[0]) >= 40_000
+
+
+def test_snapshots_are_pruned_to_the_newest_few():
+    store = MemoryStore()
+    clock = [1_700_000_000.0]
+    a = replica(store, clock, "aaaa", snapshot_every=1, snapshot_interval_s=0, snapshots_kept=2)
+    run(a.load())
+    for i in range(4):
+        a.manifest.add(key(i))
+        run(a.publish())
+        assert run(a.maybe_snapshot())
+        clock[0] += 1
+    assert len(run(store.list_keys(BASE + "snap/"))) == 2
+    fresh = replica(store, clock, "bbbb")
+    run(fresh.load())
+    assert all(key(i) in fresh.manifest for i in range(4))
