@@ -4,8 +4,8 @@ It answers vLLM's lookups from memory (the local tiers' indexes and the
 bucket's hot :class:`Manifest`), plans loads and stores with the
 :class:`Planner`, and learns from the workers' reports. Start-up checks
 credentials and the bucket and rebuilds the NVMe tier's index from its
-directory; the listing of what the bucket already holds runs in the
-background, so serving starts at once. Evicted NVMe files are deleted by a
+directory; the manifest loads in the background (waited for a few seconds),
+so serving starts at once. Evicted NVMe files are deleted by a
 thread of their own, never in the scheduling loop.
 """
 

@@ -136,7 +136,8 @@ class WorkerSide:
     def start_load(self, meta: S3KVMetadata) -> None:
         assert self.pages is not None
         pages = self.pages
-        after = pages.forward_mark()  # async writes wait for the forward's use of the blocks
+        # Async writes wait for the forward's use of the blocks (a device event: only when needed).
+        after = pages.forward_mark() if any(not plan.sync for plan in meta.loads) else None
 
         def write(chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
             pages.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data, after=after)

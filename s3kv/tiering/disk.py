@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from s3kv.errors import CorruptChunk, NotFound
+from s3kv.errors import CorruptChunk
 from s3kv.keys import KEY_BYTES
 from s3kv.stores.local import PARTIAL_SUFFIX, atomic_write, is_stale_partial, map_os_error
 from s3kv.tiering.chunks import ChunkCodec, ChunkData, FrameSink
@@ -187,18 +187,3 @@ def try_lock(root: Path) -> int | None:
 def free_bytes(root: Path) -> int:
     st = os.statvfs(root)
     return st.f_bavail * st.f_frsize
-
-
-__all__ = [
-    "DiskTier",
-    "NotFound",
-    "ScanResult",
-    "check_writable",
-    "delete_chunk",
-    "delete_file",
-    "directory_bytes",
-    "free_bytes",
-    "scan",
-    "shard_path",
-    "try_lock",
-]

@@ -67,15 +67,16 @@ def open_disk(
             "so give each engine its own directory",
             root,
         )
-    if capacity_bytes is None:
-        capacity_bytes = int(disk.free_bytes(root) * DEFAULT_DISK_FRACTION) + disk.directory_bytes(root)
-        log.info("s3kv: disk_bytes not set; the NVMe tier may use %s", format_size(capacity_bytes))
     started = time.monotonic()
     found = disk.scan(root, namespace, world_size)
-    index = TierIndex("disk", capacity_bytes)
-    evicted: list[Hashable] = []
     entries: list[tuple[float, Hashable, int]] = [(m, rel, size) for rel, size, m in found.other]
     entries += [(m, key, size) for key, size, m in found.chunks]
+    if capacity_bytes is None:  # what s3kv holds there counts as free for it
+        held = sum(size for _m, _k, size in entries)
+        capacity_bytes = int(disk.free_bytes(root) * DEFAULT_DISK_FRACTION) + held
+        log.info("s3kv: disk_bytes not set; the NVMe tier may use %s", format_size(capacity_bytes))
+    index = TierIndex("disk", capacity_bytes)
+    evicted: list[Hashable] = []
     for _mtime, key, size in sorted(entries, key=lambda e: e[0]):
         out = index.insert_ready(key, size)
         if out is None:  # larger than the whole tier

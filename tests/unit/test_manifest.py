@@ -126,6 +126,14 @@ def replica(store, clock, writer, **kw):
     return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=lambda: clock[0])
 
 
+def started(store, clock, *writers):
+    """Replicas that have loaded the manifest, one per writer id."""
+    out = [replica(store, clock, w) for w in writers]
+    for r in out:
+        run(r.load())
+    return out
+
+
 def key(i):
     return i.to_bytes(8, "big") * 2
 
@@ -137,9 +145,7 @@ def run(coro):
 def test_replicas_learn_each_others_chunks_and_a_new_one_starts_warm():
     store = MemoryStore()
     clock = [1_700_000_000.0]
-    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
-    run(a.load())
-    run(b.load())
+    a, b = started(store, clock, "aaaa", "bbbb")
     a.manifest.add(key(1))
     run(a.publish())
     clock[0] += 1
@@ -219,9 +225,7 @@ def test_only_the_first_writer_snapshots():
 def test_corrupt_segment_is_skipped_and_counted():
     store = MemoryStore()
     clock = [1_700_000_000.0]
-    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
-    run(a.load())
-    run(b.load())
+    a, b = started(store, clock, "aaaa", "bbbb")
     run(store.put(mf.segment_name(BASE, int(clock[0] * 1000) + 5, "zzzz", 1), b"garbage"))
     a.manifest.add(key(7))
     run(a.publish())
@@ -295,9 +299,7 @@ def test_a_segment_whose_get_failed_is_fetched_later_even_past_the_floor():
 
     store = Flaky()
     clock = [1_700_000_000.0]
-    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
-    run(a.load())
-    run(b.load())
+    a, b = started(store, clock, "aaaa", "bbbb")
     a.manifest.add(key(1))
     run(a.publish())
     (name,) = run(store.list_keys(BASE + "seg/"))
