@@ -44,6 +44,10 @@ class Transient(S3KVError):
     """
 
 
+class Throttled(Transient):
+    """The store asked us to slow down (SlowDown, 503, a throttling code)."""
+
+
 class StorageFull(S3KVError, OSError):
     """The local filesystem is out of space (ENOSPC, EDQUOT)."""
 

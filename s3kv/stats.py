@@ -1,73 +1,146 @@
-"""Counters that s3kv keeps, in one flat, mergeable dict of numbers.
+"""What s3kv measures: counters, latency histograms and gauges.
 
-The connector ships them to vLLM's stats path; tests and the demo read them
-back. Names carry units (``_bytes``, ``_s``) and say what is counted.
+Code records figures under flat names (``hit_tokens_cpu``,
+``load_seconds_s3``, ``manifest_keys``); :data:`FAMILIES` groups them into
+Prometheus-style families with one label (``hit_tokens{tier="cpu"}``).
+:meth:`Recorder.take` returns what accumulated since the last take as a
+plain, serializable payload (vLLM ships it from workers to the scheduler and
+on to the front end once per step); :func:`merge_payload` adds two payloads
+and :func:`summarize` reduces one to the figures of the periodic log line.
+Nothing here imports vLLM or Prometheus: ``s3kv.connector.stats`` adapts.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Hashable, Mapping
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-COUNTERS: dict[str, str] = {
-    "lookup_requests": "Requests whose prefix was looked up in the cache",
-    "lookup_tokens": "Prompt tokens looked up",
-    "hit_tokens": "Tokens offered to vLLM as loadable from the cache (all tiers)",
-    "hit_tokens_cpu": "Tokens offered from the CPU tier",
-    "hit_tokens_disk": "Tokens offered from the NVMe tier",
-    "hit_tokens_s3": "Tokens offered from S3",
-    "load_chunks_cpu": "Chunk shards loaded into the KV cache from the CPU tier",
-    "load_chunks_disk": "Chunk shards loaded into the KV cache from the NVMe tier",
-    "load_chunks_s3": "Chunk shards loaded into the KV cache from S3",
-    "load_bytes_cpu": "Bytes copied from the CPU tier for loads",
-    "load_bytes_disk": "Bytes read from the NVMe tier for loads",
-    "load_bytes_s3": "Bytes fetched from S3 for loads",
-    "load_seconds": "Seconds spent loading chunk shards (sum)",
-    "load_errors_missing": "Chunk loads failed: object missing",
-    "load_errors_corrupt": "Chunk loads failed: checksum, header or size wrong",
-    "load_errors_timeout": "Chunk loads failed: slower than load_timeout_s",
-    "load_errors_unavailable": "Chunk loads failed: store unreachable or throttling",
-    "load_errors_other": "Chunk loads failed for another reason",
-    "promote_chunks_cpu": "Chunk shards loaded from NVMe or S3 and kept in the CPU tier",
-    "store_chunks_cpu": "Chunk shards copied into the CPU tier",
-    "store_chunks_disk": "Chunk shard files written to the NVMe tier (stores and promotions)",
-    "store_chunks_s3": "Chunk shards written to S3",
-    "store_chunks_existing": "Chunk shards another writer had already stored in S3",
-    "store_raw_bytes": "KV bytes of the chunk shards written through (before compression)",
-    "store_bytes_disk": "Bytes written to the NVMe tier",
-    "store_bytes_s3": "Bytes written to S3",
-    "store_seconds": "Seconds spent encoding and writing chunk shards through (sum)",
-    "store_dropped_backpressure": "Write-throughs dropped because max_inflight_bytes was reached",
-    "store_dropped_no_slot": "CPU-tier stores dropped: every slot was in use",
-    "store_dropped_disk_full": "NVMe writes dropped: the file system was full",
-    "store_errors_disk": "NVMe writes that failed otherwise (the chunk is simply not cached there)",
-    "store_errors_s3": "S3 writes that failed (the chunk is simply not cached there)",
-    "evict_chunks_cpu": "Chunks evicted from the CPU tier (least recently used)",
-    "evict_chunks_disk": "Chunks evicted from the NVMe tier (least recently used)",
-    "manifest_segments_published": "Manifest segments this replica wrote (the chunks it stored)",
-    "manifest_segments_loaded": "Manifest segments of the fleet applied",
-    "manifest_snapshots_written": "Manifest snapshots this replica wrote",
-    "manifest_errors": "Manifest reads or writes that failed (retried later)",
-    "manifest_dropped": "Keys dropped from the manifest: their object was missing or corrupt",
-    "s3_requests_get": "HTTP requests sent to S3: GET",
-    "s3_requests_put": "HTTP requests sent to S3: PUT and multipart parts",
-    "s3_requests_list": "HTTP requests sent to S3: LIST",
-    "s3_requests_head": "HTTP requests sent to S3: HEAD",
-    "s3_requests_delete": "HTTP requests sent to S3: DELETE",
-    "s3_requests_other": "HTTP requests sent to S3: other operations",
+TIERS = ("cpu", "disk", "s3")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A metric and the flat names that record into it: ``name`` itself when
+    ``label`` is None, else ``{name}_{value}`` for each label value."""
+
+    name: str
+    kind: str
+    """"counter", "histogram" or "gauge"."""
+    doc: str
+    label: str | None = None
+    values: tuple[str, ...] = ()
+
+    def flat_names(self) -> dict[str, str | None]:
+        if self.label is None:
+            return {self.name: None}
+        return {f"{self.name}_{v}": v for v in self.values}
+
+
+def _c(name: str, doc: str, label: str | None = None, values: tuple[str, ...] = ()) -> Family:
+    return Family(name, "counter", doc, label, values)
+
+
+FAMILIES: tuple[Family, ...] = (
+    _c("lookup_requests", "Requests whose prompt was looked up in the cache"),
+    _c("lookup_tokens", "Prompt tokens looked up in the cache"),
+    _c("hit_tokens", "Prompt tokens offered to vLLM as loadable, by the tier they load from", "tier", TIERS),
+    _c("load_chunks", "Chunk shards loaded into the KV cache, by source tier", "tier", TIERS),
+    _c("load_bytes", "Bytes read for loads (object bytes; CPU: page bytes), by source tier", "tier", TIERS),
+    _c(
+        "load_errors",
+        "Chunk loads that failed (the tokens are recomputed), by kind",
+        "kind",
+        ("missing", "corrupt", "timeout", "throttled", "unavailable", "other"),
+    ),
+    _c("promote_chunks", "Chunk shards loaded from below and kept in a tier above", "tier", ("cpu",)),
+    _c("store_chunks", "Chunk shards written into a tier (stores and promotions)", "tier", TIERS),
+    _c("store_chunks_existing", "Chunk shards another replica had already stored in S3 (a 412)"),
+    _c("store_bytes", "Bytes written into a tier", "tier", ("disk", "s3")),
+    _c("store_raw_bytes", "KV bytes of the chunk shards encoded for NVMe and S3 (before compression)"),
+    _c("store_encoded_bytes", "Bytes of the encoded chunk objects (after compression)"),
+    _c(
+        "store_dropped",
+        "Stores not done, by reason: the in-flight byte budget, no free CPU slot, the disk full",
+        "reason",
+        ("backpressure", "no_slot", "disk_full"),
+    ),
+    _c(
+        "store_errors",
+        "Writes that failed otherwise (the chunk is just not cached there)",
+        "tier",
+        ("disk", "s3"),
+    ),
+    _c("evict_chunks", "Chunks evicted (least recently used)", "tier", ("cpu", "disk")),
+    _c("manifest_segments_published", "Manifest segments this replica wrote"),
+    _c("manifest_segments_loaded", "Manifest segments of the fleet applied"),
+    _c("manifest_snapshots_written", "Manifest snapshots this replica wrote"),
+    _c("manifest_errors", "Manifest reads or writes that failed (retried later)"),
+    _c("manifest_dropped", "Keys dropped from the manifest: their object was missing or corrupt"),
+    _c(
+        "s3_requests",
+        "HTTP requests sent to S3 (retries included), by operation",
+        "op",
+        ("get", "put", "list", "head", "delete", "other"),
+    ),
+    Family(
+        "load_seconds",
+        "histogram",
+        "Time to load one chunk shard into the KV cache (fetch, checks, decode, copy), by source tier",
+        "tier",
+        TIERS,
+    ),
+    Family(
+        "request_load_seconds",
+        "histogram",
+        "Time from the start of a request's load to its last chunk in the KV cache",
+    ),
+    Family(
+        "store_seconds",
+        "histogram",
+        "Time from the copy out of the KV cache to the chunk shard written in a tier (encoding included)",
+        "tier",
+        ("disk", "s3"),
+    ),
+    Family("manifest_keys", "gauge", "Chunk keys in this replica's view of the fleet manifest"),
+    Family(
+        "manifest_staleness_seconds",
+        "gauge",
+        "Seconds since the manifest was last brought up to date from S3 (as of the last engine step)",
+    ),
+    Family("inflight_bytes", "gauge", "KV bytes copied out and waiting to be written to NVMe or S3"),
+    Family("tier_used_bytes", "gauge", "Bytes held in a local tier", "tier", ("cpu", "disk")),
+    Family("tier_capacity_bytes", "gauge", "Capacity of a local tier", "tier", ("cpu", "disk")),
+)
+
+SERIES: dict[str, tuple[Family, str | None]] = {
+    flat: (fam, value) for fam in FAMILIES for flat, value in fam.flat_names().items()
 }
+"""Flat name -> (its family, its label value or None)."""
+
+COUNTERS = {k: f.doc for k, (f, _) in SERIES.items() if f.kind == "counter"}
+HISTOGRAMS = {k: f.doc for k, (f, _) in SERIES.items() if f.kind == "histogram"}
+GAUGES = {k: f.doc for k, (f, _) in SERIES.items() if f.kind == "gauge"}
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Seconds; a CPU-tier copy takes ~1 ms, an S3 GET of a few MiB tens of ms."""
 
 
-class Counters:
-    """Thread-safe counters. ``take()`` returns and resets what accumulated
-    since the last take (for vLLM's per-step stats); ``totals()`` is
-    everything since start."""
+class Recorder:
+    """Thread-safe figures of one process side (a worker rank or the
+    scheduler). Counters and observations accumulate until :meth:`take`;
+    gauges hold their latest value and are sent when they changed."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str = "") -> None:
+        self.source = source
         self._lock = threading.Lock()
         self._values: dict[str, float] = {}
         self._totals: dict[str, float] = {}
+        self._observed: dict[str, list[float]] = {}
+        self._gauges: dict[str, float] = {}
+        self._sent_gauges: dict[str, float] = {}
 
     def add(self, name: str, value: float = 1) -> None:
         if name not in COUNTERS:
@@ -76,14 +149,103 @@ class Counters:
             self._values[name] = self._values.get(name, 0) + value
             self._totals[name] = self._totals.get(name, 0) + value
 
-    def totals(self) -> dict[str, float]:
+    def observe(self, name: str, seconds: float) -> None:
+        if name not in HISTOGRAMS:
+            raise KeyError(f"unknown histogram {name!r}")
         with self._lock:
-            return dict(self._totals)
+            self._observed.setdefault(name, []).append(seconds)
+            self._totals[f"{name}_count"] = self._totals.get(f"{name}_count", 0) + 1
+            self._totals[f"{name}_sum"] = self._totals.get(f"{name}_sum", 0) + seconds
 
-    def take(self) -> dict[str, float]:
+    def set(self, name: str, value: float) -> None:
+        if name not in GAUGES:
+            raise KeyError(f"unknown gauge {name!r}")
+        with self._lock:
+            self._gauges[name] = value
+
+    def totals(self) -> dict[str, float]:
+        """Every counter since start (histograms as ``_count``/``_sum``), and
+        the gauges' current values."""
+        with self._lock:
+            return {**self._totals, **self._gauges}
+
+    def take(self) -> dict[str, Any]:
+        """What changed since the last take, as a payload (empty: nothing)."""
         with self._lock:
             values, self._values = self._values, {}
-        return values
+            observed, self._observed = self._observed, {}
+            gauges = {k: v for k, v in self._gauges.items() if self._sent_gauges.get(k) != v}
+            self._sent_gauges.update(gauges)
+        payload: dict[str, Any] = {}
+        if values:
+            payload["counters"] = values
+        if observed:
+            payload["observed"] = observed
+        if gauges:
+            payload["gauges"] = {self.source: gauges}
+        return payload
+
+
+Counters = Recorder  # the name most call sites know it by
+
+
+def merge_payload(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """``a`` then ``b``: counters summed, observations joined, each source's
+    gauges updated to ``b``'s values."""
+    out: dict[str, Any] = {}
+    counters = merge(a.get("counters", {}), b.get("counters", {}))
+    if counters:
+        out["counters"] = counters
+    observed = {k: list(v) for k, v in a.get("observed", {}).items()}
+    for k, v in b.get("observed", {}).items():
+        observed.setdefault(k, []).extend(v)
+    if observed:
+        out["observed"] = observed
+    gauges = {src: dict(g) for src, g in a.get("gauges", {}).items()}
+    for src, g in b.get("gauges", {}).items():
+        gauges.setdefault(src, {}).update(g)
+    if gauges:
+        out["gauges"] = gauges
+    return out
+
+
+def gauge_values(payload: Mapping[str, Any]) -> dict[str, float]:
+    """Each gauge summed over the sources that report it (ranks' in-flight
+    bytes add up; the scheduler alone reports the manifest's)."""
+    out: dict[str, float] = {}
+    for g in payload.get("gauges", {}).values():
+        for k, v in g.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summarize(payload: Mapping[str, Any]) -> dict[str, int | float]:
+    """The figures of one interval for vLLM's log line: counters that moved,
+    the hit rate and compression ratio, load/store latency p50 and p99 in
+    ms, and the gauges."""
+    c = payload.get("counters", {})
+    out: dict[str, int | float] = {}
+    hit = sum(c.get(f"hit_tokens_{t}", 0) for t in TIERS)
+    if c.get("lookup_tokens"):
+        out["hit_rate"] = round(hit / c["lookup_tokens"], 3)
+    if c.get("store_encoded_bytes"):
+        out["compression_ratio"] = round(c.get("store_raw_bytes", 0) / c["store_encoded_bytes"], 2)
+    for k, v in sorted(c.items()):
+        if v:
+            out[k] = int(v) if float(v).is_integer() else round(v, 3)
+    for k, xs in sorted(payload.get("observed", {}).items()):
+        if xs:
+            base = k.removesuffix("_seconds") if k.endswith("_seconds") else k.replace("_seconds_", "_")
+            out[f"{base}_ms_p50"] = round(quantile(xs, 0.5) * 1000, 1)
+            out[f"{base}_ms_p99"] = round(quantile(xs, 0.99) * 1000, 1)
+    for k, v in sorted(gauge_values(payload).items()):
+        out[k] = int(v) if float(v).is_integer() else round(v, 1)
+    return out
 
 
 K = TypeVar("K", bound=Hashable)

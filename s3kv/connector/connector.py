@@ -198,8 +198,12 @@ class S3KVConnector(KVConnectorBase_V1):
             self._scheduler.shutdown()
 
     def get_kv_connector_stats(self) -> S3KVStats | None:
-        side = self._worker if self._worker is not None else self._scheduler
-        data = side.counters.take() if side is not None else {}
+        if self._worker is not None:
+            data = self._worker.counters.take()
+        elif self._scheduler is not None:
+            data = self._scheduler.take_stats()
+        else:
+            data = {}
         return S3KVStats(data=data) if data else None
 
     # -- scheduler side --------------------------------------------------------

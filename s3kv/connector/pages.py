@@ -16,6 +16,7 @@ One small interface, two implementations:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -161,12 +162,16 @@ class LayerwiseLoad:
         self.error: BaseException | None = None
         n = len(pages.layers)
         self._events: list = []
+        self._started = time.perf_counter()
+        self._finished: float | None = None
         if pages.on_device:
             # The blocks may have been in use by earlier work on the forward's stream.
             pages._stream.wait_stream(torch.cuda.current_stream(pages.device))
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record(pages._stream)
             for i in range(n):
                 self._copy_layer(i)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(enable_timing=(i == n - 1))
                 ev.record(pages._stream)
                 self._events.append(ev)
             self._thread = None
@@ -184,6 +189,7 @@ class LayerwiseLoad:
             for i, ev in enumerate(self._events):
                 self._copy_layer(i)
                 ev.set()
+            self._finished = time.perf_counter()
         except BaseException as e:  # reported as load errors by the caller
             self.error = e
             for ev in self._events:
@@ -195,6 +201,13 @@ class LayerwiseLoad:
             ev.wait()
         else:
             torch.cuda.current_stream(self.pages.device).wait_event(ev)
+
+    def elapsed_s(self) -> float | None:
+        """How long the copies took, once :meth:`wait_all` returned (they
+        overlap the forward: this is not added to the step's time)."""
+        if self._thread is None and self._events:
+            return self._start_event.elapsed_time(self._events[-1]) / 1000
+        return None if self._finished is None else self._finished - self._started
 
     def wait_all(self) -> None:
         if self._thread is not None:

@@ -9,7 +9,8 @@ A prompt is a list of token ids, or ``{"after": i, "append": [...]}``: the
 next turn of a chat (prompt i, its answer, then new tokens). RESULT gets the
 greedy outputs, per-request TTFT and cached tokens, s3kv's counters from the
 engine's Prometheus metrics and, once pending uploads finished, the
-workers' totals.
+workers' totals. With ``flush_prompt``, that prompt runs after the drain so
+that Prometheus sees what the uploads counted.
 """
 
 from __future__ import annotations
@@ -40,23 +41,39 @@ class S3KVWorkerExtension:
 
 
 def _metrics(llm: Any) -> dict[str, float]:
-    """s3kv's counters and vLLM's prefix-cache counters; hits by tier as
-    ``vllm:prompt_tokens_cached_by_source{source=host}`` etc."""
+    """vLLM's prefix-cache counters (hits by tier as
+    ``vllm:prompt_tokens_cached_by_source{source=host}`` etc.) and s3kv's
+    metrics, summed over engines: a labelled family under its flat names
+    (``vllm:s3kv_hit_tokens_cpu``) and its total (``vllm:s3kv_hit_tokens``);
+    histograms as ``..._count`` and ``..._sum``."""
+    from s3kv.connector.stats import PROM_PREFIX
+    from s3kv.stats import FAMILIES
+
+    labels = {PROM_PREFIX + f.name: f.label for f in FAMILIES}
     out: dict[str, float] = {}
+
+    def add(name: str, value: float) -> None:
+        out[name] = out.get(name, 0) + value
+
     for m in llm.get_metrics():
         name = m.name
         if name == "vllm:prompt_tokens_cached_by_source":
             name = f"{name}{{source={m.labels.get('source')}}}"
-        elif not m.name.startswith("vllm:s3kv_") and m.name not in (
+        elif not m.name.startswith(PROM_PREFIX) and m.name not in (
             "vllm:external_prefix_cache_hits",
             "vllm:external_prefix_cache_queries",
             "vllm:prefix_cache_hits",
             "vllm:prefix_cache_queries",
         ):
             continue
-        value = getattr(m, "value", None)
-        if isinstance(value, (int, float)):
-            out[name] = out.get(name, 0) + value
+        label = labels.get(name)
+        names = [name] + ([f"{name}_{m.labels[label]}"] if label and label in m.labels else [])
+        for n in names:
+            if hasattr(m, "buckets"):  # a histogram
+                add(f"{n}_count", m.count)
+                add(f"{n}_sum", m.sum)
+            elif isinstance(getattr(m, "value", None), (int, float)):
+                add(n, m.value)
     return out
 
 
@@ -100,6 +117,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     workers: list[dict[str, Any]] = []
     if spec.get("kv_transfer_config"):
         workers = llm.collective_rpc("s3kv_drain", args=(DRAIN_TIMEOUT_S,))
+        if spec.get("flush_prompt"):
+            # Figures reach Prometheus with the step after they were counted:
+            # one more request publishes what the drained uploads counted.
+            llm.generate([{"prompt_token_ids": list(spec["flush_prompt"])}], params, use_tqdm=False)
     result = {
         "outputs": outputs,
         "ttft_s": ttft,

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from s3kv.config import S3KVConfig
@@ -71,7 +72,7 @@ class SchedulerSide:
     ) -> None:
         self.config = config
         self.layout = layout
-        self.counters = Counters()
+        self.counters = Counters("scheduler")
         shard_bytes = layout.shard_bytes(config.chunk_tokens)
         self.index = Manifest() if config.uses_s3 else None
         cpu = cpu_index(config.cpu_bytes, shard_bytes)
@@ -281,6 +282,23 @@ class SchedulerSide:
 
     def take_events(self) -> list[TierEvent]:
         return self.planner.take_events()
+
+    def take_stats(self) -> dict[str, Any]:
+        """This step's figures, with the gauges only the scheduler knows."""
+        c = self.counters
+        if self.index is not None:
+            c.set("manifest_keys", len(self.index))
+        if self._sync is not None and self._sync.refreshed_at is not None:
+            c.set("manifest_staleness_seconds", round(max(0.0, time.time() - self._sync.refreshed_at)))
+        p = self.planner
+        if p.cpu is not None:
+            slot_bytes = self.layout.shard_bytes(self.config.chunk_tokens) * self.layout.world_size
+            c.set("tier_used_bytes_cpu", p.cpu.used * slot_bytes)
+            c.set("tier_capacity_bytes_cpu", p.cpu.capacity * slot_bytes)
+        if p.disk is not None:
+            c.set("tier_used_bytes_disk", p.disk.used)
+            c.set("tier_capacity_bytes_disk", p.disk.capacity)
+        return c.take()
 
     def shutdown(self) -> None:
         if self._sync_task is not None:

@@ -72,7 +72,7 @@ class WorkerSide:
         self.layout = layout
         self.rank = rank
         self.num_blocks = num_blocks
-        self.counters = Counters()
+        self.counters = Counters(f"rank{rank}")
         self.engine = TransferEngine(
             make_store(config, self.counters) if config.uses_s3 else None,
             EngineSettings(
@@ -186,6 +186,12 @@ class WorkerSide:
             return
         self.counters.add("load_chunks_cpu", len(chunks))
         self.counters.add("load_bytes_cpu", len(chunks) * (self.pool.slot_bytes if self.pool else 0))
+        elapsed = load.elapsed_s()
+        if elapsed is not None:  # the chunks were copied together, layer by layer
+            for _ in chunks:
+                self.counters.observe("load_seconds_cpu", elapsed)
+            for _ in reqs:
+                self.counters.observe("request_load_seconds", elapsed)
         self._report.loaded += len(chunks)
 
     # -- stores --------------------------------------------------------------------

@@ -71,6 +71,8 @@ class FingerprintSet:
         self._base = EMPTY
         self._added: set[int] = set()
         self._removed: set[int] = set()
+        self._n = 0
+        """Members, kept exact by the writers (a merge changes none)."""
         self._lock = threading.Lock()
         self._merge_lock = threading.Lock()
 
@@ -105,8 +107,10 @@ class FingerprintSet:
         return hit
 
     def __len__(self) -> int:
-        """Approximate between merges (removals of absent keys count)."""
-        return len(self._base) + len(self._added) - len(self._removed)
+        return self._n
+
+    def _count_present(self, fps: list[int]) -> int:
+        return int(self.present(np.array(fps, dtype=np.uint64)).sum()) if fps else 0
 
     @property
     def nbytes(self) -> int:
@@ -121,21 +125,27 @@ class FingerprintSet:
     # -- writes --------------------------------------------------------------------
     def add(self, fp: int) -> None:
         with self._lock:
+            if fp not in self:
+                self._n += 1
             self._removed.discard(fp)
             self._added.add(fp)
 
     def discard(self, fp: int) -> None:
         with self._lock:
+            if fp in self:
+                self._n -= 1
             self._added.discard(fp)
             self._removed.add(fp)
 
     def update(self, fps: np.ndarray | Iterable[int], removed: np.ndarray | Iterable[int] = ()) -> None:
         """Add ``fps``, then remove ``removed`` (a manifest segment)."""
-        add_list = fps.tolist() if isinstance(fps, np.ndarray) else list(fps)
-        del_list = removed.tolist() if isinstance(removed, np.ndarray) else list(removed)
+        add_list = list(set(fps.tolist() if isinstance(fps, np.ndarray) else fps))
+        del_list = list(set(removed.tolist() if isinstance(removed, np.ndarray) else removed))
         with self._lock:
+            self._n += len(add_list) - self._count_present(add_list)
             self._removed.difference_update(add_list)
             self._added.update(add_list)
+            self._n -= self._count_present(del_list)
             self._added.difference_update(del_list)
             self._removed.update(del_list)
 
@@ -143,6 +153,14 @@ class FingerprintSet:
         """Start over from a snapshot (sorted, unique); later changes survive."""
         with self._merge_lock, self._lock:
             self._base = fps.astype(np.uint64, copy=False)
+            in_base = self._base
+            added = np.fromiter(self._added, dtype=np.uint64, count=len(self._added))
+            removed = np.fromiter(self._removed, dtype=np.uint64, count=len(self._removed))
+            self._n = (
+                len(in_base)
+                + int((~_positions(in_base, added)[1]).sum() if len(added) else 0)
+                - int(_positions(in_base, removed)[1].sum() if len(removed) else 0)
+            )
 
     def needs_merge(self) -> bool:
         return len(self._added) + len(self._removed) >= self.merge_at

@@ -86,6 +86,8 @@ class ManifestSync:
         self._since_snapshot = 0
         self._snapshot_ts = 0
         self.loaded = False
+        self.refreshed_at: float | None = None
+        """Wall time the manifest was last up to date with S3 (every segment listed was read)."""
         manifest.journal = self
 
     # -- what the scheduler side tells us (any thread) ---------------------------
@@ -189,6 +191,7 @@ class ManifestSync:
         keys += self._apply(await self._fetch_all(names))
         self.manifest.fps.merge()
         self.loaded = True
+        self.refreshed_at = time.time()
         return keys
 
     def _segment_floor(self) -> str:
@@ -204,6 +207,8 @@ class ManifestSync:
         }
         names = sorted(listed | self._retry)
         keys = self._apply(await self._fetch_all(names)) if names else 0
+        if not self._retry:
+            self.refreshed_at = time.time()
         floor = self._max_seen_ts - 2 * int(self.s.skew_s * 1000)
         self._seen = {n: ts for n, ts in self._seen.items() if ts >= floor}
         if self.manifest.fps.needs_merge():

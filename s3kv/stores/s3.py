@@ -20,7 +20,15 @@ import botocore.exceptions as bexc
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 
-from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, S3KVError, Transient
+from s3kv.errors import (
+    AlreadyExists,
+    ConfigError,
+    NotFound,
+    PermissionDenied,
+    S3KVError,
+    Throttled,
+    Transient,
+)
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, check_key
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
@@ -33,6 +41,14 @@ _DENIED = {
     "AllAccessDisabled",
 }
 _EXISTS = {"PreconditionFailed", "412"}
+_THROTTLED = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "503",
+}
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,8 @@ def _map_error(e: BaseException, what: str) -> Exception:
             return PermissionDenied(f"{what}: {code}")
         if code == "InvalidRange" or status == 416:
             return ValueError(f"{what}: range not satisfiable")
+        if code in _THROTTLED or status in (429, 503):
+            return Throttled(f"{what}: {code} (HTTP {status})")
         return Transient(f"{what}: {code} (HTTP {status})")
     if isinstance(e, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
         return ConfigError(f"no usable AWS credentials: {e}")

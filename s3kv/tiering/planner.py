@@ -324,7 +324,6 @@ class Planner:
             n_tokens = min(end, (c + 1) * ct) - max(start, c * ct)
             req.hit_tokens[tier] = req.hit_tokens.get(tier, 0) + n_tokens
         for tier, n in req.hit_tokens.items():
-            self.counters.add("hit_tokens", n)
             self.counters.add(f"hit_tokens_{tier.value}", n)
         req.loaded = range(first_chunk, end_chunk)
         # vLLM acts on what the lookup said (it may have trimmed the hit since).

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, StorageFull, Transient
+from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, StorageFull, Throttled, Transient
 from s3kv.keys import object_key
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore, PutMode
@@ -164,8 +164,11 @@ class TransferEngine:
         self._track(self._loop.submit(self._load_job(job_id, list(chunks), sink)))
 
     async def _load_job(self, job_id: str, chunks: list[LoadChunk], sink: ChunkSink) -> None:
+        start = time.perf_counter()
         outcomes = await asyncio.gather(*(self._load_one(c, sink) for c in chunks))
         failed = [c for c, ok in zip(chunks, outcomes) if not ok]
+        if not failed:
+            self.counters.observe("request_load_seconds", time.perf_counter() - start)
         with self._lock:
             self._results.finished_loads[job_id] = failed
 
@@ -210,7 +213,7 @@ class TransferEngine:
             self._results.loaded += 1
         self.counters.add(f"load_chunks_{tier.value}")
         self.counters.add(f"load_bytes_{tier.value}", nbytes)
-        self.counters.add("load_seconds", time.perf_counter() - start)
+        self.counters.observe(f"load_seconds_{tier.value}", time.perf_counter() - start)
         if pool is not None:
             pool.claim(chunk.promote_slot, chunk.key)  # type: ignore[arg-type]
             self._written(Tier.CPU, chunk.key, pool.slot_bytes)
@@ -284,6 +287,8 @@ class TransferEngine:
             return "corrupt"
         if isinstance(e, asyncio.TimeoutError):
             return "timeout"
+        if isinstance(e, Throttled):
+            return "throttled"
         if isinstance(e, Transient):
             return "unavailable"
         return "other"
@@ -316,6 +321,7 @@ class TransferEngine:
                 self.counters.add("store_dropped_backpressure")
             elif through:
                 self._inflight_bytes += nbytes
+                self.counters.set("inflight_bytes", self._inflight_bytes)
         if job.disk and not through:
             self._failed(Tier.DISK, job.key)
         if job.s3 and not through:
@@ -361,21 +367,22 @@ class TransferEngine:
                     self._released(key)
                     pins_slot = False
             self.counters.add("store_raw_bytes", chunk.raw_bytes)
+            self.counters.add("store_encoded_bytes", len(chunk.blob))
             writes = []
             if job.disk:
-                writes.append(self._write_disk(chunk))
+                writes.append(self._write_disk(chunk, start))
             if job.s3:
-                writes.append(self._write_s3(chunk))
+                writes.append(self._write_s3(chunk, start))
             await asyncio.gather(*writes)
-            self.counters.add("store_seconds", time.perf_counter() - start)
         finally:
             if pins_slot:
                 self._released(key)
             if through:
                 with self._lock:
                     self._inflight_bytes -= nbytes
+                    self.counters.set("inflight_bytes", self._inflight_bytes)
 
-    async def _write_disk(self, chunk: ChunkData) -> None:
+    async def _write_disk(self, chunk: ChunkData, start: float | None = None) -> None:
         if self.disk is None:
             self._failed(Tier.DISK, chunk.key)
             return
@@ -395,9 +402,11 @@ class TransferEngine:
             return
         self.counters.add("store_chunks_disk")
         self.counters.add("store_bytes_disk", n)
+        if start is not None:
+            self.counters.observe("store_seconds_disk", time.perf_counter() - start)
         self._written(Tier.DISK, chunk.key, n)
 
-    async def _write_s3(self, chunk: ChunkData) -> None:
+    async def _write_s3(self, chunk: ChunkData, start: float) -> None:
         cid = self.chunk_id(chunk.key)
         blob = chunk.blob
         try:
@@ -414,6 +423,7 @@ class TransferEngine:
         else:
             self.counters.add("store_chunks_s3")
             self.counters.add("store_bytes_s3", len(blob))
+            self.counters.observe("store_seconds_s3", time.perf_counter() - start)
         self._written(Tier.S3, chunk.key, len(blob))
 
     # -- results and lifecycle -----------------------------------------------------

@@ -72,6 +72,7 @@ def start_replica(
     *,
     engine_args: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    spec_extra: dict[str, Any] | None = None,
 ) -> subprocess.Popen:
     """Start a fresh replica process that runs ``prompts`` one by one;
     :func:`finish_replica` waits for it and returns its report."""
@@ -81,6 +82,7 @@ def start_replica(
         "kv_transfer_config": kv_transfer_config,
         "prompts": prompts,
         "max_tokens": MAX_TOKENS,
+        **(spec_extra or {}),
     }
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))

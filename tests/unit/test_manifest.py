@@ -39,6 +39,27 @@ def test_fingerprint_set_adds_removes_and_merges():
     assert FingerprintSet().present(fps(1, 2)).tolist() == [False, False]
 
 
+def test_fingerprint_set_counts_members_exactly():
+    """``len`` is the manifest_keys gauge: re-adds, removals of absent keys,
+    segments and snapshots must not skew it."""
+    s = FingerprintSet(merge_at=1000)
+    s.update(fps(1, 2, 3, 3))
+    s.add(2)  # already there
+    s.discard(7)  # never there
+    assert len(s) == 3
+    s.merge()
+    s.discard(1)
+    s.add(1)
+    s.add(4)
+    assert len(s) == 4
+    s.update(fps(4, 5), removed=fps(2, 9))
+    assert len(s) == 4  # {1, 3, 4, 5}
+    s.replace(fps(3, 5, 6, 8))  # a snapshot; the changes since (1 and 4 added, 2 and 9 removed) stay
+    assert len(s) == 6 == int(s.present(np.arange(10, dtype=np.uint64)).sum())
+    s.merge()
+    assert len(s) == len(s.array()) == 6
+
+
 def test_sorted_insert_and_delete_keep_arrays_sorted_and_unique():
     base = fps(2, 4, 6)
     assert insert_sorted(base, fps(5, 4, 1, 7, 5)).tolist() == [1, 2, 4, 5, 6, 7]
@@ -73,6 +94,7 @@ def test_changes_during_a_merge_are_not_lost():
         t.join()
     probe = np.arange(200, dtype=np.uint64)
     assert set(probe[s.present(probe)].tolist()) == ref
+    assert len(s) == len(ref)
     s.merge()
     assert set(s.array().tolist()) == ref
 

