@@ -204,7 +204,7 @@ class TransferEngine:
             if kind not in ("missing", "corrupt"):  # those were counted per tier
                 self.counters.add(f"load_errors_{kind}")
                 log.warning("s3kv: load of chunk %s failed (%s): %s", chunk.key.hex(), kind, e)
-            if kind in ("unavailable", "timeout"):
+            if kind in ("unavailable", "throttled", "timeout"):
                 self._unavailable()
             self._promotion_failed(chunk)
             return False

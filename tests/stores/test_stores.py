@@ -81,3 +81,22 @@ class TestS3Store(StoreConformance):
 
     def raw_put(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "kind"),
+    [
+        ("SlowDown", 503, "Throttled"),
+        ("ThrottlingException", 400, "Throttled"),
+        ("InternalError", 500, "Transient"),
+        ("NoSuchKey", 404, "NotFound"),
+        ("PreconditionFailed", 412, "AlreadyExists"),
+    ],
+)
+def test_s3_errors_map_onto_s3kv_errors(code, status, kind):
+    from botocore.exceptions import ClientError
+
+    from s3kv.stores.s3 import _map_error
+
+    e = ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+    assert type(_map_error(e, "k")).__name__ == kind

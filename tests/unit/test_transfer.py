@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from s3kv.errors import Transient
+from s3kv.errors import Throttled, Transient
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
 from s3kv.tiering import disk as disk_mod
@@ -257,6 +257,7 @@ class FlakyStore(MemoryStore):
     [
         (FlakyStore(), "missing"),
         (FlakyStore(fail=Transient("connection refused")), "unavailable"),
+        (FlakyStore(fail=Throttled("SlowDown (HTTP 503)")), "throttled"),
         (FlakyStore(delay=2.0), "timeout"),
     ],
 )
@@ -268,7 +269,7 @@ def test_load_failures_are_classified_and_reported(store, kind):
     assert acc.finished_loads["j"] == [c]
     assert e.counters.totals()[f"load_errors_{kind}"] == 1
     assert (acc.missing == {Tier.S3: {b"x" * 16}}) == (kind == "missing")
-    assert acc.unavailable == (kind in ("unavailable", "timeout"))
+    assert acc.unavailable == (kind in ("unavailable", "throttled", "timeout"))
     assert acc.failed == {Tier.CPU: {b"x" * 16}}  # the promotion is off
     e.close(0.1)
 
