@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.s3kv-installed
 
-.PHONY: install demo test unit clean
+.PHONY: install demo test unit bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ test: install
 
 unit: install
 	$(PY) -m pytest -q -m "not engine"
+
+# The benchmark suite (benchmarks/RESULTS.md, results.png); ~20 min here.
+bench: install
+	$(PY) -m pip install --quiet -e '.[bench]'
+	S3KV_BENCH_VIA_MAKE=1 $(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -156,10 +156,18 @@ def main_for(module_run: Callable[[Path, bool], Result], default_work: str) -> i
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), default_work))
+    ap.add_argument("--json", help="also write the result here (the suite runner reads it)")
     args = ap.parse_args()
     bench_env()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    import time
+
+    t0 = time.perf_counter()
     result = module_run(work, args.quick)
-    print(json.dumps(result.to_json(), indent=1))
+    result.seconds = round(time.perf_counter() - t0, 1)
+    text = json.dumps(result.to_json(), indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
     return 0

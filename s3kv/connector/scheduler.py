@@ -201,7 +201,22 @@ class SchedulerSide:
             num_computed_tokens,
             _extras_fn(request),
             num_prompt_tokens=request.num_prompt_tokens,
+            prefix_ids=self._prefix_ids(request),
         )
+
+    def _prefix_ids(self, request: Request) -> Any:
+        """vLLM's block hashes, computed when the request arrived (off the
+        scheduling loop), name each chunk's prefix within this engine."""
+        hashes = getattr(request, "block_hashes", None)
+        bs, ct = self.layout.block_size, self.config.chunk_tokens
+        if not hashes or len(hashes) != request.num_tokens // bs:
+            return None  # hashed at another granularity, or not at all
+
+        def prefix_id(c: int) -> Any:
+            i = (c + 1) * ct // bs - 1
+            return hashes[i] if i < len(hashes) else None
+
+        return prefix_id
 
     def on_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:

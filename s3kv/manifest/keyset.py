@@ -73,6 +73,9 @@ class FingerprintSet:
         self._removed: set[int] = set()
         self._n = 0
         """Members, kept exact by the writers (a merge changes none)."""
+        self.epoch = 0
+        """Bumped by every change that may remove members: a reader that saw
+        a fingerprint present at an epoch knows it still is while that lasts."""
         self._lock = threading.Lock()
         self._merge_lock = threading.Lock()
 
@@ -132,6 +135,7 @@ class FingerprintSet:
 
     def discard(self, fp: int) -> None:
         with self._lock:
+            self.epoch += 1
             if fp in self:
                 self._n -= 1
             self._added.discard(fp)
@@ -145,6 +149,8 @@ class FingerprintSet:
             self._n += len(add_list) - self._count_present(add_list)
             self._removed.difference_update(add_list)
             self._added.update(add_list)
+            if del_list:
+                self.epoch += 1
             self._n -= self._count_present(del_list)
             self._added.difference_update(del_list)
             self._removed.update(del_list)
@@ -152,6 +158,7 @@ class FingerprintSet:
     def replace(self, fps: np.ndarray) -> None:
         """Start over from a snapshot (sorted, unique); later changes survive."""
         with self._merge_lock, self._lock:
+            self.epoch += 1
             self._base = fps.astype(np.uint64, copy=False)
             in_base = self._base
             added = np.fromiter(self._added, dtype=np.uint64, count=len(self._added))
@@ -198,6 +205,11 @@ class Manifest:
 
     def __len__(self) -> int:
         return len(self.fps)
+
+    @property
+    def epoch(self) -> int:
+        """See :attr:`FingerprintSet.epoch`."""
+        return self.fps.epoch
 
     def present_fps(self, fps: np.ndarray) -> np.ndarray:
         return self.fps.present(fps)

@@ -24,6 +24,15 @@ from s3kv.tiering.placement import Tier, TierIndex
 
 ExtrasFn = Callable[[int, int], Any]
 """extras(start_token, end_token) -> the extra keys of that chunk, or None."""
+PrefixIds = Callable[[int], Hashable | None]
+"""prefix_ids(chunk) -> an id, local to this engine, of every token and extra
+key up to the end of that chunk (vLLM's block hash of its last block), or
+None. Equal ids mean equal chunk keys, so a prefix this engine has keyed
+once is not hashed again."""
+VERIFIED_SIZE = 1 << 20
+"""Keys remembered present in the manifest (~100 bytes each)."""
+MEMO_SIZE = 1 << 15
+"""Prefixes remembered (for 8k-token prompts ~40 MB at most, typically far less)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,7 @@ class _Request:
     """The request's tokens so far (vLLM's live list: prompt, then output)."""
     num_prompt_tokens: int
     extras: ExtrasFn | None
+    prefix_ids: PrefixIds | None = None
     keys: list[bytes] = field(default_factory=list)
     fps: np.ndarray = field(default_factory=lambda: EMPTY)
     """Fingerprints of ``keys``, for the manifest's vectorised lookup."""
@@ -174,6 +184,12 @@ class Planner:
         self.store_retry_s = store_retry_s
         self._clock = clock
         self._requests: dict[str, _Request] = {}
+        self._verified: dict[bytes, None] = {}
+        """Keys seen in the manifest at ``_verified_epoch``."""
+        self._verified_epoch = -1
+        self._memo: OrderedDict[Hashable, tuple[tuple[bytes, ...], np.ndarray]] = OrderedDict()
+        """Prefix id -> the chain of keys (and fingerprints) up to that chunk,
+        least recently used first."""
         self._pending_loads: list[LoadPlan] = []
         self._pending_stores: list[StoreChunk] = []
         self._pending_held: list[str] = []
@@ -205,6 +221,26 @@ class Planner:
 
     def _keys(self, req: _Request, n_chunks: int) -> list[bytes]:
         have = len(req.keys)
+        if have < n_chunks and req.prefix_ids is not None:
+            # A prefix keyed before (a shared system prompt): no hashing. The
+            # memo holds each prefix's whole chain; find the longest known
+            # one by bisection (log2(32 chunks) = 5 probes).
+            memo, ids = self._memo, req.prefix_ids
+            lo, hi, found = have - 1, n_chunks, None
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                pid = ids(mid)
+                entry = memo.get(pid) if pid is not None else None
+                if entry is None:
+                    hi = mid
+                else:
+                    lo, found = mid, (pid, entry)
+            if found is not None:
+                pid, (keys, fps) = found
+                memo.move_to_end(pid)
+                req.keys += keys[have:]
+                req.fps = fps
+                have = len(req.keys)
         if have < n_chunks:
             ct = self.chunk_tokens
             extras = None
@@ -220,7 +256,40 @@ class Planner:
             )
             req.keys += new
             req.fps = np.concatenate([req.fps, fingerprints(new)])
+            if req.prefix_ids is not None:
+                for c in range(have, n_chunks):
+                    pid = req.prefix_ids(c)
+                    if pid is not None:
+                        self._memo[pid] = (tuple(req.keys[: c + 1]), req.fps[: c + 1])
+                while len(self._memo) > MEMO_SIZE:
+                    self._memo.popitem(last=False)
         return req.keys
+
+    def _in_s3(self, req: _Request, keys: list[bytes], start: int, end: int) -> list[bool]:
+        """Which of chunks [start, end) the manifest has: keys seen present
+        since its last removal are known; the rest are looked up in one
+        vectorised pass (each a binary search through the whole manifest,
+        cache misses in a large one)."""
+        if self.s3 is None or self.paused:
+            return [False] * (end - start)
+        epoch = self.s3.epoch
+        if epoch != self._verified_epoch:
+            self._verified.clear()
+            self._verified_epoch = epoch
+        verified = self._verified
+        todo = [i for i in range(start, end) if keys[i] not in verified]
+        if not todo:
+            return [True] * (end - start)
+        found = self.s3.present_fps(req.fps[todo]).tolist()
+        out = [True] * (end - start)
+        for i, has in zip(todo, found):
+            if has:
+                verified[keys[i]] = None
+            else:
+                out[i - start] = False
+        if len(verified) > VERIFIED_SIZE:
+            verified.clear()
+        return out
 
     @property
     def paused(self) -> bool:
@@ -239,6 +308,7 @@ class Planner:
         extras: ExtrasFn | None = None,
         *,
         num_prompt_tokens: int | None = None,
+        prefix_ids: PrefixIds | None = None,
     ) -> tuple[int, bool]:
         """(tokens beyond ``num_computed_tokens`` that the tiers can supply,
         load asynchronously?). No I/O; repeated calls are cheap.
@@ -248,7 +318,7 @@ class Planner:
         req = self._requests.get(req_id)
         if req is None:
             prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
-            req = self._requests[req_id] = _Request(token_ids, prompt, extras)
+            req = self._requests[req_id] = _Request(token_ids, prompt, extras, prefix_ids)
         req.token_ids = token_ids
         req.local_tokens = num_computed_tokens
         req.hit = []
@@ -260,12 +330,7 @@ class Planner:
         if start >= n_chunks:
             return 0, False
         keys = self._keys(req, n_chunks)
-        # S3 for the whole chain in one vectorised pass; the local tiers per chunk.
-        in_s3 = (
-            self.s3.present_fps(req.fps[start:n_chunks]).tolist()
-            if self.s3 is not None and not self.paused
-            else [False] * (n_chunks - start)
-        )
+        in_s3 = self._in_s3(req, keys, start, n_chunks)
         cpu, disk = self.cpu, self.disk
         hit: list[Tier] = []
         for key, s3_has in zip(keys[start:n_chunks], in_s3):

@@ -361,3 +361,43 @@ def test_tier_changes_become_events_with_tokens_and_parent():
     quiet.plan_step([sched("a", 0, CT, list(range(10)))])
     quiet.on_written(Tier.S3, {k0: 1})
     assert quiet.take_events() == []  # off unless vLLM's KV events are on
+
+
+def test_prefix_ids_key_a_known_prefix_without_hashing(monkeypatch):
+    """vLLM's block hashes name prefixes: a second request with a known
+    prefix takes its chunk keys from the memo, and only hashes the rest."""
+    import s3kv.tiering.planner as planner_mod
+
+    p, _ = planner()
+    shared, tail_a, tail_b = list(range(3 * CT)), [7] * CT, [9] * CT
+    a, b = shared + tail_a, shared + tail_b
+    ids = {"a": [("s", 0), ("s", 1), ("s", 2), ("a", 3)], "b": [("s", 0), ("s", 1), ("s", 2), ("b", 3)]}
+    hashed: list[int] = []
+    real = planner_mod.chain_keys
+    monkeypatch.setattr(
+        planner_mod,
+        "chain_keys",
+        lambda ns, toks, *a, **k: hashed.append(len(toks)) or real(ns, toks, *a, **k),
+    )
+    p.lookup("a", a, len(a), 0, prefix_ids=ids["a"].__getitem__)
+    p.lookup("b", b, len(b), 0, prefix_ids=ids["b"].__getitem__)
+    assert hashed == [4 * CT, CT]  # b hashed only its own chunk
+    assert p._requests["b"].keys == chain_keys(NS, b, CT)
+    assert p._requests["a"].keys[:3] == p._requests["b"].keys[:3]
+    assert len(p._requests["b"].fps) == 4
+    # No ids (or unknown ones): hashed as before.
+    p.lookup("c", b, len(b), 0)
+    assert hashed[-1] == 4 * CT and p._requests["c"].keys == chain_keys(NS, b, CT)
+
+
+def test_keys_seen_in_the_manifest_are_trusted_only_until_a_removal():
+    p, m = planner()
+    for k in KEYS:
+        m.add(k)
+    assert lookup(p, "a")[0] == 4 * CT
+    p._requests.pop("a")
+    m.discard(KEYS[2])  # e.g. its object turned out missing on another request
+    assert lookup(p, "b")[0] == 2 * CT  # the chain stops at the removed key
+    m.add(KEYS[2])
+    p._requests.pop("b")
+    assert lookup(p, "c")[0] == 4 * CT
