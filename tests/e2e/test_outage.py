@@ -13,7 +13,17 @@ pytestmark = pytest.mark.engine
 
 
 def _counter(llm, name: str) -> float:
-    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == f"vllm:s3kv_{name}")
+    """An s3kv counter by its flat name (``load_errors_unavailable`` is
+    ``vllm:s3kv_load_errors{kind="unavailable"}``)."""
+    from s3kv.stats import SERIES
+
+    family, value = SERIES[name]
+    return sum(
+        m.value
+        for m in llm.get_metrics()
+        if m.name == f"vllm:s3kv_{family.name}"
+        and (family.label is None or m.labels.get(family.label) == value)
+    )
 
 
 def test_s3_stopped_while_serving(replica_a, baseline, s3_server, bucket_a, model, monkeypatch):

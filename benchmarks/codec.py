@@ -1,0 +1,296 @@
+"""Codec: encode/decode MB/s per core and compression ratio of KV pages.
+
+The pages are real: one vLLM CPU engine running the demo's random-weights
+Llama (8 layers, 4 KV heads, head size 64, bf16) stores a few random prompts'
+chunks through s3kv with ``codec: none`` into a disk tier; those files are
+read back and decoded into per-layer page bytes (one 256-token layer frame,
+256 KiB, is the unit s3kv compresses). Each variant is then timed on one
+thread over every frame: no codec, zstd at several levels with and without
+s3kv's byte shuffle (bf16: item size 2), and s3kv's own
+``encode_chunk``/``decode_chunk`` (checksums included).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import Bar, Result, main_for, median, run_replica, verdict
+
+NAME = "codec"
+TITLE = "Codec: encode/decode MB/s per core and ratio, on KV pages from the vLLM CPU engine"
+GOAL_MBS = 1000.0
+GOAL = (
+    "decoding never bounds a load: s3kv's default codec (zstd 1, shuffled, checksummed) decodes "
+    f">= {GOAL_MBS / 1000:.0f} GB/s of KV per core (the issue states no number)"
+)
+LEVELS = (-3, 1, 3, 9)
+CHUNK_TOKENS = 256
+
+
+def _capture(work: Path, n_prompts: int, tokens: int, reuse: bool) -> tuple[Path, bool]:
+    """Chunk files of real KV pages under ``work/kv-pages``, from one engine
+    run (reused when ``reuse`` and an identical capture is there)."""
+    from s3kv.demo.model import DEMO_SPEC, build_model
+
+    pages = work / "kv-pages"
+    marker = work / "kv-pages.json"
+    wanted = {"prompts": n_prompts, "tokens": tokens, "chunk_tokens": CHUNK_TOKENS, "model": DEMO_SPEC}
+    if reuse and marker.is_file() and json.loads(marker.read_text()) == wanted and _chunk_files(pages):
+        return pages, True
+    marker.unlink(missing_ok=True)
+    shutil.rmtree(pages, ignore_errors=True)
+    model = str(build_model(work / "model", **DEMO_SPEC))
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 2000) for _ in range(tokens)] for _ in range(n_prompts)]
+    spec = {
+        "model": model,
+        "engine_args": {
+            "gpu_memory_utilization": 0.15,
+            "max_model_len": 4096,
+            "enforce_eager": True,
+            "enable_prefix_caching": False,
+        },
+        "kv_transfer_config": {
+            "kv_connector": "S3KVConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "write_policy": "local_only",
+                "disk_path": str(pages),
+                "codec": "none",
+                "chunk_tokens": CHUNK_TOKENS,
+            },
+        },
+        "prompts": prompts,
+        "max_tokens": 1,
+    }
+    run_replica(work, "codec-pages", spec)
+    if len(_chunk_files(pages)) < n_prompts * (tokens // CHUNK_TOKENS):
+        raise RuntimeError(f"the engine stored {len(_chunk_files(pages))} chunk files under {pages}")
+    marker.write_text(json.dumps(wanted))
+    return pages, False
+
+
+def _chunk_files(root: Path) -> list[Path]:
+    """The disk tier's chunk files: ``{root}/{namespace}/{kk}/{key}.r{rank}``."""
+    return sorted(p for p in root.glob("*/*/*.r[0-9]*") if p.is_file() and not p.name.endswith("partial"))
+
+
+def _per_second(fn: Callable[[], Any], nbytes: int, repeats: int) -> float:
+    """MB/s of ``nbytes`` per call: the median of ``repeats`` timed calls after a warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / median(times) / 1e6
+
+
+def run(work: Path, quick: bool) -> Result:
+    import torch
+    import xxhash
+    import zstandard
+
+    from s3kv import codec
+
+    n_prompts, tokens = (1, 1536) if quick else (3, 1792)
+    repeats = 3 if quick else 7
+    pages_dir, reused = _capture(work, n_prompts, tokens, reuse=quick)
+
+    # Every chunk file, decoded with s3kv's own reader into per-layer page bytes.
+    chunks: list[tuple[codec.ChunkHeader, list[np.ndarray]]] = []
+    for path in _chunk_files(pages_dir):
+        blob = path.read_bytes()
+        h = codec.parse_header(blob)
+        _h, layers = codec.decode_chunk(blob, namespace=h.namespace, key=h.key, rank=h.rank)
+        chunks.append((h, [np.array(a, copy=True) for a in layers]))
+    itemsize = torch.empty(0, dtype=getattr(torch, chunks[0][0].dtype)).element_size()
+    frames = [a for _h, layers in chunks for a in layers]
+    raw = sum(a.nbytes for a in frames)
+
+    rows: list[list[Any]] = []
+    bars: list[Bar] = []
+
+    def measure(
+        label: str,
+        encode: Callable[[np.ndarray], Any],
+        decode: Callable[[Any], Any],
+        bar: str = "",
+    ) -> float:
+        stored = [encode(a) for a in frames]
+        for a, s in zip(frames[:4], stored[:4]):  # the variant round-trips
+            if not np.array_equal(np.frombuffer(decode(s), dtype=np.uint8), a):
+                raise AssertionError(f"{label}: decode does not give back the pages")
+        enc = _per_second(lambda: [encode(a) for a in frames], raw, repeats)
+        dec = _per_second(lambda: [decode(s) for s in stored], raw, repeats)
+        ratio = raw / sum(len(s) for s in stored)
+        rows.append([label, round(ratio, 3), round(enc), round(dec), "yes" if dec >= GOAL_MBS else "no"])
+        if ratio > 1.01:  # the plot shows the variants that compress
+            bars.append(Bar(bar or label, round(dec)))
+        print(f"  {label:40s} ratio {ratio:6.3f}  encode {enc:7.0f} MB/s  decode {dec:7.0f} MB/s")
+        return dec
+
+    decompressor = zstandard.ZstdDecompressor()
+
+    def copy_out(s: Any) -> np.ndarray:
+        out = np.empty(len(s), dtype=np.uint8)
+        np.copyto(out, np.frombuffer(s, dtype=np.uint8))
+        return out
+
+    measure("none (a copy)", lambda a: a.tobytes(), copy_out)
+    for level in LEVELS:
+        c = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        measure(
+            f"zstd {level}",
+            lambda a, c=c: c.compress(a),
+            lambda s: decompressor.decompress(s),
+        )
+        measure(
+            f"zstd {level} + shuffle",
+            lambda a, c=c: c.compress(codec.shuffle(a, itemsize)),
+            lambda s: codec.unshuffle(decompressor.decompress(s), itemsize),
+        )
+
+    # s3kv's own path: whole chunks, header, xxh3 of every frame, the checks.
+    def s3kv_rows(codec_name: str, level: int) -> float:
+        blobs: list[bytes] = []
+
+        def encode_all() -> None:
+            blobs.clear()
+            for h, layers in chunks:
+                blobs.append(
+                    codec.encode_chunk(
+                        namespace=h.namespace,
+                        key=h.key,
+                        rank=h.rank,
+                        tokens=h.tokens,
+                        layers=layers,
+                        dtype=h.dtype,
+                        itemsize=itemsize,
+                        page_shape=h.page_shape,
+                        codec=codec_name,
+                        level=level,
+                    )
+                )
+
+        def decode_all() -> None:
+            for (h, _layers), blob in zip(chunks, blobs):
+                codec.decode_chunk(blob, namespace=h.namespace, key=h.key, rank=h.rank)
+
+        enc = _per_second(encode_all, raw, repeats)
+        dec = _per_second(decode_all, raw, repeats)
+        for (h, layers), blob in zip(chunks[:1], blobs):
+            _hh, got = codec.decode_chunk(blob, namespace=h.namespace, key=h.key, rank=h.rank)
+            if not all(np.array_equal(a, b) for a, b in zip(got, layers)):
+                raise AssertionError(f"s3kv {codec_name}: decode_chunk does not give back the pages")
+        ratio = raw / sum(len(b) for b in blobs)
+        name = "none" if codec_name == "none" else f"zstd {level} + shuffle"
+        label = f"s3kv encode/decode_chunk, {name}"
+        rows.append([label, round(ratio, 3), round(enc), round(dec), "yes" if dec >= GOAL_MBS else "no"])
+        if ratio > 1.01:
+            bars.append(Bar(f"s3kv {name}", round(dec)))
+        print(f"  {label:40s} ratio {ratio:6.3f}  encode {enc:7.0f} MB/s  decode {dec:7.0f} MB/s")
+        return dec
+
+    s3kv_rows("none", 1)
+    default_dec = s3kv_rows("zstd", 1)
+
+    # Where the default decode's time goes, each step alone over every frame.
+    c1 = zstandard.ZstdCompressor(level=1, write_content_size=True)
+    shuffled = [c1.compress(codec.shuffle(a, itemsize)) for a in frames]
+    plain = [codec.shuffle(a, itemsize) for a in frames]
+    steps = {
+        "xxh3": _per_second(lambda: [xxhash.xxh3_64_intdigest(s) for s in shuffled], raw, repeats),
+        "zstd": _per_second(lambda: [decompressor.decompress(s) for s in shuffled], raw, repeats),
+        "unshuffle": _per_second(lambda: [codec.unshuffle(p, itemsize) for p in plain], raw, repeats),
+    }
+
+    def unshuffle_by_column(data: bytes | np.ndarray, size: int) -> np.ndarray:
+        """The same result as codec.unshuffle: one strided store per byte plane."""
+        arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        out = np.empty(arr.size, dtype=np.uint8)
+        planes = arr.reshape(size, -1)
+        cols = out.reshape(-1, size)
+        for j in range(size):
+            cols[:, j] = planes[j]
+        return out
+
+    steps["unshuffle by column"] = _per_second(
+        lambda: [unshuffle_by_column(p, itemsize) for p in plain], raw, repeats
+    )
+    proposed = measure(
+        "zstd 1 + shuffle, unshuffle by column*",
+        lambda a: c1.compress(codec.shuffle(a, itemsize)),
+        lambda s: unshuffle_by_column(decompressor.decompress(s), itemsize),
+        bar="zstd 1 + shuffle, column unshuffle*",
+    )
+
+    met = default_dec >= GOAL_MBS
+    notes = [
+        f"Pages: {len(chunks)} chunks of {CHUNK_TOKENS} tokens ({len(frames)} layer frames of "
+        f"{frames[0].nbytes >> 10} KiB, {raw / 2**20:.0f} MiB) that the vLLM CPU engine computed for "
+        f"{n_prompts} random {tokens}-token prompt(s) of the demo's random-weights Llama, stored by s3kv "
+        "with codec none on a disk tier and read back with s3kv.codec"
+        + (" (reused from an earlier --quick run's capture)." if reused else "."),
+        "Random weights understate real compressibility: a trained model's K and V have far more "
+        "regular magnitudes, so their bf16 exponent bytes (the half that byte shuffle groups and zstd "
+        "squeezes) compress much better; the mantissa bytes are near-random either way.",
+        f"One thread; MB/s are raw KV bytes per second (median of {repeats} passes over every frame, "
+        "after a warm-up); ratio is raw / stored bytes. Encode of a shuffle variant includes the "
+        "shuffle, decode the unshuffle into a new array (as s3kv.codec does). 'none (a copy)' is a "
+        "memcpy into a new buffer: the floor any decode pays.",
+        "s3kv rows run codec.encode_chunk / decode_chunk on whole chunks (8 frames): JSON header, "
+        "xxh3_64 of every frame, identity and length checks, zstd level 1 with byte shuffle (item "
+        "size 2, the bf16 KV cache's) - what every S3 and disk load decodes.",
+        "The plot shows the decode rate of the variants that compress (ratio > 1.01); the others "
+        "(no codec, and negative levels without shuffle, which store the pages as they are) decode at "
+        "memcpy speed and are in the table only.",
+        f"Goal line: {GOAL_MBS:.0f} MB/s per core, a round target above what one core's share of a "
+        "fast instance's S3 bandwidth is (e.g. 100 Gbit/s over 12 cores is about 1 GB/s per core); "
+        "the issue states the goal without a number.",
+        "Time of s3kv's default decode, step by step (MB/s of raw bytes, one thread): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in steps.items())
+        + (
+            ". The unshuffle (np.copyto from a transposed view) costs more than zstd itself."
+            if steps["unshuffle"] < steps["zstd"]
+            else "."
+        ),
+        "* not s3kv: codec.unshuffle rewritten as one strided store per byte plane "
+        "(cols[:, j] = planes[j]), same bytes out: "
+        f"{proposed / default_dec:.2f}x the rate of s3kv's decode_chunk (whose xxh3 checksums cost "
+        "little, see the steps above).",
+    ]
+    return Result(
+        name=NAME,
+        title=TITLE,
+        goal=GOAL,
+        columns=[
+            "variant",
+            "ratio raw/stored",
+            "encode MB/s",
+            "decode MB/s",
+            f"decode >= {GOAL_MBS:.0f} MB/s",
+        ],
+        rows=rows,
+        verdict=verdict(
+            met, f"s3kv's zstd 1 decodes {default_dec:.0f} MB/s per core ({default_dec / GOAL_MBS:.2f}x)"
+        ),
+        notes=notes,
+        bars=bars,
+        ylabel="decode MB/s, one core",
+        goal_line=GOAL_MBS,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main_for(run, "s3kv-bench-codec"))
