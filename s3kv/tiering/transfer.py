@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -94,6 +95,15 @@ class StoreJob:
         return sum(a.nbytes for a in self.layers)
 
 
+STORE_NICE = 10
+"""Niceness of the write-through threads (Linux: per thread)."""
+
+
+def _background_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICE)
+
+
 class TransferEngine:
     def __init__(
         self, s3: ObjectStore | None, settings: EngineSettings, counters: Counters | None = None
@@ -104,6 +114,11 @@ class TransferEngine:
         self._loop = BackgroundLoop("s3kv-transfer")
         self._executor = concurrent.futures.ThreadPoolExecutor(
             settings.threads, thread_name_prefix="s3kv-codec"
+        )
+        # Write-through (encode, NVMe writes) is background work: its threads
+        # run at a lower CPU priority, so they never slow a forward or a load.
+        self._store_executor = concurrent.futures.ThreadPoolExecutor(
+            max(1, settings.threads // 2), thread_name_prefix="s3kv-store", initializer=_background_priority
         )
         self._lock = threading.Lock()
         self._results = PollResult()
@@ -156,6 +171,9 @@ class TransferEngine:
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _run_background(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._store_executor, fn, *args)
 
     # -- loads -----------------------------------------------------------------
     def submit_load(self, job_id: str, chunks: Sequence[LoadChunk], sink: ChunkSink) -> None:
@@ -355,7 +373,7 @@ class TransferEngine:
             start = time.perf_counter()
             chunk = ChunkData(key, self.codec, layers=job.layers)  # type: ignore[arg-type]
             try:
-                await self._run(lambda: chunk.blob)
+                await self._run_background(lambda: chunk.blob)
             except Exception as e:
                 log.error("s3kv: encoding chunk %s failed: %s", key.hex(), e)
                 for tier, wanted in ((Tier.DISK, job.disk), (Tier.S3, job.s3)):
@@ -387,7 +405,7 @@ class TransferEngine:
             self._failed(Tier.DISK, chunk.key)
             return
         try:
-            n = await self._run(self.disk.write, chunk.key, chunk)
+            n = await self._run_background(self.disk.write, chunk.key, chunk)
         except StorageFull as e:
             self.counters.add("store_dropped_disk_full")
             log.warning("s3kv: NVMe tier full, chunk not stored there: %s", e)
@@ -470,4 +488,5 @@ class TransferEngine:
                 self._loop.run(self.s3.close(), timeout=5)
         self._loop.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._store_executor.shutdown(wait=False, cancel_futures=True)
         self.pool = None

@@ -319,3 +319,16 @@ def test_no_write_reaches_pages_after_a_timeout():
     time.sleep(1.5)  # the slow ranges arrive now
     assert writes == seen
     e.close()
+
+
+def test_write_through_runs_at_background_priority():
+    """Encoding and NVMe writes must not take CPU from the forward or loads."""
+    import os
+    import threading
+
+    e = engine(FlakyStore())
+    nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
+    background = e._loop.run(e._run_background(nice), timeout=5)
+    foreground = e._loop.run(e._run(nice), timeout=5)
+    assert background > foreground
+    e.close(0.1)
