@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from s3kv.errors import ConfigError
+from s3kv.tiering.loop import unbind_thread
 
 
 def _runs(block_ids: Sequence[int], first: int, last: int) -> list[tuple[int, int]]:
@@ -217,6 +218,7 @@ class LayerwiseLoad:
             self.pages.write(i, block_ids, first, last, arrays[i])
 
     def _run(self) -> None:
+        unbind_thread()
         try:
             for i, ev in enumerate(self._events):
                 self._copy_layer(i)

@@ -6,11 +6,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def unbind_thread() -> None:
+    """Let the calling thread run on any core the process may use.
+
+    vLLM's CPU worker binds its threads to the cores of its OpenMP team, and
+    threads started later inherit that: s3kv's I/O, codec and copy threads
+    would then take turns with the forward on its cores instead of using
+    the ones the binding left free (vLLM keeps one for a KV connector)."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps it within the cpuset
 
 
 class BackgroundLoop:
@@ -20,6 +32,7 @@ class BackgroundLoop:
         self._thread.start()
 
     def _run(self) -> None:
+        unbind_thread()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 

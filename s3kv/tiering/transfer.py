@@ -32,7 +32,7 @@ from s3kv.stores.base import ObjectStore, PutMode
 from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, PageFormat, load_chunk
 from s3kv.tiering.disk import DiskTier
 from s3kv.tiering.hostpool import HostPool
-from s3kv.tiering.loop import BackgroundLoop
+from s3kv.tiering.loop import BackgroundLoop, unbind_thread
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.planner import LoadChunk, StoreChunk
 
@@ -100,6 +100,7 @@ STORE_NICE = 10
 
 
 def _background_priority() -> None:
+    unbind_thread()
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICE)
 
@@ -113,7 +114,7 @@ class TransferEngine:
         self.counters = counters or Counters()
         self._loop = BackgroundLoop("s3kv-transfer")
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            settings.threads, thread_name_prefix="s3kv-codec"
+            settings.threads, thread_name_prefix="s3kv-codec", initializer=unbind_thread
         )
         # Write-through (encode, NVMe writes) is background work: its threads
         # run at a lower CPU priority, so they never slow a forward or a load.

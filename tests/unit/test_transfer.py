@@ -332,3 +332,33 @@ def test_write_through_runs_at_background_priority():
     foreground = e._loop.run(e._run(nice), timeout=5)
     assert background > foreground
     e.close(0.1)
+
+
+def test_s3kv_threads_escape_the_forwards_core_binding():
+    """vLLM's CPU worker binds its threads to its OpenMP cores and new threads
+    inherit that; s3kv's threads must be free to use the other cores."""
+    import os
+    import threading
+
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs a process allowed on two or more cores")
+    allowed = os.sched_getaffinity(0)
+    seen = {}
+
+    def start_bound():
+        os.sched_setaffinity(0, {min(allowed)})  # as vLLM's binding leaves the thread
+        e = engine(FlakyStore())
+        aff = lambda: os.sched_getaffinity(0)  # noqa: E731
+        seen["codec"] = e._loop.run(e._run(aff), timeout=5)
+        seen["store"] = e._loop.run(e._run_background(aff), timeout=5)
+
+        async def on_loop():
+            return os.sched_getaffinity(0)
+
+        seen["loop"] = e._loop.run(on_loop(), timeout=5)
+        e.close(0.1)
+
+    t = threading.Thread(target=start_bound)
+    t.start()
+    t.join()
+    assert seen == {"codec": allowed, "store": allowed, "loop": allowed}
