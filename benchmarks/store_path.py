@@ -1,0 +1,270 @@
+"""Store path: what storing costs a decode-heavy workload's step time.
+
+A batch of prompts prefills in one step and then decodes together (greedy,
+``ignore_eos``) on vLLM's CPU engine with the demo's random Llama; its decode
+steps cross chunk boundaries, so with ``save_generated`` (the default) s3kv
+copies out and stores chunks that fill *during* decode, besides the prompt's
+own chunks. Variants, each its own engine process
+(``benchmarks._batch_runner``):
+
+- ``none``: no connector (``kv_transfer_config`` null), the baseline;
+- ``s3+disk``: s3kv writing through to a loopback S3 bucket (moto) and an
+  NVMe directory, no CPU tier;
+- ``cpu``: s3kv with only a CPU tier (``local_only``): the copies out of the
+  KV cache without the background write-through.
+
+A step's time comes from the engine core's own timestamps (the time between
+two consecutive steps that each gave every request of the batch a token: no
+prefill in them), so engine start-up and the prefill are outside it. A
+batch's figure is the mean of its decode steps (the steps that copy chunks
+out count with their weight); a variant's is the median over its batches.
+Engines alternate (A B C, then C B A) so drift on the machine hits every
+variant alike; prompts are distinct everywhere and vLLM's prefix cache is
+off, so nothing is ever a hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import ROOT, Bar, Result, create_bucket, main_for, median, verdict
+
+NAME = "store_path"
+TITLE = "Store path: decode step time with s3kv storing vs without a connector"
+GOAL = "decode step time with the connector storing <= 1.05x without the connector"
+
+GOAL_RATIO = 1.05
+BUCKET = "bench"
+CHUNK_TOKENS = 256
+BATCH = 8
+VARIANTS = ("none", "s3+disk", "cpu")
+LABELS = {
+    "none": "no connector",
+    "s3+disk": "s3kv: write-through to S3 + NVMe",
+    "cpu": "s3kv: CPU tier only (local_only)",
+}
+
+
+def omp_cores() -> set[int]:
+    """The cores vLLM binds its worker's OpenMP team to (VLLM_CPU_OMP_THREADS_BIND, a list such
+    as "0" or "0-3,8"); empty when it binds automatically or not at all."""
+    spec = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    cores: set[int] = set()
+    try:
+        for part in spec.replace("|", ",").split(","):
+            lo, _, hi = part.partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        return set()
+    return cores
+
+
+def keep_off_forward(pid: int) -> None:
+    """Keep a helper process (the loopback S3 server) off the forward's cores,
+    as a real S3 would be: its request threads, started later, inherit this."""
+    allowed = os.sched_getaffinity(0)
+    rest = allowed - omp_cores()
+    if rest and rest != allowed:
+        os.sched_setaffinity(pid, rest)
+
+
+def _kv(variant: str, endpoint: str, disk: Path) -> dict[str, Any] | None:
+    if variant == "none":
+        return None
+    extra: dict[str, Any] = {"chunk_tokens": CHUNK_TOKENS, "save_generated": True}
+    if variant == "s3+disk":
+        extra.update(bucket=BUCKET, endpoint_url=endpoint, region="us-east-1", disk_path=str(disk))
+    else:
+        extra.update(write_policy="local_only", cpu_bytes="1GiB")
+    return {
+        "kv_connector": "S3KVConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def run_batches(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine process (benchmarks._batch_runner) running ``spec``."""
+    spec_path, out_path, log_path = (work / f"{name}.{ext}" for ext in ("spec.json", "result.json", "log"))
+    spec_path.write_text(json.dumps(spec))
+    print(f"  starting engine {name} (log: {log_path}) ...", flush=True)
+    with open(log_path, "w") as log:
+        rc = subprocess.call(
+            [sys.executable, "-m", "benchmarks._batch_runner", str(spec_path), str(out_path)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    if rc != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"engine {name} failed (exit {rc}); end of its log:\n{tail}")
+    return json.loads(out_path.read_text())
+
+
+def _total(result: dict[str, Any], name: str) -> float:
+    return sum(w.get(name, 0) for w in result.get("workers", []))
+
+
+def run(work: Path, quick: bool) -> Result:
+    from s3kv.demo import LoopbackS3
+    from s3kv.demo.model import DEMO_SPEC, build_model
+
+    started = time.perf_counter()
+    prompt_tokens, max_tokens = (240, 300) if quick else (480, 300)
+    rounds, batches = (1, 1) if quick else (2, 2)
+    model = str(build_model(work / "model", **DEMO_SPEC))
+    # Full chunks of KV per request: the last sampled token has none.
+    chunks_per_request = (prompt_tokens + max_tokens - 1) // CHUNK_TOKENS
+    in_decode = chunks_per_request - prompt_tokens // CHUNK_TOKENS
+    variants = VARIANTS[:2] if quick else VARIANTS  # quick: the goal's pair only
+    order = [v for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+    rng = random.Random(5)
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    server = LoopbackS3()
+    try:
+        keep_off_forward(server.proc.pid)
+        create_bucket(server.endpoint_url, BUCKET)
+        for i, variant in enumerate(order):
+            disk = work / f"disk-{i}"
+            shutil.rmtree(disk, ignore_errors=True)
+            prompts = [
+                [[rng.randrange(3, 2000) for _ in range(prompt_tokens)] for _ in range(BATCH)]
+                for _ in range(batches)
+            ]
+            spec = {
+                "model": model,
+                "engine_args": {
+                    "gpu_memory_utilization": 0.15,
+                    "max_model_len": 1024,
+                    "max_num_batched_tokens": 4096,  # the batch prefills in one step
+                    "max_num_seqs": BATCH,
+                    "enforce_eager": True,
+                    "enable_prefix_caching": False,
+                },
+                "kv_transfer_config": _kv(variant, server.endpoint_url, disk),
+                "max_tokens": max_tokens,
+                "batches": prompts,
+            }
+            results[variant].append(run_batches(work, f"store-{i}-{variant.replace('+', '-')}", spec))
+            shutil.rmtree(disk, ignore_errors=True)
+    finally:
+        server.stop()
+
+    def batch_means(variant: str) -> list[float]:
+        return [statistics.fmean(b["decode_step_s"]) for r in results[variant] for b in r["batches"]]
+
+    def all_steps(variant: str) -> list[float]:
+        return sorted(s for r in results[variant] for b in r["batches"] for s in b["decode_step_s"])
+
+    base = median(batch_means("none"))
+    expected = chunks_per_request * BATCH * batches * rounds
+    rows: list[list[Any]] = []
+    bars: list[Bar] = []
+    ratios: dict[str, float] = {}
+    checks: list[str] = []
+    for variant in variants:
+        means = batch_means(variant)
+        steps = all_steps(variant)
+        step = median(means)
+        ratio = step / base
+        ratios[variant] = ratio
+        rs = results[variant]
+        if variant == "s3+disk":
+            stored = (
+                f"S3 {_total_all(rs, 'store_chunks_s3'):.0f}, NVMe {_total_all(rs, 'store_chunks_disk'):.0f}"
+            )
+        elif variant == "cpu":
+            stored = f"CPU {_total_all(rs, 'store_chunks_cpu'):.0f}"
+        else:
+            stored = ""
+        rows.append(
+            [
+                LABELS[variant],
+                round(step * 1000, 2),
+                round(ratio, 3),
+                round(statistics.median(steps) * 1000, 2),
+                round(steps[int(0.99 * (len(steps) - 1))] * 1000, 1),
+                stored,
+                f"<= {GOAL_RATIO}x" if variant != "none" else "",
+            ]
+        )
+        bars.append(Bar(variant, round(ratio, 3)))
+        if variant != "none":
+            dropped = _total_all(rs, "store_dropped_backpressure") + _total_all(rs, "store_dropped_no_slot")
+            loads = sum(_total_all(rs, f"load_chunks_{t}") for t in ("cpu", "disk", "s3"))
+            got = _total_all(rs, "store_chunks_s3" if variant == "s3+disk" else "store_chunks_cpu")
+            checks.append(
+                f"{variant}: {got:.0f} of {expected} chunk shards stored, {dropped:.0f} dropped, {loads:.0f} loaded"
+            )
+            if got < expected:
+                checks.append(
+                    f"{variant} stored fewer chunks than the workload fills: the comparison is weaker"
+                )
+
+    misses = [
+        f"{LABELS[v]} {ratios[v]:.3f}x ({(ratios[v] - 1) * 100:.1f}% slower; goal <= {GOAL_RATIO}x)"
+        for v in variants
+        if v != "none" and ratios[v] > GOAL_RATIO
+    ]
+    n_batches = batches * rounds
+    notes = [
+        f"{BATCH} requests a batch, {prompt_tokens}-token prompts, {max_tokens} generated tokens each "
+        f"(greedy, ignore_eos){' (quick run: smaller)' if quick else ''}; {n_batches} batch(es) per variant "
+        f"in {rounds} engine(s) each, alternating; per request {chunks_per_request} full chunks "
+        f"of {CHUNK_TOKENS} tokens, {in_decode} of them filled during decode.",
+        "Step time: engine-core timestamps of consecutive whole-batch decode steps; the figure is each "
+        "batch's mean step (chunk copies included), the median over batches; 'p50'/'p99' are over all "
+        "decode steps of the variant (the p99 shows the steps that copy chunks out).",
+        "Model: the demo's random Llama (hidden 1024, 8 layers, bf16), vLLM CPU build, enforce_eager, "
+        "one OpenMP thread bound to core 0 (VLLM_CPU_OMP_THREADS_BIND=0); the loopback S3 server (moto) "
+        "runs for every variant (idle in the baseline), kept off the forward's core as a remote S3 would be; "
+        "over plain http botocore also SHA-256-signs each PUT's body (over https to AWS it does not).",
+        *(
+            [
+                "Quick run: shorter prompts (no chunk stored at prefill), one engine per variant, no CPU-tier "
+                "variant."
+            ]
+            if quick
+            else []
+        ),
+        *checks,
+    ]
+    return Result(
+        name=NAME,
+        title=TITLE,
+        goal=GOAL,
+        columns=[
+            "variant",
+            "decode step ms",
+            "x no connector",
+            "p50 step ms",
+            "p99 step ms",
+            "chunk shards stored",
+            "goal",
+        ],
+        rows=rows,
+        verdict=verdict(not misses, "; ".join(misses)),
+        notes=notes,
+        bars=bars,
+        ylabel="decode step time / no connector",
+        goal_line=GOAL_RATIO,
+        seconds=round(time.perf_counter() - started, 1),
+    )
+
+
+def _total_all(results: list[dict[str, Any]], name: str) -> float:
+    return sum(_total(r, name) for r in results)
+
+
+if __name__ == "__main__":
+    sys.exit(main_for(run, "s3kv-bench-store-path"))
