@@ -19,6 +19,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def plot(results: list[Result], path: Path) -> bool:
     panels = [r for r in results if r.bars]
     if not panels:
         return False
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.6 * len(panels)), squeeze=False)
     for ax, r in zip(axes[:, 0], panels):
         labels = [b.label for b in r.bars]
         values = [b.value for b in r.bars]
@@ -124,7 +125,10 @@ def plot(results: list[Result], path: Path) -> bool:
         ax.set_xticks(range(len(values)))
         ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel(r.ylabel)
-        ax.set_title(f"{r.title}: {r.verdict}", fontsize=10)
+        ax.set_title(textwrap.fill(r.title, 100) + "\n" + textwrap.fill(r.verdict, 110), fontsize=9)
+        positive = [v for v in values if v > 0]
+        if positive and max(positive) / min(positive) > 50:  # small bars stay readable
+            ax.set_yscale("log")
         if r.goal_line is not None:
             ax.axhline(r.goal_line, color="#c44e52", linestyle="--", linewidth=1, label="goal")
             ax.legend(fontsize=8)
@@ -142,7 +146,15 @@ def main() -> int:
     ap.add_argument("--only", help=f"comma-separated subset of {','.join(SUITE)}")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "s3kv-bench"))
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--replot", action="store_true", help="redraw results.png from results.json, run nothing")
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.out).with_name("results.json").read_text())
+        return (
+            0
+            if plot([Result.from_json(r) for r in saved["results"]], Path(args.out).with_name("results.png"))
+            else 1
+        )
     names = [n.strip() for n in args.only.split(",")] if args.only else list(SUITE)
     unknown = set(names) - set(SUITE)
     if unknown:
