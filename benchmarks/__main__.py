@@ -77,7 +77,8 @@ def render(results: list[Result], meta: dict, png: str | None) -> str:
         "",
         'The machine has no GPU: vLLM runs its CPU build and the "GPU" KV cache is host memory. '
         "Models have random weights, whose KV compresses worse than a trained model's. "
-        "S3 is a moto server on loopback (one Python process), not AWS.",
+        "S3 is a moto server on loopback (one Python process), not AWS. "
+        "What bounds each figure, and what was fixed on the way: [ANALYSIS.md](ANALYSIS.md).",
         "",
         "## Summary",
         "",
