@@ -88,7 +88,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "load_seconds",
         "histogram",
-        "Time to load one chunk shard into the KV cache (fetch, checks, decode, copy), by source tier",
+        "Time to load one chunk shard into the KV cache (fetch, checks, decode, copy), by source tier; "
+        "CPU-tier chunks of one step are copied together and each observes the step's copy time",
         "tier",
         TIERS,
     ),

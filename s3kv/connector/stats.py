@@ -74,6 +74,9 @@ class S3KVPromMetrics(KVConnectorPromMetrics):
             labelnames=labelnames,
             multiprocess_mode="mostrecent",
         )
+        self._gauges: dict[int, dict[str, dict[str, float]]] = {}
+        """engine -> source -> its gauges as last reported (a source reports
+        only what changed, so the sums need the others' last values)."""
         self._raw: dict[int, float] = {}
         self._encoded: dict[int, float] = {}
 
@@ -93,9 +96,15 @@ class S3KVPromMetrics(KVConnectorPromMetrics):
                 series = self._series(name, engine_idx)
                 for v in values:
                     series.observe(v)
-        for name, value in gauge_values(transfer_stats_data).items():
+        remembered = self._gauges.setdefault(engine_idx, {})
+        changed = set()
+        for source, gauges in transfer_stats_data.get("gauges", {}).items():
+            remembered.setdefault(source, {}).update(gauges)
+            changed.update(gauges)
+        totals = gauge_values({"gauges": remembered})
+        for name in changed:
             if name in SERIES:
-                self._series(name, engine_idx).set(value)
+                self._series(name, engine_idx).set(totals[name])
         counters = transfer_stats_data.get("counters", {})
         if counters.get("store_encoded_bytes"):
             raw = self._raw[engine_idx] = self._raw.get(engine_idx, 0) + counters.get("store_raw_bytes", 0)

@@ -190,8 +190,9 @@ class WorkerSide:
         if elapsed is not None:  # the chunks were copied together, layer by layer
             for _ in chunks:
                 self.counters.observe("load_seconds_cpu", elapsed)
-            for _ in reqs:
-                self.counters.observe("request_load_seconds", elapsed)
+            if self.rank == 0:  # one observation per request, not per rank
+                for _ in reqs:
+                    self.counters.observe("request_load_seconds", elapsed)
         self._report.loaded += len(chunks)
 
     # -- stores --------------------------------------------------------------------

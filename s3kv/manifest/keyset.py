@@ -135,11 +135,13 @@ class FingerprintSet:
 
     def discard(self, fp: int) -> None:
         with self._lock:
-            self.epoch += 1
-            if fp in self:
+            was = fp in self
+            if was:
                 self._n -= 1
             self._added.discard(fp)
             self._removed.add(fp)
+            if was:  # last: a reader that sees the new epoch sees the removal
+                self.epoch += 1
 
     def update(self, fps: np.ndarray | Iterable[int], removed: np.ndarray | Iterable[int] = ()) -> None:
         """Add ``fps``, then remove ``removed`` (a manifest segment)."""
@@ -149,16 +151,15 @@ class FingerprintSet:
             self._n += len(add_list) - self._count_present(add_list)
             self._removed.difference_update(add_list)
             self._added.update(add_list)
-            if del_list:
-                self.epoch += 1
             self._n -= self._count_present(del_list)
             self._added.difference_update(del_list)
             self._removed.update(del_list)
+            if del_list:
+                self.epoch += 1
 
     def replace(self, fps: np.ndarray) -> None:
         """Start over from a snapshot (sorted, unique); later changes survive."""
         with self._merge_lock, self._lock:
-            self.epoch += 1
             self._base = fps.astype(np.uint64, copy=False)
             in_base = self._base
             added = np.fromiter(self._added, dtype=np.uint64, count=len(self._added))
@@ -168,6 +169,7 @@ class FingerprintSet:
                 + int((~_positions(in_base, added)[1]).sum() if len(added) else 0)
                 - int(_positions(in_base, removed)[1].sum() if len(removed) else 0)
             )
+            self.epoch += 1
 
     def needs_merge(self) -> bool:
         return len(self._added) + len(self._removed) >= self.merge_at

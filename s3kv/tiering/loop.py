@@ -13,6 +13,14 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+try:
+    _ALLOWED_CPUS = os.sched_getaffinity(0)
+    """The process's cores when s3kv was first imported (its vLLM plugin is
+    loaded before the CPU worker binds threads): a taskset or NUMA binding
+    the user chose stays in force."""
+except (AttributeError, OSError):
+    _ALLOWED_CPUS = None
+
 
 def unbind_thread() -> None:
     """Let the calling thread run on any core the process may use.
@@ -21,8 +29,9 @@ def unbind_thread() -> None:
     threads started later inherit that: s3kv's I/O, codec and copy threads
     would then take turns with the forward on its cores instead of using
     the ones the binding left free (vLLM keeps one for a KV connector)."""
-    with contextlib.suppress(AttributeError, OSError, ValueError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps it within the cpuset
+    if _ALLOWED_CPUS is not None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            os.sched_setaffinity(0, _ALLOWED_CPUS)
 
 
 class BackgroundLoop:

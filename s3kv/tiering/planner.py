@@ -29,10 +29,10 @@ PrefixIds = Callable[[int], Hashable | None]
 key up to the end of that chunk (vLLM's block hash of its last block), or
 None. Equal ids mean equal chunk keys, so a prefix this engine has keyed
 once is not hashed again."""
-VERIFIED_SIZE = 1 << 20
+VERIFIED_SIZE = 1 << 16
 """Keys remembered present in the manifest (~100 bytes each)."""
-MEMO_SIZE = 1 << 15
-"""Prefixes remembered (for 8k-token prompts ~40 MB at most, typically far less)."""
+MEMO_SIZE = 1 << 16
+"""Chunk keys remembered by prefix id (~200 bytes each)."""
 
 
 @dataclass(frozen=True)
@@ -187,9 +187,9 @@ class Planner:
         self._verified: dict[bytes, None] = {}
         """Keys seen in the manifest at ``_verified_epoch``."""
         self._verified_epoch = -1
-        self._memo: OrderedDict[Hashable, tuple[tuple[bytes, ...], np.ndarray]] = OrderedDict()
-        """Prefix id -> the chain of keys (and fingerprints) up to that chunk,
-        least recently used first."""
+        self._memo: dict[Hashable, tuple[list[bytes], np.ndarray]] = {}
+        """Prefix id of chunk c -> a chain whose first c + 1 keys (and
+        fingerprints) are that prefix's."""
         self._pending_loads: list[LoadPlan] = []
         self._pending_stores: list[StoreChunk] = []
         self._pending_held: list[str] = []
@@ -223,8 +223,8 @@ class Planner:
         have = len(req.keys)
         if have < n_chunks and req.prefix_ids is not None:
             # A prefix keyed before (a shared system prompt): no hashing. The
-            # memo holds each prefix's whole chain; find the longest known
-            # one by bisection (log2(32 chunks) = 5 probes).
+            # memo points into the chains of earlier requests (lists that only
+            # grow); the longest known prefix is found by bisection.
             memo, ids = self._memo, req.prefix_ids
             lo, hi, found = have - 1, n_chunks, None
             while hi - lo > 1:
@@ -234,13 +234,12 @@ class Planner:
                 if entry is None:
                     hi = mid
                 else:
-                    lo, found = mid, (pid, entry)
+                    lo, found = mid, entry
             if found is not None:
-                pid, (keys, fps) = found
-                memo.move_to_end(pid)
-                req.keys += keys[have:]
-                req.fps = fps
-                have = len(req.keys)
+                chain, fps = found
+                req.keys += chain[have : lo + 1]
+                req.fps = fps[: lo + 1]
+                have = lo + 1
         if have < n_chunks:
             ct = self.chunk_tokens
             extras = None
@@ -260,9 +259,9 @@ class Planner:
                 for c in range(have, n_chunks):
                     pid = req.prefix_ids(c)
                     if pid is not None:
-                        self._memo[pid] = (tuple(req.keys[: c + 1]), req.fps[: c + 1])
-                while len(self._memo) > MEMO_SIZE:
-                    self._memo.popitem(last=False)
+                        self._memo[pid] = (req.keys, req.fps)
+                if len(self._memo) > MEMO_SIZE:  # start over rather than keep an LRU order per chunk
+                    self._memo.clear()
         return req.keys
 
     def _in_s3(self, req: _Request, keys: list[bytes], start: int, end: int) -> list[bool]:

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from tests.e2e.harness import CHUNK_TOKENS, ENGINE_ARGS, REPLICA_ENV, kv_config
 
 pytestmark = pytest.mark.engine
 
 START_TIMEOUT_S = 240
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict) -> dict:
@@ -49,7 +43,7 @@ def _samples(text: str, name: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def server(workdir: Path, model: Path, s3_server, tmp_path_factory):
     bucket = s3_server.new_bucket()
-    port = _port()
+    port = free_port()
     log_path = workdir / "serve.log"
     cmd = [
         sys.executable,

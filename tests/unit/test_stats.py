@@ -153,6 +153,10 @@ def test_prometheus_families_from_a_payload():
     assert v("vllm:s3kv_manifest_keys", base) == 12
     assert v("vllm:s3kv_tier_used_bytes", {**base, "tier": "cpu"}) == 1024
     assert v("vllm:s3kv_compression_ratio", base) == 3.0
+    # Ranks report a gauge only when it changed: the sum keeps the others' last values.
+    prom.observe({"gauges": {"rank0": {"inflight_bytes": 64}, "rank1": {"inflight_bytes": 64}}}, 0)
+    prom.observe({"gauges": {"rank0": {"inflight_bytes": 0}}}, 0)
+    assert v("vllm:s3kv_inflight_bytes", base) == 64
     # Every family is registered, with HELP text.
     exported = {m.name for m in reg.collect()}
     for fam in FAMILIES:
