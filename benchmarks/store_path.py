@@ -29,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -75,6 +76,17 @@ def keep_off_forward(pid: int) -> None:
     rest = allowed - omp_cores()
     if rest and rest != allowed:
         os.sched_setaffinity(pid, rest)
+
+
+def server_alive(server: Any) -> bool:
+    """Is the loopback S3 server still up (it is a separate process)?"""
+    if server.proc.poll() is not None:
+        return False
+    try:
+        socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
+        return True
+    except OSError:
+        return False
 
 
 def _kv(variant: str, endpoint: str, disk: Path) -> dict[str, Any] | None:
@@ -130,11 +142,21 @@ def run(work: Path, quick: bool) -> Result:
     order = [v for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
     rng = random.Random(5)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-    server = LoopbackS3()
-    try:
+    restarts = 0
+
+    def start_server() -> Any:
+        server = LoopbackS3()
         keep_off_forward(server.proc.pid)
         create_bucket(server.endpoint_url, BUCKET)
+        return server
+
+    server = start_server()
+    try:
         for i, variant in enumerate(order):
+            if variant == "s3+disk" and not server_alive(server):
+                print("  the loopback S3 server is gone: starting a new one", flush=True)
+                server = start_server()
+                restarts += 1
             disk = work / f"disk-{i}"
             shutil.rmtree(disk, ignore_errors=True)
             prompts = [
@@ -211,7 +233,8 @@ def run(work: Path, quick: bool) -> Result:
                     f"{variant} stored fewer chunks than the workload fills: the comparison is weaker"
                 )
 
-    misses = [
+    invalid = [c for c in checks if "fewer chunks" in c]
+    misses = invalid + [
         f"{LABELS[v]} {ratios[v]:.3f}x ({(ratios[v] - 1) * 100:.1f}% slower; goal <= {GOAL_RATIO}x)"
         for v in variants
         if v != "none" and ratios[v] > GOAL_RATIO
@@ -238,6 +261,11 @@ def run(work: Path, quick: bool) -> Result:
             else []
         ),
         *checks,
+        *(
+            [f"The loopback S3 server had to be restarted {restarts} time(s) between engines."]
+            if restarts
+            else []
+        ),
     ]
     return Result(
         name=NAME,

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Bar, Result, create_bucket, main_for, median, run_replica, verdict
-from benchmarks.store_path import keep_off_forward
 
 NAME = "ttft"
 TITLE = "TTFT of an 8k-token prompt: recompute vs s3kv's CPU, NVMe and S3 tiers vs vLLM's ExampleConnector"
@@ -141,7 +140,7 @@ def run(work: Path, quick: bool) -> Result:
     from s3kv.demo.model import DEMO_SPEC, build_model
 
     started = time.perf_counter()
-    tokens = 2048 if quick else 8192
+    tokens = 4096 if quick else 8192
     n = 1 if quick else 3
     max_model_len = 8448
     model = str(build_model(work / "model-8k", **{**DEMO_SPEC, "max_position_embeddings": 9216}))
@@ -166,7 +165,6 @@ def run(work: Path, quick: bool) -> Result:
     runs: dict[str, tuple[dict[str, Any], slice]] = {}
     server = LoopbackS3()
     try:
-        keep_off_forward(server.proc.pid)
         create_bucket(server.endpoint_url, BUCKET)
         ep = server.endpoint_url
         # [warm-up, prompts (computed and stored), the same prompts again (CPU-tier hits)]
@@ -212,8 +210,12 @@ def run(work: Path, quick: bool) -> Result:
                 + ")"
             )
         else:
-            same = outputs[key] == outputs[ref]
-            cell = f"= {ref}" if same else f"WRONG (differs from {ref})"
+            # The split's own reference first; the other split is as legitimate a computation.
+            match = next(
+                (o for o in (ref, "recompute", "vllm_hit") if o != key and outputs[key] == outputs[o]), None
+            )
+            same = match is not None
+            cell = f"= {match}" if same else "WRONG (differs from recompute and vllm_hit)"
         if not same:
             wrong.append(key)
         ratio = ttft[key] / base
@@ -245,7 +247,7 @@ def run(work: Path, quick: bool) -> Result:
             f"({ttft['nvme'] * 1000:.0f} vs {ttft['example'] * 1000:.0f} ms; goal {GOAL_VS_EXAMPLE}x, "
             f"{vs_example / GOAL_VS_EXAMPLE:.2f}x over)"
         )
-    misses += [f"{LABELS[key]}: outputs differ from {REFERENCE[key]}'s" for key in wrong]
+    misses += [f"{LABELS[key]}: outputs differ from vLLM's (recompute and prefix-cache hit)" for key in wrong]
 
     per_prompt = tokens // CHUNK_TOKENS
     warm_chunks = WARMUP_TOKENS // CHUNK_TOKENS
@@ -254,8 +256,14 @@ def run(work: Path, quick: bool) -> Result:
         "NVMe": (_worker_total(b, "load_chunks_disk"), n * per_prompt + warm_chunks),
         "S3": (_worker_total(c, "load_chunks_s3"), n * per_prompt + warm_chunks),
     }
+    # A row whose hits did not come from its tier measures something else.
+    misses = [
+        f"invalid: the {tier} row loaded {got:.0f} of {want} chunk shards from its tier"
+        for tier, (got, want) in loaded.items()
+        if got < want
+    ] + misses
     notes = [
-        f"{tokens}-token prompts{' (quick run: a shorter prompt, one repeat)' if quick else ''}; each row is "
+        f"{tokens}-token prompts{' (quick run: a shorter prompt, one repeat; a hit saves less of it)' if quick else ''}; each row is "
         f"the median of {n} distinct prompt(s), after one uncounted {WARMUP_TOKENS}-token warm-up request "
         "per engine. TTFT is vLLM's first_token_latency (arrival to first token, so it includes the wait "
         "for an asynchronous load); ratios are to vLLM's recompute without a connector in the same run.",
@@ -269,13 +277,14 @@ def run(work: Path, quick: bool) -> Result:
         "A CPU-tier hit, ExampleConnector and vLLM's own prefix cache leave vLLM the prompt's last block "
         "(128 tokens) to compute; an NVMe or S3 hit (asynchronous) loads every full chunk and vLLM "
         "recomputes only the last token.",
-        "Correctness: rows that compute the last block must equal vLLM's prefix-cache hit (the same split "
-        "of the prompt), the others the recompute; greedy tokens of a random model can flip on near-ties "
-        "when the split changes, so the split's own reference is the exact one.",
+        "Correctness: each row's greedy tokens must equal those of vLLM computing the same prompt, either as "
+        "a full recompute or as a hit of its own prefix cache (the last block computed on cached KV): a "
+        "random model's near-ties flip with the split of the prompt (a full prefill vs cached KV plus a "
+        "short one), so either is a legitimate answer, while wrong KV matches neither.",
         f"NVMe: {evicted} files written back and dropped from the page cache (posix_fadvise) before the "
         "restarted engine reads them (ExampleConnector's files likewise), so both read the device. S3 is "
-        "moto on loopback (objects in RAM), kept off the forward's core (it shares the other core with the "
-        "engine core process and s3kv's threads).",
+        "moto on loopback (objects in RAM): its CPU time comes out of the same 2 cores as the engine's and "
+        "s3kv's, which a remote S3 would not.",
         f"Six engines start (~30-40 s each here), which bounds the run time{' even of a quick run' if quick else ''}.",
     ]
     return Result(
