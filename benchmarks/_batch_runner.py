@@ -22,7 +22,6 @@ replica.py reports them).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any
@@ -87,18 +86,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m benchmarks._batch_runner SPEC.json RESULT.json", file=sys.stderr)
-        return 2
-    with open(args[0]) as f:
-        spec = json.load(f)
-    result = run(spec)
-    with open(args[1], "w") as f:
-        json.dump(result, f)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from s3kv.connector.replica import main
+
+    sys.exit(main(run_spec=run, prog="benchmarks._batch_runner"))

@@ -25,19 +25,18 @@ off, so nothing is ever a hit.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, Bar, Result, create_bucket, main_for, median, verdict
+from s3kv.demo import _run_replica, _total
 
 NAME = "store_path"
 TITLE = "Store path: decode step time with s3kv storing vs without a connector"
@@ -107,24 +106,7 @@ def _kv(variant: str, endpoint: str, disk: Path) -> dict[str, Any] | None:
 
 def run_batches(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One engine process (benchmarks._batch_runner) running ``spec``."""
-    spec_path, out_path, log_path = (work / f"{name}.{ext}" for ext in ("spec.json", "result.json", "log"))
-    spec_path.write_text(json.dumps(spec))
-    print(f"  starting engine {name} (log: {log_path}) ...", flush=True)
-    with open(log_path, "w") as log:
-        rc = subprocess.call(
-            [sys.executable, "-m", "benchmarks._batch_runner", str(spec_path), str(out_path)],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    if rc != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
-        raise SystemExit(f"engine {name} failed (exit {rc}); end of its log:\n{tail}")
-    return json.loads(out_path.read_text())
-
-
-def _total(result: dict[str, Any], name: str) -> float:
-    return sum(w.get(name, 0) for w in result.get("workers", []))
+    return _run_replica(work, name, spec, module="benchmarks._batch_runner", cwd=ROOT)
 
 
 def run(work: Path, quick: bool) -> Result:

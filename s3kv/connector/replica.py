@@ -133,14 +133,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run_spec: Any = None, prog: str = "s3kv.connector.replica") -> int:
+    """``python -m PROG SPEC.json RESULT.json``: ``run_spec`` (default :func:`run`) on the spec."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m s3kv.connector.replica SPEC.json RESULT.json", file=sys.stderr)
+        print(f"usage: python -m {prog} SPEC.json RESULT.json", file=sys.stderr)
         return 2
     with open(args[0]) as f:
         spec = json.load(f)
-    result = run(spec)
+    result = (run_spec or run)(spec)
     with open(args[1], "w") as f:
         json.dump(result, f)
     return 0

@@ -81,13 +81,21 @@ def _prompts(o: DemoOptions) -> list[list[int]]:
     return [shared + [rng.randrange(3, 2000) for _ in range(o.unique_tokens)] for _ in range(o.prompts)]
 
 
-def _run_replica(workdir: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def _run_replica(
+    workdir: Path,
+    name: str,
+    spec: dict[str, Any],
+    module: str = "s3kv.connector.replica",
+    cwd: Path | None = None,
+) -> dict[str, Any]:
+    """Run ``spec`` in a fresh engine process (``python -m module SPEC RESULT``)."""
     spec_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("spec.json", "result.json", "log"))
     spec_path.write_text(json.dumps(spec))
     print(f"  starting replica {name} (a new vLLM engine; log: {log_path}) ...", flush=True)
     with open(log_path, "w") as log:
         rc = subprocess.call(
-            [sys.executable, "-m", "s3kv.connector.replica", str(spec_path), str(out_path)],
+            [sys.executable, "-m", module, str(spec_path), str(out_path)],
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
