@@ -32,6 +32,14 @@ class AlreadyExists(S3KVError, FileExistsError):
         super().__init__(f"already exists: {key}")
 
 
+class Precondition(S3KVError):
+    """A conditional write or delete found the object changed (ETag mismatch)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"changed since it was read: {key}")
+
+
 class PermissionDenied(S3KVError, PermissionError):
     """The store refused the credentials for this operation."""
 

@@ -98,6 +98,32 @@ def decode(data: bytes, *, name: str = "manifest object") -> ManifestObject:
     return ManifestObject(_KIND_NAMES[kind], added, removed, meta if isinstance(meta, dict) else {})
 
 
+def head_length(prefix: bytes) -> int:
+    """Bytes of prefix, checksum and JSON header, from the object's first 32 bytes."""
+    if len(prefix) < PREFIX.size:
+        raise CorruptManifest(f"{len(prefix)} bytes, shorter than a manifest prefix")
+    magic, _version, _kind, _flags, hlen, _n_add, _n_del = PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise CorruptManifest(f"bad magic {bytes(magic)!r}")
+    return PREFIX.size + CHECKSUM.size + hlen
+
+
+def decode_head(data: bytes, *, name: str = "manifest object") -> tuple[str, int, int, dict[str, Any]]:
+    """(kind, fingerprints added, removed, header) from the first
+    :func:`head_length` bytes, without reading (or checking) the arrays."""
+    if len(data) < head_length(data):
+        raise CorruptManifest(f"{name}: truncated inside its header")
+    magic, version, kind, flags, hlen, n_add, n_del = PREFIX.unpack_from(data)
+    if version != VERSION or kind not in _KIND_NAMES or flags:
+        raise CorruptManifest(f"{name}: version {version}, kind {kind}, flags {flags} unknown")
+    head = PREFIX.size + CHECKSUM.size
+    try:
+        meta = json.loads(data[head : head + hlen])
+    except ValueError as e:
+        raise CorruptManifest(f"{name}: malformed header: {e}") from e
+    return _KIND_NAMES[kind], n_add, n_del, meta if isinstance(meta, dict) else {}
+
+
 # -- names -----------------------------------------------------------------------
 
 

@@ -25,6 +25,14 @@ class PutMode(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Update:
+    """Replace the object only if its ETag is still ``etag`` (S3: If-Match);
+    raise Precondition otherwise, NotFound if it is gone. For leases."""
+
+    etag: str
+
+
+@dataclass(frozen=True)
 class ByteRange:
     """Bytes ``[start, end)`` of an object; ``end=None`` reads to the end."""
 
@@ -48,6 +56,16 @@ class ObjectMeta:
     etag: str | None = None
 
 
+@dataclass(frozen=True)
+class Upload:
+    """An incomplete multipart upload."""
+
+    key: str
+    upload_id: str
+    initiated: float
+    """Seconds since the epoch."""
+
+
 class ObjectStore(ABC):
     """An async key -> bytes store with create-only puts and ranged reads.
 
@@ -57,8 +75,12 @@ class ObjectStore(ABC):
     """
 
     @abstractmethod
-    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
-        """Store ``data`` under ``key``; CREATE raises AlreadyExists if present."""
+    async def put(
+        self, key: str, data: bytes | memoryview, *, mode: PutMode | Update = PutMode.OVERWRITE
+    ) -> str | None:
+        """Store ``data`` under ``key``; CREATE raises AlreadyExists if present,
+        :class:`Update` raises Precondition unless the ETag still matches.
+        Returns the new object's ETag where the backend has one."""
 
     @abstractmethod
     async def get(self, key: str, range: ByteRange | None = None) -> bytes:
@@ -76,6 +98,35 @@ class ObjectStore(ABC):
     @abstractmethod
     async def delete_many(self, keys: Iterable[str]) -> None:
         """Delete the keys; absent keys are not an error."""
+
+    async def delete_if(self, key: str, etag: str) -> None:
+        """Delete ``key`` only if its ETag is still ``etag`` (S3: If-Match);
+        Precondition otherwise. Backends without conditional deletes refuse."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditional delete")
+
+    async def list_dirs(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
+        """One level of the tree under ``prefix`` (which ends with '/' or is
+        empty): the objects directly in it, and its sub-prefixes (each ending
+        with '/'). S3 answers this with a delimiter listing."""
+        objects: list[ObjectMeta] = []
+        dirs: list[str] = []
+        async for meta in self.list(prefix):
+            rest = meta.key[len(prefix) :]
+            if "/" in rest:
+                d = prefix + rest.split("/", 1)[0] + "/"
+                if not dirs or dirs[-1] != d:
+                    dirs.append(d)
+            else:
+                objects.append(meta)
+        return objects, dirs
+
+    async def list_uploads(self, prefix: str = "") -> list[Upload]:
+        """Incomplete multipart uploads under ``prefix`` (none for backends
+        that have no multipart uploads)."""
+        return []
+
+    async def abort_upload(self, upload: Upload) -> None:  # noqa: B027
+        """Abort an incomplete multipart upload (absent: not an error)."""
 
     async def open(self) -> None:  # noqa: B027 (optional hook)
         """Set up connections ahead of the first request (optional)."""

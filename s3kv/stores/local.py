@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 from s3kv.errors import AlreadyExists, NotFound, PermissionDenied, StorageFull, Transient
-from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, check_key
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, Update, check_key
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -113,11 +113,16 @@ class LocalStore(ObjectStore):
             raise ValueError(f"invalid object key {key!r}: {PARTIAL_SUFFIX} is reserved")
         atomic_write(path, data, fsync=self.fsync, exclusive=mode is PutMode.CREATE)
 
-    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+    async def put(
+        self, key: str, data: bytes | memoryview, *, mode: PutMode | Update = PutMode.OVERWRITE
+    ) -> str | None:
+        if isinstance(mode, Update):
+            raise NotImplementedError("LocalStore has no conditional updates")
         try:
             await asyncio.to_thread(self._put_sync, key, data, mode)
         except OSError as e:
             raise map_os_error(e, key) from e
+        return None
 
     def _get_sync(self, key: str, range: ByteRange | None) -> bytes:
         with open(self._path(key), "rb") as f:

@@ -25,11 +25,12 @@ from s3kv.errors import (
     ConfigError,
     NotFound,
     PermissionDenied,
+    Precondition,
     S3KVError,
     Throttled,
     Transient,
 )
-from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, check_key
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, Update, Upload, check_key
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
 _DENIED = {
@@ -75,7 +76,7 @@ def _error_code(e: bexc.ClientError) -> tuple[str, int]:
     return str(err.get("Code", status)), int(status or 0)
 
 
-def _map_error(e: BaseException, what: str) -> Exception:
+def _map_error(e: BaseException, what: str, *, if_match: bool = False) -> Exception:
     """The one place where botocore/aiohttp errors become s3kv errors."""
     if isinstance(e, bexc.ClientError):
         code, status = _error_code(e)
@@ -84,7 +85,7 @@ def _map_error(e: BaseException, what: str) -> Exception:
         if code in _NOT_FOUND or status == 404:
             return NotFound(what)
         if code in _EXISTS or status == 412:
-            return AlreadyExists(what)
+            return Precondition(what) if if_match else AlreadyExists(what)
         if code in _DENIED or status == 403:
             return PermissionDenied(f"{what}: {code}")
         if code == "InvalidRange" or status == 416:
@@ -109,6 +110,10 @@ def _map_error(e: BaseException, what: str) -> Exception:
     if isinstance(e, bexc.BotoCoreError):
         return S3KVError(f"{what}: {e}")
     return e if isinstance(e, Exception) else S3KVError(str(e))
+
+
+def _meta(obj: dict[str, Any]) -> ObjectMeta:
+    return ObjectMeta(obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp(), obj.get("ETag"))
 
 
 REQUEST_KINDS = {
@@ -208,19 +213,68 @@ class S3Store(ObjectStore):
                 raise NotFound(self.bucket, "no such bucket") from e
             raise mapped from e
 
-    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+    async def put(
+        self, key: str, data: bytes | memoryview, *, mode: PutMode | Update = PutMode.OVERWRITE
+    ) -> str | None:
         check_key(key)
         client = await self._get_client()
-        extra = {"IfNoneMatch": "*"} if mode is PutMode.CREATE else {}
+        update = isinstance(mode, Update)
+        extra = {"IfMatch": mode.etag} if update else {"IfNoneMatch": "*"} if mode is PutMode.CREATE else {}
         if len(data) >= self.options.multipart_threshold:
-            await self._put_multipart(client, key, memoryview(data), extra)
-            return
+            return await self._put_multipart(client, key, memoryview(data), extra)
         try:
-            await client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), **extra)
+            resp = await client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), **extra)
         except Exception as e:
-            raise _map_error(e, key) from e
+            raise _map_error(e, key, if_match=update) from e
+        return resp.get("ETag")
 
-    async def _put_multipart(self, client: Any, key: str, data: memoryview, extra: dict[str, str]) -> None:
+    async def delete_if(self, key: str, etag: str) -> None:
+        check_key(key)
+        client = await self._get_client()
+        try:
+            await client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
+        except Exception as e:
+            raise _map_error(e, key, if_match=True) from e
+
+    async def list_dirs(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
+        client = await self._get_client()
+        objects: list[ObjectMeta] = []
+        dirs: list[str] = []
+        try:
+            paginator = client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
+                objects.extend(_meta(obj) for obj in page.get("Contents", ()))
+                dirs.extend(p["Prefix"] for p in page.get("CommonPrefixes", ()))
+        except Exception as e:
+            raise _map_error(e, f"list {prefix!r}") from e
+        return objects, dirs
+
+    async def list_uploads(self, prefix: str = "") -> list[Upload]:
+        client = await self._get_client()
+        out: list[Upload] = []
+        try:
+            paginator = client.get_paginator("list_multipart_uploads")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                out.extend(
+                    Upload(u["Key"], u["UploadId"], u["Initiated"].timestamp())
+                    for u in page.get("Uploads", ())
+                )
+        except Exception as e:
+            raise _map_error(e, f"list uploads {prefix!r}") from e
+        return out
+
+    async def abort_upload(self, upload: Upload) -> None:
+        client = await self._get_client()
+        try:
+            await client.abort_multipart_upload(Bucket=self.bucket, Key=upload.key, UploadId=upload.upload_id)
+        except Exception as e:
+            mapped = _map_error(e, upload.key)
+            if not isinstance(mapped, NotFound):
+                raise mapped from e
+
+    async def _put_multipart(
+        self, client: Any, key: str, data: memoryview, extra: dict[str, str]
+    ) -> str | None:
         try:
             upload = await client.create_multipart_upload(Bucket=self.bucket, Key=key)
         except Exception as e:
@@ -244,7 +298,7 @@ class S3Store(ObjectStore):
             parts = await asyncio.gather(
                 *(one(i + 1, start) for i, start in enumerate(range(0, len(data), size)))
             )
-            await client.complete_multipart_upload(
+            resp = await client.complete_multipart_upload(
                 Bucket=self.bucket,
                 Key=key,
                 UploadId=upload_id,
@@ -255,8 +309,9 @@ class S3Store(ObjectStore):
             with contextlib.suppress(Exception):
                 await client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             if isinstance(e, Exception):
-                raise _map_error(e, key) from e
+                raise _map_error(e, key, if_match="IfMatch" in extra) from e
             raise
+        return resp.get("ETag")
 
     async def get(self, key: str, range: ByteRange | None = None) -> bytes:
         check_key(key)
@@ -286,9 +341,7 @@ class S3Store(ObjectStore):
         try:
             async for page in client.get_paginator("list_objects_v2").paginate(**kwargs):
                 for obj in page.get("Contents", ()):
-                    yield ObjectMeta(
-                        obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp(), obj.get("ETag")
-                    )
+                    yield _meta(obj)
         except Exception as e:
             raise _map_error(e, f"list {prefix!r}") from e
 

@@ -30,6 +30,12 @@ CORE = [
     "s3kv.connector.compat",
     "s3kv.connector.plugin",
     "s3kv.cli",
+    "s3kv.cli.ops",
+    "s3kv.ops.inventory",
+    "s3kv.ops.gc",
+    "s3kv.ops.lock",
+    "s3kv.ops.verify",
+    "s3kv.ops.report",
     "s3kv.demo",
 ]
 

@@ -1,0 +1,5 @@
+import sys
+
+from s3kv.cli import main
+
+sys.exit(main())

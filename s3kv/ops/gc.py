@@ -1,0 +1,442 @@
+"""Garbage collection of a shared bucket: which chunks to delete, and
+deleting them without harming replicas that serve from it.
+
+:func:`plan` is pure: from an :class:`~s3kv.ops.inventory.Inventory`, a
+:class:`Policy` and one instant ``now`` it decides what goes. The policies
+combine: retiring namespaces, ``max_age`` (no use for that long: the
+fleet's access records, else the write time) and ``max_bytes`` (least
+recently used first until the rest fits) each select chunks; the
+``min_age`` guard then keeps any chunk written or used more recently than
+that, whatever selected it. A chunk is deleted whole (every rank's object).
+
+:func:`execute` carries a plan out, holding the gc lease
+(:mod:`s3kv.ops.lock`):
+
+1. a tombstone segment per namespace names the deleted keys, *before* the
+   objects go, so replicas polling the manifest stop offering them as hits;
+2. DeleteObjects in batches of 1000, a bounded number at once;
+3. a retired namespace with no chunk left loses its manifest and descriptor;
+4. incomplete multipart uploads older than a bound are aborted;
+5. compaction: a snapshot of the namespace's live keys (the listing is the
+   truth, plus keys in segments written since the listing began), then the
+   segments it covers that are older than ``segment_min_age_s`` are deleted,
+   snapshots beyond the newest few pruned, and each closed hour's access
+   records merged into one object (keeping only live keys).
+
+A replica that loads a chunk between the listing and the tombstone reaching
+it gets a load error and recomputes: the cache is a hint, never a source of
+wrong tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from s3kv.errors import AlreadyExists, NotFound, S3KVError
+from s3kv.keys import fingerprint
+from s3kv.manifest import format as mf
+from s3kv.manifest.keyset import as_sorted_unique
+from s3kv.manifest.sync import new_writer_id
+from s3kv.ops.inventory import Chunk, Inventory, NamespaceInfo
+from s3kv.ops.lock import Lease
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, Upload
+
+DELETE_BATCH = 1000
+"""Keys per DeleteObjects request (S3's limit)."""
+DEFAULT_PRICE_PER_GIB_MONTH = 0.023
+"""S3 Standard, us-east-1, first 50 TB (USD per GiB-month)."""
+SNAPSHOTS_KEPT = 3
+HOUR_MS = 3_600_000
+
+
+@dataclass(frozen=True)
+class Policy:
+    max_age_s: float | None = None
+    """Delete chunks not used (or, never used, not written) for this long."""
+    max_bytes: int | None = None
+    """Then delete least recently used chunks until the rest is at most this."""
+    namespaces: tuple[str, ...] = ()
+    """Act only on these namespaces (ids); empty: all."""
+    keep_namespaces: tuple[str, ...] = ()
+    """Retire every namespace in scope but these."""
+    retire: bool = False
+    """Retire every namespace in scope."""
+    min_age_s: float = 3600.0
+    """Never delete a chunk written or used more recently than this."""
+    abort_uploads_after_s: float | None = 86400.0
+    """Abort incomplete multipart uploads older than this; None: leave them."""
+    compact: bool = True
+    segment_min_age_s: float = 600.0
+    """Segments a snapshot covers are deleted once this old (replicas poll
+    every few seconds: by then every live one has read them)."""
+    skew_s: float = 60.0
+    """The replicas' ``manifest_clock_skew_s``."""
+
+    def retires(self, ns: str) -> bool:
+        return self.retire or bool(self.keep_namespaces and ns not in self.keep_namespaces)
+
+
+@dataclass
+class Deletion:
+    ns: str
+    chunk: Chunk
+    reason: str
+    """retired, max-age or max-bytes"""
+
+
+@dataclass
+class Plan:
+    now: float
+    policy: Policy
+    deletions: list[Deletion] = field(default_factory=list)
+    guarded: dict[str, int] = field(default_factory=dict)
+    """Chunks a policy selected that the min-age guard kept, by namespace."""
+    retired: list[str] = field(default_factory=list)
+    """Namespaces emptied whole: their manifest and descriptor go too."""
+    namespace_objects: list[ObjectMeta] = field(default_factory=list)
+    """Those namespaces' manifest objects and descriptors."""
+    uploads: list[Upload] = field(default_factory=list)
+    scope: list[str] = field(default_factory=list)
+    bytes_in_scope: int = 0
+
+    @property
+    def objects(self) -> list[ObjectMeta]:
+        return [o for d in self.deletions for o in d.chunk.objects]
+
+    @property
+    def bytes(self) -> int:
+        return sum(d.chunk.size for d in self.deletions)
+
+    def by_namespace(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for d in self.deletions:
+            row = out.setdefault(d.ns, {"chunks": 0, "objects": 0, "bytes": 0})
+            row["chunks"] += 1
+            row["objects"] += len(d.chunk.objects)
+            row["bytes"] += d.chunk.size
+        return out
+
+
+def plan(inv: Inventory, policy: Policy, now: float, uploads: Iterable[Upload] = ()) -> Plan:
+    """Decide what a gc run deletes, as of ``now`` (seconds since the epoch)."""
+    scope = list(policy.namespaces) or sorted(inv.namespaces)
+    p = Plan(now=now, policy=policy, scope=scope)
+    chosen: set[tuple[str, bytes]] = set()
+
+    def guarded(chunk: Chunk) -> bool:
+        return now - chunk.last_used < policy.min_age_s
+
+    def select(ns: str, chunk: Chunk, reason: str) -> None:
+        if (ns, chunk.key) in chosen:
+            return
+        if guarded(chunk):
+            p.guarded[ns] = p.guarded.get(ns, 0) + 1
+            return
+        chosen.add((ns, chunk.key))
+        p.deletions.append(Deletion(ns, chunk, reason))
+
+    items = [(ns, c) for ns in scope for c in inv.namespaces[ns].chunks.values()]
+    p.bytes_in_scope = sum(c.size for _, c in items)
+    for ns in scope:
+        if policy.retires(ns):
+            for chunk in inv.namespaces[ns].chunks.values():
+                select(ns, chunk, "retired")
+    if policy.max_age_s is not None:
+        for ns, chunk in items:
+            if now - chunk.last_used > policy.max_age_s:
+                select(ns, chunk, "max-age")
+    if policy.max_bytes is not None:
+        remaining = p.bytes_in_scope - p.bytes
+        for ns, chunk in sorted(items, key=lambda it: (it[1].last_used, it[0], it[1].key)):
+            if remaining <= policy.max_bytes:
+                break
+            if (ns, chunk.key) in chosen:
+                continue
+            if guarded(chunk):
+                p.guarded[ns] = p.guarded.get(ns, 0) + 1
+                continue
+            select(ns, chunk, "max-bytes")
+            remaining -= chunk.size
+    for ns in scope:
+        info = inv.namespaces[ns]
+        if policy.retires(ns) and not p.guarded.get(ns) and not _recent_manifest(info, now, policy):
+            p.retired.append(ns)
+            p.namespace_objects += info.manifest_objects
+            if info.descriptor_meta is not None:
+                p.namespace_objects.append(info.descriptor_meta)
+    if policy.abort_uploads_after_s is not None:
+        bases = tuple(inv.namespaces[ns].base for ns in scope)
+        p.uploads = [
+            u for u in uploads if u.key.startswith(bases) and now - u.initiated > policy.abort_uploads_after_s
+        ]
+    return p
+
+
+def _recent_manifest(info: NamespaceInfo, now: float, policy: Policy) -> bool:
+    """A segment or access record newer than the guard: a replica is writing."""
+    return any(now - o.last_modified < policy.min_age_s for o in (*info.segments, *info.access))
+
+
+def monthly_cost(n_bytes: int, price_per_gib_month: float = DEFAULT_PRICE_PER_GIB_MONTH) -> float:
+    return n_bytes / 2**30 * price_per_gib_month
+
+
+# -- carrying it out ---------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    deleted: dict[str, dict[str, int]] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+    """Keys whose delete failed (the run should be repeated)."""
+    aborted_uploads: int = 0
+    tombstones: int = 0
+    snapshots_written: int = 0
+    segments_deleted: int = 0
+    snapshots_deleted: int = 0
+    access_merged: int = 0
+    namespaces_removed: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "deleted": self.deleted,
+            "failed": self.failed,
+            "aborted_uploads": self.aborted_uploads,
+            "tombstone_segments": self.tombstones,
+            "snapshots_written": self.snapshots_written,
+            "segments_deleted": self.segments_deleted,
+            "snapshots_deleted": self.snapshots_deleted,
+            "access_records_merged": self.access_merged,
+            "namespaces_removed": self.namespaces_removed,
+        }
+
+
+Progress = Callable[[int], None]
+
+
+class _Stamps:
+    """Manifest names for one namespace: a stamp after everything listed."""
+
+    def __init__(self, info: NamespaceInfo, writer: str) -> None:
+        stamps = [mf.name_ts(o.key) or 0 for o in (*info.segments, *info.snapshots)]
+        self.max_ts = max(stamps, default=0)
+        self.writer = writer
+        self.seq = 0
+
+    def next(self, now_ms: int) -> int:
+        self.max_ts = max(now_ms, self.max_ts + 1)
+        self.seq += 1
+        return self.max_ts
+
+
+async def delete_keys(
+    store: ObjectStore,
+    keys: list[str],
+    *,
+    concurrency: int,
+    lease: Lease | None,
+    progress: Progress | None = None,
+) -> list[str]:
+    """Delete in DeleteObjects batches, ``concurrency`` at a time; returns
+    the keys of batches that failed."""
+    sem = asyncio.Semaphore(concurrency)
+    failed: list[str] = []
+
+    async def one(batch: list[str]) -> None:
+        async with sem:
+            if lease is not None:
+                lease.check()
+            try:
+                await store.delete_many(batch)
+            except S3KVError:
+                failed.extend(batch)
+                return
+            if progress is not None:
+                progress(len(batch))
+
+    await asyncio.gather(*(one(keys[i : i + DELETE_BATCH]) for i in range(0, len(keys), DELETE_BATCH)))
+    return failed
+
+
+async def execute(
+    store: ObjectStore,
+    inv: Inventory,
+    p: Plan,
+    *,
+    lease: Lease | None,
+    concurrency: int = 8,
+    progress: Progress | None = None,
+    writer: str | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Result:
+    writer = writer or "gc" + new_writer_id()
+    result = Result()
+    stamps = {ns: _Stamps(inv.namespaces[ns], writer) for ns in p.scope}
+    by_ns: dict[str, list[Deletion]] = {}
+    for d in p.deletions:
+        by_ns.setdefault(d.ns, []).append(d)
+    # 1. Tombstones first: replicas drop the keys before the objects go.
+    for ns, dels in by_ns.items():
+        if ns in p.retired:
+            continue
+        fps = as_sorted_unique([fingerprint(d.chunk.key) for d in dels])
+        await _put_segment(store, inv.namespaces[ns], stamps[ns], fps, int(clock() * 1000))
+        result.tombstones += 1
+    # 2. The chunks.
+    keys = [o.key for o in p.objects]
+    failed = set(await delete_keys(store, keys, concurrency=concurrency, lease=lease, progress=progress))
+    result.failed = sorted(failed)
+    for d in p.deletions:
+        if any(o.key in failed for o in d.chunk.objects):
+            continue
+        row = result.deleted.setdefault(d.ns, {"chunks": 0, "objects": 0, "bytes": 0})
+        row["chunks"] += 1
+        row["objects"] += len(d.chunk.objects)
+        row["bytes"] += d.chunk.size
+        inv.namespaces[d.ns].chunks.pop(d.chunk.key, None)
+    # 3. Retired namespaces, once empty.
+    for ns in p.retired:
+        if inv.namespaces[ns].chunks:
+            continue
+        objs = [o.key for o in p.namespace_objects if o.key.startswith(inv.namespaces[ns].base)]
+        bad = await delete_keys(store, objs, concurrency=concurrency, lease=lease)
+        result.failed += bad
+        if not bad:
+            result.namespaces_removed.append(ns)
+    # 4. Abandoned multipart uploads.
+    for upload in p.uploads:
+        if lease is not None:
+            lease.check()
+        try:
+            await store.abort_upload(upload)
+            result.aborted_uploads += 1
+        except S3KVError:
+            result.failed.append(upload.key)
+    # 5. Compaction.
+    if p.policy.compact:
+        for ns in p.scope:
+            if ns in p.retired:
+                continue
+            if lease is not None:
+                lease.check()
+            await compact(store, inv, inv.namespaces[ns], p, stamps[ns], result, concurrency, clock)
+    return result
+
+
+async def _put_segment(
+    store: ObjectStore, info: NamespaceInfo, stamps: _Stamps, removed: np.ndarray, now_ms: int
+) -> str:
+    body = mf.encode(
+        mf.ManifestObject("segment", removed=removed, meta={"writer": stamps.writer, "by": "gc"})
+    )
+    ts = stamps.next(now_ms)
+    name = mf.segment_name(info.manifest_base, ts, stamps.writer, stamps.seq)
+    with contextlib.suppress(AlreadyExists):
+        await store.put(name, body, mode=PutMode.CREATE)
+    return name
+
+
+async def read_head(store: ObjectStore, key: str) -> tuple[str, int, int, dict[str, Any]]:
+    """A manifest object's kind, counts and header, with one or two ranged GETs."""
+    data = await store.get(key, ByteRange(0, 64 << 10))
+    need = mf.head_length(data)
+    if need > len(data):
+        data += await store.get(key, ByteRange(len(data), need))
+    return mf.decode_head(data, name=key)
+
+
+async def compact(
+    store: ObjectStore,
+    inv: Inventory,
+    info: NamespaceInfo,
+    p: Plan,
+    stamps: _Stamps,
+    result: Result,
+    concurrency: int,
+    clock: Callable[[], float],
+) -> None:
+    now_ms = int(clock() * 1000)
+    skew_ms = int(p.policy.skew_s * 1000)
+    segments = sorted([m async for m in store.list(info.manifest_base + "seg/")], key=lambda m: m.key)
+    snapshots = sorted(info.snapshots, key=lambda m: m.key)
+    covered: set[str] = set()
+    horizon = ""
+    if snapshots:
+        with contextlib.suppress(NotFound, mf.CorruptManifest, S3KVError):
+            _kind, _n, _d, meta = await read_head(store, snapshots[-1].key)
+            horizon = str(meta.get("horizon", ""))
+            covered = {str(n) for n in meta.get("recent", ())}
+    new = [m for m in segments if m.key > horizon and m.key not in covered]
+    if new or result.deleted:
+        # The live keys: the listing, less what was deleted, plus keys in
+        # segments written since the listing began (their objects may have
+        # been stored after it), applied in name order.
+        live = {fingerprint(k) for k in info.chunks}
+        since = int(inv.started_at * 1000) - skew_ms
+        recent_segs = [m for m in segments if (mf.name_ts(m.key) or 0) >= since]
+        for m in recent_segs:
+            try:
+                obj = mf.decode(await store.get(m.key), name=m.key)
+            except (NotFound, mf.CorruptManifest):
+                continue
+            live.update(obj.added.tolist())
+            live.difference_update(obj.removed.tolist())
+        top = segments[-1].key if segments else ""
+        top_ts = mf.name_ts(top) or 0
+        recent = [m.key for m in segments if (mf.name_ts(m.key) or 0) >= top_ts - skew_ms]
+        meta = {"horizon": top, "recent": recent, "writer": stamps.writer, "by": "gc"}
+        body = mf.encode(mf.ManifestObject("snapshot", as_sorted_unique(list(live)), meta=meta))
+        name = mf.snapshot_name(info.manifest_base, stamps.next(now_ms), stamps.writer)
+        await store.put(name, body, mode=PutMode.CREATE)
+        result.snapshots_written += 1
+        snapshots.append(ObjectMeta(name, len(body), now_ms / 1000))
+        horizon = top
+    # Segments the newest snapshot covers, once every replica has read them.
+    old = [
+        m.key
+        for m in segments
+        if horizon
+        and m.key <= horizon
+        and now_ms - (mf.name_ts(m.key) or now_ms) > p.policy.segment_min_age_s * 1000
+    ]
+    stale_snaps = [m.key for m in snapshots[:-SNAPSHOTS_KEPT]]
+    bad = await delete_keys(store, old + stale_snaps, concurrency=concurrency, lease=None)
+    result.failed += bad
+    result.segments_deleted += len(set(old) - set(bad))
+    result.snapshots_deleted += len(set(stale_snaps) - set(bad))
+    await _merge_access(store, info, stamps, result, now_ms, concurrency)
+
+
+async def _merge_access(
+    store: ObjectStore, info: NamespaceInfo, stamps: _Stamps, result: Result, now_ms: int, concurrency: int
+) -> None:
+    """One object per closed hour, holding the live keys used in it."""
+    hours: dict[str, list[ObjectMeta]] = {}
+    for m in info.access:
+        hours.setdefault(m.key[len(info.manifest_base) + len("access/") :].split("/", 1)[0], []).append(m)
+    current = time.strftime("%Y%m%d%H", time.gmtime(now_ms / 1000))
+    live = {fingerprint(k) for k in info.chunks}
+    for hour, records in sorted(hours.items()):
+        if hour >= current or len(records) < 2:
+            continue
+        fps: set[int] = set()
+        for m in records:
+            with contextlib.suppress(NotFound, mf.CorruptManifest):
+                fps.update(mf.decode(await store.get(m.key), name=m.key).added.tolist())
+        newest = max(mf.name_ts(m.key) or 0 for m in records)
+        stamps.seq += 1
+        name = mf.access_name(info.manifest_base, newest, stamps.writer, stamps.seq)
+        body = mf.encode(
+            mf.ManifestObject("access", as_sorted_unique(list(fps & live)), meta={"merged": len(records)})
+        )
+        await store.put(name, body, mode=PutMode.CREATE)
+        bad = await delete_keys(store, [m.key for m in records], concurrency=concurrency, lease=None)
+        result.failed += bad
+        result.access_merged += len(records) - len(bad)

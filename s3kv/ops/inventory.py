@@ -1,0 +1,293 @@
+"""What is in a bucket prefix: namespaces, their chunks, manifests, and
+anything that is not s3kv's.
+
+Listing is the truth (the manifest is a hint): :func:`scan` lists a
+prefix one level at a time with a delimiter, then every namespace's shard
+directories (``{ns}/{kk}/``) in parallel, so a bucket of millions of chunks
+is listed by many concurrent paginations instead of one. Access records
+(``manifest/access/``) are read to give each chunk its last use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from s3kv.errors import NotFound, S3KVError
+from s3kv.keys import fingerprint, namespace_prefix, parse_object_key
+from s3kv.manifest import format as mf
+from s3kv.stores.base import ObjectMeta, ObjectStore
+
+DESCRIPTOR = "namespace.json"
+LOCK_NAME = "gc.lock"
+
+
+def is_namespace_id(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+@dataclass
+class Chunk:
+    """One chunk key: its rank objects, size, and times."""
+
+    key: bytes
+    objects: list[ObjectMeta] = field(default_factory=list)
+    accessed: float | None = None
+    """Newest access record naming it (seconds since the epoch), if any."""
+
+    @property
+    def size(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    @property
+    def written(self) -> float:
+        return max(o.last_modified for o in self.objects)
+
+    @property
+    def last_used(self) -> float:
+        """Last access the fleet recorded, else the write time."""
+        return max(self.written, self.accessed or 0.0)
+
+
+@dataclass
+class NamespaceInfo:
+    id: str
+    base: str
+    """Listing prefix of the namespace (ends with '/')."""
+    descriptor: dict[str, Any] | None = None
+    descriptor_meta: ObjectMeta | None = None
+    chunks: dict[bytes, Chunk] = field(default_factory=dict)
+    segments: list[ObjectMeta] = field(default_factory=list)
+    snapshots: list[ObjectMeta] = field(default_factory=list)
+    access: list[ObjectMeta] = field(default_factory=list)
+    foreign: list[ObjectMeta] = field(default_factory=list)
+    """Objects under the namespace that s3kv did not write."""
+
+    @property
+    def manifest_base(self) -> str:
+        return self.base + "manifest/"
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum(c.size for c in self.chunks.values())
+
+    @property
+    def object_count(self) -> int:
+        return sum(len(c.objects) for c in self.chunks.values())
+
+    @property
+    def manifest_objects(self) -> list[ObjectMeta]:
+        return [*self.segments, *self.snapshots, *self.access]
+
+    @property
+    def model(self) -> str:
+        """What the descriptor says the model is (a name, or a content hash)."""
+        d = self.descriptor or {}
+        fields = d.get("fields") or {}
+        return str(d.get("model") or fields.get("model") or fields.get("model_content") or "?")
+
+    @property
+    def tp_size(self) -> int | None:
+        tp = ((self.descriptor or {}).get("fields") or {}).get("tp_size")
+        return int(tp) if isinstance(tp, int) else None
+
+    def layout(self) -> str:
+        f = (self.descriptor or {}).get("fields") or {}
+        if not f:
+            return "?"
+        dtype = (
+            f.get("kv_cache_dtype") if f.get("kv_cache_dtype") not in (None, "auto") else f.get("model_dtype")
+        )
+        parts = [
+            str(dtype or "?"),
+            f"{f.get('num_layers', '?')}L",
+            f"{f.get('num_kv_heads', '?')}x{f.get('head_size', '?')}",
+            f"block {f.get('block_size', '?')}",
+            f"chunk {(self.descriptor or {}).get('chunk_tokens', '?')}",
+            f"tp{f.get('tp_size', '?')}",
+        ]
+        return ", ".join(p.replace("torch.", "") for p in parts)
+
+    def fp_index(self) -> dict[int, bytes]:
+        return {fingerprint(k): k for k in self.chunks}
+
+
+@dataclass
+class Inventory:
+    prefix: str
+    namespaces: dict[str, NamespaceInfo]
+    foreign: list[ObjectMeta]
+    """Objects under the prefix outside any namespace (the gc lock excepted)."""
+    started_at: float
+    """Wall time the listing began."""
+
+    def resolve(self, names: Iterable[str]) -> list[str]:
+        """Namespace ids from ids or unique prefixes of at least 4 characters;
+        an unknown or ambiguous one raises a ValueError that names it."""
+        out: list[str] = []
+        for name in names:
+            hits = [ns for ns in self.namespaces if ns.startswith(name.lower())] if len(name) >= 4 else []
+            if name.lower() in self.namespaces:
+                hits = [name.lower()]
+            if len(hits) != 1:
+                what = "ambiguous" if hits else "unknown"
+                raise ValueError(
+                    f"{what} namespace {name!r}: the prefix holds {len(self.namespaces)} "
+                    f"namespace(s){' (' + ', '.join(sorted(self.namespaces)[:5]) + ')' if self.namespaces else ''}; "
+                    "`s3kv ls` lists them"
+                )
+            out.append(hits[0])
+        return out
+
+
+Progress = Callable[[int], None]
+"""Called with how many more objects were listed."""
+
+
+async def _list_all(store: ObjectStore, prefix: str, progress: Progress | None) -> list[ObjectMeta]:
+    out: list[ObjectMeta] = []
+    async for meta in store.list(prefix):
+        out.append(meta)
+        if progress is not None and len(out) % 1000 == 0:
+            progress(1000)
+    if progress is not None:
+        progress(len(out) % 1000)
+    return out
+
+
+async def scan_namespace(
+    store: ObjectStore,
+    prefix: str,
+    ns: str,
+    *,
+    concurrency: int = 16,
+    progress: Progress | None = None,
+    read_access: bool = True,
+) -> NamespaceInfo:
+    info = NamespaceInfo(ns, namespace_prefix(prefix, ns))
+    objects, dirs = await store.list_dirs(info.base)
+    # Shard directories ({kk}/) are listed 16 at a time, by their first hex
+    # digit: 16 paginations in parallel, not 256 (or one).
+    groups: dict[str, list[str]] = {}
+    for d in dirs:
+        name = d[len(info.base) :]
+        key = info.base + name[0] if len(name) == 3 and name[0] in "0123456789abcdef" else d
+        groups.setdefault(key, []).append(d)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(listing_prefix: str) -> list[ObjectMeta]:
+        async with sem:
+            return await _list_all(store, listing_prefix, progress)
+
+    listed = await asyncio.gather(*(one(g) for g in groups))
+    for meta in objects:
+        if meta.key == info.base + DESCRIPTOR:
+            info.descriptor_meta = meta
+        else:
+            info.foreign.append(meta)
+    for metas in listed:
+        for meta in metas:
+            _classify(info, meta)
+    if info.descriptor_meta is not None:
+        try:
+            info.descriptor = json.loads(await store.get(info.descriptor_meta.key))
+        except (NotFound, ValueError):
+            info.descriptor = None
+    if read_access and info.access:
+        await read_access_records(store, info, concurrency=concurrency)
+    return info
+
+
+def _classify(info: NamespaceInfo, meta: ObjectMeta) -> None:
+    if meta.key.startswith(info.manifest_base):
+        rest = meta.key[len(info.manifest_base) :]
+        kind = rest.split("/", 1)[0]
+        target = {"seg": info.segments, "snap": info.snapshots, "access": info.access}.get(kind)
+        if target is not None and mf.name_ts(meta.key) is not None:
+            target.append(meta)
+        else:
+            info.foreign.append(meta)
+        return
+    parsed = parse_object_key(meta.key)
+    if parsed is None or parsed[0] != info.id or meta.key.count("/") != info.base.count("/") + 1:
+        info.foreign.append(meta)
+        return
+    _, key, _rank = parsed
+    chunk = info.chunks.get(key)
+    if chunk is None:
+        chunk = info.chunks[key] = Chunk(key)
+    chunk.objects.append(meta)
+
+
+async def read_access_records(store: ObjectStore, info: NamespaceInfo, *, concurrency: int = 16) -> int:
+    """Set each chunk's ``accessed`` from the access records; returns the
+    records that could not be read (skipped: the write time stands in)."""
+    index = info.fp_index()
+    sem = asyncio.Semaphore(concurrency)
+    bad = 0
+
+    async def one(meta: ObjectMeta) -> tuple[float, np.ndarray] | None:
+        nonlocal bad
+        async with sem:
+            try:
+                obj = mf.decode(await store.get(meta.key), name=meta.key)
+            except (NotFound, mf.CorruptManifest, S3KVError):
+                bad += 1
+                return None
+        return (mf.name_ts(meta.key) or 0) / 1000.0, obj.added
+
+    for got in await asyncio.gather(*(one(m) for m in info.access)):
+        if got is None:
+            continue
+        ts, fps = got
+        for fp in fps.tolist():
+            key = index.get(fp)
+            if key is not None:
+                chunk = info.chunks[key]
+                if chunk.accessed is None or ts > chunk.accessed:
+                    chunk.accessed = ts
+    return bad
+
+
+async def list_namespaces(store: ObjectStore, prefix: str) -> tuple[list[str], list[ObjectMeta]]:
+    """Namespace ids under ``prefix``, and objects there that are not s3kv's."""
+    base = f"{prefix}/" if prefix else ""
+    objects, dirs = await store.list_dirs(base)
+    namespaces, foreign = [], [m for m in objects if m.key != base + LOCK_NAME]
+    for d in dirs:
+        name = d[len(base) :].rstrip("/")
+        if is_namespace_id(name):
+            namespaces.append(name)
+        else:
+            foreign.extend(await _list_all(store, d, None))
+    return namespaces, foreign
+
+
+async def scan(
+    store: ObjectStore,
+    prefix: str,
+    *,
+    namespaces: Iterable[str] | None = None,
+    concurrency: int = 16,
+    progress: Progress | None = None,
+    read_access: bool = True,
+) -> Inventory:
+    """List ``prefix`` (all namespaces, or the given ids/prefixes of ids)."""
+    started = time.time()
+    found, foreign = await list_namespaces(store, prefix)
+    inv = Inventory(
+        prefix, {ns: NamespaceInfo(ns, namespace_prefix(prefix, ns)) for ns in found}, foreign, started
+    )
+    wanted = inv.resolve(namespaces) if namespaces else sorted(found)
+    for ns in wanted:  # one namespace at a time, its directories in parallel
+        inv.namespaces[ns] = await scan_namespace(
+            store, prefix, ns, concurrency=concurrency, progress=progress, read_access=read_access
+        )
+    inv.namespaces = {ns: inv.namespaces[ns] for ns in wanted}
+    return inv

@@ -1,0 +1,153 @@
+"""Figures for ``s3kv ls`` and ``s3kv stats``, from an inventory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from typing import Any
+
+from s3kv import codec
+from s3kv.errors import CorruptChunk, NotFound, S3KVError
+from s3kv.manifest import format as mf
+from s3kv.ops.gc import read_head
+from s3kv.ops.inventory import Inventory, NamespaceInfo
+from s3kv.stores.base import ByteRange, ObjectStore
+
+SIZE_EDGES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+AGE_EDGES = [(3600, "1h"), (86400, "1d"), (7 * 86400, "7d"), (30 * 86400, "30d"), (90 * 86400, "90d")]
+
+
+def namespace_row(info: NamespaceInfo) -> dict[str, Any]:
+    chunks = list(info.chunks.values())
+    accessed = [c.accessed for c in chunks if c.accessed is not None]
+    return {
+        "namespace": info.id,
+        "model": info.model,
+        "layout": info.layout(),
+        "chunks": len(chunks),
+        "objects": info.object_count,
+        "bytes": info.chunk_bytes,
+        "manifest_objects": len(info.manifest_objects),
+        "manifest_bytes": sum(o.size for o in info.manifest_objects),
+        "oldest_write": min((c.written for c in chunks), default=None),
+        "newest_write": max((c.written for c in chunks), default=None),
+        "last_access": max(accessed, default=None),
+        "foreign_objects": len(info.foreign),
+    }
+
+
+def _size_label(lo: int, hi: int | None) -> str:
+    from s3kv.units import format_size
+
+    return (
+        f"< {format_size(hi)}"
+        if lo == 0
+        else (f">= {format_size(lo)}" if hi is None else f"{format_size(lo)} - {format_size(hi)}")
+    )
+
+
+def size_histogram(sizes: list[int]) -> list[dict[str, Any]]:
+    edges = [0, *SIZE_EDGES]
+    rows = []
+    for i, lo in enumerate(edges):
+        hi = edges[i + 1] if i + 1 < len(edges) else None
+        n = [s for s in sizes if s >= lo and (hi is None or s < hi)]
+        rows.append({"range": _size_label(lo, hi), "objects": len(n), "bytes": sum(n)})
+    return rows
+
+
+def age_histogram(ages: list[tuple[float, int]]) -> list[dict[str, Any]]:
+    """``ages``: (seconds, bytes) per chunk."""
+    rows, lo, lo_label = [], 0.0, "0"
+    for hi, label in [*AGE_EDGES, (float("inf"), "")]:
+        n = [b for a, b in ages if lo <= a < hi]
+        rows.append(
+            {
+                "range": f"{lo_label} - {label}" if label else f">= {lo_label}",
+                "chunks": len(n),
+                "bytes": sum(n),
+            }
+        )
+        lo, lo_label = hi, label
+    return rows
+
+
+async def compression(
+    store: ObjectStore, inv: Inventory, sample: int, seed: int | None = None
+) -> dict[str, Any]:
+    """Raw over stored bytes, from the headers of ``sample`` chunk objects."""
+    objects = [o for info in inv.namespaces.values() for c in info.chunks.values() for o in c.objects]
+    picked = random.Random(seed).sample(objects, min(sample, len(objects)))
+    sem = asyncio.Semaphore(16)
+    codecs: dict[str, int] = {}
+
+    async def one(key: str) -> tuple[int, int] | None:
+        async with sem:
+            try:
+                head = await store.get(key, ByteRange(0, 64 << 10))
+                need = codec.header_length(head)
+                if need > len(head):
+                    head += await store.get(key, ByteRange(len(head), need))
+                h = codec.parse_header(head)
+            except (CorruptChunk, NotFound, S3KVError):
+                return None
+        codecs[h.codec] = codecs.get(h.codec, 0) + 1
+        return h.raw_bytes, h.stored_bytes
+
+    got = [g for g in await asyncio.gather(*(one(o.key) for o in picked)) if g is not None]
+    raw, stored = sum(g[0] for g in got), sum(g[1] for g in got)
+    return {
+        "sampled": len(got),
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "ratio": round(raw / stored, 3) if stored else None,
+        "codecs": codecs,
+    }
+
+
+async def manifest_state(store: ObjectStore, info: NamespaceInfo, now: float) -> dict[str, Any]:
+    snaps = sorted(info.snapshots, key=lambda m: m.key)
+    snap_rows = []
+    horizon = ""
+    covered: set[str] = set()
+    for m in snaps:
+        row: dict[str, Any] = {
+            "name": m.key.rsplit("/", 1)[-1],
+            "bytes": m.size,
+            "age_s": now - (mf.name_ts(m.key) or 0) / 1000,
+        }
+        with contextlib.suppress(NotFound, mf.CorruptManifest, S3KVError):
+            _kind, n_add, _n_del, meta = await read_head(store, m.key)
+            row["keys"] = n_add
+            row["by"] = meta.get("by", "replica")
+            horizon = str(meta.get("horizon", ""))
+            covered = {str(n) for n in meta.get("recent", ())}
+        snap_rows.append(row)
+    pending = [m for m in info.segments if m.key > horizon and m.key not in covered]
+    hours = {m.key[len(info.manifest_base) + len("access/") :].split("/", 1)[0] for m in info.access}
+    return {
+        "segments": len(info.segments),
+        "segment_bytes": sum(m.size for m in info.segments),
+        "segments_after_snapshot": len(pending),
+        "snapshots": snap_rows,
+        "access_records": len(info.access),
+        "access_hours": len(hours),
+        "access_bytes": sum(m.size for m in info.access),
+    }
+
+
+async def stats(store: ObjectStore, inv: Inventory, now: float, *, sample: int = 64) -> dict[str, Any]:
+    chunks = [c for info in inv.namespaces.values() for c in info.chunks.values()]
+    sizes = [o.size for c in chunks for o in c.objects]
+    return {
+        "namespaces": len(inv.namespaces),
+        "chunks": len(chunks),
+        "objects": len(sizes),
+        "bytes": sum(sizes),
+        "size_histogram": size_histogram(sizes),
+        "age_histogram": age_histogram([(now - c.written, c.size) for c in chunks]),
+        "idle_histogram": age_histogram([(now - c.last_used, c.size) for c in chunks]),
+        "compression": await compression(store, inv, sample),
+        "manifest": {ns: await manifest_state(store, info, now) for ns, info in inv.namespaces.items()},
+    }

@@ -1,0 +1,202 @@
+"""Checking stored objects: chunk headers and frame checksums, manifest
+objects, descriptors; and telling apart objects s3kv did not write.
+
+A chunk object is *corrupt* when it does not parse, names another
+namespace, key or rank than its object name says, has another length than
+its header says, or a frame fails its checksum. A *foreign* object is one
+under the prefix that is no chunk, manifest object, descriptor or the gc
+lease: verify reports it and never deletes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from s3kv import codec
+from s3kv.errors import CorruptChunk, NotFound, S3KVError
+from s3kv.keys import parse_object_key
+from s3kv.manifest import format as mf
+from s3kv.ops.inventory import Inventory
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
+
+
+@dataclass
+class Problem:
+    key: str
+    kind: str
+    """corrupt or foreign"""
+    reason: str
+    namespace: str | None = None
+
+
+@dataclass
+class VerifyReport:
+    checked: int = 0
+    checked_bytes: int = 0
+    population: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    vanished: int = 0
+    """Objects listed that were gone when read (a gc or replica deleted them)."""
+    deleted: list[str] = field(default_factory=list)
+
+    @property
+    def corrupt(self) -> list[Problem]:
+        return [p for p in self.problems if p.kind == "corrupt"]
+
+    @property
+    def foreign(self) -> list[Problem]:
+        return [p for p in self.problems if p.kind == "foreign"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "checked": self.checked,
+            "checked_bytes": self.checked_bytes,
+            "population": self.population,
+            "vanished": self.vanished,
+            "corrupt": [p.__dict__ for p in self.corrupt],
+            "foreign": [p.__dict__ for p in self.foreign],
+            "deleted": self.deleted,
+        }
+
+
+def check_chunk(name: str, data: bytes) -> None:
+    """Raise CorruptChunk unless ``data`` is a sound chunk object named ``name``."""
+    parsed = parse_object_key(name)
+    if parsed is None:
+        raise CorruptChunk("not a chunk object name")
+    ns, key, rank = parsed
+    header = codec.parse_header(data)
+    header.check_identity(ns, key.hex(), rank)
+    if len(data) != header.object_length:
+        raise CorruptChunk(f"object is {len(data)} bytes, its header says {header.object_length}")
+    mv = memoryview(data)
+    for i, f in enumerate(header.frames):
+        if xxhash.xxh3_64_intdigest(mv[f.offset : f.end]) != f.checksum:
+            raise CorruptChunk(f"frame {i}: checksum mismatch")
+
+
+def check_descriptor(ns: str, data: bytes) -> None:
+    try:
+        d = json.loads(data)
+    except ValueError as e:
+        raise CorruptChunk(f"descriptor is not JSON: {e}") from e
+    if not isinstance(d, dict) or d.get("namespace") != ns:
+        raise CorruptChunk("descriptor names another namespace")
+
+
+async def verify(
+    store: ObjectStore,
+    inv: Inventory,
+    *,
+    sample: int | None,
+    seed: int | None = None,
+    concurrency: int = 16,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Check every object of the inventory's namespaces (``sample=None``)
+    or ``sample`` chunk objects chosen at random. Foreign objects are
+    reported either way."""
+    report = VerifyReport()
+    jobs: list[tuple[str, ObjectMeta, str]] = []  # (what, meta, namespace)
+    for ns, info in inv.namespaces.items():
+        for chunk in info.chunks.values():
+            jobs += [("chunk", o, ns) for o in chunk.objects]
+        for p in info.foreign:
+            report.problems.append(Problem(p.key, "foreign", "not an object s3kv writes", ns))
+        if sample is None:
+            jobs += [("manifest", o, ns) for o in info.manifest_objects]
+            if info.descriptor_meta is not None:
+                jobs.append(("descriptor", info.descriptor_meta, ns))
+    for p in inv.foreign:
+        report.problems.append(Problem(p.key, "foreign", "not an object s3kv writes"))
+    report.population = len(jobs)
+    if sample is not None and sample < len(jobs):
+        jobs = random.Random(seed).sample(jobs, sample)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(what: str, meta: ObjectMeta, ns: str) -> None:
+        async with sem:
+            try:
+                data = await store.get(meta.key)
+            except NotFound:
+                report.vanished += 1
+                return
+        try:
+            if what == "chunk":
+                await asyncio.to_thread(check_chunk, meta.key, data)
+            elif what == "manifest":
+                mf.decode(data, name=meta.key)
+            else:
+                check_descriptor(ns, data)
+        except (CorruptChunk, mf.CorruptManifest) as e:
+            report.problems.append(Problem(meta.key, "corrupt", str(e), ns))
+        report.checked += 1
+        report.checked_bytes += len(data)
+        if progress is not None:
+            progress(1)
+
+    await asyncio.gather(*(one(*j) for j in jobs))
+    report.problems.sort(key=lambda p: (p.kind, p.key))
+    return report
+
+
+async def inspect_object(store: ObjectStore, name: str, *, check_frames: bool = False) -> dict[str, Any]:
+    """What one object is: a chunk's header (and, with ``check_frames``, its
+    frames checked), or a manifest object's kind, counts and header."""
+    if "/manifest/" in name:
+        data = await store.get(name)
+        obj = mf.decode(data, name=name)
+        return {
+            "object": name,
+            "type": f"manifest {obj.kind}",
+            "bytes": len(data),
+            "added": int(obj.added.size),
+            "removed": int(obj.removed.size),
+            "header": obj.meta,
+        }
+    head = await store.get(name, ByteRange(0, 64 << 10))
+    need = codec.header_length(head)
+    if need > len(head):
+        head += await store.get(name, ByteRange(len(head), need))
+    h = codec.parse_header(head)
+    out: dict[str, Any] = {
+        "object": name,
+        "type": "chunk",
+        "namespace": h.namespace,
+        "key": h.key,
+        "rank": h.rank,
+        "tokens": h.tokens,
+        "codec": h.codec,
+        "shuffle": h.shuffle,
+        "dtype": h.dtype,
+        "page_shape": list(h.page_shape),
+        "frames": len(h.frames),
+        "header_bytes": h.header_length,
+        "object_bytes": h.object_length,
+        "raw_bytes": h.raw_bytes,
+        "stored_bytes": h.stored_bytes,
+        "compression_ratio": round(h.raw_bytes / h.stored_bytes, 3) if h.stored_bytes else None,
+        "frame_table": [[f.offset, f.length, f.raw_length, f"{f.checksum:016x}"] for f in h.frames],
+    }
+    parsed = parse_object_key(name)
+    problems = []
+    if parsed is not None:
+        try:
+            h.check_identity(parsed[0], parsed[1].hex(), parsed[2])
+        except CorruptChunk as e:
+            problems.append(str(e))
+    if check_frames:
+        try:
+            check_chunk(name, await store.get(name))
+        except (CorruptChunk, S3KVError) as e:
+            problems.append(str(e))
+        out["frames_checked"] = True
+    out["problems"] = problems
+    return out
