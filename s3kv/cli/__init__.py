@@ -15,7 +15,7 @@ import sys
 import click
 
 from s3kv import __version__
-from s3kv.cli.settings import EXIT_BUSY, EXIT_CODES_HELP, EXIT_STORAGE, EXIT_USAGE
+from s3kv.cli.settings import EXIT_BUSY, EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_STORAGE, EXIT_USAGE
 from s3kv.errors import ConfigError, S3KVError
 
 
@@ -89,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     from s3kv.cli.ops import StorageProblem
     from s3kv.ops.lock import LockBusy, LockLost
 
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        click.echo(cli.get_help(click.Context(cli, info_name="s3kv")))
+        return EXIT_USAGE
     try:
-        rv = cli.main(args=argv, prog_name="s3kv", standalone_mode=False)
+        rv = cli.main(args=args, prog_name="s3kv", standalone_mode=False)
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.Abort:
@@ -110,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e), EXIT_STORAGE)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+    except BrokenPipeError:  # `s3kv gc --dry-run | head`: the reader has what it wanted
+        sys.stderr.close()
+        return 0
+    except Exception as e:  # a bug: still one line, and not a code a script reads as a finding
+        return _fail(f"internal error: {type(e).__name__}: {e} (run with -v, or report it)", EXIT_INTERNAL)
     return int(rv or 0)
 
 

@@ -234,6 +234,19 @@ async def _find_chunk(store: ObjectStore, prefix: str, key: str, rank: str | Non
     return [n for n in names if rank is None or n.endswith(f".r{rank}")]
 
 
+async def _inspect(store: ObjectStore, name: str, check: bool) -> dict[str, Any]:
+    """inspect_object, with a damaged object reported as its problem."""
+    from s3kv.errors import CorruptChunk
+    from s3kv.manifest.format import CorruptManifest
+
+    try:
+        return await inspect_object(store, name, check_frames=check)
+    except NotFound as e:
+        raise ValueError(f"no object {name!r} in the bucket") from e
+    except (CorruptChunk, CorruptManifest) as e:
+        return {"object": name, "type": "unreadable", "problems": [str(e)]}
+
+
 @click.command("inspect", epilog=EXIT_CODES_HELP)
 @store_options
 @click.argument("target", metavar="KEY|OBJECT")
@@ -250,7 +263,7 @@ def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
 
         async def local() -> list[dict[str, Any]]:
             await mem.put(f"file/{path.name}", path.read_bytes())
-            return [await inspect_object(mem, f"file/{path.name}", check_frames=check)]
+            return [await _inspect(mem, f"file/{path.name}", check)]
 
         docs = asyncio.run(local())
     else:
@@ -268,7 +281,7 @@ def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
                         await store.head(target)
                     except NotFound:
                         names = [f"{s.config.prefix}/{target}"]
-            return [await inspect_object(store, n, check_frames=check) for n in names]
+            return [await _inspect(store, n, check) for n in names]
 
         docs = run(s, body)
     if s.as_json:
@@ -499,6 +512,12 @@ def gc_cmd(
         raise click.UsageError("--retire needs --namespace (which namespaces to retire)")
     if retire and keep:
         raise click.UsageError("--retire and --keep-namespace do not go together")
+    floor = 2 * s.config.manifest_clock_skew_s
+    if compact and segment_min_age < floor:
+        raise click.UsageError(
+            f"--segment-min-age {segment_min_age:g}s is too short: replicas may not have read those segments "
+            f"yet; use at least {floor:g}s (twice manifest_clock_skew_s)"
+        )
 
     async def body(store: ObjectStore) -> tuple[gcmod.Plan, gcmod.Result | None]:
         async def once(lease: Any) -> tuple[gcmod.Plan, gcmod.Result | None]:

@@ -19,6 +19,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from s3kv.units import format_size
 
@@ -26,11 +27,12 @@ from s3kv.units import format_size
 def stdout() -> Console:
     # Piped output keeps whole rows (ids are 32 characters), not an 80-column fold.
     width = None if sys.stdout.isatty() else 200
-    return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=width)
+    # markup=False: object and model names are printed as they are, never as rich markup.
+    return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=width, markup=False)
 
 
 def stderr() -> Console:
-    return Console(file=sys.stderr, highlight=False)
+    return Console(file=sys.stderr, highlight=False, markup=False)
 
 
 def print_json(doc: Any) -> None:
@@ -67,7 +69,7 @@ def table(
     for c in columns:
         t.add_column(c, justify="right" if c in right else "left", overflow="fold")
     for r in rows:
-        t.add_row(*(str(x) for x in r))
+        t.add_row(*(Text(str(x)) for x in r))
     return t
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -33,11 +32,13 @@ EXIT_BUSY = 4
 """Another gc held the lease for longer than --wait."""
 EXIT_PARTIAL = 5
 """Some deletes failed; the run can be repeated."""
+EXIT_INTERNAL = 70
+"""A bug in s3kv (EX_SOFTWARE)."""
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 verify found corrupt or foreign objects; 2 bad input; "
     "3 no credentials, no bucket, access denied or S3 unreachable; 4 another gc holds "
-    "the lease; 5 some deletes failed (run again)."
+    "the lease; 5 some deletes failed (run again); 70 internal error."
 )
 
 
@@ -68,12 +69,20 @@ class Size(click.ParamType):
 DURATION, SIZE = Duration(), Size()
 
 
-@dataclass(frozen=True)
 class Settings:
-    config: S3KVConfig
-    as_json: bool
-    concurrency: int
-    progress: bool
+    """What a command was told; the bucket config is resolved on first use
+    (``inspect`` of a local file needs none)."""
+
+    def __init__(self, sources: tuple[Any, ...], as_json: bool, concurrency: int, progress: bool) -> None:
+        self._sources = sources
+        self._config: S3KVConfig | None = None
+        self.as_json, self.concurrency, self.progress = as_json, concurrency, progress
+
+    @property
+    def config(self) -> S3KVConfig:
+        if self._config is None:
+            self._config = resolve(*self._sources)
+        return self._config
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -150,9 +159,13 @@ def store_options(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(config_path, bucket, prefix, endpoint_url, region, as_json, concurrency, progress, **kw):
         import sys
 
-        config = resolve(config_path, bucket, prefix, endpoint_url, region)
         if progress is None:
             progress = sys.stderr.isatty() and not as_json
-        return func(Settings(config, as_json, concurrency, progress), **kw)
+        settings = Settings(
+            (config_path, bucket, prefix, endpoint_url, region), as_json, concurrency, progress
+        )
+        if func.__name__ != "inspect_cmd":
+            settings.config  # noqa: B018 (fail on a bad config before any work)
+        return func(settings, **kw)
 
     return wrapper

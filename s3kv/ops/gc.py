@@ -98,6 +98,7 @@ class Plan:
     deletions: list[Deletion] = field(default_factory=list)
     guarded: dict[str, int] = field(default_factory=dict)
     """Chunks a policy selected that the min-age guard kept, by namespace."""
+    _guarded: set[tuple[str, bytes]] = field(default_factory=set, repr=False)
     retired: list[str] = field(default_factory=list)
     """Namespaces emptied whole: their manifest and descriptor go too."""
     namespace_objects: list[ObjectMeta] = field(default_factory=list)
@@ -133,11 +134,16 @@ def plan(inv: Inventory, policy: Policy, now: float, uploads: Iterable[Upload] =
     def guarded(chunk: Chunk) -> bool:
         return now - chunk.last_used < policy.min_age_s
 
+    def keep(ns: str, chunk: Chunk) -> None:
+        if (ns, chunk.key) not in p._guarded:
+            p._guarded.add((ns, chunk.key))
+            p.guarded[ns] = p.guarded.get(ns, 0) + 1
+
     def select(ns: str, chunk: Chunk, reason: str) -> None:
         if (ns, chunk.key) in chosen:
             return
         if guarded(chunk):
-            p.guarded[ns] = p.guarded.get(ns, 0) + 1
+            keep(ns, chunk)
             return
         chosen.add((ns, chunk.key))
         p.deletions.append(Deletion(ns, chunk, reason))
@@ -160,7 +166,7 @@ def plan(inv: Inventory, policy: Policy, now: float, uploads: Iterable[Upload] =
             if (ns, chunk.key) in chosen:
                 continue
             if guarded(chunk):
-                p.guarded[ns] = p.guarded.get(ns, 0) + 1
+                keep(ns, chunk)
                 continue
             select(ns, chunk, "max-bytes")
             remaining -= chunk.size
@@ -222,13 +228,22 @@ Progress = Callable[[int], None]
 
 
 class _Stamps:
-    """Manifest names for one namespace: a stamp after everything listed."""
+    """Manifest names for one namespace: a stamp after everything listed
+    (a hybrid logical clock, like the replicas'), so that a slow gc clock
+    cannot hide its tombstones below the replicas' listing floors."""
 
     def __init__(self, info: NamespaceInfo, writer: str) -> None:
-        stamps = [mf.name_ts(o.key) or 0 for o in (*info.segments, *info.snapshots)]
-        self.max_ts = max(stamps, default=0)
+        self.max_ts = 0
+        self.max_listed = 0
         self.writer = writer
         self.seq = 0
+        self.seen(o.key for o in (*info.segments, *info.snapshots))
+
+    def seen(self, names: Iterable[str]) -> None:
+        for name in names:
+            ts = mf.name_ts(name) or 0
+            self.max_ts = max(self.max_ts, ts)
+            self.max_listed = max(self.max_listed, ts)
 
     def next(self, now_ms: int) -> int:
         self.max_ts = max(now_ms, self.max_ts + 1)
@@ -287,6 +302,15 @@ async def execute(
         if ns in p.retired:
             continue
         fps = as_sorted_unique([fingerprint(d.chunk.key) for d in dels])
+        info = inv.namespaces[ns]
+        stamps[ns].seen(
+            [
+                m.key
+                async for m in store.list(
+                    info.manifest_base + "seg/", start_after=_floor(info, stamps[ns], p)
+                )
+            ]
+        )
         await _put_segment(store, inv.namespaces[ns], stamps[ns], fps, int(clock() * 1000))
         result.tombstones += 1
     # 2. The chunks.
@@ -326,8 +350,13 @@ async def execute(
                 continue
             if lease is not None:
                 lease.check()
-            await compact(store, inv, inv.namespaces[ns], p, stamps[ns], result, concurrency, clock)
+            await compact(store, inv, inv.namespaces[ns], p, stamps[ns], result, concurrency, clock, lease)
     return result
+
+
+def _floor(info: NamespaceInfo, stamps: _Stamps, p: Plan) -> str:
+    """Where a listing of the segments newer than those seen starts."""
+    return info.manifest_base + "seg/" + mf.stamp(max(0, stamps.max_ts - int(p.policy.skew_s * 1000)))
 
 
 async def _put_segment(
@@ -361,27 +390,38 @@ async def compact(
     result: Result,
     concurrency: int,
     clock: Callable[[], float],
+    lease: Lease | None = None,
 ) -> None:
     now_ms = int(clock() * 1000)
     skew_ms = int(p.policy.skew_s * 1000)
-    segments = sorted([m async for m in store.list(info.manifest_base + "seg/")], key=lambda m: m.key)
+    segments = sorted(
+        [m async for m in store.list(info.manifest_base + "seg/") if mf.name_ts(m.key) is not None],
+        key=lambda m: m.key,
+    )
+    stamps.seen(m.key for m in segments)
     snapshots = sorted(info.snapshots, key=lambda m: m.key)
-    covered: set[str] = set()
-    horizon = ""
-    if snapshots:
-        with contextlib.suppress(NotFound, mf.CorruptManifest, S3KVError):
-            _kind, _n, _d, meta = await read_head(store, snapshots[-1].key)
-            horizon = str(meta.get("horizon", ""))
-            covered = {str(n) for n in meta.get("recent", ())}
+    heads: dict[str, dict[str, Any]] = {}
+
+    async def head(name: str) -> dict[str, Any] | None:
+        if name not in heads:
+            try:
+                heads[name] = (await read_head(store, name))[3]
+            except (NotFound, mf.CorruptManifest, S3KVError):
+                return None
+        return heads[name]
+
+    newest = await head(snapshots[-1].key) if snapshots else None
+    horizon = str((newest or {}).get("horizon", ""))
+    covered = {str(n) for n in (newest or {}).get("recent", ())}
     new = [m for m in segments if m.key > horizon and m.key not in covered]
-    if new or result.deleted:
-        # The live keys: the listing, less what was deleted, plus keys in
-        # segments written since the listing began (their objects may have
-        # been stored after it), applied in name order.
-        live = {fingerprint(k) for k in info.chunks}
-        since = int(inv.started_at * 1000) - skew_ms
-        recent_segs = [m for m in segments if (mf.name_ts(m.key) or 0) >= since]
-        for m in recent_segs:
+    if new or info.id in result.deleted:
+        # The live keys: the listing (chunks with every rank), less what was
+        # deleted, plus keys in segments written since the listing began
+        # (their objects may have been stored after it), in name order.
+        tp = info.tp_size
+        live = {fingerprint(k) for k, c in info.chunks.items() if tp is None or len(c.objects) >= tp}
+        since = min(int(inv.started_at * 1000), stamps.max_listed) - skew_ms
+        for m in [m for m in segments if (mf.name_ts(m.key) or 0) >= since]:
             try:
                 obj = mf.decode(await store.get(m.key), name=m.key)
             except (NotFound, mf.CorruptManifest):
@@ -397,17 +437,35 @@ async def compact(
         await store.put(name, body, mode=PutMode.CREATE)
         result.snapshots_written += 1
         snapshots.append(ObjectMeta(name, len(body), now_ms / 1000))
-        horizon = top
-    # Segments the newest snapshot covers, once every replica has read them.
-    old = [
-        m.key
-        for m in segments
-        if horizon
-        and m.key <= horizon
-        and now_ms - (mf.name_ts(m.key) or now_ms) > p.policy.segment_min_age_s * 1000
-    ]
-    stale_snaps = [m.key for m in snapshots[:-SNAPSHOTS_KEPT]]
-    bad = await delete_keys(store, old + stale_snaps, concurrency=concurrency, lease=None)
+    # Segments are dropped only under a snapshot that is itself older than
+    # segment_min_age (and that reads whole): a replica that started loading
+    # from an older snapshot, or one that fell behind, has had that long to
+    # read the segments after it.
+    min_age_ms = p.policy.segment_min_age_s * 1000
+    cover: ObjectMeta | None = None
+    for m in reversed(snapshots):
+        if now_ms - (mf.name_ts(m.key) or now_ms) >= min_age_ms:
+            cover = m
+            break
+    old: list[str] = []
+    if cover is not None:
+        try:
+            snap = mf.decode(await store.get(cover.key), name=cover.key)
+            cover_horizon = str(snap.meta.get("horizon", ""))
+        except (NotFound, mf.CorruptManifest):
+            cover_horizon = ""
+        old = [
+            m.key
+            for m in segments
+            if cover_horizon
+            and m.key <= cover_horizon
+            and now_ms - (mf.name_ts(m.key) or now_ms) > min_age_ms
+        ]
+    keep = {m.key for m in snapshots[-SNAPSHOTS_KEPT:]} | ({cover.key} if cover is not None else set())
+    stale_snaps = [m.key for m in snapshots if m.key not in keep and (cover is None or m.key < cover.key)]
+    if lease is not None:
+        lease.check()
+    bad = await delete_keys(store, old + stale_snaps, concurrency=concurrency, lease=lease)
     result.failed += bad
     result.segments_deleted += len(set(old) - set(bad))
     result.snapshots_deleted += len(set(stale_snaps) - set(bad))

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.errors import NotFound, S3KVError
+from s3kv.errors import NotFound
 from s3kv.keys import fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.stores.base import ObjectMeta, ObjectStore
@@ -174,18 +174,21 @@ async def scan_namespace(
     objects, dirs = await store.list_dirs(info.base)
     # Shard directories ({kk}/) are listed 16 at a time, by their first hex
     # digit: 16 paginations in parallel, not 256 (or one).
-    groups: dict[str, list[str]] = {}
+    groups: dict[str, set[str]] = {}
     for d in dirs:
         name = d[len(info.base) :]
         key = info.base + name[0] if len(name) == 3 and name[0] in "0123456789abcdef" else d
-        groups.setdefault(key, []).append(d)
+        groups.setdefault(key, set()).add(d)
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(listing_prefix: str) -> list[ObjectMeta]:
+    async def one(listing_prefix: str, members: set[str]) -> list[ObjectMeta]:
         async with sem:
-            return await _list_all(store, listing_prefix, progress)
+            metas = await _list_all(store, listing_prefix, progress)
+        # A group's prefix ("{ns}/a") also matches other names: keep its own.
+        starts = tuple(members)
+        return [m for m in metas if m.key.startswith(starts)]
 
-    listed = await asyncio.gather(*(one(g) for g in groups))
+    listed = await asyncio.gather(*(one(g, members) for g, members in groups.items()))
     for meta in objects:
         if meta.key == info.base + DESCRIPTOR:
             info.descriptor_meta = meta
@@ -225,22 +228,35 @@ def _classify(info: NamespaceInfo, meta: ObjectMeta) -> None:
     chunk.objects.append(meta)
 
 
+def access_hour_end(name: str, now: float) -> float:
+    """When a chunk in access record ``name`` was last used, at the latest:
+    replicas record a key once per hour, at its first use, so a record of
+    hour H stands for use until the end of H (or now)."""
+    ts = (mf.name_ts(name) or 0) / 1000.0
+    return min(now, (ts // 3600 + 1) * 3600)
+
+
 async def read_access_records(store: ObjectStore, info: NamespaceInfo, *, concurrency: int = 16) -> int:
     """Set each chunk's ``accessed`` from the access records; returns the
-    records that could not be read (skipped: the write time stands in)."""
+    corrupt records skipped. A record that cannot be read for another reason
+    (throttling, access denied) raises: deciding what is idle without it
+    could delete chunks in use."""
     index = info.fp_index()
     sem = asyncio.Semaphore(concurrency)
     bad = 0
+    now = time.time()
 
     async def one(meta: ObjectMeta) -> tuple[float, np.ndarray] | None:
         nonlocal bad
         async with sem:
             try:
                 obj = mf.decode(await store.get(meta.key), name=meta.key)
-            except (NotFound, mf.CorruptManifest, S3KVError):
+            except NotFound:
+                return None
+            except mf.CorruptManifest:
                 bad += 1
                 return None
-        return (mf.name_ts(meta.key) or 0) / 1000.0, obj.added
+        return access_hour_end(meta.key, now), obj.added
 
     for got in await asyncio.gather(*(one(m) for m in info.access)):
         if got is None:

@@ -54,9 +54,11 @@ class Lease:
         if not self.owner:
             self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
-    def _body(self, started: float) -> bytes:
-        self.expires = time.time() + self.ttl_s
-        return json.dumps({"owner": self.owner, "started": started, "expires": self.expires}).encode()
+    def _body(self, started: float) -> tuple[bytes, float]:
+        """The lease's content, and when it would expire (counted from before
+        the request is sent; set only once the write succeeded)."""
+        expires = time.time() + self.ttl_s
+        return json.dumps({"owner": self.owner, "started": started, "expires": expires}).encode(), expires
 
     async def _read(self) -> tuple[dict, str | None] | None:
         try:
@@ -71,23 +73,27 @@ class Lease:
     async def try_acquire(self) -> str | None:
         """Take the lease; on failure, who holds it (owner and how long for)."""
         now = time.time()
+        body, expires = self._body(now)
         try:
-            self.etag = await self.store.put(self.key, self._body(now), mode=PutMode.CREATE)
+            self.etag = await self.store.put(self.key, body, mode=PutMode.CREATE)
+            self.expires = expires
             return None
         except AlreadyExists:
             pass
         held = await self._read()
         if held is None:
             return "a lease that was just released"  # try again
-        body, etag = held
-        expires = float(body.get("expires", 0) or 0)
-        if expires > now or etag is None:
-            return f"{body.get('owner', '?')} (lease ends in {max(0.0, expires - now):.0f} s)"
+        other, etag = held
+        until = float(other.get("expires", 0) or 0)
+        if until > now or etag is None:
+            return f"{other.get('owner', '?')} (lease ends in {max(0.0, until - now):.0f} s)"
+        body, expires = self._body(now)
         try:  # stale: take it over, unless someone else just did
-            self.etag = await self.store.put(self.key, self._body(now), mode=Update(etag))
+            self.etag = await self.store.put(self.key, body, mode=Update(etag))
+            self.expires = expires
         except (Precondition, NotFound):
             return "another process taking over a stale lease"
-        log.warning("s3kv: took over the stale gc lease of %s", body.get("owner", "?"))
+        log.warning("s3kv: took over the stale gc lease of %s", other.get("owner", "?"))
         return None
 
     async def acquire(self, wait_s: float, poll_s: float = 2.0) -> None:
@@ -104,8 +110,10 @@ class Lease:
     async def renew(self) -> None:
         if self.etag is None:
             raise LockLost(f"{self.key}: not held")
+        body, expires = self._body(time.time())
         try:
-            self.etag = await self.store.put(self.key, self._body(time.time()), mode=Update(self.etag))
+            self.etag = await self.store.put(self.key, body, mode=Update(self.etag))
+            self.expires = expires
         except (Precondition, NotFound) as e:
             self.etag = None
             raise LockLost(f"{self.key}: the lease was taken over ({e})") from e

@@ -199,7 +199,11 @@ class S3Store(ObjectStore):
         PermissionDenied, or Transient (endpoint unreachable).
         """
         session = get_session()
-        if await session.get_credentials() is None:
+        try:
+            credentials = await session.get_credentials()
+        except Exception as e:  # a provider in the chain is misconfigured
+            raise ConfigError(f"AWS credentials could not be loaded: {e}") from e
+        if credentials is None:
             raise ConfigError(
                 "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
                 "AWS_PROFILE, or run with an instance or pod role"

@@ -46,12 +46,11 @@ class SeededS3:
         obj.last_modified = dt.datetime.fromtimestamp(int(written), dt.timezone.utc).replace(tzinfo=None)
 
     def listing(self, bucket: str, prefix: str = "") -> dict[str, int]:
-        """Every object's size, through the S3 API."""
-        out: dict[str, int] = {}
-        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for o in page.get("Contents", ()):
-                out[o["Key"]] = o["Size"]
-        return out
+        """Every object's size, read from the server's own store (the
+        backdoor: it does not trust the S3 API the tools under test use,
+        and is much faster than listing 10,000 objects through it)."""
+        keys = self._backend().get_bucket(bucket).keys
+        return {name: key.size for name, key in keys.items() if name.startswith(prefix)}
 
 
 @pytest.fixture(scope="session")

@@ -86,7 +86,7 @@ def build(s3, *, sizes=(2600, 2600, 1800, 1200, 700), tp=(1, 1, 2, 1, 2), seed: 
     rng = random.Random(seed)
     now = int(time.time())
     # Traffic comes in bursts: accesses fall in a few busy hours.
-    busy = sorted(now - HOUR * rng.randint(1, 80 * 24) for _ in range(30))
+    busy = sorted(now - HOUR * rng.randint(2, 80 * 24) for _ in range(30))
     ds = Dataset(s3.new_bucket(), now, {})
     for i, (n, ranks) in enumerate(zip(sizes, tp)):
         ns = Namespace.from_fields({"model": f"model-{i}", "tp_size": ranks}).id
@@ -137,6 +137,16 @@ def _seed_manifest(s3, ds: Dataset, ns: str, rng: random.Random) -> None:
         name = mf.segment_name(base, ts * 1000, f"w{seq % 3}", seq)
         s3.seed(ds.bucket, name, body, ts)
         ds.other[name] = len(body)
+    # A snapshot a replica wrote 25 days ago, covering those segments.
+    snap_ts = ds.now - 25 * DAY
+    last = mf.segment_name(base, (ds.now - 30 * DAY + seq) * 1000, f"w{seq % 3}", seq)
+    fps = np.array(sorted({fingerprint(c.key) for c in chunks}), dtype=np.uint64)
+    body = mf.encode(
+        mf.ManifestObject("snapshot", fps, meta={"horizon": last, "recent": [last], "writer": "w0"})
+    )
+    name = mf.snapshot_name(base, snap_ts * 1000, "w0")
+    s3.seed(ds.bucket, name, body, snap_ts)
+    ds.other[name] = len(body)
     hours: dict[int, list[ChunkFact]] = {}
     for c in chunks:
         if c.accessed is not None:
@@ -150,8 +160,8 @@ def _seed_manifest(s3, ds: Dataset, ns: str, rng: random.Random) -> None:
             if not part:
                 continue
             ts = max(c.accessed for c in part)
-            for c in part:
-                c.accessed = ts
+            for c in part:  # a record of hour H stands for use until H ends
+                c.accessed = (ts // HOUR + 1) * HOUR
             fps = np.array(sorted({fingerprint(c.key) for c in part}), dtype=np.uint64)
             name = mf.access_name(base, ts * 1000, f"w{w}", seq)
             body = mf.encode(mf.ManifestObject("access", fps))

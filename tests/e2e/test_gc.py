@@ -1,0 +1,119 @@
+"""``s3kv gc`` while a replica (a real vLLM CPU engine) serves from the same
+bucket: the replica keeps returning correct tokens, and the chunks gc
+deleted stop being offered as hits once the replica has read gc's
+tombstones (no load errors: they are not offered at all)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from s3kv.connector.replica import _metrics
+from s3kv.keys import Namespace, chain_keys, object_key, parse_object_key
+from tests.e2e.harness import CHUNK_TOKENS, ENGINE_ARGS, MAX_TOKENS, REPLICA_ENV, kv_config, run_replica, workload
+
+pytestmark = pytest.mark.engine
+
+SHARED = 320
+FAMILIES = [workload(seed=40 + i)[0] for i in range(6)]  # 360 tokens each: 5 chunks
+HOT, COLD = FAMILIES[:3], FAMILIES[3:]
+REFRESH_S = 1.0
+
+
+def listing(client, bucket: str) -> dict[str, int]:
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for o in page.get("Contents", ()):
+            out[o["Key"]] = o["Size"]
+    return out
+
+
+def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    writer = run_replica(workdir, "gc-writer", model, FAMILIES, kv_config(s3_server.endpoint_url, bucket))
+    expected = writer["outputs"]
+    chunks = {k: v for k, v in listing(client, bucket).items() if parse_object_key(k)}
+    ns = {parse_object_key(k)[0] for k in chunks}.pop()
+
+    def objects(prompts) -> set[str]:
+        return {object_key("s3kv", ns, k, 0) for p in prompts for k in chain_keys(Namespace(ns, {}), p, CHUNK_TOKENS)}
+
+    hot, cold = objects(HOT), objects(COLD)
+    assert hot | cold == set(chunks) and not hot & cold  # each family's 5 chunks, nothing else
+
+    for k, v in REPLICA_ENV.items():
+        monkeypatch.setenv(k, v)
+    from vllm import LLM, SamplingParams
+
+    config = kv_config(s3_server.endpoint_url, bucket, manifest_refresh_s=REFRESH_S, manifest_publish_s=REFRESH_S)
+    # No local prefix cache: every request asks s3kv, so each one exercises S3.
+    llm = LLM(
+        model=str(model), skip_tokenizer_init=True, kv_transfer_config=config, disable_log_stats=False,
+        enable_prefix_caching=False, **ENGINE_ARGS,
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def serve(i: int) -> tuple[list[int], int]:
+        (out,) = llm.generate([{"prompt_token_ids": FAMILIES[i]}], params, use_tqdm=False)
+        return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+    try:
+        for i in range(3):  # the hot families are used (recorded in access records)
+            tokens, cached = serve(i)
+            assert tokens == expected[i] and cached >= SHARED
+        time.sleep(REFRESH_S + 1.5)  # access records published
+
+        # gc to the hot families' size: least recently used first deletes the cold ones.
+        budget = sum(chunks[k] for k in hot)
+        cmd = [sys.executable, "-m", "s3kv.cli", "gc", "--bucket", bucket, "--endpoint-url", s3_server.endpoint_url,
+               "--region", "us-east-1", "--max-bytes", str(budget), "--min-age", "0", "--json"]
+        gc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        served: list[tuple[int, list[int], int]] = []
+        stop = threading.Event()
+
+        def keep_serving() -> None:
+            while not stop.is_set():
+                for i in range(3):
+                    served.append((i, *serve(i)))
+
+        t = threading.Thread(target=keep_serving)
+        t.start()
+        out, err = gc.communicate(timeout=300)
+        stop.set()
+        t.join(timeout=120)
+        assert gc.returncode == 0, err
+        assert served  # requests ran while gc did
+        for i, tokens, cached in served:
+            assert tokens == expected[i] and cached >= SHARED
+
+        doc = json.loads(out)
+        assert set(doc["objects"]) == cold
+        left = {k for k in listing(client, bucket) if parse_object_key(k)}
+        assert left == hot
+
+        time.sleep(REFRESH_S + 2.0)  # the replica reads gc's tombstone segment
+        before = _metrics(llm)
+        for i in range(3, 6):  # deleted: computed, not offered as hits
+            tokens, cached = serve(i)
+            assert tokens == expected[i] and cached == 0
+        tokens, cached = serve(0)  # control: kept chunks are still hits
+        assert tokens == expected[0] and cached >= SHARED
+        after = _metrics(llm)
+        assert after.get("vllm:s3kv_load_errors_missing", 0) == before.get("vllm:s3kv_load_errors_missing", 0) == 0
+
+        # Negative control: an object deleted behind the manifest's back (no
+        # tombstone) is still offered, fails to load, and shows as a load error.
+        gone = object_key("s3kv", ns, chain_keys(Namespace(ns, {}), FAMILIES[1], CHUNK_TOKENS)[2], 0)
+        client.delete_object(Bucket=bucket, Key=gone)
+        tokens, _ = serve(1)
+        assert tokens == expected[1]
+        serve(2)  # one more step publishes the counter
+        assert _metrics(llm).get("vllm:s3kv_load_errors_missing", 0) >= 1
+    finally:
+        llm.llm_engine.engine_core.shutdown()
