@@ -15,7 +15,15 @@ import pytest
 
 from s3kv.connector.replica import _metrics
 from s3kv.keys import Namespace, chain_keys, object_key, parse_object_key
-from tests.e2e.harness import CHUNK_TOKENS, ENGINE_ARGS, MAX_TOKENS, REPLICA_ENV, kv_config, run_replica, workload
+from tests.e2e.harness import (
+    CHUNK_TOKENS,
+    ENGINE_ARGS,
+    MAX_TOKENS,
+    REPLICA_ENV,
+    kv_config,
+    run_replica,
+    workload,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -42,7 +50,11 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
     ns = {parse_object_key(k)[0] for k in chunks}.pop()
 
     def objects(prompts) -> set[str]:
-        return {object_key("s3kv", ns, k, 0) for p in prompts for k in chain_keys(Namespace(ns, {}), p, CHUNK_TOKENS)}
+        return {
+            object_key("s3kv", ns, k, 0)
+            for p in prompts
+            for k in chain_keys(Namespace(ns, {}), p, CHUNK_TOKENS)
+        }
 
     hot, cold = objects(HOT), objects(COLD)
     assert hot | cold == set(chunks) and not hot & cold  # each family's 5 chunks, nothing else
@@ -51,11 +63,17 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
         monkeypatch.setenv(k, v)
     from vllm import LLM, SamplingParams
 
-    config = kv_config(s3_server.endpoint_url, bucket, manifest_refresh_s=REFRESH_S, manifest_publish_s=REFRESH_S)
+    config = kv_config(
+        s3_server.endpoint_url, bucket, manifest_refresh_s=REFRESH_S, manifest_publish_s=REFRESH_S
+    )
     # No local prefix cache: every request asks s3kv, so each one exercises S3.
     llm = LLM(
-        model=str(model), skip_tokenizer_init=True, kv_transfer_config=config, disable_log_stats=False,
-        enable_prefix_caching=False, **ENGINE_ARGS,
+        model=str(model),
+        skip_tokenizer_init=True,
+        kv_transfer_config=config,
+        disable_log_stats=False,
+        enable_prefix_caching=False,
+        **ENGINE_ARGS,
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -71,8 +89,23 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
 
         # gc to the hot families' size: least recently used first deletes the cold ones.
         budget = sum(chunks[k] for k in hot)
-        cmd = [sys.executable, "-m", "s3kv.cli", "gc", "--bucket", bucket, "--endpoint-url", s3_server.endpoint_url,
-               "--region", "us-east-1", "--max-bytes", str(budget), "--min-age", "0", "--json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "s3kv.cli",
+            "gc",
+            "--bucket",
+            bucket,
+            "--endpoint-url",
+            s3_server.endpoint_url,
+            "--region",
+            "us-east-1",
+            "--max-bytes",
+            str(budget),
+            "--min-age",
+            "0",
+            "--json",
+        ]
         gc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         served: list[tuple[int, list[int], int]] = []
         stop = threading.Event()
@@ -105,7 +138,11 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
         tokens, cached = serve(0)  # control: kept chunks are still hits
         assert tokens == expected[0] and cached >= SHARED
         after = _metrics(llm)
-        assert after.get("vllm:s3kv_load_errors_missing", 0) == before.get("vllm:s3kv_load_errors_missing", 0) == 0
+        assert (
+            after.get("vllm:s3kv_load_errors_missing", 0)
+            == before.get("vllm:s3kv_load_errors_missing", 0)
+            == 0
+        )
 
         # Negative control: an object deleted behind the manifest's back (no
         # tombstone) is still offered, fails to load, and shows as a load error.
