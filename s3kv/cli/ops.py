@@ -23,12 +23,12 @@ from s3kv.cli.settings import (
     store_options,
 )
 from s3kv.errors import ConfigError, NotFound, S3KVError
-from s3kv.keys import fingerprint, namespace_prefix
-from s3kv.manifest.keyset import as_sorted_unique
+from s3kv.keys import namespace_prefix
 from s3kv.ops import gc as gcmod
 from s3kv.ops import report
 from s3kv.ops.inventory import Inventory, list_namespaces, scan
 from s3kv.ops.lock import held
+from s3kv.ops.verify import delete_corrupt as delete_corrupt_objects
 from s3kv.ops.verify import inspect_object, verify
 from s3kv.stores.base import ObjectStore
 from s3kv.stores.factory import make_store
@@ -361,7 +361,9 @@ def verify_cmd(
             )
         if delete_corrupt and rep.corrupt:
             async with held(store, s.config.prefix, wait_s=wait) as lease:
-                rep.deleted = await _delete_corrupt(store, inv, rep, lease)
+                rep.deleted = await delete_corrupt_objects(
+                    store, inv, rep, lease=lease, skew_s=s.config.manifest_clock_skew_s
+                )
         return rep
 
     rep = run(s, body)
@@ -386,29 +388,6 @@ def verify_cmd(
             + (f"; deleted {len(rep.deleted)}" if rep.deleted else "")
         )
     return EXIT_PROBLEMS if rep.problems else EXIT_OK
-
-
-async def _delete_corrupt(store: ObjectStore, inv: Inventory, rep: Any, lease: Any) -> list[str]:
-    from s3kv.keys import parse_object_key
-
-    keys: list[str] = []
-    tomb: dict[str, list[int]] = {}
-    for p in rep.corrupt:
-        parsed = parse_object_key(p.key)
-        info = inv.namespaces.get(p.namespace or "")
-        if parsed is not None and info is not None and parsed[1] in info.chunks:
-            keys += [o.key for o in info.chunks[parsed[1]].objects]
-            tomb.setdefault(info.id, []).append(fingerprint(parsed[1]))
-        else:
-            keys.append(p.key)
-    for ns, fps in tomb.items():
-        stamps = gcmod._Stamps(inv.namespaces[ns], "gc" + gcmod.new_writer_id())
-        await gcmod._put_segment(
-            store, inv.namespaces[ns], stamps, as_sorted_unique(fps), int(time.time() * 1000)
-        )
-    keys = sorted(set(keys))
-    failed = await gcmod.delete_keys(store, keys, concurrency=8, lease=lease)
-    return [k for k in keys if k not in set(failed)]
 
 
 # -- gc ----------------------------------------------------------------------------

@@ -37,16 +37,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from s3kv.errors import AlreadyExists, NotFound, S3KVError
 from s3kv.keys import fingerprint
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import as_sorted_unique
 from s3kv.manifest.sync import new_writer_id
-from s3kv.ops.inventory import Chunk, Inventory, NamespaceInfo
+from s3kv.ops.inventory import Chunk, Inventory, NamespaceInfo, read_head_bytes
 from s3kv.ops.lock import Lease
-from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, Upload
+from s3kv.stores.base import ObjectMeta, ObjectStore, PutMode, Upload
 
 DELETE_BATCH = 1000
 """Keys per DeleteObjects request (S3's limit)."""
@@ -227,7 +225,7 @@ class Result:
 Progress = Callable[[int], None]
 
 
-class _Stamps:
+class Stamps:
     """Manifest names for one namespace: a stamp after everything listed
     (a hybrid logical clock, like the replicas'), so that a slow gc clock
     cannot hide its tombstones below the replicas' listing floors."""
@@ -293,7 +291,7 @@ async def execute(
 ) -> Result:
     writer = writer or "gc" + new_writer_id()
     result = Result()
-    stamps = {ns: _Stamps(inv.namespaces[ns], writer) for ns in p.scope}
+    stamps = {ns: Stamps(inv.namespaces[ns], writer) for ns in p.scope}
     by_ns: dict[str, list[Deletion]] = {}
     for d in p.deletions:
         by_ns.setdefault(d.ns, []).append(d)
@@ -301,17 +299,8 @@ async def execute(
     for ns, dels in by_ns.items():
         if ns in p.retired:
             continue
-        fps = as_sorted_unique([fingerprint(d.chunk.key) for d in dels])
-        info = inv.namespaces[ns]
-        stamps[ns].seen(
-            [
-                m.key
-                async for m in store.list(
-                    info.manifest_base + "seg/", start_after=_floor(info, stamps[ns], p)
-                )
-            ]
-        )
-        await _put_segment(store, inv.namespaces[ns], stamps[ns], fps, int(clock() * 1000))
+        dead = [d.chunk.key for d in dels]
+        await publish_tombstones(store, inv.namespaces[ns], dead, stamps[ns], p.policy.skew_s, clock)
         result.tombstones += 1
     # 2. The chunks.
     keys = [o.key for o in p.objects]
@@ -354,18 +343,24 @@ async def execute(
     return result
 
 
-def _floor(info: NamespaceInfo, stamps: _Stamps, p: Plan) -> str:
-    """Where a listing of the segments newer than those seen starts."""
-    return info.manifest_base + "seg/" + mf.stamp(max(0, stamps.max_ts - int(p.policy.skew_s * 1000)))
-
-
-async def _put_segment(
-    store: ObjectStore, info: NamespaceInfo, stamps: _Stamps, removed: np.ndarray, now_ms: int
+async def publish_tombstones(
+    store: ObjectStore,
+    info: NamespaceInfo,
+    keys: Iterable[bytes],
+    stamps: Stamps,
+    skew_s: float,
+    clock: Callable[[], float] = time.time,
 ) -> str:
+    """A segment that removes ``keys`` from every replica's manifest, stamped
+    after the newest segment in the bucket (listed afresh from a skew
+    margin below the newest seen), so no replica's listing floor hides it."""
+    floor = info.manifest_base + "seg/" + mf.stamp(max(0, stamps.max_ts - int(skew_s * 1000)))
+    stamps.seen([m.key async for m in store.list(info.manifest_base + "seg/", start_after=floor)])
+    removed = as_sorted_unique([fingerprint(k) for k in keys])
     body = mf.encode(
         mf.ManifestObject("segment", removed=removed, meta={"writer": stamps.writer, "by": "gc"})
     )
-    ts = stamps.next(now_ms)
+    ts = stamps.next(int(clock() * 1000))
     name = mf.segment_name(info.manifest_base, ts, stamps.writer, stamps.seq)
     with contextlib.suppress(AlreadyExists):
         await store.put(name, body, mode=PutMode.CREATE)
@@ -374,11 +369,7 @@ async def _put_segment(
 
 async def read_head(store: ObjectStore, key: str) -> tuple[str, int, int, dict[str, Any]]:
     """A manifest object's kind, counts and header, with one or two ranged GETs."""
-    data = await store.get(key, ByteRange(0, 64 << 10))
-    need = mf.head_length(data)
-    if need > len(data):
-        data += await store.get(key, ByteRange(len(data), need))
-    return mf.decode_head(data, name=key)
+    return mf.decode_head(await read_head_bytes(store, key, mf.head_length), name=key)
 
 
 async def compact(
@@ -386,7 +377,7 @@ async def compact(
     inv: Inventory,
     info: NamespaceInfo,
     p: Plan,
-    stamps: _Stamps,
+    stamps: Stamps,
     result: Result,
     concurrency: int,
     clock: Callable[[], float],
@@ -473,7 +464,7 @@ async def compact(
 
 
 async def _merge_access(
-    store: ObjectStore, info: NamespaceInfo, stamps: _Stamps, result: Result, now_ms: int, concurrency: int
+    store: ObjectStore, info: NamespaceInfo, stamps: Stamps, result: Result, now_ms: int, concurrency: int
 ) -> None:
     """One object per closed hour, holding the live keys used in it."""
     hours: dict[str, list[ObjectMeta]] = {}

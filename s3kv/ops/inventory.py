@@ -22,7 +22,7 @@ import numpy as np
 from s3kv.errors import NotFound
 from s3kv.keys import fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import format as mf
-from s3kv.stores.base import ObjectMeta, ObjectStore
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
 
 DESCRIPTOR = "namespace.json"
 LOCK_NAME = "gc.lock"
@@ -148,6 +148,19 @@ class Inventory:
 
 Progress = Callable[[int], None]
 """Called with how many more objects were listed."""
+
+HEAD_BYTES = 64 << 10
+
+
+async def read_head_bytes(store: ObjectStore, key: str, length_of: Callable[[bytes], int]) -> bytes:
+    """The first bytes of an object, up to the end of its header:
+    ``length_of(first bytes)`` says where that is (one ranged GET, two for
+    a header longer than 64 KiB)."""
+    data = await store.get(key, ByteRange(0, HEAD_BYTES))
+    need = length_of(data)
+    if need > len(data):
+        data += await store.get(key, ByteRange(len(data), need))
+    return data
 
 
 async def _list_all(store: ObjectStore, prefix: str, progress: Progress | None) -> list[ObjectMeta]:

@@ -11,8 +11,8 @@ from s3kv import codec
 from s3kv.errors import CorruptChunk, NotFound, S3KVError
 from s3kv.manifest import format as mf
 from s3kv.ops.gc import read_head
-from s3kv.ops.inventory import Inventory, NamespaceInfo
-from s3kv.stores.base import ByteRange, ObjectStore
+from s3kv.ops.inventory import Inventory, NamespaceInfo, read_head_bytes
+from s3kv.stores.base import ObjectStore
 
 SIZE_EDGES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 AGE_EDGES = [(3600, "1h"), (86400, "1d"), (7 * 86400, "7d"), (30 * 86400, "30d"), (90 * 86400, "90d")]
@@ -85,11 +85,7 @@ async def compression(
     async def one(key: str) -> tuple[int, int] | None:
         async with sem:
             try:
-                head = await store.get(key, ByteRange(0, 64 << 10))
-                need = codec.header_length(head)
-                if need > len(head):
-                    head += await store.get(key, ByteRange(len(head), need))
-                h = codec.parse_header(head)
+                h = codec.parse_header(await read_head_bytes(store, key, codec.header_length))
             except (CorruptChunk, NotFound, S3KVError):
                 return None
         codecs[h.codec] = codecs.get(h.codec, 0) + 1

@@ -23,8 +23,8 @@ from s3kv import codec
 from s3kv.errors import CorruptChunk, NotFound, S3KVError
 from s3kv.keys import parse_object_key
 from s3kv.manifest import format as mf
-from s3kv.ops.inventory import Inventory
-from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
+from s3kv.ops.inventory import Inventory, read_head_bytes
+from s3kv.stores.base import ObjectMeta, ObjectStore
 
 
 @dataclass
@@ -147,6 +147,40 @@ async def verify(
     return report
 
 
+async def delete_corrupt(
+    store: ObjectStore,
+    inv: Inventory,
+    report: VerifyReport,
+    *,
+    lease: Any,
+    skew_s: float,
+    concurrency: int = 8,
+) -> list[str]:
+    """Delete what verify found corrupt: every rank of a damaged chunk (after
+    a tombstone, as gc does), or the damaged manifest object or descriptor.
+    Returns the keys deleted."""
+    from s3kv.manifest.sync import new_writer_id
+    from s3kv.ops.gc import Stamps, delete_keys, publish_tombstones
+
+    keys: set[str] = set()
+    dead: dict[str, list[bytes]] = {}
+    for p in report.corrupt:
+        parsed = parse_object_key(p.key)
+        info = inv.namespaces.get(p.namespace or "")
+        if parsed is not None and info is not None and parsed[1] in info.chunks:
+            keys.update(o.key for o in info.chunks[parsed[1]].objects)
+            dead.setdefault(info.id, []).append(parsed[1])
+        else:
+            keys.add(p.key)
+    writer = "gc" + new_writer_id()
+    for ns, chunk_keys in dead.items():
+        info = inv.namespaces[ns]
+        await publish_tombstones(store, info, chunk_keys, Stamps(info, writer), skew_s)
+    ordered = sorted(keys)
+    failed = set(await delete_keys(store, ordered, concurrency=concurrency, lease=lease))
+    return [k for k in ordered if k not in failed]
+
+
 async def inspect_object(store: ObjectStore, name: str, *, check_frames: bool = False) -> dict[str, Any]:
     """What one object is: a chunk's header (and, with ``check_frames``, its
     frames checked), or a manifest object's kind, counts and header."""
@@ -161,11 +195,7 @@ async def inspect_object(store: ObjectStore, name: str, *, check_frames: bool = 
             "removed": int(obj.removed.size),
             "header": obj.meta,
         }
-    head = await store.get(name, ByteRange(0, 64 << 10))
-    need = codec.header_length(head)
-    if need > len(head):
-        head += await store.get(name, ByteRange(len(head), need))
-    h = codec.parse_header(head)
+    h = codec.parse_header(await read_head_bytes(store, name, codec.header_length))
     out: dict[str, Any] = {
         "object": name,
         "type": "chunk",
