@@ -42,31 +42,23 @@ EXIT_CODES_HELP = (
 )
 
 
-class Duration(click.ParamType):
-    name = "DURATION"
+class Parsed(click.ParamType):
+    """A flag value read by one of s3kv's own parsers (``parse_duration``,
+    ``parse_size``), so the CLI accepts exactly what the config accepts."""
 
-    def convert(self, value: Any, param: Any, ctx: Any) -> float:
-        if isinstance(value, float):
+    def __init__(self, name: str, parse: Callable[..., Any], kind: type) -> None:
+        self.name, self._parse, self._kind = name, parse, kind
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, self._kind) and not isinstance(value, bool):
             return value
         try:
-            return parse_duration(value, name="duration")
+            return self._parse(value, name="value")
         except ConfigError as e:
-            self.fail(str(e).removeprefix("duration: "), param, ctx)
+            self.fail(str(e).removeprefix("value: "), param, ctx)
 
 
-class Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            return parse_size(value, name="size")
-        except ConfigError as e:
-            self.fail(str(e).removeprefix("size: "), param, ctx)
-
-
-DURATION, SIZE = Duration(), Size()
+DURATION, SIZE = Parsed("DURATION", parse_duration, float), Parsed("SIZE", parse_size, int)
 
 
 class Settings:
