@@ -23,6 +23,7 @@ ADDRESSING_STYLES: tuple[str, ...] = ("auto", "path", "virtual")
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "local_only")
 DISK_FSYNC: tuple[str, ...] = ("never", "always")
 
+_DIGEST_RE = re.compile(r"^[A-Za-z0-9:._\-+/=]{8,256}$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _PREFIX_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._\-=]+$")
 
@@ -85,6 +86,22 @@ class S3KVConfig:
     manifest_refresh_s: float = _key(5.0, "How often a replica looks for other replicas' manifest segments.")
     manifest_clock_skew_s: float = _key(
         60.0, "Replicas whose clocks disagree by less than this never miss each other's segments."
+    )
+    manifest_max_bytes: int = _key(
+        1 << 30, "A manifest segment or snapshot larger than this is refused without being read."
+    )
+    model_digest: str | None = _key(
+        None,
+        "The weights' digest as a model registry knows it (e.g. sha256:...); skips hashing every "
+        "weight file at start-up. It must change whenever the weights do.",
+    )
+    namespace_salt: str | None = _key(
+        None, "Any string: replicas with different salts never share KV (per tenant, per deployment)."
+    )
+    auth_key_file: str | None = _key(
+        None,
+        "File holding the fleet secret (or several, comma-separated: the first signs, all verify); "
+        "S3KV_AUTH_KEY in the environment takes precedence. Objects without a valid MAC are refused.",
     )
 
     @property
@@ -185,6 +202,21 @@ def _str(key: str, value: Any) -> str:
     return value
 
 
+def _digest(value: Any) -> str:
+    if not isinstance(value, str) or not _DIGEST_RE.match(value):
+        raise ConfigError(
+            "model_digest: expected 8-256 characters of letters, digits and : . _ - + / = "
+            f"(e.g. sha256:<hex>), got {value!r}"
+        )
+    return value
+
+
+def _salt(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 256 or not value.isprintable():
+        raise ConfigError("namespace_salt: expected 1-256 printable characters")
+    return value
+
+
 _PARSERS = {
     "bucket": _bucket,
     "prefix": _prefix,
@@ -211,6 +243,10 @@ _PARSERS = {
     "manifest_publish_s": lambda v: _positive_duration("manifest_publish_s", v),
     "manifest_refresh_s": lambda v: _positive_duration("manifest_refresh_s", v),
     "manifest_clock_skew_s": lambda v: parse_duration(v, name="manifest_clock_skew_s"),
+    "manifest_max_bytes": lambda v: _positive_size("manifest_max_bytes", v),
+    "model_digest": _digest,
+    "namespace_salt": _salt,
+    "auth_key_file": lambda v: _str("auth_key_file", v),
 }
 assert set(_PARSERS) == set(KNOWN_KEYS), set(_PARSERS) ^ set(KNOWN_KEYS)
 

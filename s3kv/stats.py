@@ -80,6 +80,34 @@ FAMILIES: tuple[Family, ...] = (
     _c("manifest_errors", "Manifest reads or writes that failed (retried later)"),
     _c("manifest_dropped", "Keys dropped from the manifest: their object was missing or corrupt"),
     _c(
+        "manifest_skipped",
+        "Objects under the manifest prefix skipped, by reason: folder markers, names that are no "
+        "manifest object's, garbage, access denied, stamps in the future, too large, unsigned or badly signed",
+        "reason",
+        ("marker", "foreign", "garbage", "denied", "future", "oversize", "unsigned"),
+    ),
+    _c(
+        "quarantined_chunks",
+        "Corrupt chunk objects this replica could not delete, reported to the fleet as bad (gc removes them)",
+    ),
+    _c(
+        "unkeyed_requests",
+        "Requests served without the cache while the model's (or a LoRA adapter's) content digest was "
+        "being computed: no hits offered, nothing stored",
+        "reason",
+        ("model", "adapter"),
+    ),
+    _c(
+        "breaker_trips",
+        "Times a tier's circuit breaker opened (the tier is not used until a probe succeeds)",
+        "tier",
+        ("disk", "s3"),
+    ),
+    _c(
+        "disk_scan_skipped",
+        "Entries of the NVMe directory skipped at start-up: foreign, unreadable or oddly named",
+    ),
+    _c(
         "s3_requests",
         "HTTP requests sent to S3 (retries included), by operation",
         "op",
@@ -110,6 +138,13 @@ FAMILIES: tuple[Family, ...] = (
         "manifest_staleness_seconds",
         "gauge",
         "Seconds since the manifest was last brought up to date from S3 (as of the last engine step)",
+    ),
+    Family(
+        "breaker_open",
+        "gauge",
+        "1 while a tier's circuit breaker is open (or probing), else 0",
+        "tier",
+        ("disk", "s3"),
     ),
     Family("inflight_bytes", "gauge", "KV bytes copied out and waiting to be written to NVMe or S3"),
     Family("tier_used_bytes", "gauge", "Bytes held in a local tier", "tier", ("cpu", "disk")),
