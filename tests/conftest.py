@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,6 +18,9 @@ import pytest
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+# The weight-digest cache of every engine the tests start (they inherit it):
+# not the user's own.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="s3kv-test-cache-")
 
 
 def free_port() -> int:

@@ -117,7 +117,7 @@ class S3KVConnector(KVConnectorBase_V1):
         _log_through_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
-        layout = engine_layout(vllm_config, kv_cache_config)
+        layout = engine_layout(vllm_config, kv_cache_config, self.config)
         self.config.validate_block_size(layout.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -162,10 +162,12 @@ class S3KVConnector(KVConnectorBase_V1):
     def _meta(self) -> S3KVMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, S3KVMetadata)
+        self.worker.bind(meta)
         return meta
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, S3KVMetadata)
+        self.worker.bind(kv_connector_metadata)
         self.worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

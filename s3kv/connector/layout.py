@@ -1,13 +1,21 @@
 """What the vLLM engine tells s3kv about KV layout and identity: the
-namespace fields, block size, layer order and TP rank."""
+namespace fields that vLLM's config decides (dtypes, page shape, attention
+backend, TP, quantization, load format, the effective model config...),
+where the weights are (their content digest is resolved later, off the
+scheduling loop), block size and layer order."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
+from s3kv.config import S3KVConfig
 from s3kv.errors import ConfigError
-from s3kv.identity import model_identity
+from s3kv.identity import ModelSource, canonical_config
 from s3kv.keys import Namespace
 
 if TYPE_CHECKING:
@@ -17,7 +25,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineLayout:
-    namespace: Namespace
+    fields: Mapping[str, Any]
+    """Namespace fields from vLLM's config (everything but the weights' digest)."""
+    model: ModelSource
+    """Where the weights are: :func:`s3kv.identity.resolve_identity` names them."""
     block_size: int
     layer_names: tuple[str, ...]
     tp_size: int
@@ -25,6 +36,10 @@ class EngineLayout:
     """Ranks that each store a shard of every chunk."""
     page_size_bytes: int = 0
     """Bytes of one block of one layer on one rank."""
+
+    def namespace(self, identity: Mapping[str, Any]) -> Namespace:
+        """The namespace, once the weights' identity is known."""
+        return Namespace.from_fields({**identity, **self.fields})
 
     def shard_bytes(self, chunk_tokens: int) -> int:
         """Bytes of one rank's pages of a chunk, all layers."""
@@ -42,8 +57,32 @@ def _cpu_attention_isa(dtype: Any, block_size: int, head_size: int, cache_dtype:
         return f"flags(amx={torch.cpu._is_amx_tile_supported()},avx512={torch.cpu._is_avx512_supported()},{type(e).__name__})"
 
 
-def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineLayout:
-    """Everything that must match for two engines to exchange KV pages."""
+def _digest_of(value: Any) -> str | None:
+    """A stable digest of a config value (None stays None)."""
+    if value is None or value == {}:
+        return None
+    if callable(value):  # hf_overrides may be a function: its effect is in the effective config
+        return f"callable:{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+    return xxhash.xxh3_128_hexdigest(json.dumps(value, sort_keys=True, default=str).encode())
+
+
+def _hf_config_dict(model: Any) -> dict[str, Any]:
+    hf = getattr(model, "hf_config", None)
+    if hf is None:
+        return {}
+    try:
+        return dict(hf.to_dict())
+    except Exception:  # a config class without to_dict: its attributes
+        return {k: v for k, v in vars(hf).items() if not k.startswith("_")}
+
+
+def engine_layout(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: S3KVConfig | None = None
+) -> EngineLayout:
+    """Everything that must match for two engines to exchange KV pages.
+
+    Raises ConfigError for setups whose KV must never be shared (dummy
+    weights) or that s3kv does not support."""
     from vllm.platforms import current_platform
 
     groups = kv_cache_config.kv_cache_groups
@@ -58,9 +97,29 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> En
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
+    load = getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(load, "load_format", "auto"))
+    if load_format == "dummy":
+        raise ConfigError(
+            "load_format: 'dummy' fills the model with random weights; their KV must never be "
+            "shared, so s3kv refuses to run with it (remove the KV connector, or load real weights)"
+        )
+    if getattr(cache, "calculate_kv_scales", False) and str(cache.cache_dtype) != "auto":
+        raise ConfigError(
+            "calculate_kv_scales: KV scales computed from each replica's first batch make its "
+            "quantized KV bytes its own; s3kv needs scales from the checkpoint"
+        )
     attention_backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    config = config or S3KVConfig()
     fields: dict[str, Any] = {
-        **model_identity(model.model, getattr(model, "revision", None)),
+        "model_config": xxhash.xxh3_128_hexdigest(canonical_config(_hf_config_dict(model)).encode()),
+        "hf_overrides": _digest_of(getattr(model, "hf_overrides", None)),
+        "quantization": str(getattr(model, "quantization", None)),
+        "quantization_config": _digest_of(getattr(model, "quantization_config", None)),
+        "load_format": load_format,
+        "kv_scales": "calculated" if getattr(cache, "calculate_kv_scales", False) else "checkpoint",
+        "kv_cache_dtype_skip_layers": sorted(getattr(cache, "kv_cache_dtype_skip_layers", None) or []),
+        "namespace_salt": config.namespace_salt,
         "model_dtype": str(model.dtype),
         "kv_cache_dtype": str(cache.cache_dtype),
         "block_size": block_size,
@@ -86,7 +145,13 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> En
             str(cache.cache_dtype),
         )
     return EngineLayout(
-        namespace=Namespace.from_fields(fields),
+        fields=fields,
+        model=ModelSource(
+            str(model.model),
+            getattr(model, "revision", None),
+            config.model_digest,
+            getattr(load, "download_dir", None),
+        ),
         block_size=block_size,
         layer_names=tuple(groups[0].layer_names),
         tp_size=int(parallel.tensor_parallel_size),

@@ -25,6 +25,9 @@ class S3KVMetadata(KVConnectorMetadata):
     stores: list[StoreChunk] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     preempted: bool = False
+    namespace: str | None = None
+    """The namespace the plans are in; None (and no plans) until the
+    scheduler side knows the model's identity."""
 
 
 @dataclass

@@ -3,27 +3,31 @@
 It answers vLLM's lookups from memory (the local tiers' indexes and the
 bucket's hot :class:`Manifest`), plans loads and stores with the
 :class:`Planner`, and learns from the workers' reports. Start-up checks
-credentials and the bucket and rebuilds the NVMe tier's index from its
-directory; the manifest loads in the background (waited for a few seconds),
-so serving starts at once. Evicted NVMe files are deleted by a
-thread of their own, never in the scheduling loop.
+credentials and the bucket; the model's identity (a digest of its weights),
+then the NVMe tier's index and the manifest are built in the background
+(waited for a few seconds), so serving starts at once: until the namespace
+is known the replica offers no hits and stores nothing. Evicted NVMe files
+are deleted by a thread of their own, never in the scheduling loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from s3kv.config import S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, Transient
-from s3kv.keys import namespace_prefix
+from s3kv.identity import DigestCache, content_digest, resolve_identity
+from s3kv.keys import Namespace, namespace_prefix
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest.format import manifest_prefix
 from s3kv.stats import Counters
@@ -42,22 +46,65 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("s3kv.scheduler")
 
-MANIFEST_WAIT_S = 5.0
-"""At start-up, wait this long for the manifest, so that a fresh replica's
-first requests already hit; a longer load goes on in the background."""
+STARTUP_WAIT_S = 5.0
+"""At start-up, wait this long for the model's identity and the manifest, so
+that a fresh replica's first requests already hit; what takes longer (a
+first start hashing a large model's weights) goes on in the background
+while vLLM serves without the cache."""
 MANIFEST_FLUSH_S = 5.0
 
 
-def _extras_fn(request: Request) -> Any:
+def _extras_fn(request: Request, adapter_digest: str | None) -> Any:
     """vLLM's own extra block-hash keys (LoRA, multimodal, cache_salt, prompt
-    embeddings) for a token range, or None when the request has none."""
+    embeddings) for a token range, or None when the request has none. The
+    LoRA key names the adapter by its content digest, not its name and path."""
     if not (
         request.lora_request or request.mm_features or request.cache_salt or request.prompt_embeds is not None
     ):
         return None
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-    return lambda start, end: generate_block_hash_extra_keys(request, start, end, 0)[0]
+    def extras(start: int, end: int) -> Any:
+        keys = generate_block_hash_extra_keys(request, start, end, 0)[0]
+        if keys and adapter_digest is not None:
+            keys = tuple(
+                ("lora", adapter_digest) if isinstance(k, tuple) and k and k[0] == "lora" else k for k in keys
+            )
+        return keys
+
+    return extras
+
+
+class AdapterDigests:
+    """LoRA adapters' content digests, hashed in the background on first
+    sight: until an adapter's digest is known, its requests are unkeyed."""
+
+    def __init__(self, cache: DigestCache | None) -> None:
+        self._cache = cache
+        self._known: dict[tuple[str, int, str], str | None] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3kv-adapter-hash")
+
+    def get(self, lora: Any) -> str | None:
+        """The adapter's digest, or None while it is being hashed (or could not be)."""
+        ident = (str(lora.lora_name), int(lora.lora_int_id), str(lora.lora_path))
+        if ident in self._known:
+            return self._known[ident]
+        self._known[ident] = None
+        self._executor.submit(self._hash, ident)
+        return None
+
+    def _hash(self, ident: tuple[str, int, str]) -> None:
+        try:
+            self._known[ident] = "adapter:" + content_digest(Path(ident[2]), self._cache)
+        except Exception as e:
+            log.error(
+                "s3kv: LoRA adapter %s cannot be hashed (%s); its requests are served without the cache",
+                ident[0],
+                e,
+            )
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class SchedulerSide:
@@ -69,37 +116,24 @@ class SchedulerSide:
         failure_policy: str,
         model: str,
         emit_events: bool = False,
+        digest_cache: DigestCache | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
         self.counters = Counters("scheduler")
-        shard_bytes = layout.shard_bytes(config.chunk_tokens)
+        self._model_name = model
+        self._emit_events = emit_events
         self.index = Manifest() if config.uses_s3 else None
-        cpu = cpu_index(config.cpu_bytes, shard_bytes)
+        self._cpu = cpu_index(config.cpu_bytes, layout.shard_bytes(config.chunk_tokens))
+        self.namespace: Namespace | None = None
+        self.planner: Planner | None = None
+        """Made once the model's identity is known (:meth:`_activate`); until
+        then the replica offers no hits and stores nothing."""
         self.disk: DiskSetup | None = None
         self._cleaner: DiskCleaner | None = None
-        evicted: list = []
-        if config.disk_path is not None:
-            self.disk, evicted = open_disk(
-                config.disk_path, layout.namespace.id, layout.world_size, config.disk_bytes
-            )
-        self.planner = Planner(
-            namespace=layout.namespace,
-            chunk_tokens=config.chunk_tokens,
-            block_size=layout.block_size,
-            s3=self.index,
-            cpu=cpu,
-            disk=self.disk.index if self.disk is not None else None,
-            world_size=layout.world_size,
-            shard_bytes=shard_bytes,
-            promote=config.promote,
-            save_generated=config.save_generated,
-            emit_events=emit_events,
-            counters=self.counters,
-        )
-        if self.disk is not None:
-            self._cleaner = DiskCleaner(self.disk.root, layout.namespace.id, layout.world_size)
-            self._cleaner.delete(evicted)
+        self._unkeyed: dict[str, None] = {}
+        self._digests = digest_cache if digest_cache is not None else DigestCache()
+        self._adapters = AdapterDigests(self._digests)
         self.kv_cache_manager: KVCacheManager | None = None
         if failure_policy != "recompute":
             log.warning(
@@ -111,12 +145,57 @@ class SchedulerSide:
         self._loop = BackgroundLoop("s3kv-scheduler")
         self._store = make_store(config, self.counters) if config.uses_s3 else None
         self._sync: ManifestSync | None = None
-        self._sync_task: concurrent.futures.Future[None] | None = None
+        self._s3_down = False
+        if self._store is not None:
+            self._check_store()
+        self._ready = threading.Event()
+        self._start_task: concurrent.futures.Future[None] = self._loop.submit(self._start())
+        if not self._ready.wait(STARTUP_WAIT_S):
+            log.info("s3kv: the model's identity or the manifest goes on loading in the background")
+
+    async def _start(self) -> None:
+        """Resolve the model's identity (hashing its weights on a first
+        start), set the tiers up for its namespace, then keep the manifest in
+        step with the fleet until cancelled."""
+        started = time.monotonic()
+        try:
+            identity = await asyncio.to_thread(resolve_identity, self.layout.model, self._digests)
+        except Exception as e:
+            log.error(
+                "s3kv: the model's identity cannot be established (%s); this replica serves "
+                "without the KV cache",
+                e,
+            )
+            return
+        await asyncio.to_thread(self._activate, identity, time.monotonic() - started)
+        if self._sync is None:
+            self._ready.set()
+            return
+
+        def on_loaded() -> None:
+            if self.planner is not None:
+                self.planner.s3_down = False
+            self._ready.set()
+
+        await self._sync.run(on_loaded)
+
+    def _activate(self, identity: dict[str, Any], identity_s: float) -> None:
+        """The identity is known: build the namespace's tiers and planner."""
+        config, layout = self.config, self.layout
+        namespace = layout.namespace(identity)
+        evicted: list = []
+        if config.disk_path is not None:
+            self.disk, evicted = open_disk(
+                config.disk_path, namespace.id, layout.world_size, config.disk_bytes
+            )
+        if self.disk is not None:
+            self._cleaner = DiskCleaner(self.disk.root, namespace.id, layout.world_size)
+            self._cleaner.delete(evicted)
         if self._store is not None:
             assert self.index is not None
             self._sync = ManifestSync(
                 self._store,
-                manifest_prefix(config.prefix, layout.namespace.id),
+                manifest_prefix(config.prefix, namespace.id),
                 self.index,
                 SyncSettings(
                     publish_s=config.manifest_publish_s,
@@ -125,20 +204,30 @@ class SchedulerSide:
                 ),
                 counters=self.counters,
             )
-            self._check_store()
-            self._loop.submit(self._describe_namespace(model))
-            loaded = threading.Event()
-
-            def on_loaded() -> None:
-                self.planner.s3_down = False
-                loaded.set()
-
-            self._sync_task = self._loop.submit(self._sync.run(on_loaded))
-            if not loaded.wait(MANIFEST_WAIT_S):
-                log.info("s3kv: the manifest goes on loading in the background")
+            self._loop.submit(self._describe_namespace(namespace))
+        planner = Planner(
+            namespace=namespace,
+            chunk_tokens=config.chunk_tokens,
+            block_size=layout.block_size,
+            s3=self.index,
+            cpu=self._cpu,
+            disk=self.disk.index if self.disk is not None else None,
+            world_size=layout.world_size,
+            shard_bytes=layout.shard_bytes(config.chunk_tokens),
+            promote=config.promote,
+            save_generated=config.save_generated,
+            emit_events=self._emit_events,
+            counters=self.counters,
+        )
+        planner.s3_down = self._s3_down
+        self.namespace = namespace
+        self.planner = planner  # last: the scheduling loop starts using it now
+        cpu = self._cpu
         log.info(
-            "s3kv: namespace %s; tiers: cpu %s, disk %s, s3 %s (chunk_tokens=%d, block_size=%d, ranks=%d)",
-            layout.namespace.id,
+            "s3kv: namespace %s (identity in %.2f s); tiers: cpu %s, disk %s, s3 %s "
+            "(chunk_tokens=%d, block_size=%d, ranks=%d)",
+            namespace.id,
+            identity_s,
             f"{cpu.capacity} slots" if cpu is not None else "off",
             self.disk.root if self.disk is not None else "off",
             f"s3://{config.bucket}/{config.prefix}" if self._store is not None else "off",
@@ -165,16 +254,16 @@ class SchedulerSide:
                 "retrying in the background",
                 e,
             )
-            self.planner.s3_down = True
+            self._s3_down = True
 
-    async def _describe_namespace(self, model: str) -> None:
+    async def _describe_namespace(self, namespace: Namespace) -> None:
         """Leave a small descriptor so operators can tell namespaces apart."""
-        key = namespace_prefix(self.config.prefix, self.layout.namespace.id) + "namespace.json"
+        key = namespace_prefix(self.config.prefix, namespace.id) + "namespace.json"
         body = json.dumps(
             {
-                "namespace": self.layout.namespace.id,
-                "model": model,
-                "fields": dict(self.layout.namespace.fields),
+                "namespace": namespace.id,
+                "model": self._model_name,
+                "fields": dict(namespace.fields),
                 "chunk_tokens": self.config.chunk_tokens,
             },
             indent=1,
@@ -191,15 +280,31 @@ class SchedulerSide:
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if request.prompt_token_ids is None:  # prompt embeddings only: nothing to key on
             return 0, False
-        if not self.planner.knows(request.request_id):
+        planner = self.planner
+        adapter = None
+        pending = "model" if planner is None else None
+        if pending is None and request.lora_request is not None:
+            adapter = self._adapters.get(request.lora_request)
+            pending = "adapter" if adapter is None else None
+        if pending is not None:  # no hits, and (the planner not knowing it) no stores
+            if request.request_id not in self._unkeyed:
+                if len(self._unkeyed) > 4096:
+                    self._unkeyed.clear()
+                self._unkeyed[request.request_id] = None
+                self.counters.add(f"unkeyed_requests_{pending}")
+                self.counters.add("lookup_requests")
+                self.counters.add("lookup_tokens", request.num_prompt_tokens)
+            return 0, False
+        assert planner is not None
+        if not planner.knows(request.request_id):
             self.counters.add("lookup_requests")
             self.counters.add("lookup_tokens", request.num_prompt_tokens)
-        return self.planner.lookup(
+        return planner.lookup(
             request.request_id,
             request.all_token_ids,
             request.num_tokens,
             num_computed_tokens,
-            _extras_fn(request),
+            _extras_fn(request, adapter),
             num_prompt_tokens=request.num_prompt_tokens,
             prefix_ids=self._prefix_ids(request),
         )
@@ -219,17 +324,20 @@ class SchedulerSide:
         return prefix_id
 
     def on_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
+        if num_external_tokens <= 0 or self.planner is None:
             return
         self.planner.on_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
         self._delete_evicted()
 
     def hit_sources(self, request: Request) -> dict[Tier, int]:
-        return self.planner.hit_sources(request.request_id)
+        return self.planner.hit_sources(request.request_id) if self.planner is not None else {}
 
     def build_meta(self, out: SchedulerOutput) -> S3KVMetadata:
+        planner = self.planner
+        if planner is None:
+            return S3KVMetadata()
         if self._cleaner is not None:
-            self.planner.on_deleted(self._cleaner.take_done())
+            planner.on_deleted(self._cleaner.take_done())
         scheduled: list[ScheduledRequest] = []
         for new in out.scheduled_new_reqs:
             scheduled.append(
@@ -253,15 +361,21 @@ class SchedulerSide:
                     lambda r=req_id: manager.get_block_ids(r)[0],
                 )
             )
-        plan = self.planner.plan_step(scheduled)
+        plan = planner.plan_step(scheduled)
         self._delete_evicted()
         return S3KVMetadata(
-            loads=plan.loads, stores=plan.stores, held=plan.held, preempted=bool(out.preempted_req_ids)
+            loads=plan.loads,
+            stores=plan.stores,
+            held=plan.held,
+            preempted=bool(out.preempted_req_ids),
+            namespace=planner.namespace.id,
         )
 
     def on_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         p = self.planner
+        if p is None:  # nothing was planned yet, so nothing to hear of
+            return
         if isinstance(meta, S3KVWorkerMetadata):
             for tier in Tier:
                 written = {k: n for (t, k), n in meta.written.items() if t is tier}
@@ -285,18 +399,22 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """True: vLLM keeps the blocks until the workers copied the request's
         last chunks (those with generated tokens) out of them."""
+        if self.planner is None:
+            return False
         computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
         hold = self.planner.request_finished(request.request_id, block_ids, computed)
         self._delete_evicted()
         return hold
 
     def _delete_evicted(self) -> None:
+        if self.planner is None:
+            return
         evicted = self.planner.take_disk_evictions()
         if evicted and self._cleaner is not None:
             self._cleaner.delete(evicted)
 
     def take_events(self) -> list[TierEvent]:
-        return self.planner.take_events()
+        return self.planner.take_events() if self.planner is not None else []
 
     def take_stats(self) -> dict[str, Any]:
         """This step's figures, with the gauges only the scheduler knows."""
@@ -306,20 +424,20 @@ class SchedulerSide:
         if self._sync is not None and self._sync.refreshed_at is not None:
             c.set("manifest_staleness_seconds", round(max(0.0, time.time() - self._sync.refreshed_at)))
         p = self.planner
-        if p.cpu is not None:
+        if p is not None and p.cpu is not None:
             slot_bytes = self.layout.shard_bytes(self.config.chunk_tokens) * self.layout.world_size
             c.set("tier_used_bytes_cpu", p.cpu.used * slot_bytes)
             c.set("tier_capacity_bytes_cpu", p.cpu.capacity * slot_bytes)
-        if p.disk is not None:
+        if p is not None and p.disk is not None:
             c.set("tier_used_bytes_disk", p.disk.used)
             c.set("tier_capacity_bytes_disk", p.disk.capacity)
         return c.take()
 
     def shutdown(self) -> None:
-        if self._sync_task is not None:
-            self._sync_task.cancel()  # a publish it was making puts its keys back
-            with contextlib.suppress(Exception):
-                concurrent.futures.wait([self._sync_task], timeout=MANIFEST_FLUSH_S)
+        self._start_task.cancel()  # a publish it was making puts its keys back
+        with contextlib.suppress(Exception):
+            concurrent.futures.wait([self._start_task], timeout=MANIFEST_FLUSH_S)
+        self._adapters.close()
         if self._sync is not None and self._sync.loaded:
             try:  # what this replica stored since the last publish
                 self._loop.run(self._sync.publish(), timeout=MANIFEST_FLUSH_S)

@@ -76,7 +76,7 @@ class WorkerSide:
         self.engine = TransferEngine(
             make_store(config, self.counters) if config.uses_s3 else None,
             EngineSettings(
-                namespace=layout.namespace.id,
+                namespace=None,
                 prefix=config.prefix,
                 rank=rank,
                 num_layers=len(layout.layer_names),
@@ -131,6 +131,12 @@ class WorkerSide:
             ),
             self.pool,
         )
+
+    def bind(self, meta: S3KVMetadata) -> None:
+        """A step's plans: the first that names the namespace sets it (the
+        scheduler side plans nothing before it knows the model's identity)."""
+        if meta.namespace is not None and meta.namespace != self.engine.namespace:
+            self.engine.set_namespace(meta.namespace)
 
     # -- loads ---------------------------------------------------------------------
     def start_load(self, meta: S3KVMetadata) -> None:

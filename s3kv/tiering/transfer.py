@@ -65,7 +65,8 @@ class PollResult:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    namespace: str
+    namespace: str | None
+    """None until the model's identity is known (:meth:`TransferEngine.set_namespace`)."""
     prefix: str
     rank: int
     num_layers: int
@@ -128,23 +129,36 @@ class TransferEngine:
         self._closed = False
         if s3 is not None:
             self._track(self._loop.submit(s3.open()))  # connect before the first load
+        self.namespace: str | None = settings.namespace
         self.codec: ChunkCodec | None = None
         self.pool: HostPool | None = None
         self.disk: DiskTier | None = None
+        self._fmt: PageFormat | None = None
 
     def configure(self, fmt: PageFormat, pool: HostPool | None = None) -> None:
         """The KV cache is known: loads must match ``fmt``, stores record it."""
-        self.codec = ChunkCodec(
-            self.s.namespace, self.s.rank, self.s.num_layers, fmt, self.s.codec, self.s.zstd_level
-        )
+        self._fmt = fmt
         self.pool = pool
+        if self.namespace is not None:
+            self.set_namespace(self.namespace)
+
+    def set_namespace(self, namespace: str) -> None:
+        """The namespace every chunk shard of this engine is in (known once
+        the model's identity is): objects are named and checked by it."""
+        self.namespace = namespace
+        if self._fmt is None:
+            return
+        self.codec = ChunkCodec(
+            namespace, self.s.rank, self.s.num_layers, self._fmt, self.s.codec, self.s.zstd_level
+        )
         if self.s.disk_path is not None:
             self.disk = DiskTier(Path(self.s.disk_path), self.codec, fsync=self.s.disk_fsync)
 
     def chunk_id(self, key: bytes) -> ChunkId:
+        assert self.namespace is not None, "no namespace yet"
         return ChunkId(
-            object_key(self.s.prefix, self.s.namespace, key, self.s.rank),
-            self.s.namespace,
+            object_key(self.s.prefix, self.namespace, key, self.s.rank),
+            self.namespace,
             key.hex(),
             self.s.rank,
         )

@@ -163,3 +163,31 @@ def chunk_objects(client: Any, bucket: str) -> dict[str, bytes]:
             if parse_object_key(obj["Key"]) is not None:
                 out[obj["Key"]] = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
     return out
+
+
+def lookalike_model(src: Path, dst: Path, layer: int = 2) -> tuple[Path, list[tuple[int, int]]]:
+    """A copy of model ``src`` whose layer ``layer`` K and V projections are
+    negated in place: the same config and file sizes, other KV. Returns it
+    and the byte ranges of the file that changed."""
+    import shutil
+    import struct
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    (hlen,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8 : 8 + hlen])
+    changed = []
+    for name in (
+        f"model.layers.{layer}.self_attn.k_proj.weight",
+        f"model.layers.{layer}.self_attn.v_proj.weight",
+    ):
+        start, end = (8 + hlen + o for o in header[name]["data_offsets"])
+        assert header[name]["dtype"] == "BF16"
+        for i in range(start + 1, end, 2):  # the high byte of each bf16: its sign
+            data[i] ^= 0x80
+        changed.append((start, end))
+    weights.write_bytes(bytes(data))
+    return dst, changed

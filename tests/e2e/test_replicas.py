@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from s3kv import codec
-from s3kv.demo.model import build_model
 from s3kv.keys import Namespace, chain_keys, parse_object_key
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import (
@@ -14,6 +13,7 @@ from tests.e2e.harness import (
     chunk_objects,
     copy_bucket,
     kv_config,
+    lookalike_model,
     metric,
     run_replica,
     worker_total,
@@ -130,10 +130,19 @@ def test_corrupt_objects_are_recomputed_and_replaced(
     assert checked == len(after) - 1
 
 
-def test_different_model_gets_no_hits(replica_a, workdir, tmp_path_factory, s3_server, bucket_a):
-    # Same config.json and file sizes as the first model; other weights.
-    other = build_model(tmp_path_factory.mktemp("other") / "llama", seed=1)
+def test_different_model_gets_no_hits(
+    replica_a, baseline, model, workdir, tmp_path_factory, s3_server, bucket_a
+):
+    # A look-alike: the same config.json and file sizes, and the same bytes
+    # but for one layer's K and V projections in the middle of the file,
+    # between the windows that s3kv once sampled instead of hashing it all.
+    other, changed = lookalike_model(model, tmp_path_factory.mktemp("other") / "llama")
+    size = (model / "model.safetensors").stat().st_size
+    windows = [((size - (64 << 10)) * i // 7, (size - (64 << 10)) * i // 7 + (64 << 10)) for i in range(8)]
+    assert all(end <= w0 or start >= w1 for start, end in changed for w0, w1 in windows)
+    assert all(0.25 < start / size < 0.75 for start, _ in changed)
     d = run_replica(workdir, "D", other, PROMPTS, kv_config(s3_server.endpoint_url, bucket_a))
+    assert d["outputs"] != baseline["outputs"]  # its KV differs: sharing A's would be wrong
     assert metric(d, "lookup_requests") == len(PROMPTS)
     assert metric(d, "hit_tokens") == 0
     assert worker_total(d, "load_chunks_s3") == 0

@@ -12,7 +12,7 @@ import pytest
 
 from s3kv.config import parse_config
 from s3kv.errors import ConfigError
-from s3kv.keys import Namespace
+from s3kv.identity import ModelSource, resolve_identity
 
 pytest.importorskip("vllm")
 
@@ -20,7 +20,8 @@ from s3kv.connector.layout import EngineLayout  # noqa: E402
 from s3kv.connector.scheduler import SchedulerSide  # noqa: E402
 
 LAYOUT = EngineLayout(
-    Namespace.from_fields({"model": "unit"}),
+    {"model": "unit"},
+    ModelSource("unit", digest="unit-test-weights"),
     block_size=32,
     layer_names=("l0",),
     tp_size=1,
@@ -66,8 +67,8 @@ from s3kv.config import parse_config
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.scheduler import SchedulerSide
 from s3kv.errors import ConfigError
-from s3kv.keys import Namespace
-layout = EngineLayout(Namespace.from_fields({"m": 1}), 32, ("l0",), 1, 1)
+from s3kv.identity import ModelSource
+layout = EngineLayout({"m": 1}, ModelSource("m", digest="unit-test-weights"), 32, ("l0",), 1, 1)
 try:
     SchedulerSide(parse_config({"bucket": "b-x1", "endpoint_url": "%s", "region": "us-east-1"}), layout, failure_policy="recompute", model="m")
 except ConfigError as e:
@@ -96,11 +97,13 @@ def test_local_only_needs_no_bucket_and_rebuilds_its_disk_index(tmp_path):
     from s3kv.tiering.disk import shard_path
 
     key = b"\x07" * 16
-    path = shard_path(tmp_path, LAYOUT.namespace.id, key, 0)
+    namespace = LAYOUT.namespace(resolve_identity(LAYOUT.model))
+    path = shard_path(tmp_path, namespace.id, key, 0)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"x" * 1000)  # what an earlier run left
     s = side(write_policy="local_only", disk_path=str(tmp_path), disk_bytes="1MiB", cpu_bytes="1MiB")
     try:
+        assert s.namespace == namespace
         assert s.index is None and s._store is None  # S3 untouched
         assert key in s.planner.disk and s.planner.disk.used == 1000
         assert s.planner.cpu.capacity == (1 << 20) // (256 // 32 * (16 << 10))  # 8 blocks a chunk

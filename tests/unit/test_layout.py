@@ -1,0 +1,97 @@
+"""What goes into a namespace from vLLM's config: everything that changes KV
+bytes splits it, and dummy weights are refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from s3kv.config import parse_config
+from s3kv.errors import ConfigError
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from s3kv.connector.layout import engine_layout  # noqa: E402
+
+
+class HfConfig(dict):
+    def to_dict(self):
+        return dict(self)
+
+
+def _configs(**over):
+    model = SimpleNamespace(
+        model="/models/llama",
+        revision=None,
+        dtype=torch.bfloat16,
+        hf_config=HfConfig(hidden_size=64, rope_scaling=None, _name_or_path="/models/llama"),
+        hf_overrides={},
+        quantization=None,
+        quantization_config=None,
+    )
+    cache = SimpleNamespace(cache_dtype="auto", kv_cache_dtype_skip_layers=[])
+    load = SimpleNamespace(load_format="auto", download_dir=None)
+    for k, v in over.items():
+        target, name = k.split("__")
+        setattr({"model": model, "cache": cache, "load": load}[target], name, v)
+    spec = SimpleNamespace(
+        block_size=32, page_size_bytes=16384, dtype=torch.bfloat16, num_kv_heads=2, head_size=64
+    )
+    vllm_config = SimpleNamespace(
+        model_config=model,
+        cache_config=cache,
+        load_config=load,
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1, tensor_parallel_size=1, decode_context_parallel_size=1
+        ),
+        attention_config=None,
+    )
+    kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
+    return vllm_config, kv
+
+
+def _ns(extra=None, **over):
+    layout = engine_layout(*_configs(**over), parse_config({"bucket": "b-ok", **(extra or {})}))
+    return layout.namespace({"model_content": "same-weights"}).id
+
+
+def test_everything_that_changes_kv_bytes_splits_the_namespace():
+    base = _ns()
+    assert _ns() == base
+    variants = {
+        "quantization": _ns(model__quantization="fp8"),
+        "quantization_config": _ns(model__quantization_config={"bits": 4}),
+        "hf_overrides": _ns(model__hf_overrides={"rope_theta": 1e6}),
+        "rope scaling": _ns(model__hf_config=HfConfig(hidden_size=64, rope_scaling={"factor": 4.0})),
+        "kv_cache_dtype": _ns(cache__cache_dtype="fp8"),
+        "kv skip layers": _ns(cache__kv_cache_dtype_skip_layers=["l0"]),
+        "load_format": _ns(load__load_format="bitsandbytes"),
+        "namespace_salt": _ns({"namespace_salt": "tenant-a"}),
+    }
+    assert all(v != base for v in variants.values()), [k for k, v in variants.items() if v == base]
+    assert len(set(variants.values())) == len(variants)
+    assert _ns({"namespace_salt": "tenant-a"}) != _ns({"namespace_salt": "tenant-b"})
+
+
+def test_paths_do_not_split_the_namespace():
+    moved = HfConfig(hidden_size=64, rope_scaling=None, _name_or_path="/mnt/other/llama")
+    assert _ns(model__hf_config=moved, model__model="/mnt/other/llama") == _ns()
+
+
+def test_dummy_weights_are_refused():
+    with pytest.raises(ConfigError, match="load_format: 'dummy'"):
+        _ns(load__load_format="dummy")
+
+
+def test_calculated_kv_scales_are_refused():
+    with pytest.raises(ConfigError, match="calculate_kv_scales"):
+        _ns(cache__cache_dtype="fp8", cache__calculate_kv_scales=True)
+
+
+def test_model_digest_reaches_the_model_source():
+    layout = engine_layout(
+        *_configs(), parse_config({"bucket": "b-ok", "model_digest": "sha256:" + "0" * 64})
+    )
+    assert layout.model.digest == "sha256:" + "0" * 64 and layout.model.model == "/models/llama"
