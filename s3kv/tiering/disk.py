@@ -3,9 +3,10 @@
 ``{disk_path}/{namespace}/{kk}/{key}.r{rank}`` holds exactly the bytes of the
 S3 object of that shard (so a chunk from S3 is promoted by writing what was
 fetched, and a new chunk is encoded once for both). Files are written to a
-``*.partial`` name that carries the writer's pid, optionally fsync'd, then
-renamed: a crash never leaves a half file under a real name, and a later
-process removes a dead writer's partials. Every read is checked (identity,
+``*.partial`` name that carries the writer's pid namespace and pid,
+optionally fsync'd, then renamed: a crash never leaves a half file under a
+real name, and a later process removes a dead writer's partials (by pid in
+its own pid namespace, by age for writers in other containers). Every read is checked (identity,
 layout, per-layer checksums); a file that fails is deleted.
 
 The scheduler side rebuilds its index of the directory with :func:`scan` at
@@ -121,7 +122,11 @@ def scan(root: Path, namespace: str, world_size: int) -> ScanResult:
                 continue
             for f in os.scandir(shard.path):
                 if f.name.endswith(PARTIAL_SUFFIX):
-                    if is_stale_partial(Path(f.path)):
+                    try:
+                        mtime_s = f.stat(follow_symlinks=False).st_mtime
+                    except FileNotFoundError:
+                        continue
+                    if is_stale_partial(f.name, mtime_s):
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(f.path)
                             result.removed_partials += 1

@@ -18,6 +18,14 @@ import pytest
 
 from s3kv.errors import CorruptChunk
 from s3kv.keys import KEY_BYTES
+from s3kv.stores.local import (
+    FOREIGN_PARTIAL_MAX_AGE_S,
+    OWN_PARTIAL_MAX_AGE_S,
+    is_stale_partial,
+    partial_path,
+    partial_writer,
+    writer_namespace,
+)
 from s3kv.tiering import disk
 from s3kv.tiering.chunks import ChunkData, PageFormat
 from s3kv.tiering.disk import DiskTier
@@ -33,11 +41,20 @@ def write_shard(root: Path, key: bytes, rank: int, mtime: float, namespace: str 
     return size
 
 
-def partial_name(root: Path, key: bytes, pid: int | str, rank: int = 0) -> Path:
-    """Named as s3kv.stores.local.partial_path names a writer's temporary."""
+def partial_name(root: Path, key: bytes, pid: int | str, rank: int = 0, *, writer: str | None = None) -> Path:
+    """Named as s3kv.stores.local.partial_path names a writer's temporary, by
+    a writer in this pid namespace, in the pid namespace ``writer``, or
+    (``writer=""``) with an old-style name that names only the pid."""
     target = disk.shard_path(root, NAMESPACE, key, rank)
     target.parent.mkdir(parents=True, exist_ok=True)
-    return target.with_name(f".{target.name}.{pid}-{uuid.uuid4().hex[:12]}.partial")
+    writer = writer_namespace() if writer is None else writer
+    tag = f"{writer}-{pid}" if writer else f"{pid}"
+    return target.with_name(f".{target.name}.{tag}-{uuid.uuid4().hex[:12]}.partial")
+
+
+def age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then), follow_symlinks=False)
 
 
 def dead_pid() -> int:
@@ -100,6 +117,139 @@ def test_scan_removes_stale_partials_only(tmp_path):
     assert live.exists()
     assert [c[0] for c in result.chunks] == [k] and result.other == []
     assert disk.scan(root, NAMESPACE, world_size=1).removed_partials == 0
+
+
+FOREIGN = "0123456789ab"
+"""A writer namespace that is not this process's (another container)."""
+
+
+def test_partial_names_name_their_writer(tmp_path):
+    ours = writer_namespace()
+    assert len(ours) == 12 and ours != FOREIGN and writer_namespace() == ours
+    target = tmp_path / f"{key_of(0).hex()}.r0"
+    made = partial_path(target)
+    assert made.parent == tmp_path and made.name.startswith(f".{target.name}.")
+    assert partial_writer(made.name) == (ours, os.getpid())
+    # The test helper names partials exactly as partial_path does.
+    helper = partial_name(tmp_path, key_of(0), os.getpid())
+    assert partial_writer(helper.name) == (ours, os.getpid())
+    assert helper.name[: -len("0123456789ab.partial")] == made.name[: -len("0123456789ab.partial")]
+    assert partial_writer(partial_name(tmp_path, key_of(0), 42, writer=FOREIGN).name) == (FOREIGN, 42)
+    assert partial_writer(partial_name(tmp_path, key_of(0), 42, writer="").name) == (None, 42)
+    for bad in (
+        "x.partial",
+        ".a.r0.-1-abc.partial",
+        ".a.r0.0-abc.partial",
+        ".a.r0.ABCDEF012345-7-abc.partial",
+        ".a.r0.12-34-56-78.partial",
+        ".a.r0.\u0663-abc.partial",
+        f".a.r0.{2**40}-abc.partial",
+        ".a.r0",
+    ):
+        assert partial_writer(bad) is None, bad
+
+
+def test_stale_partial_bounds():
+    now = 1_000_000.0
+    ours, dead = writer_namespace(), dead_pid()
+    mine = f".k.r0.{ours}-{os.getpid()}-abc.partial"
+    other = f".k.r0.{FOREIGN}-{os.getpid()}-abc.partial"
+    old_style = f".k.r0.{os.getpid()}-abc.partial"
+    assert FOREIGN_PARTIAL_MAX_AGE_S < OWN_PARTIAL_MAX_AGE_S
+    # Ours: the pid decides, up to the upper bound.
+    assert not is_stale_partial(mine, now - OWN_PARTIAL_MAX_AGE_S + 1, now_s=now)
+    assert is_stale_partial(mine, now - OWN_PARTIAL_MAX_AGE_S - 1, now_s=now)
+    assert is_stale_partial(f".k.r0.{ours}-{dead}-abc.partial", now, now_s=now)
+    # Another namespace's and old-style names: the age alone, whatever the pid is here.
+    for name in (other, old_style, f".k.r0.{FOREIGN}-{dead}-abc.partial", f".k.r0.{dead}-abc.partial"):
+        assert not is_stale_partial(name, now, now_s=now), name
+        assert not is_stale_partial(name, now - FOREIGN_PARTIAL_MAX_AGE_S + 1, now_s=now), name
+        assert is_stale_partial(name, now - FOREIGN_PARTIAL_MAX_AGE_S - 1, now_s=now), name
+        # A stamp as far in the future was not set by a live writer either.
+        assert is_stale_partial(name, now + FOREIGN_PARTIAL_MAX_AGE_S + 1, now_s=now), name
+    assert is_stale_partial(mine, now + OWN_PARTIAL_MAX_AGE_S + 1, now_s=now)
+    # A name that names no writer, at once; a file that is no partial, never.
+    assert is_stale_partial(f".k.r0.{ours}-nopid-abc.partial", now, now_s=now)
+    assert not is_stale_partial("k.r0", now - 10 * OWN_PARTIAL_MAX_AGE_S, now_s=now)
+
+
+def test_scan_cleans_partials_of_other_containers_by_age(tmp_path):
+    root = tmp_path / "disk"
+    k = key_of(0)
+    write_shard(root, k, 0, 1000)
+    dead = dead_pid()
+    ours_dead = partial_name(root, k, dead)
+    ours_live_aging = partial_name(root, k, os.getpid())  # past the foreign bound, within ours
+    foreign_young_dead = partial_name(root, k, dead, writer=FOREIGN)  # alive in its own container
+    foreign_old_live = partial_name(root, k, os.getpid(), writer=FOREIGN)  # a pid alive here means nothing
+    old_style_young_dead = partial_name(root, k, dead, writer="")
+    old_style_old_live = partial_name(root, k, os.getpid(), writer="")
+    for p in (
+        ours_dead,
+        ours_live_aging,
+        foreign_young_dead,
+        foreign_old_live,
+        old_style_young_dead,
+        old_style_old_live,
+    ):
+        p.write_bytes(b"half a chunk")
+    age(ours_live_aging, FOREIGN_PARTIAL_MAX_AGE_S + 120)
+    age(foreign_young_dead, 120)
+    age(foreign_old_live, FOREIGN_PARTIAL_MAX_AGE_S + 120)
+    age(old_style_young_dead, 120)
+    age(old_style_old_live, FOREIGN_PARTIAL_MAX_AGE_S + 120)
+
+    result = disk.scan(root, NAMESPACE, world_size=1)
+    assert result.removed_partials == 3
+    assert not ours_dead.exists() and not foreign_old_live.exists() and not old_style_old_live.exists()
+    assert ours_live_aging.exists() and foreign_young_dead.exists() and old_style_young_dead.exists()
+    assert [c[0] for c in result.chunks] == [k] and result.other == []
+    # Once they age past the bound, the young ones go too.
+    for p in (foreign_young_dead, old_style_young_dead):
+        age(p, FOREIGN_PARTIAL_MAX_AGE_S + 1)
+    assert disk.scan(root, NAMESPACE, world_size=1).removed_partials == 2
+    assert not foreign_young_dead.exists() and not old_style_young_dead.exists() and ours_live_aging.exists()
+
+
+def test_writer_in_another_pid_namespace_names_another_writer(tmp_path):
+    """Really in another pid namespace, where the kernel lets this test make one."""
+    code = "from s3kv.stores.local import writer_namespace; print(writer_namespace())"
+    try:
+        proc = subprocess.run(
+            ["unshare", "--pid", "--fork", sys.executable, "-c", code],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {proc.stderr.strip()[-200:]}")
+    theirs = proc.stdout.strip()
+    assert len(theirs) == 12 and theirs != writer_namespace()
+    same = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert same.stdout.strip() == writer_namespace()
+
+
+def test_writer_namespace_without_proc(monkeypatch):
+    import s3kv.stores.local as local
+
+    with_proc = writer_namespace()
+    monkeypatch.setattr(local, "_BOOT_ID", Path("/nonexistent/boot_id"))
+    monkeypatch.setattr(local, "_PID_NAMESPACE", Path("/nonexistent/ns/pid"))
+    monkeypatch.setattr(local.socket, "gethostname", lambda: "host-a")
+    local.writer_namespace.cache_clear()
+    try:
+        host_a = writer_namespace()
+        local.writer_namespace.cache_clear()
+        monkeypatch.setattr(local.socket, "gethostname", lambda: "host-b")
+        host_b = writer_namespace()
+    finally:
+        local.writer_namespace.cache_clear()
+    assert len(host_a) == 12 and host_a != host_b
+    if Path("/proc/self/ns/pid").exists():
+        assert with_proc not in (host_a, host_b)
 
 
 def test_check_writable(tmp_path):
