@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
+import hashlib
 import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -36,32 +39,104 @@ def map_os_error(e: OSError, key: str) -> Exception:
     return Transient(f"{key}: {e}")
 
 
+OWN_PARTIAL_MAX_AGE_S = 3600.0
+"""A partial of a writer in this pid namespace is stale once its pid is dead,
+or past this age whatever the pid says (pids are reused)."""
+
+FOREIGN_PARTIAL_MAX_AGE_S = 900.0
+"""A partial of a writer in another pid namespace or on another host (another
+container sharing the directory), or with an old-style name that does not say
+which, is stale past this age: its pid means nothing here. A chunk file is
+written in well under a minute."""
+
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+_PID_NAMESPACE = Path("/proc/self/ns/pid")
+_MAX_PID = 2**31 - 1
+
+
+@functools.cache
+def writer_namespace() -> str:
+    """12 hex characters naming the pid namespace this process runs in: the
+    boot id of its host and the namespace's inode, or the host name where
+    /proc does not say. Two writers whose pids mean the same thing have equal
+    values; a writer in another container or on another host a different one."""
+    parts = []
+    with contextlib.suppress(OSError):
+        parts.append(_BOOT_ID.read_text().strip())
+    with contextlib.suppress(OSError):
+        st = os.stat(_PID_NAMESPACE)
+        parts.append(f"pidns:{st.st_dev}:{st.st_ino}")
+    if len(parts) < 2:
+        parts.append(f"host:{socket.gethostname()}")
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=6).hexdigest()
+
+
 def partial_path(path: Path) -> Path:
-    """A temporary name beside ``path`` that names its writer's pid, so that a
-    later process can tell a dead writer's leftovers from a live one's."""
-    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}")
+    """A temporary name beside ``path``: ``.{name}.{writer}-{pid}-{nonce}.partial``,
+    naming its writer's pid namespace and pid, so that a later process can
+    tell a dead writer's leftovers from a live one's."""
+    tag = f"{writer_namespace()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    return path.with_name(f".{path.name}.{tag}{PARTIAL_SUFFIX}")
 
 
-def is_stale_partial(path: Path, *, max_age_s: float = 3600.0) -> bool:
-    """A ``*.partial`` whose writer is dead (or that is older than ``max_age_s``)."""
-    name = path.name
+def partial_writer(name: str) -> tuple[str | None, int] | None:
+    """(writer namespace, pid) that a partial's file name names; the namespace
+    is None in an old-style name (``.{name}.{pid}-{nonce}.partial``, written
+    before names carried it). None when the name names no writer."""
+    if not name.endswith(PARTIAL_SUFFIX):
+        return None
+    fields = name[: -len(PARTIAL_SUFFIX)].rsplit(".", 1)[-1].split("-")
+    if len(fields) == 3:
+        writer, pid, _nonce = fields
+        if len(writer) != 12 or not _is_lower_hex(writer):
+            return None
+    elif len(fields) == 2:
+        writer, (pid, _nonce) = None, fields
+    else:
+        return None
+    if not (pid.isascii() and pid.isdigit()) or not 0 < int(pid) <= _MAX_PID:
+        return None
+    return writer, int(pid)
+
+
+def is_stale_partial(
+    name: str,
+    mtime_s: float,
+    *,
+    now_s: float | None = None,
+    max_age_s: float = OWN_PARTIAL_MAX_AGE_S,
+    foreign_max_age_s: float = FOREIGN_PARTIAL_MAX_AGE_S,
+) -> bool:
+    """Whether the ``*.partial`` file ``name``, last modified at ``mtime_s``,
+    is a leftover to remove. A partial of this pid namespace is stale once its
+    writer's pid is dead here or it is older than ``max_age_s``; any other one
+    (another container, another host, an old-style name) only by age, past
+    ``foreign_max_age_s``; a name that names no writer at once. An mtime as
+    far in the future counts as old: no live writer set it."""
     if not name.endswith(PARTIAL_SUFFIX):
         return False
-    try:
-        if time.time() - path.stat().st_mtime > max_age_s:
-            return True
-    except FileNotFoundError:
-        return False
-    pid_part = name[: -len(PARTIAL_SUFFIX)].rsplit(".", 1)[-1].split("-", 1)[0]
-    if not pid_part.isdigit():
+    writer = partial_writer(name)
+    if writer is None:
         return True
+    age_s = abs((time.time() if now_s is None else now_s) - mtime_s)
+    namespace, pid = writer
+    if namespace != writer_namespace():
+        return age_s > min(foreign_max_age_s, max_age_s)
+    return age_s > max_age_s or not _pid_alive(pid)
+
+
+def _pid_alive(pid: int) -> bool:
     try:
-        os.kill(int(pid_part), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    except PermissionError:
         return False
-    return False
+    except OSError:  # EPERM: alive under another user
+        return True
+    return True
+
+
+def _is_lower_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -3,13 +3,16 @@
 ``{disk_path}/{namespace}/{kk}/{key}.r{rank}`` holds exactly the bytes of the
 S3 object of that shard (so a chunk from S3 is promoted by writing what was
 fetched, and a new chunk is encoded once for both). Files are written to a
-``*.partial`` name that carries the writer's pid, optionally fsync'd, then
-renamed: a crash never leaves a half file under a real name, and a later
-process removes a dead writer's partials. Every read is checked (identity,
-layout, per-layer checksums); a file that fails is deleted.
+``*.partial`` name that carries the writer's pid namespace and pid, optionally
+fsync'd, then renamed: a crash never leaves a half file under a real name, and
+a later process removes a dead writer's partials (by pid in its own pid
+namespace, by age for writers in other containers). Every read is checked
+(identity, layout, per-layer checksums); a file that fails is deleted.
 
 The scheduler side rebuilds its index of the directory with :func:`scan` at
-start-up, so a restarted replica hits its own disk without S3.
+start-up, so a restarted replica hits its own disk without S3. The scan trusts
+nothing it finds: symlinks, special files, oddly named or unreadable entries
+are skipped and counted, never followed and never fatal.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import contextlib
 import fcntl
 import logging
 import os
+import stat
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +37,7 @@ from s3kv.tiering.tier import TierStorage
 log = logging.getLogger("s3kv.disk")
 
 LOCK_NAME = ".s3kv.lock"
+PROBE_NAME = ".s3kv-probe"
 
 
 def shard_path(root: Path, namespace: str, key: bytes, rank: int) -> Path:
@@ -85,13 +91,35 @@ class DiskTier(TierStorage):
 
 
 def directory_bytes(root: Path) -> int:
-    """Bytes of every file under ``root`` (partials included: they take space too)."""
+    """Bytes of every file under ``root`` (partials included: they take space
+    too). Symlinks are not followed; what cannot be read counts as nothing."""
     total = 0
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.stat(os.path.join(dirpath, name)).st_size
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
     return total
+
+
+# Why scan left an entry alone (the keys of ScanResult.skipped_reasons).
+SKIP_SYMLINK = "symlink"
+SKIP_SPECIAL = "special file"
+"""A FIFO, socket or device where a chunk file belongs."""
+SKIP_STRAY_FILE = "stray file"
+"""A file where only directories belong (the top level, a namespace)."""
+SKIP_UNKNOWN_DIR = "unknown directory"
+"""A directory not named as a namespace (32 hex) or shard (2 hex) directory
+is, or one inside a shard directory."""
+SKIP_NOT_CHUNK = "not a chunk file"
+"""A file in a shard directory not named ``{key}.r{rank}`` for that shard."""
+SKIP_UNREADABLE = "unreadable"
+"""A directory that cannot be listed or an entry that cannot be stat'ed."""
+SKIP_VANISHED = "vanished"
+"""Listed, then gone before it was looked at."""
+SKIP_PARTIAL_KEPT = "stale partial not removable"
+"""A stale partial that could not be deleted (another user's directory)."""
+
+_HEX_DIGITS = frozenset("0123456789abcdef")
 
 
 @dataclass
@@ -104,40 +132,73 @@ class ScanResult:
     other namespaces, chunks missing a rank. They count against the capacity
     and are evicted first-come by age."""
     removed_partials: int = 0
+    skipped: int = 0
+    """Entries that are neither chunk files nor s3kv's own (symlinks, special
+    or oddly named files, unknown directories, what could not be read): left
+    alone, not indexed and not counted against the capacity."""
+    skipped_reasons: dict[str, int] = field(default_factory=dict)
+    """``skipped`` by reason (the ``SKIP_*`` values)."""
+    root_error: str | None = None
+    """Why the directory itself could not be listed (then nothing was found)."""
+
+    def skip(self, reason: str) -> None:
+        self.skipped += 1
+        self.skipped_reasons[reason] = self.skipped_reasons.get(reason, 0) + 1
 
 
 def scan(root: Path, namespace: str, world_size: int) -> ScanResult:
     """What the directory holds, for the scheduler's index; removes the
-    partial files of writers that are gone."""
+    partial files of writers that are gone. Never raises for what it finds:
+    an entry it cannot use or read is skipped and counted, and symlinks are
+    never followed (the root itself may be one)."""
     result = ScanResult()
     ranks: dict[bytes, dict[int, tuple[str, int, float]]] = defaultdict(dict)
-    if not root.is_dir():
+    now_s = time.time()
+    try:
+        top = _list_dir(root)
+    except FileNotFoundError:
         return result
-    for ns_entry in os.scandir(root):
-        if not ns_entry.is_dir(follow_symlinks=False) or len(ns_entry.name) != 32:
+    except OSError as e:
+        result.root_error = f"{type(e).__name__}: {e}"
+        return result
+    for ns_entry in top:
+        st = _lstat(ns_entry.path, result)
+        if st is None:
             continue
-        for shard in os.scandir(ns_entry.path):
-            if not shard.is_dir(follow_symlinks=False):
+        if not stat.S_ISDIR(st.st_mode):
+            _top_level_file(ns_entry, st, now_s, result)
+            continue
+        if not _is_hex(ns_entry.name, 32):
+            result.skip(SKIP_UNKNOWN_DIR)
+            continue
+        for shard in _entries(ns_entry.path, result):
+            st = _lstat(shard.path, result)
+            if st is None:
                 continue
-            for f in os.scandir(shard.path):
+            if not stat.S_ISDIR(st.st_mode):
+                result.skip(_kind_reason(st.st_mode, SKIP_STRAY_FILE))
+                continue
+            if not _is_hex(shard.name, 2):
+                result.skip(SKIP_UNKNOWN_DIR)
+                continue
+            for f in _entries(shard.path, result):
+                st = _lstat(f.path, result)
+                if st is None:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    result.skip(_kind_reason(st.st_mode, SKIP_SPECIAL))
+                    continue
                 if f.name.endswith(PARTIAL_SUFFIX):
-                    if is_stale_partial(Path(f.path)):
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(f.path)
-                            result.removed_partials += 1
+                    _clean_partial(f.path, st, now_s, result)
                     continue
-                hexkey, dot, rank = f.name.partition(".r")
-                if not dot or len(hexkey) != 2 * KEY_BYTES or not rank.isdigit():
+                parsed = _chunk_file_name(f.name, shard.name)
+                if parsed is None:
+                    result.skip(SKIP_NOT_CHUNK)
                     continue
-                try:
-                    st = f.stat(follow_symlinks=False)
-                    key = bytes.fromhex(hexkey)
-                except (FileNotFoundError, ValueError):
-                    continue
-                rel = os.path.relpath(f.path, root)
-                entry = (rel, st.st_size, st.st_mtime)
-                if ns_entry.name == namespace and int(rank) < world_size:
-                    ranks[key][int(rank)] = entry
+                key, rank = parsed
+                entry = (os.path.relpath(f.path, root), st.st_size, st.st_mtime)
+                if ns_entry.name == namespace and rank < world_size:
+                    ranks[key][rank] = entry
                 else:
                     result.other.append(entry)
     for key, by_rank in ranks.items():
@@ -150,6 +211,85 @@ def scan(root: Path, namespace: str, world_size: int) -> ScanResult:
     result.chunks.sort(key=lambda c: c[2])
     result.other.sort(key=lambda c: c[2])
     return result
+
+
+def _list_dir(path: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
+    with os.scandir(path) as it:
+        return list(it)
+
+
+def _entries(path: str, result: ScanResult) -> list[os.DirEntry[str]]:
+    try:
+        return _list_dir(path)
+    except FileNotFoundError:
+        result.skip(SKIP_VANISHED)
+    except OSError:
+        result.skip(SKIP_UNREADABLE)
+    return []
+
+
+def _lstat(path: str, result: ScanResult) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        result.skip(SKIP_VANISHED)
+    except OSError:
+        result.skip(SKIP_UNREADABLE)
+    return None
+
+
+def _kind_reason(mode: int, regular: str) -> str:
+    """Why an entry of this mode is skipped where it is not wanted; ``regular``
+    for a regular file."""
+    if stat.S_ISLNK(mode):
+        return SKIP_SYMLINK
+    if stat.S_ISDIR(mode):
+        return SKIP_UNKNOWN_DIR
+    if stat.S_ISREG(mode):
+        return regular
+    return SKIP_SPECIAL
+
+
+def _top_level_file(entry: os.DirEntry[str], st: os.stat_result, now_s: float, result: ScanResult) -> None:
+    """s3kv's own files at the top level are left alone (the lock, a probe a
+    crash left) or cleaned (the probe's partials); anything else is skipped."""
+    name = entry.name
+    if stat.S_ISREG(st.st_mode):
+        if name in (LOCK_NAME, PROBE_NAME):
+            return
+        if name.startswith(f".{PROBE_NAME}.") and name.endswith(PARTIAL_SUFFIX):
+            _clean_partial(entry.path, st, now_s, result)
+            return
+    result.skip(_kind_reason(st.st_mode, SKIP_STRAY_FILE))
+
+
+def _clean_partial(path: str, st: os.stat_result, now_s: float, result: ScanResult) -> None:
+    if not is_stale_partial(os.path.basename(path), st.st_mtime, now_s=now_s):
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # published or removed meanwhile
+        return
+    except OSError:
+        result.skip(SKIP_PARTIAL_KEPT)
+        return
+    result.removed_partials += 1
+
+
+def _chunk_file_name(name: str, shard: str) -> tuple[bytes, int] | None:
+    """(key, rank) of a file named exactly as :func:`shard_path` names it in
+    the shard directory ``shard``; None for any other name."""
+    hexkey, dot, rank = name.partition(".r")
+    if not dot or not _is_hex(hexkey, 2 * KEY_BYTES) or hexkey[:2] != shard:
+        return None
+    if not (rank.isascii() and rank.isdigit()) or rank != str(int(rank)):
+        return None
+    return bytes.fromhex(hexkey), int(rank)
+
+
+def _is_hex(text: str, length: int) -> bool:
+    """``text`` is ``length`` lower-case hex digits (as ``bytes.hex`` writes)."""
+    return len(text) == length and _HEX_DIGITS.issuperset(text)
 
 
 def delete_chunk(root: Path, namespace: str, key: bytes, world_size: int) -> None:
@@ -167,7 +307,7 @@ def delete_file(root: Path, rel: str) -> None:
 def check_writable(root: Path) -> None:
     """Create ``root`` and prove a file can be published in it. Raises OSError."""
     root.mkdir(parents=True, exist_ok=True)
-    probe = root / ".s3kv-probe"
+    probe = root / PROBE_NAME
     atomic_write(probe, b"ok")
     os.unlink(probe)
 

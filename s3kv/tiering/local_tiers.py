@@ -45,6 +45,8 @@ class DiskSetup:
     lock_fd: int | None
     found_chunks: int
     found_bytes: int
+    skipped: int = 0
+    """Entries the start-up scan left alone (see :attr:`disk.ScanResult.skipped`)."""
 
 
 def open_disk(
@@ -52,23 +54,38 @@ def open_disk(
 ) -> tuple[DiskSetup | None, list[Hashable]]:
     """Check the directory, rebuild its index from what it holds (oldest
     first, so they are evicted first) and return what must be deleted to fit
-    the capacity. An unusable directory turns the tier off with a warning:
-    the cache is an optimisation, the engine still serves."""
+    the capacity. An unusable directory (not writable, not readable) turns the
+    tier off with a warning: the cache is an optimisation, the engine still
+    serves. What the directory holds never fails start-up."""
     root = Path(path)
     try:
         disk.check_writable(root)
     except OSError as e:
         log.warning("s3kv: disk_path %s is not writable (%s); the NVMe tier is off", root, e)
         return None, []
-    lock_fd = disk.try_lock(root)
-    if lock_fd is None:
+    try:
+        lock_fd = disk.try_lock(root)
+    except OSError as e:
+        lock_fd = None
         log.warning(
-            "s3kv: another engine uses disk_path %s; each accounts its own writes against disk_bytes, "
-            "so give each engine its own directory",
-            root,
+            "s3kv: cannot open the lock file %s (%s); if another engine uses disk_path, each accounts "
+            "its own writes against disk_bytes",
+            root / disk.LOCK_NAME,
+            e,
         )
+    else:
+        if lock_fd is None:
+            log.warning(
+                "s3kv: another engine uses disk_path %s; each accounts its own writes against disk_bytes, "
+                "so give each engine its own directory",
+                root,
+            )
     started = time.monotonic()
     found = disk.scan(root, namespace, world_size)
+    if found.root_error is not None:
+        log.warning("s3kv: disk_path %s cannot be listed (%s); the NVMe tier is off", root, found.root_error)
+        release_lock(lock_fd)
+        return None, []
     entries: list[tuple[float, Hashable, int]] = [(m, rel, size) for rel, size, m in found.other]
     entries += [(m, key, size) for key, size, m in found.chunks]
     if capacity_bytes is None:  # what s3kv holds there counts as free for it
@@ -85,17 +102,28 @@ def open_disk(
         evicted += [k for k, _ in out]
     log.info(
         "s3kv: NVMe tier %s: %d chunks of this model (%s) and %d other files found in %.2f s; "
-        "%d stale partial files removed; capacity %s",
+        "%d stale partial files removed; %d entries skipped%s; capacity %s",
         root,
         len(found.chunks),
         format_size(sum(c[1] for c in found.chunks)),
         len(found.other),
         time.monotonic() - started,
         found.removed_partials,
+        found.skipped,
+        _format_reasons(found.skipped_reasons),
         format_size(capacity_bytes),
     )
-    setup = DiskSetup(index, root, lock_fd, len(found.chunks), sum(c[1] for c in found.chunks))
+    setup = DiskSetup(
+        index, root, lock_fd, len(found.chunks), sum(c[1] for c in found.chunks), skipped=found.skipped
+    )
     return setup, evicted
+
+
+def _format_reasons(reasons: dict[str, int]) -> str:
+    """`` (2 symlink, 1 unreadable)`` for the log line; empty without reasons."""
+    if not reasons:
+        return ""
+    return " (" + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items())) + ")"
 
 
 class DiskCleaner:

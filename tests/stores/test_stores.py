@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from s3kv.stores.local import LocalStore
+from s3kv.stores.local import LocalStore, partial_path
 from s3kv.stores.memory import MemoryStore
 from s3kv.stores.s3 import S3Options, S3Store
 from tests.stores.conformance import StoreConformance
@@ -52,7 +52,8 @@ class TestLocalStore(StoreConformance):
 
     async def test_partial_files_are_not_listed(self, store: LocalStore):
         (self.root / "a").mkdir(parents=True)
-        (self.root / "a" / ".b.123.partial").write_bytes(b"half")
+        (self.root / "a" / ".b.123.partial").write_bytes(b"half")  # an old-style name
+        partial_path(self.root / "a" / "d").write_bytes(b"half")
         await store.put("a/c", b"whole")
         assert await store.list_keys("a/") == ["a/c"]
 

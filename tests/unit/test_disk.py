@@ -7,6 +7,7 @@ import os
 import random
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,9 +19,18 @@ import pytest
 
 from s3kv.errors import CorruptChunk
 from s3kv.keys import KEY_BYTES
+from s3kv.stores.local import (
+    FOREIGN_PARTIAL_MAX_AGE_S,
+    OWN_PARTIAL_MAX_AGE_S,
+    is_stale_partial,
+    partial_path,
+    partial_writer,
+    writer_namespace,
+)
 from s3kv.tiering import disk
 from s3kv.tiering.chunks import ChunkData, PageFormat
 from s3kv.tiering.disk import DiskTier
+from s3kv.tiering.local_tiers import open_disk, release_lock
 from tests.tiers.conformance import NAMESPACE, key_of, make_chunk, make_codec, read_raw
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,11 +43,20 @@ def write_shard(root: Path, key: bytes, rank: int, mtime: float, namespace: str 
     return size
 
 
-def partial_name(root: Path, key: bytes, pid: int | str, rank: int = 0) -> Path:
-    """Named as s3kv.stores.local.partial_path names a writer's temporary."""
+def partial_name(root: Path, key: bytes, pid: int | str, rank: int = 0, *, writer: str | None = None) -> Path:
+    """Named as s3kv.stores.local.partial_path names a writer's temporary, by
+    a writer in this pid namespace, in the pid namespace ``writer``, or
+    (``writer=""``) with an old-style name that names only the pid."""
     target = disk.shard_path(root, NAMESPACE, key, rank)
     target.parent.mkdir(parents=True, exist_ok=True)
-    return target.with_name(f".{target.name}.{pid}-{uuid.uuid4().hex[:12]}.partial")
+    writer = writer_namespace() if writer is None else writer
+    tag = f"{writer}-{pid}" if writer else f"{pid}"
+    return target.with_name(f".{target.name}.{tag}-{uuid.uuid4().hex[:12]}.partial")
+
+
+def age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then), follow_symlinks=False)
 
 
 def dead_pid() -> int:
@@ -76,10 +95,210 @@ def test_scan_finds_complete_chunks_oldest_first(tmp_path):
         (rel(NAMESPACE, whole, 2), extra_rank, 800),
     ]
     assert result.removed_partials == 0
+    assert result.skipped_reasons == {
+        disk.SKIP_STRAY_FILE: 1,  # stray
+        disk.SKIP_NOT_CHUNK: 2,  # notes.txt, the short key
+        disk.SKIP_UNKNOWN_DIR: 1,  # short/
+    }
+    assert result.skipped == 4 and result.root_error is None
     # With one rank, every rank-0 file of the namespace is a complete chunk.
     single = disk.scan(root, NAMESPACE, world_size=1)
     assert [c[0] for c in single.chunks] == [old, half, whole]
     assert disk.scan(tmp_path / "absent", NAMESPACE, 1).chunks == []
+
+
+def deny_listing(monkeypatch, directory: Path) -> None:
+    """Make listing ``directory`` fail with PermissionError: by its mode
+    (writable, not readable) where that stops this process, else (root) by
+    making os.scandir refuse it. The caller gives the directory its mode back."""
+    directory.chmod(0o300)
+    try:
+        os.listdir(directory)
+    except PermissionError:
+        return
+    directory.chmod(0o755)
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.path.abspath(os.fspath(path)) == str(directory):
+            raise PermissionError(13, "Permission denied", str(directory))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_scan_skips_and_counts_whatever_else_the_directory_holds(tmp_path, monkeypatch):
+    root = tmp_path / "disk"
+    a, b, half = key_of(0), key_of(1), key_of(2)
+    a_size = write_shard(root, a, 0, 100) + write_shard(root, a, 1, 110)
+    b_size = write_shard(root, b, 0, 200) + write_shard(root, b, 1, 210)
+    half_size = write_shard(root, half, 0, 300)
+    other_ns = "ab" * 16
+    foreign = write_shard(root, a, 0, 50, namespace=other_ns)
+    ns_dir = root / NAMESPACE
+    shard = disk.shard_path(root, NAMESPACE, a, 0).parent
+    lock_fd = disk.try_lock(root)
+    (root / disk.PROBE_NAME).write_bytes(b"ok")  # left by a crash in check_writable: s3kv's own
+    elsewhere = tmp_path / "elsewhere"  # what symlinks point to: never followed
+    elsewhere_shard = elsewhere / a.hex()[:2]
+    elsewhere_shard.mkdir(parents=True)
+    (elsewhere_shard / f"{a.hex()}.r0").write_bytes(disk.shard_path(root, NAMESPACE, a, 0).read_bytes())
+
+    def looks_like_chunk(i: int) -> str:
+        """A valid chunk file name for ``shard``, of no real chunk."""
+        return f"{a.hex()[:2]}{key_of(100 + i).hex()[2:]}.r0"
+
+    wrong_shard = next(key_of(i) for i in range(3, 100) if key_of(i).hex()[:2] != a.hex()[:2])
+    expected = {
+        disk.SKIP_STRAY_FILE: [root / "notes.txt", ns_dir / "stray", root / ("cd" * 16)],
+        disk.SKIP_UNKNOWN_DIR: [
+            root / "short",
+            root / ("AB" * 16),
+            root / ("ab" * 17),
+            ns_dir / "zz",
+            ns_dir / "abc",
+            shard / looks_like_chunk(0),
+        ],
+        disk.SKIP_SYMLINK: [
+            root / ("ef" * 16),
+            ns_dir / "cd",
+            shard / looks_like_chunk(1),
+            shard / looks_like_chunk(2),
+            shard / f".{looks_like_chunk(3)}.{os.getpid()}-x.partial",
+            root / "link-to-file",
+        ],
+        disk.SKIP_SPECIAL: [root / "fifo", shard / looks_like_chunk(4), shard / looks_like_chunk(5)],
+        disk.SKIP_NOT_CHUNK: [
+            shard / name
+            for name in (
+                "notes.txt",
+                f"{'ab' * (KEY_BYTES - 1)}.r0",
+                f"{a.hex().upper()}.r0",
+                f"{a.hex()}.r01",
+                f"{a.hex()}.r",
+                f"{a.hex()}.r\u00b2",
+                f"{a.hex()}.r\u0663",
+                f"{a.hex()}.rx",
+                f"{a.hex()}.r0.bak",
+                f"{a.hex()}r0",
+                f"{a.hex()}.R0",
+                f"{wrong_shard.hex()}.r0",  # a valid key, in the wrong shard directory
+            )
+        ]
+        + [disk.shard_path(root, other_ns, a, 0).parent / "readme"],
+        disk.SKIP_UNREADABLE: [ns_dir / "ef", shard / looks_like_chunk(6)],
+        disk.SKIP_VANISHED: [shard / looks_like_chunk(7)],
+    }
+    for path in expected[disk.SKIP_STRAY_FILE] + expected[disk.SKIP_NOT_CHUNK]:
+        path.write_bytes(b"junk")
+    for path in expected[disk.SKIP_UNKNOWN_DIR]:
+        path.mkdir()
+        (path / "x.r0").write_bytes(b"junk")  # never looked at
+    links = expected[disk.SKIP_SYMLINK]
+    links[0].symlink_to(ns_dir, target_is_directory=True)  # a namespace name, to a real namespace
+    links[1].symlink_to(elsewhere_shard, target_is_directory=True)  # a shard name, to a shard
+    links[2].symlink_to(elsewhere_shard / f"{a.hex()}.r0")  # a chunk name, to a valid chunk file
+    links[3].symlink_to(tmp_path / "nothing")  # dangling
+    links[4].symlink_to(elsewhere_shard / f"{a.hex()}.r0")  # a stale partial's name: not removed
+    links[5].symlink_to(tmp_path / "nothing")
+    age(links[4], 10 * OWN_PARTIAL_MAX_AGE_S)
+    os.mkfifo(expected[disk.SKIP_SPECIAL][0])
+    os.mkfifo(expected[disk.SKIP_SPECIAL][1])  # named as a chunk: opening it would block
+    monkeypatch.chdir(shard)  # a socket's path must be short
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(expected[disk.SKIP_SPECIAL][2].name)
+    monkeypatch.chdir(tmp_path)
+    unreadable_dir, unstattable = expected[disk.SKIP_UNREADABLE]
+    unreadable_dir.mkdir()
+    (unreadable_dir / f"{'ef' * KEY_BYTES}.r0").write_bytes(b"unseen")
+    vanishing = expected[disk.SKIP_VANISHED][0]
+    for path in (unstattable, vanishing):
+        path.write_bytes(disk.shard_path(root, NAMESPACE, a, 0).read_bytes())
+    # A name that is not UTF-8.
+    bad_bytes = os.fsencode(shard) + b"/\xff\xfe.r0"
+    with open(bad_bytes, "wb") as f:
+        f.write(b"junk")
+    expected[disk.SKIP_NOT_CHUNK].append(Path(os.fsdecode(bad_bytes)))
+
+    deny_listing(monkeypatch, unreadable_dir)
+    real_lstat = os.lstat
+
+    def lstat(path, *args, **kwargs):
+        if os.fspath(path) == str(unstattable):
+            raise OSError(5, "Input/output error", str(path))
+        if os.fspath(path) == str(vanishing):
+            os.unlink(vanishing)  # gone between the listing and the look
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    try:
+        result = disk.scan(root, NAMESPACE, world_size=2)
+    finally:
+        monkeypatch.setattr(os, "lstat", real_lstat)
+        unreadable_dir.chmod(0o755)
+        sock.close()
+        os.close(lock_fd)
+
+    assert result.chunks == [(a, a_size, 110), (b, b_size, 210)]
+    rel = os.path.relpath
+    assert result.other == [
+        (rel(disk.shard_path(root, other_ns, a, 0), root), foreign, 50),
+        (rel(disk.shard_path(root, NAMESPACE, half, 0), root), half_size, 300),
+    ]
+    assert result.skipped_reasons == {reason: len(paths) for reason, paths in expected.items()}
+    assert result.skipped == sum(len(paths) for paths in expected.values())
+    assert result.removed_partials == 0 and result.root_error is None
+    # Nothing skipped was touched, and nothing a link points to.
+    for path in links:
+        assert path.is_symlink()
+    assert (elsewhere_shard / f"{a.hex()}.r0").is_file()
+    assert expected[disk.SKIP_SPECIAL][1].exists() and unstattable.exists()
+
+
+def test_scan_and_open_disk_survive_an_unreadable_root(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "disk"
+    write_shard(root, key_of(0), 0, 100)
+    deny_listing(monkeypatch, root)
+    try:
+        result = disk.scan(root, NAMESPACE, world_size=1)
+        assert result.chunks == [] and result.other == [] and result.root_error
+        assert "Permission" in result.root_error
+        with caplog.at_level("WARNING", logger="s3kv.tiers"):
+            setup, evicted = open_disk(str(root), NAMESPACE, 1, 1 << 20)
+    finally:
+        root.chmod(0o755)
+    assert setup is None and evicted == []
+    assert "cannot be listed" in caplog.text and "NVMe tier is off" in caplog.text
+    fd = disk.try_lock(root)  # open_disk let go of the lock
+    assert fd is not None
+    os.close(fd)
+
+
+def test_open_disk_reports_what_it_skipped(tmp_path, caplog):
+    root = tmp_path / "disk"
+    size = write_shard(root, key_of(0), 0, 100)
+    (root / "notes.txt").write_bytes(b"x")
+    (root / "link").symlink_to(root / "notes.txt")
+    os.mkfifo(root / "fifo")
+    with caplog.at_level("INFO", logger="s3kv.tiers"):
+        setup, evicted = open_disk(str(root), NAMESPACE, 1, 1 << 20)
+    assert setup is not None and evicted == []
+    try:
+        assert (setup.found_chunks, setup.found_bytes, setup.skipped) == (1, size, 3)
+        assert key_of(0) in setup.index
+    finally:
+        release_lock(setup.lock_fd)
+    assert "3 entries skipped (1 special file, 1 stray file, 1 symlink)" in caplog.text
+
+
+def test_open_disk_without_a_lock_file_it_can_open(tmp_path, caplog):
+    root = tmp_path / "disk"
+    write_shard(root, key_of(0), 0, 100)
+    (root / disk.LOCK_NAME).mkdir()  # open() fails: EISDIR
+    with caplog.at_level("WARNING", logger="s3kv.tiers"):
+        setup, _ = open_disk(str(root), NAMESPACE, 1, 1 << 20)
+    assert setup is not None and setup.lock_fd is None and setup.found_chunks == 1
+    assert "cannot open the lock file" in caplog.text
 
 
 def test_scan_removes_stale_partials_only(tmp_path):
@@ -100,6 +319,139 @@ def test_scan_removes_stale_partials_only(tmp_path):
     assert live.exists()
     assert [c[0] for c in result.chunks] == [k] and result.other == []
     assert disk.scan(root, NAMESPACE, world_size=1).removed_partials == 0
+
+
+FOREIGN = "0123456789ab"
+"""A writer namespace that is not this process's (another container)."""
+
+
+def test_partial_names_name_their_writer(tmp_path):
+    ours = writer_namespace()
+    assert len(ours) == 12 and ours != FOREIGN and writer_namespace() == ours
+    target = tmp_path / f"{key_of(0).hex()}.r0"
+    made = partial_path(target)
+    assert made.parent == tmp_path and made.name.startswith(f".{target.name}.")
+    assert partial_writer(made.name) == (ours, os.getpid())
+    # The test helper names partials exactly as partial_path does.
+    helper = partial_name(tmp_path, key_of(0), os.getpid())
+    assert partial_writer(helper.name) == (ours, os.getpid())
+    assert helper.name[: -len("0123456789ab.partial")] == made.name[: -len("0123456789ab.partial")]
+    assert partial_writer(partial_name(tmp_path, key_of(0), 42, writer=FOREIGN).name) == (FOREIGN, 42)
+    assert partial_writer(partial_name(tmp_path, key_of(0), 42, writer="").name) == (None, 42)
+    for bad in (
+        "x.partial",
+        ".a.r0.-1-abc.partial",
+        ".a.r0.0-abc.partial",
+        ".a.r0.ABCDEF012345-7-abc.partial",
+        ".a.r0.12-34-56-78.partial",
+        ".a.r0.\u0663-abc.partial",
+        f".a.r0.{2**40}-abc.partial",
+        ".a.r0",
+    ):
+        assert partial_writer(bad) is None, bad
+
+
+def test_stale_partial_bounds():
+    now = 1_000_000.0
+    ours, dead = writer_namespace(), dead_pid()
+    mine = f".k.r0.{ours}-{os.getpid()}-abc.partial"
+    other = f".k.r0.{FOREIGN}-{os.getpid()}-abc.partial"
+    old_style = f".k.r0.{os.getpid()}-abc.partial"
+    assert FOREIGN_PARTIAL_MAX_AGE_S < OWN_PARTIAL_MAX_AGE_S
+    # Ours: the pid decides, up to the upper bound.
+    assert not is_stale_partial(mine, now - OWN_PARTIAL_MAX_AGE_S + 1, now_s=now)
+    assert is_stale_partial(mine, now - OWN_PARTIAL_MAX_AGE_S - 1, now_s=now)
+    assert is_stale_partial(f".k.r0.{ours}-{dead}-abc.partial", now, now_s=now)
+    # Another namespace's and old-style names: the age alone, whatever the pid is here.
+    for name in (other, old_style, f".k.r0.{FOREIGN}-{dead}-abc.partial", f".k.r0.{dead}-abc.partial"):
+        assert not is_stale_partial(name, now, now_s=now), name
+        assert not is_stale_partial(name, now - FOREIGN_PARTIAL_MAX_AGE_S + 1, now_s=now), name
+        assert is_stale_partial(name, now - FOREIGN_PARTIAL_MAX_AGE_S - 1, now_s=now), name
+        # A stamp as far in the future was not set by a live writer either.
+        assert is_stale_partial(name, now + FOREIGN_PARTIAL_MAX_AGE_S + 1, now_s=now), name
+    assert is_stale_partial(mine, now + OWN_PARTIAL_MAX_AGE_S + 1, now_s=now)
+    # A name that names no writer, at once; a file that is no partial, never.
+    assert is_stale_partial(f".k.r0.{ours}-nopid-abc.partial", now, now_s=now)
+    assert not is_stale_partial("k.r0", now - 10 * OWN_PARTIAL_MAX_AGE_S, now_s=now)
+
+
+def test_scan_cleans_partials_of_other_containers_by_age(tmp_path):
+    root = tmp_path / "disk"
+    k = key_of(0)
+    write_shard(root, k, 0, 1000)
+    dead = dead_pid()
+    ours_dead = partial_name(root, k, dead)
+    ours_live_aging = partial_name(root, k, os.getpid())  # past the foreign bound, within ours
+    foreign_young_dead = partial_name(root, k, dead, writer=FOREIGN)  # alive in its own container
+    foreign_old_live = partial_name(root, k, os.getpid(), writer=FOREIGN)  # a pid alive here means nothing
+    old_style_young_dead = partial_name(root, k, dead, writer="")
+    old_style_old_live = partial_name(root, k, os.getpid(), writer="")
+    for p in (
+        ours_dead,
+        ours_live_aging,
+        foreign_young_dead,
+        foreign_old_live,
+        old_style_young_dead,
+        old_style_old_live,
+    ):
+        p.write_bytes(b"half a chunk")
+    age(ours_live_aging, FOREIGN_PARTIAL_MAX_AGE_S + 120)
+    age(foreign_young_dead, 120)
+    age(foreign_old_live, FOREIGN_PARTIAL_MAX_AGE_S + 120)
+    age(old_style_young_dead, 120)
+    age(old_style_old_live, FOREIGN_PARTIAL_MAX_AGE_S + 120)
+
+    result = disk.scan(root, NAMESPACE, world_size=1)
+    assert result.removed_partials == 3
+    assert not ours_dead.exists() and not foreign_old_live.exists() and not old_style_old_live.exists()
+    assert ours_live_aging.exists() and foreign_young_dead.exists() and old_style_young_dead.exists()
+    assert [c[0] for c in result.chunks] == [k] and result.other == [] and result.skipped == 0
+    # Once they age past the bound, the young ones go too.
+    for p in (foreign_young_dead, old_style_young_dead):
+        age(p, FOREIGN_PARTIAL_MAX_AGE_S + 1)
+    assert disk.scan(root, NAMESPACE, world_size=1).removed_partials == 2
+    assert not foreign_young_dead.exists() and not old_style_young_dead.exists() and ours_live_aging.exists()
+
+
+def test_writer_in_another_pid_namespace_names_another_writer(tmp_path):
+    """Really in another pid namespace, where the kernel lets this test make one."""
+    code = "from s3kv.stores.local import writer_namespace; print(writer_namespace())"
+    try:
+        proc = subprocess.run(
+            ["unshare", "--pid", "--fork", sys.executable, "-c", code],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {proc.stderr.strip()[-200:]}")
+    theirs = proc.stdout.strip()
+    assert len(theirs) == 12 and theirs != writer_namespace()
+    same = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert same.stdout.strip() == writer_namespace()
+
+
+def test_writer_namespace_without_proc(monkeypatch):
+    import s3kv.stores.local as local
+
+    with_proc = writer_namespace()
+    monkeypatch.setattr(local, "_BOOT_ID", Path("/nonexistent/boot_id"))
+    monkeypatch.setattr(local, "_PID_NAMESPACE", Path("/nonexistent/ns/pid"))
+    monkeypatch.setattr(local.socket, "gethostname", lambda: "host-a")
+    local.writer_namespace.cache_clear()
+    try:
+        host_a = writer_namespace()
+        local.writer_namespace.cache_clear()
+        monkeypatch.setattr(local.socket, "gethostname", lambda: "host-b")
+        host_b = writer_namespace()
+    finally:
+        local.writer_namespace.cache_clear()
+    assert len(host_a) == 12 and host_a != host_b
+    if Path("/proc/self/ns/pid").exists():
+        assert with_proc not in (host_a, host_b)
 
 
 def test_check_writable(tmp_path):
