@@ -189,6 +189,8 @@ class SchedulerSide:
                 config.disk_path, namespace.id, layout.world_size, config.disk_bytes
             )
         if self.disk is not None:
+            if self.disk.skipped:
+                self.counters.add("disk_scan_skipped", self.disk.skipped)
             self._cleaner = DiskCleaner(self.disk.root, namespace.id, layout.world_size)
             self._cleaner.delete(evicted)
         if self._store is not None:

@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -125,3 +126,69 @@ def test_unwritable_disk_path_turns_the_tier_off_with_a_warning(tmp_path, caplog
 def test_cpu_bytes_smaller_than_a_chunk_fails_startup():
     with pytest.raises(ConfigError, match="cpu_bytes: .* holds no chunk"):
         side(write_policy="local_only", cpu_bytes="10KiB")
+
+
+def _request(req_id: str, n: int = 256, lora=None):
+
+    tokens = list(range(3, 3 + n))
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        all_token_ids=tokens,
+        num_tokens=n,
+        num_prompt_tokens=n,
+        lora_request=lora,
+        mm_features=None,
+        cache_salt=None,
+        prompt_embeds=None,
+        block_hashes=None,
+    )
+
+
+def test_no_hits_and_no_stores_until_the_identity_is_known(tmp_path, monkeypatch):
+    import threading
+
+    from s3kv.connector import scheduler
+
+    release = threading.Event()
+    real = scheduler.resolve_identity
+
+    def slow(source, cache=None):
+        release.wait(60)
+        return real(source, cache)
+
+    monkeypatch.setattr(scheduler, "resolve_identity", slow)
+    monkeypatch.setattr(scheduler, "STARTUP_WAIT_S", 0.01)
+    s = side(write_policy="local_only", cpu_bytes="4MiB", chunk_tokens=64)
+    try:
+        assert s.planner is None and s.namespace is None
+        assert s.lookup(_request("r1"), 0) == (0, False)
+        assert s.lookup(_request("r1"), 0) == (0, False)  # asked again: counted once
+        assert s.lookup(_request("r2"), 0) == (0, False)
+        meta = s.build_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None))
+        assert meta.namespace is None and not meta.loads and not meta.stores
+        assert not s.request_finished(_request("r1"), [0, 1])
+        assert s.counters.totals()["unkeyed_requests_model"] == 2
+        release.set()
+        assert s._ready.wait(30)
+        assert s.planner is not None and s.namespace == LAYOUT.namespace(real(LAYOUT.model))
+        assert s.lookup(_request("r3"), 0) == (0, False)  # keyed now (an empty cache)
+        assert s.planner.knows("r3") and s.counters.totals()["unkeyed_requests_model"] == 2
+    finally:
+        release.set()
+        s.shutdown()
+
+
+def test_an_unknowable_identity_leaves_the_cache_off(caplog):
+    from s3kv.connector import scheduler
+
+    caplog.set_level(logging.ERROR, logger="s3kv")
+    layout = EngineLayout({"m": 2}, ModelSource("s3://models/x"), 32, ("l0",), 1, 1, 16 << 10)
+    config = parse_config({"write_policy": "local_only", "cpu_bytes": "4MiB", "chunk_tokens": 64})
+    s = scheduler.SchedulerSide(config, layout, failure_policy="recompute", model="x")
+    try:
+        s._start_task.result(30)
+        assert s.planner is None and s.lookup(_request("r1"), 0) == (0, False)
+        assert "set model_digest" in caplog.text
+    finally:
+        s.shutdown()
