@@ -256,7 +256,13 @@ def run(work: Path, quick: bool) -> Result:
     exp_u8 = [t.view(torch.uint8) for t in expected]
     blocks = [t.view(torch.uint8).reshape(num_blocks, -1).numpy() for t in target]
     first = pages.layers[0]
-    fmt = PageFormat(first.dtype, first.itemsize, first.shape_for(BLOCKS_PER_CHUNK), CHUNK_TOKENS)
+    fmt = PageFormat(
+        first.dtype,
+        first.itemsize,
+        first.shape_for(BLOCKS_PER_CHUNK),
+        CHUNK_TOKENS,
+        BLOCKS_PER_CHUNK * first.page_bytes,
+    )
 
     def sink(chunk: Any, layer: int, data: np.ndarray) -> None:  # the worker's write
         pages.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data)

@@ -1,19 +1,24 @@
 """The chunk object format.
 
 One object holds one rank's shard of one chunk: every layer's KV pages for
-``chunk_tokens`` tokens. Layout::
+``chunk_tokens`` tokens. Layout (format version 2)::
 
     prefix  24 bytes   magic "S3KV", format version u16, flags u16,
                        header length u32, xxh3_64 of the header u64, zero u32
     header  JSON       namespace, key, rank, tokens, codec, shuffle item size,
                        dtype, page shape, and per layer one frame entry
-                       [offset, stored length, raw length, xxh3_64 of the stored bytes]
+                       [offset, stored length, raw length, xxh3_64 of the stored
+                       bytes(, MAC of the stored bytes)]; signed: the key id
+    MAC     16 bytes   only when signed (flag 1): keyed BLAKE3 of prefix + header
     frames             one per layer, in layer order
 
 Per-layer frames let a reader fetch a few layers per ranged GET and decode
-them as they arrive. Every byte that reaches a KV cache passed a checksum:
-anything else (truncation, flipped bits, another namespace or key, an
-unknown version) raises :class:`CorruptChunk` and returns nothing.
+them as they arrive. Every byte that reaches a KV cache passed a checksum
+(and, with a fleet secret, a MAC): anything else (truncation, flipped bits,
+another namespace or key, an unknown version, a frame that would decode to
+another size than its page) raises :class:`CorruptChunk` and returns
+nothing. Version 1 objects (no MAC field) are still read when no secret is
+set; a reader older than version 2 refuses these objects by their version.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -30,12 +36,19 @@ import zstandard
 
 from s3kv.errors import CorruptChunk
 
+if TYPE_CHECKING:
+    from s3kv.auth import FleetKeys
+
 MAGIC = b"S3KV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+FLAG_SIGNED = 1
 PREFIX = struct.Struct("<4sHHIQI")
 PREFIX_LEN = PREFIX.size  # 24
+TAG_BYTES = 16
 MAX_HEADER_LEN = 1 << 20
 CODECS = ("zstd", "none")
+MAX_SHUFFLE = 16
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,8 @@ class Frame:
     length: int
     raw_length: int
     checksum: int
+    tag: bytes | None = None
+    """The frame's MAC, in a signed object."""
 
     @property
     def end(self) -> int:
@@ -65,7 +80,14 @@ class ChunkHeader:
     """Shape of one layer's stored page array (informational)."""
     frames: tuple[Frame, ...]
     header_length: int
-    """Bytes of prefix + header: where frames may start."""
+    """Bytes of prefix + header (+ MAC): where frames may start."""
+    kid: bytes | None = None
+    """The id of the fleet key that signed it; None: unsigned."""
+    version: int = FORMAT_VERSION
+
+    @property
+    def signed(self) -> bool:
+        return self.kid is not None
 
     @property
     def object_length(self) -> int:
@@ -86,7 +108,7 @@ class ChunkHeader:
         if self.key != key:
             raise CorruptChunk(f"object holds chunk {self.key}, expected {key}")
         if self.rank != rank:
-            raise CorruptChunk(f"object holds rank {self.rank}, expected {rank}")
+            raise CorruptChunk(f"object holds rank {self.rank}, expected rank {rank}")
 
 
 _local = threading.local()
@@ -146,6 +168,10 @@ def unshuffle(
     return out
 
 
+def _frame_tag(keys: FleetKeys, stored: bytes | memoryview) -> bytes:
+    return keys.sign("chunk", b"frame", stored)
+
+
 def encode_chunk(
     *,
     namespace: str,
@@ -158,8 +184,10 @@ def encode_chunk(
     page_shape: Sequence[int],
     codec: str = "zstd",
     level: int = 1,
+    keys: FleetKeys | None = None,
 ) -> bytes:
-    """Encode one chunk shard: ``layers[i]`` are layer i's page bytes."""
+    """Encode one chunk shard: ``layers[i]`` are layer i's page bytes. With
+    ``keys``, the object is signed with the fleet's signing key."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}")
     shuffle_size = itemsize if codec == "zstd" else 1
@@ -176,69 +204,98 @@ def encode_chunk(
             stored.append(_compressor(level).compress(shuffle(raw, shuffle_size)))
         else:
             stored.append(memoryview(np.ascontiguousarray(raw)).cast("B"))
-    entries: list[list[int]] = []
+    tags = [_frame_tag(keys, blob).hex() for blob in stored] if keys is not None else None
+    mac_len = TAG_BYTES if keys is not None else 0
+    entries: list[list[int | str]] = []
     # Header length depends on the offsets it contains: compute with a
     # placeholder size, then fix the offsets (the JSON of ints is stable once
     # offsets only grow by the header length, so two passes suffice).
     header_len = 0
     for _ in range(3):
-        offset = PREFIX_LEN + header_len
+        offset = PREFIX_LEN + header_len + mac_len
         entries = []
-        for blob, raw_len in zip(stored, raw_lengths):
-            entries.append([offset, len(blob), raw_len, xxhash.xxh3_64_intdigest(blob)])
+        for i, (blob, raw_len) in enumerate(zip(stored, raw_lengths)):
+            entry: list[int | str] = [offset, len(blob), raw_len, xxhash.xxh3_64_intdigest(blob)]
+            if tags is not None:
+                entry.append(tags[i])
+            entries.append(entry)
             offset += len(blob)
-        header = json.dumps(
-            {
-                "ns": namespace,
-                "key": key,
-                "rank": rank,
-                "tokens": tokens,
-                "codec": codec,
-                "shuffle": shuffle_size,
-                "dtype": dtype,
-                "page_shape": list(page_shape),
-                "frames": entries,
-            },
-            separators=(",", ":"),
-        ).encode()
+        fields = {
+            "ns": namespace,
+            "key": key,
+            "rank": rank,
+            "tokens": tokens,
+            "codec": codec,
+            "shuffle": shuffle_size,
+            "dtype": dtype,
+            "page_shape": list(page_shape),
+            "frames": entries,
+        }
+        if keys is not None:
+            fields["kid"] = keys.signing_kid.hex()
+        header = json.dumps(fields, separators=(",", ":")).encode()
         if len(header) == header_len:
             break
         header_len = len(header)
     else:  # pragma: no cover - offsets converge in two passes
         raise AssertionError("header length did not converge")
-    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), xxhash.xxh3_64_intdigest(header), 0)
-    return b"".join([prefix, header, *stored])
+    flags = FLAG_SIGNED if keys is not None else 0
+    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(header), xxhash.xxh3_64_intdigest(header), 0)
+    mac = [keys.sign("chunk", b"header", prefix, header)] if keys is not None else []
+    return b"".join([prefix, header, *mac, *stored])
 
 
-def header_length(prefix: bytes | memoryview) -> int:
-    """Total bytes of prefix + header, from the first PREFIX_LEN bytes."""
+def header_length(prefix: bytes | memoryview, max_header_len: int = MAX_HEADER_LEN) -> int:
+    """Total bytes of prefix + header (+ MAC), from the first PREFIX_LEN bytes.
+    A header longer than ``max_header_len`` is refused before it is read."""
     if len(prefix) < PREFIX_LEN:
         raise CorruptChunk(f"object is {len(prefix)} bytes, shorter than the {PREFIX_LEN}-byte prefix")
     magic, version, flags, hlen, _hsum, zero = PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise CorruptChunk(f"bad magic {bytes(magic)!r}: not an s3kv chunk object")
-    if version != FORMAT_VERSION:
-        raise CorruptChunk(f"chunk format version {version}; this s3kv reads version {FORMAT_VERSION}")
-    if flags or zero:
+    if version not in READ_VERSIONS:
+        raise CorruptChunk(
+            f"chunk format version {version}; this s3kv reads versions {', '.join(map(str, READ_VERSIONS))}"
+        )
+    if flags & ~FLAG_SIGNED or zero or (flags and version < 2):
         raise CorruptChunk(f"unknown flags {flags:#x}/{zero:#x} in the prefix")
-    if hlen > MAX_HEADER_LEN:
-        raise CorruptChunk(f"header length {hlen} exceeds {MAX_HEADER_LEN}")
-    return PREFIX_LEN + hlen
+    if hlen > max_header_len:
+        raise CorruptChunk(f"header length {hlen} exceeds {max_header_len}")
+    return PREFIX_LEN + hlen + (TAG_BYTES if flags & FLAG_SIGNED else 0)
 
 
-def parse_header(data: bytes | memoryview) -> ChunkHeader:
+def parse_header(
+    data: bytes | memoryview, keys: FleetKeys | None = None, *, max_header_len: int = MAX_HEADER_LEN
+) -> ChunkHeader:
     """Parse prefix and header from the start of an object. ``data`` must hold
-    at least :func:`header_length` bytes; frames are not read."""
-    total = header_length(data)
+    at least :func:`header_length` bytes; frames are not read. With ``keys``
+    only an object signed with one of them passes (its MAC is checked before
+    any field but the key id is used)."""
+    total = header_length(data, max_header_len)
     if len(data) < total:
         raise CorruptChunk(f"object truncated inside its header ({len(data)} of {total} bytes)")
-    _magic, _version, _flags, hlen, hsum, _zero = PREFIX.unpack_from(data)
-    header = bytes(data[PREFIX_LEN:total])
+    _magic, version, flags, hlen, hsum, _zero = PREFIX.unpack_from(data)
+    header = bytes(data[PREFIX_LEN : PREFIX_LEN + hlen])
+    signed = bool(flags & FLAG_SIGNED)
+    if keys is not None and not signed:
+        raise CorruptChunk("unsigned object: with a fleet secret set, only objects signed with it are read")
     if xxhash.xxh3_64_intdigest(header) != hsum:
         raise CorruptChunk("header checksum mismatch")
     try:
         h = json.loads(header)
-        frames = tuple(Frame(int(o), int(n), int(r), int(c)) for o, n, r, c in h["frames"])
+        kid = bytes.fromhex(h["kid"]) if signed else None
+        if keys is not None:
+            assert kid is not None
+            if not keys.knows(kid):
+                raise CorruptChunk(f"signed with key id {kid.hex()}, which is not one of the fleet's keys")
+            if not keys.verify(
+                "chunk", kid, data[PREFIX_LEN + hlen : total], b"header", data[:PREFIX_LEN], header
+            ):
+                raise CorruptChunk("header MAC mismatch: not written with the fleet's secret")
+        frames = tuple(
+            Frame(int(f[0]), int(f[1]), int(f[2]), int(f[3]), bytes.fromhex(f[4]) if signed else None)
+            for f in h["frames"]
+        )
         parsed = ChunkHeader(
             namespace=str(h["ns"]),
             key=str(h["key"]),
@@ -250,33 +307,64 @@ def parse_header(data: bytes | memoryview) -> ChunkHeader:
             page_shape=tuple(int(x) for x in h["page_shape"]),
             frames=frames,
             header_length=total,
+            kid=kid,
+            version=version,
         )
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptChunk(f"malformed header: {e}") from e
+    except CorruptChunk:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
+        raise CorruptChunk(f"malformed header: {type(e).__name__}: {e}") from e
     if parsed.codec not in CODECS:
         raise CorruptChunk(f"unknown codec {parsed.codec!r}")
+    if not 1 <= parsed.shuffle <= MAX_SHUFFLE or (parsed.codec == "none" and parsed.shuffle != 1):
+        raise CorruptChunk(f"bad shuffle item size {parsed.shuffle}")
     expect = total
     for f in frames:
-        if f.offset != expect or f.length < 0 or f.raw_length < 0:
-            raise CorruptChunk("frame table is not contiguous")
+        if f.offset != expect or f.length < 0 or f.raw_length < 0 or f.raw_length % parsed.shuffle:
+            raise CorruptChunk("frame table is not contiguous, or a frame is not whole items")
+        if signed and (f.tag is None or len(f.tag) != TAG_BYTES):
+            raise CorruptChunk("a frame of a signed object has no MAC")
         expect = f.end
     return parsed
 
 
 def decode_frame(
-    header: ChunkHeader, index: int, stored: bytes | memoryview, out: np.ndarray | None = None
+    header: ChunkHeader,
+    index: int,
+    stored: bytes | memoryview,
+    out: np.ndarray | None = None,
+    keys: FleetKeys | None = None,
 ) -> np.ndarray:
-    """Check and decode frame ``index`` from its stored bytes, into ``out`` if given."""
+    """Check and decode frame ``index`` from its stored bytes, into ``out`` if
+    given. With ``keys`` (and a header that passed them), the frame's MAC is
+    checked instead of its checksum. Nothing is decompressed into more than
+    the frame's raw length, which the caller checked against its page."""
     frame = header.frames[index]
     if len(stored) != frame.length:
         raise CorruptChunk(f"frame {index}: got {len(stored)} bytes, expected {frame.length}")
-    if xxhash.xxh3_64_intdigest(stored) != frame.checksum:
+    if keys is not None:
+        assert header.kid is not None and frame.tag is not None, (
+            "parse_header(keys) admits signed objects only"
+        )
+        if not keys.verify("chunk", header.kid, frame.tag, b"frame", stored):
+            raise CorruptChunk(f"frame {index}: MAC mismatch")
+    elif xxhash.xxh3_64_intdigest(stored) != frame.checksum:
         raise CorruptChunk(f"frame {index}: checksum mismatch")
     if out is not None and out.nbytes != frame.raw_length:
         raise CorruptChunk(f"frame {index}: holds {frame.raw_length} bytes, the page needs {out.nbytes}")
     if header.codec == "none":
+        if frame.length != frame.raw_length:
+            raise CorruptChunk(f"frame {index}: {frame.length} stored bytes for {frame.raw_length} raw ones")
         raw = np.frombuffer(stored, dtype=np.uint8)
     else:
+        try:
+            content = zstandard.frame_content_size(stored)
+        except zstandard.ZstdError as e:
+            raise CorruptChunk(f"frame {index}: not a zstd frame: {e}") from e
+        if content != frame.raw_length:  # -1: unknown (a stream), or a decompression bomb
+            raise CorruptChunk(
+                f"frame {index}: zstd content size {content}, the page holds {frame.raw_length}"
+            )
         try:
             raw = np.frombuffer(
                 _decompressor().decompress(stored, max_output_size=frame.raw_length), dtype=np.uint8
@@ -289,12 +377,29 @@ def decode_frame(
 
 
 def decode_chunk(
-    data: bytes | memoryview, *, namespace: str, key: str, rank: int
+    data: bytes | memoryview, *, namespace: str, key: str, rank: int, keys: FleetKeys | None = None
 ) -> tuple[ChunkHeader, list[np.ndarray]]:
     """Decode a whole object, checking it is the chunk that was asked for."""
-    header = parse_header(data)
+    header = parse_header(data, keys)
     header.check_identity(namespace, key, rank)
     if len(data) != header.object_length:
         raise CorruptChunk(f"object is {len(data)} bytes, its header says {header.object_length}")
     mv = memoryview(data)
-    return header, [decode_frame(header, i, mv[f.offset : f.end]) for i, f in enumerate(header.frames)]
+    return header, [
+        decode_frame(header, i, mv[f.offset : f.end], keys=keys) for i, f in enumerate(header.frames)
+    ]
+
+
+def check_frames(data: bytes | memoryview, header: ChunkHeader, keys: FleetKeys | None = None) -> None:
+    """Check every frame's checksum (or MAC) without decoding: what ``s3kv verify`` reads."""
+    if len(data) != header.object_length:
+        raise CorruptChunk(f"object is {len(data)} bytes, its header says {header.object_length}")
+    mv = memoryview(data)
+    for i, f in enumerate(header.frames):
+        stored = mv[f.offset : f.end]
+        if keys is not None:
+            assert header.kid is not None and f.tag is not None
+            if not keys.verify("chunk", header.kid, f.tag, b"frame", stored):
+                raise CorruptChunk(f"frame {i}: MAC mismatch")
+        elif xxhash.xxh3_64_intdigest(stored) != f.checksum:
+            raise CorruptChunk(f"frame {i}: checksum mismatch")

@@ -40,6 +40,10 @@ class Precondition(S3KVError):
         super().__init__(f"changed since it was read: {key}")
 
 
+class RangeNotSatisfiable(S3KVError, ValueError):
+    """A ranged read started past the end of the object (HTTP 416)."""
+
+
 class PermissionDenied(S3KVError, PermissionError):
     """The store refused the credentials for this operation."""
 
@@ -61,8 +65,14 @@ class StorageFull(S3KVError, OSError):
 
 
 class CorruptChunk(S3KVError):
-    """A chunk object failed validation: bad magic, version, checksum,
-    truncation, or it names another namespace or key than was asked for."""
+    """A chunk object failed validation: bad magic, version, checksum or MAC,
+    truncation, a frame that would not decode to its page, or it names
+    another namespace or key than was asked for.
+
+    ``etag``: the ETag of the object read, where the store gave one, so that
+    it is deleted only if it was not rewritten since."""
+
+    etag: str | None = None
 
 
 class UnsupportedVersion(S3KVError, RuntimeError):

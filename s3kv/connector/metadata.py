@@ -48,9 +48,14 @@ class S3KVWorkerMetadata(KVConnectorWorkerMetadata):
     """Request -> ranks that finished its synchronous load (its CPU slots may go)."""
     load_failed: set[str] = field(default_factory=set)
     """Requests whose load failed in part: offer them no more hits."""
-    loaded: int = 0
-    unavailable: int = 0
-    """Transfers that failed because S3 did not answer."""
+    tier_ok: dict[Tier, int] = field(default_factory=dict)
+    """Tier -> transfers it served (for its breaker)."""
+    tier_failed: dict[Tier, int] = field(default_factory=dict)
+    """Tier -> transfers that failed for the tier's sake (for its breaker)."""
+    bad: dict[tuple[bytes, int], str | None] = field(default_factory=dict)
+    """(key, rank) -> ETag of a corrupt S3 object the rank could not delete."""
+    existing: set[bytes] = field(default_factory=set)
+    """Keys whose S3 store found the object already there."""
     disk_full: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -63,8 +68,10 @@ class S3KVWorkerMetadata(KVConnectorWorkerMetadata):
             merge(self.released, other.released),
             merge(self.sync_loaded, other.sync_loaded),
             self.load_failed | other.load_failed,
-            self.loaded + other.loaded,
-            self.unavailable + other.unavailable,
+            merge(self.tier_ok, other.tier_ok),
+            merge(self.tier_failed, other.tier_failed),
+            {**self.bad, **other.bad},
+            self.existing | other.existing,
             self.disk_full or other.disk_full,
         )
 
@@ -76,7 +83,9 @@ class S3KVWorkerMetadata(KVConnectorWorkerMetadata):
             or self.released
             or self.sync_loaded
             or self.load_failed
-            or self.loaded
-            or self.unavailable
+            or self.tier_ok
+            or self.tier_failed
+            or self.bad
+            or self.existing
             or self.disk_full
         )

@@ -393,7 +393,7 @@ class SchedulerSide:
             p.on_sync_loaded(meta.sync_loaded)
             if meta.disk_full:
                 p.on_disk_full()
-            p.on_load_results(meta.load_failed, loaded=meta.loaded, unavailable=meta.unavailable)
+            p.on_load_results(meta.load_failed, ok=meta.tier_ok, failed=meta.tier_failed)
         p.on_recved(output.finished_recving or ())
         p.on_sent(output.finished_sending or ())
         self._delete_evicted()

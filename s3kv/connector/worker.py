@@ -19,7 +19,7 @@ from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.connector.pages import LayerwiseLoad, PageIO
 from s3kv.errors import ConfigError
-from s3kv.stats import Counters
+from s3kv.stats import Counters, merge
 from s3kv.stores.factory import make_store
 from s3kv.tiering.chunks import PageFormat
 from s3kv.tiering.hostpool import HostPool, slots_for
@@ -128,6 +128,7 @@ class WorkerSide:
                 itemsize=first.itemsize,
                 page_shape=first.shape_for(bpc),
                 tokens=self.config.chunk_tokens,
+                layer_bytes=layer_bytes,
             ),
             self.pool,
         )
@@ -199,7 +200,7 @@ class WorkerSide:
             if self.rank == 0:  # one observation per request, not per rank
                 for _ in reqs:
                     self.counters.observe("request_load_seconds", elapsed)
-        self._report.loaded += len(chunks)
+        self._report.tier_ok[Tier.CPU] = self._report.tier_ok.get(Tier.CPU, 0) + len(chunks)
 
     # -- stores --------------------------------------------------------------------
     def _step_stores(self, meta: S3KVMetadata) -> _StepStores | None:
@@ -278,8 +279,10 @@ class WorkerSide:
             for chunk in failed:
                 self._load_errors.update(chunk.write_ids)
         r = self._report
-        r.loaded += result.loaded
-        r.unavailable += result.unavailable
+        r.tier_ok = merge(r.tier_ok, result.tier_ok)
+        r.tier_failed = merge(r.tier_failed, result.tier_failed)
+        r.bad.update({(key, self.rank): etag for key, etag in result.bad.items()})
+        r.existing |= result.existing
         r.disk_full = r.disk_full or result.disk_full
         for tier, keys in result.written.items():
             for key, nbytes in keys.items():

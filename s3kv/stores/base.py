@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
-from s3kv.errors import NotFound
+from s3kv.errors import NotFound, RangeNotSatisfiable
 
 
 class PutMode(enum.Enum):
@@ -45,6 +45,16 @@ class ByteRange:
 
     def http(self) -> str:
         return f"bytes={self.start}-" + ("" if self.end is None else str(self.end - 1))
+
+
+@dataclass(frozen=True)
+class GetResult:
+    """What a read returned: the bytes, the object's ETag, and the whole
+    object's size (from a ranged read's Content-Range), where known."""
+
+    data: bytes
+    etag: str | None = None
+    size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,13 @@ class ObjectStore(ABC):
     @abstractmethod
     async def get(self, key: str, range: ByteRange | None = None) -> bytes:
         """The object's bytes (or the part in ``range``; a range running past
-        the end is cut short, one starting past it raises ValueError)."""
+        the end is cut short, one starting past it raises RangeNotSatisfiable,
+        a ValueError)."""
+
+    async def get_object(self, key: str, range: ByteRange | None = None) -> GetResult:
+        """:meth:`get`, with the object's ETag and whole size where the
+        backend tells them (its default tells neither)."""
+        return GetResult(await self.get(key, range))
 
     @abstractmethod
     async def head(self, key: str) -> ObjectMeta:
@@ -170,5 +186,5 @@ def slice_range(data: bytes, range: ByteRange | None, key: str) -> bytes:
     if range is None:
         return data
     if range.start >= len(data) and not (range.start == 0 and len(data) == 0):
-        raise ValueError(f"range start {range.start} is past the end of {key} ({len(data)} bytes)")
+        raise RangeNotSatisfiable(f"range start {range.start} is past the end of {key} ({len(data)} bytes)")
     return data[range.start : range.end]

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
-from s3kv.errors import AlreadyExists, NotFound, PermissionDenied, StorageFull, Transient
+from s3kv.errors import AlreadyExists, NotFound, PermissionDenied, RangeNotSatisfiable, StorageFull, Transient
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, Update, check_key
 
 PARTIAL_SUFFIX = ".partial"
@@ -205,7 +205,9 @@ class LocalStore(ObjectStore):
                 return f.read()
             size = os.fstat(f.fileno()).st_size
             if range.start >= size and size:
-                raise ValueError(f"range start {range.start} is past the end of {key} ({size} bytes)")
+                raise RangeNotSatisfiable(
+                    f"range start {range.start} is past the end of {key} ({size} bytes)"
+                )
             f.seek(range.start)
             return f.read(-1 if range.end is None else range.end - range.start)
 

@@ -26,11 +26,12 @@ from s3kv.errors import (
     NotFound,
     PermissionDenied,
     Precondition,
+    RangeNotSatisfiable,
     S3KVError,
     Throttled,
     Transient,
 )
-from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, Update, Upload, check_key
+from s3kv.stores.base import ByteRange, GetResult, ObjectMeta, ObjectStore, PutMode, Update, Upload, check_key
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
 _DENIED = {
@@ -89,7 +90,7 @@ def _map_error(e: BaseException, what: str, *, if_match: bool = False) -> Except
         if code in _DENIED or status == 403:
             return PermissionDenied(f"{what}: {code}")
         if code == "InvalidRange" or status == 416:
-            return ValueError(f"{what}: range not satisfiable")
+            return RangeNotSatisfiable(f"{what}: range not satisfiable")
         if code in _THROTTLED or status in (429, 503):
             return Throttled(f"{what}: {code} (HTTP {status})")
         return Transient(f"{what}: {code} (HTTP {status})")
@@ -318,15 +319,21 @@ class S3Store(ObjectStore):
         return resp.get("ETag")
 
     async def get(self, key: str, range: ByteRange | None = None) -> bytes:
+        return (await self.get_object(key, range)).data
+
+    async def get_object(self, key: str, range: ByteRange | None = None) -> GetResult:
         check_key(key)
         client = await self._get_client()
         kwargs = {"Range": range.http()} if range is not None else {}
         try:
             resp = await client.get_object(Bucket=self.bucket, Key=key, **kwargs)
             async with resp["Body"] as body:
-                return await body.read()
+                data = await body.read()
         except Exception as e:
             raise _map_error(e, key) from e
+        total = str(resp.get("ContentRange") or "").rpartition("/")[2]
+        size = int(total) if total.isdigit() else (len(data) if range is None else None)
+        return GetResult(data, resp.get("ETag"), size)
 
     async def head(self, key: str) -> ObjectMeta:
         check_key(key)

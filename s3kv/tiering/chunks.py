@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from s3kv import codec
-from s3kv.errors import CorruptChunk
+from s3kv.auth import FleetKeys
+from s3kv.errors import ConfigError, CorruptChunk, NotFound, PermissionDenied, RangeNotSatisfiable, Transient
 from s3kv.stores.base import ByteRange, ObjectStore
 
 FrameSink = Callable[[int, np.ndarray], None]
@@ -40,6 +41,8 @@ class PageFormat:
     itemsize: int
     page_shape: tuple[int, ...]
     tokens: int
+    layer_bytes: int
+    """Bytes of one layer's pages of a chunk: what every frame must decode to."""
 
 
 def plan_ranges(
@@ -65,10 +68,24 @@ def plan_ranges(
     return groups
 
 
+def zstd_bound(raw_bytes: int) -> int:
+    """The most zstd may store for ``raw_bytes`` (its ZSTD_COMPRESSBOUND, and a margin)."""
+    return raw_bytes + (raw_bytes >> 7) + (64 << 10)
+
+
+def as_corrupt(e: BaseException, where: str) -> CorruptChunk:
+    """Any failure to make sense of an object's bytes is corruption: a bad
+    size, shuffle value or header, a zstd error, even MemoryError."""
+    if isinstance(e, CorruptChunk):
+        return e
+    return CorruptChunk(f"{where}: {type(e).__name__}: {e}")
+
+
 @dataclass(frozen=True)
 class ChunkCodec:
     """How this engine's chunk shards are encoded, and what a decoded one
-    must match: namespace, rank, layer count and page format."""
+    must match: namespace, rank, layer count and page format. With ``keys``
+    (the fleet secret) objects are signed, and only signed ones are read."""
 
     namespace: str
     rank: int
@@ -76,6 +93,21 @@ class ChunkCodec:
     fmt: PageFormat
     codec: str = "zstd"
     level: int = 1
+    keys: FleetKeys | None = None
+
+    @property
+    def max_header(self) -> int:
+        """The longest header one of this engine's chunks can have."""
+        return 4096 + 160 * self.num_layers
+
+    @property
+    def max_object(self) -> int:
+        return (
+            codec.PREFIX_LEN
+            + self.max_header
+            + codec.TAG_BYTES
+            + self.num_layers * zstd_bound(self.fmt.layer_bytes)
+        )
 
     def encode(self, key: bytes, layers: Sequence[np.ndarray]) -> bytes:
         return codec.encode_chunk(
@@ -89,10 +121,19 @@ class ChunkCodec:
             page_shape=self.fmt.page_shape,
             codec=self.codec,
             level=self.level,
+            keys=self.keys,
         )
 
+    def header_length(self, prefix: bytes | memoryview) -> int:
+        return codec.header_length(prefix, self.max_header)
+
+    def parse_header(self, data: bytes | memoryview) -> codec.ChunkHeader:
+        return codec.parse_header(data, self.keys, max_header_len=self.max_header)
+
     def check(self, header: codec.ChunkHeader, key_hex: str, where: str) -> None:
-        """Raise CorruptChunk unless ``header`` is this engine's chunk ``key_hex``."""
+        """Raise CorruptChunk unless ``header`` is this engine's chunk
+        ``key_hex``, with frames that decode to exactly this engine's pages:
+        nothing a header says is allocated before it passed."""
         try:
             header.check_identity(self.namespace, key_hex, self.rank)
         except CorruptChunk as e:
@@ -105,16 +146,38 @@ class ChunkCodec:
                 f"{where}: pages are {header.dtype}{list(header.page_shape)} x {header.tokens} tokens, "
                 f"this engine's are {fmt.dtype}{list(fmt.page_shape)} x {fmt.tokens}"
             )
+        if header.shuffle not in (1, fmt.itemsize):
+            raise CorruptChunk(
+                f"{where}: shuffle item size {header.shuffle}, the pages' items are {fmt.itemsize}"
+            )
+        bound = zstd_bound(fmt.layer_bytes) if header.codec == "zstd" else fmt.layer_bytes
+        for i, f in enumerate(header.frames):
+            if f.raw_length != fmt.layer_bytes or f.length > bound:
+                raise CorruptChunk(
+                    f"{where}: frame {i} holds {f.raw_length} bytes in {f.length}; a layer's pages "
+                    f"are {fmt.layer_bytes} bytes"
+                )
+
+    def decode_frame(
+        self, header: codec.ChunkHeader, index: int, stored: bytes | memoryview, where: str
+    ) -> np.ndarray:
+        try:
+            return codec.decode_frame(header, index, stored, keys=self.keys)
+        except Exception as e:
+            raise as_corrupt(e, where) from e
 
     def decode(self, key: bytes, blob: bytes | memoryview, sink: FrameSink, where: str) -> None:
         """Check a whole object and hand each decoded layer to ``sink``."""
-        header = codec.parse_header(blob)
+        try:
+            header = self.parse_header(blob)
+        except Exception as e:
+            raise as_corrupt(e, where) from e
         self.check(header, key.hex(), where)
         if len(blob) != header.object_length:
             raise CorruptChunk(f"{where}: {len(blob)} bytes, its header says {header.object_length}")
         mv = memoryview(blob)
         for i, f in enumerate(header.frames):
-            sink(i, codec.decode_frame(header, i, mv[f.offset : f.end]))
+            sink(i, self.decode_frame(header, i, mv[f.offset : f.end], where))
 
 
 class ChunkData:
@@ -141,7 +204,7 @@ class ChunkData:
     def raw_bytes(self) -> int:
         if self._layers is not None:
             return sum(a.nbytes for a in self._layers)
-        return codec.parse_header(self._blob).raw_bytes  # type: ignore[arg-type]
+        return self.codec.parse_header(self._blob).raw_bytes  # type: ignore[arg-type]
 
     @property
     def layers(self) -> list[np.ndarray]:
@@ -158,6 +221,10 @@ class ChunkData:
         return self._blob
 
 
+class _SinkFailed(Exception):
+    """Writing verified pages failed (the cause): not the object's fault."""
+
+
 async def load_chunk(
     store: ObjectStore,
     chunk: ChunkId,
@@ -172,19 +239,53 @@ async def load_chunk(
     ``sink`` as soon as its range arrives. Returns the bytes fetched and, with
     ``keep_blob``, the whole object (to promote it to another tier).
 
-    Raises NotFound, CorruptChunk (wrong identity, layer count, checksum...),
-    Transient; ``sink`` sees only verified bytes, but may have seen some
-    layers before a later one fails.
-    """
+    Raises NotFound; CorruptChunk for anything wrong with the object's bytes
+    (identity, layer count, sizes, checksum or MAC, truncation, a 416), with
+    the ETag read; Transient. ``sink`` sees only verified bytes, but may have
+    seen some layers before a later one fails. Nothing is allocated from what
+    a header says before :meth:`ChunkCodec.check` passed it."""
+    where = chunk.object_key
+    etag: str | None = None
+    try:
+        got = await store.get_object(where, ByteRange(0, max(range_bytes, codec.PREFIX_LEN)))
+        etag, first = got.etag, got.data
+        need = chunk_codec.header_length(first)
+        if need > len(first):
+            first += await store.get(where, ByteRange(len(first), need))
+        header = chunk_codec.parse_header(first)
+        chunk_codec.check(header, chunk.key_hex, where)
+        if len(first) > header.object_length or (got.size is not None and got.size != header.object_length):
+            raise CorruptChunk(
+                f"{where}: object is {got.size if got.size is not None else len(first)} bytes, "
+                f"its header says {header.object_length}"
+            )
+        return await _fetch_frames(
+            store, chunk_codec, header, first, sink, where, range_bytes, executor, keep_blob
+        )
+    except _SinkFailed as e:  # the engine's side, not the object's: no corruption
+        raise e.__cause__ from None  # type: ignore[misc]
+    except (NotFound, Transient, PermissionDenied, ConfigError, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        if isinstance(e, RangeNotSatisfiable):
+            e = CorruptChunk(f"{where}: shorter than its header says ({e})")
+        corrupt = as_corrupt(e, where)
+        corrupt.etag = etag
+        raise corrupt from e
+
+
+async def _fetch_frames(
+    store: ObjectStore,
+    chunk_codec: ChunkCodec,
+    header: codec.ChunkHeader,
+    first: bytes,
+    sink: FrameSink,
+    where: str,
+    range_bytes: int,
+    executor: concurrent.futures.Executor | None,
+    keep_blob: bool,
+) -> tuple[int, bytes | None]:
     loop = asyncio.get_running_loop()
-    first = await store.get(chunk.object_key, ByteRange(0, max(range_bytes, codec.PREFIX_LEN)))
-    need = codec.header_length(first)
-    if need > len(first):
-        first += await store.get(chunk.object_key, ByteRange(len(first), need))
-    header = codec.parse_header(first)
-    chunk_codec.check(header, chunk.key_hex, chunk.object_key)
-    if len(first) > header.object_length:
-        raise CorruptChunk(f"{chunk.object_key}: object is longer than its header says")
     whole = bytearray(header.object_length) if keep_blob else None
     if whole is not None:
         whole[: len(first)] = first
@@ -194,17 +295,21 @@ async def load_chunk(
         for i in indexes:
             f = header.frames[i]
             if f.end - base > len(buf):
-                raise CorruptChunk(f"{chunk.object_key}: truncated in frame {i}")
-            sink(i, codec.decode_frame(header, i, mv[f.offset - base : f.end - base]))
+                raise CorruptChunk(f"{where}: truncated in frame {i}")
+            data = chunk_codec.decode_frame(header, i, mv[f.offset - base : f.end - base], where)
+            try:
+                sink(i, data)
+            except Exception as e:
+                raise _SinkFailed() from e
 
     have = len(first)
     ready = [i for i, f in enumerate(header.frames) if f.end <= have]
     jobs = [loop.run_in_executor(executor, decode, first, 0, ready)] if ready else []
 
     async def fetch_and_decode(start: int, end: int, indexes: list[int]) -> int:
-        buf = await store.get(chunk.object_key, ByteRange(start, end))
+        buf = await store.get(where, ByteRange(start, end))
         if len(buf) != end - start:
-            raise CorruptChunk(f"{chunk.object_key}: truncated (range {start}-{end} gave {len(buf)} bytes)")
+            raise CorruptChunk(f"{where}: truncated (range {start}-{end} gave {len(buf)} bytes)")
         if whole is not None:
             whole[start:end] = buf
         await loop.run_in_executor(executor, decode, buf, start, indexes)

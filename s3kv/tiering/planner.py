@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 from s3kv.keys import Namespace, chain_keys
 from s3kv.manifest.keyset import EMPTY, Manifest, fingerprints
 from s3kv.stats import Counters
+from s3kv.tiering.breaker import Breaker
 from s3kv.tiering.placement import Tier, TierIndex
 
 ExtrasFn = Callable[[int, int], Any]
@@ -159,6 +160,7 @@ class Planner:
         counters: Counters | None = None,
         store_retry_s: float = 120.0,
         backoff_s: tuple[float, float] = (5.0, 60.0),
+        probe_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if chunk_tokens % block_size:
@@ -206,11 +208,18 @@ class Planner:
         self._disk_sizes: dict[bytes, int] = {}
         self._deleting: set[Hashable] = set()
         self._disk_evictions: list[Hashable] = []
-        self._backoff_s = backoff_s
-        self._next_backoff_s = backoff_s[0]
-        self._paused_until = 0.0
-        """While S3 does not answer, offer no S3 hits and plan no S3 writes (a
-        circuit breaker); the local tiers go on."""
+        self.breakers = {
+            tier: Breaker(
+                backoff_s,
+                probe_timeout_s=probe_timeout_s,
+                clock=clock,
+                on_trip=lambda t=tier: self.counters.add(f"breaker_trips_{t.value}"),
+            )
+            for tier in (Tier.DISK, Tier.S3)
+        }
+        """While a tier is in trouble (S3 not answering; the disk failing or
+        too slow), offer none of its hits and plan no writes to it; the other
+        tiers go on. One probe at a time finds out when it is back."""
         self.s3_down = False
         """S3 did not answer at start-up: paused until it does (set and
         cleared by the caller, which keeps trying in the background)."""
@@ -264,12 +273,12 @@ class Planner:
                     self._memo.clear()
         return req.keys
 
-    def _in_s3(self, req: _Request, keys: list[bytes], start: int, end: int) -> list[bool]:
+    def _in_s3(self, req: _Request, keys: list[bytes], start: int, end: int, usable: bool) -> list[bool]:
         """Which of chunks [start, end) the manifest has: keys seen present
         since its last removal are known; the rest are looked up in one
         vectorised pass (each a binary search through the whole manifest,
         cache misses in a large one)."""
-        if self.s3 is None or self.paused:
+        if self.s3 is None or not usable:
             return [False] * (end - start)
         epoch = self.s3.epoch
         if epoch != self._verified_epoch:
@@ -292,7 +301,14 @@ class Planner:
 
     @property
     def paused(self) -> bool:
-        return self.s3_down or self._clock() < self._paused_until
+        """S3 is not to be used by a new request now (down, or its breaker open)."""
+        return self.s3_down or not self.breakers[Tier.S3].usable()
+
+    def _allows(self, tier: Tier, owner: Hashable, *, take: bool = True) -> bool:
+        """May ``owner`` use ``tier`` now (see :class:`Breaker`)?"""
+        if tier is Tier.S3 and self.s3_down:
+            return False
+        return self.breakers[tier].allow(owner, take=take)
 
     def _index(self, tier: Tier) -> TierIndex | None:
         return self.cpu if tier is Tier.CPU else self.disk if tier is Tier.DISK else None
@@ -329,19 +345,23 @@ class Planner:
         if start >= n_chunks:
             return 0, False
         keys = self._keys(req, n_chunks)
-        in_s3 = self._in_s3(req, keys, start, n_chunks)
+        in_s3 = self._in_s3(req, keys, start, n_chunks, self._allows(Tier.S3, req_id, take=False))
+        disk_ok = self._allows(Tier.DISK, req_id, take=False)
         cpu, disk = self.cpu, self.disk
         hit: list[Tier] = []
         for key, s3_has in zip(keys[start:n_chunks], in_s3):
             if cpu is not None and key in cpu:
                 hit.append(Tier.CPU)
-            elif disk is not None and key in disk:
+            elif disk is not None and disk_ok and key in disk:
                 hit.append(Tier.DISK)
             elif s3_has:
                 hit.append(Tier.S3)
             else:
                 break
         req.hit_start, req.hit = start, hit
+        for tier in (Tier.DISK, Tier.S3):
+            if tier in hit:  # a half-open breaker: this request is its probe
+                self._allows(tier, req_id)
         end = (start + len(hit)) * ct
         sync = bool(hit) and all(t is Tier.CPU for t in hit)
         if sync:
@@ -412,13 +432,15 @@ class Planner:
             cpu_slot = entry.slot if entry is not None else None
             sources: tuple[Tier, ...] = (Tier.CPU,)
         elif tier is Tier.DISK:
-            s3_too = self.s3 is not None and key in self.s3 and not self.paused
+            s3_too = (
+                self.s3 is not None and key in self.s3 and not self.s3_down and self.breakers[Tier.S3].closed
+            )
             sources = (Tier.DISK, Tier.S3) if s3_too else (Tier.DISK,)
         else:
             sources = (Tier.S3,)
         if self.promote and tier is not Tier.CPU:
             promote_slot = self._reserve_cpu(key)
-            if tier is Tier.S3 and self._reserve_disk(key):
+            if tier is Tier.S3 and self.breakers[Tier.DISK].closed and self._reserve_disk(key):
                 promote_disk = True
         return LoadChunk(key, ids, first, last, sources, cpu_slot, promote_slot, promote_disk)
 
@@ -497,20 +519,26 @@ class Planner:
 
     def _plan_store(self, key: bytes, ids: tuple[int, ...]) -> StoreChunk | None:
         now = self._clock()
+        owner = ("store", key)
         to_s3 = (
             self.s3 is not None
-            and not self.paused
             and key not in self.s3  # type: ignore[operator]
             and now - self._storing.get(key, -self.store_retry_s) >= self.store_retry_s
+            and self._allows(Tier.S3, owner)  # last: half-open, this store is the probe
         )
-        to_disk = self.disk is not None and not self.disk.has(key) and key not in self._deleting
+        to_disk = (
+            self.disk is not None
+            and not self.disk.has(key)
+            and key not in self._deleting
+            and self._allows(Tier.DISK, owner, take=False)
+        )
         slot = None
         if self.cpu is not None and not self.cpu.has(key):
             slot = self._reserve_cpu(key)
             if slot is None:
                 self.counters.add("store_dropped_no_slot")
         if to_disk:
-            to_disk = self._reserve_disk(key)
+            to_disk = self._reserve_disk(key) and self._allows(Tier.DISK, owner)
         if slot is None and not to_disk and not to_s3:
             return None
         if to_s3:
@@ -654,22 +682,23 @@ class Planner:
         if self.disk is not None:
             self._evict_disk(self.disk.shrink(max(self.disk.used, self.disk_reserve)))
 
-    def on_load_results(self, failed_req_ids: Iterable[str], *, loaded: int, unavailable: int) -> None:
+    def on_load_results(
+        self,
+        failed_req_ids: Iterable[str],
+        *,
+        ok: Mapping[Tier, int] | None = None,
+        failed: Mapping[Tier, int] | None = None,
+    ) -> None:
         """What transfers did: requests with failed chunks get no more hits;
-        S3 not answering pauses S3 hits and writes, for a time that doubles
-        while nothing loads (up to ``backoff_s[1]``) and resets on success."""
+        each tier's breaker hears that tier's successes and failures (not
+        answering, throttled, too slow) and no other's: see :class:`Breaker`."""
         for req_id in failed_req_ids:
             req = self._requests.get(req_id)
             if req is not None:
                 req.load_failed = True
-        if unavailable:
-            self.pause_s3()
-        elif loaded:
-            self._next_backoff_s = self._backoff_s[0]
-
-    def pause_s3(self) -> None:
-        self._paused_until = self._clock() + self._next_backoff_s
-        self._next_backoff_s = min(self._next_backoff_s * 2, self._backoff_s[1])
+        ok, failed = ok or {}, failed or {}
+        for tier, breaker in self.breakers.items():
+            breaker.report(ok.get(tier, 0), failed.get(tier, 0))
 
     # -- disk deletions ------------------------------------------------------------
     def take_disk_evictions(self) -> list[Hashable]:

@@ -25,11 +25,21 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, StorageFull, Throttled, Transient
+from s3kv.auth import FleetKeys
+from s3kv.errors import (
+    AlreadyExists,
+    CorruptChunk,
+    NotFound,
+    PermissionDenied,
+    Precondition,
+    StorageFull,
+    Throttled,
+    Transient,
+)
 from s3kv.keys import object_key
 from s3kv.stats import Counters
-from s3kv.stores.base import ObjectStore, PutMode
-from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, PageFormat, load_chunk
+from s3kv.stores.base import ByteRange, ObjectStore, PutMode
+from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, PageFormat, as_corrupt, load_chunk
 from s3kv.tiering.disk import DiskTier
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.loop import BackgroundLoop, unbind_thread
@@ -55,12 +65,22 @@ class PollResult:
     """Tier -> keys a load found absent or corrupt there."""
     released: list[bytes] = field(default_factory=list)
     """Stores that no longer read their CPU slot."""
-    loaded: int = 0
-    """Chunks loaded successfully."""
-    unavailable: int = 0
-    """Transfers that failed because S3 did not answer (unreachable,
-    throttling, timeout): a reason to stop asking it for a while."""
+    tier_ok: dict[Tier, int] = field(default_factory=dict)
+    """Tier -> transfers (loads, writes) it served."""
+    tier_failed: dict[Tier, int] = field(default_factory=dict)
+    """Tier -> transfers that failed because the tier itself is in trouble
+    (S3 not answering, throttling, a timeout; the disk erring or too slow):
+    what its breaker hears."""
+    bad: dict[bytes, str | None] = field(default_factory=dict)
+    """Key -> ETag of this rank's S3 object of it, found corrupt and not
+    deleted (no permission): to be reported to the fleet as bad."""
+    existing: set[bytes] = field(default_factory=set)
+    """Keys whose S3 store found the object already there (a 412)."""
     disk_full: bool = False
+
+    @property
+    def loaded(self) -> int:
+        return sum(self.tier_ok.values())
 
 
 @dataclass(frozen=True)
@@ -78,6 +98,11 @@ class EngineSettings:
     threads: int = 4
     disk_path: str | None = None
     disk_fsync: bool = False
+    disk_timeout_s: float = 5.0
+    """A chunk read or write on the NVMe tier slower than this counts as a
+    disk failure (a read falls back to S3)."""
+    keys: FleetKeys | None = None
+    """The fleet secret: sign what is stored, read only what is signed."""
 
 
 @dataclass
@@ -106,6 +131,27 @@ def _background_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICE)
 
 
+class _Gate:
+    """One load attempt's way into the KV cache (and its CPU promotion slot):
+    open until :meth:`close`, which waits for a write in progress."""
+
+    def __init__(self, chunk: LoadChunk, sink: ChunkSink, pool: HostPool | None) -> None:
+        self._chunk, self._sink, self._pool = chunk, sink, pool
+        self._lock = threading.Lock()
+        self._open = True
+
+    def sink(self, layer: int, data: np.ndarray) -> None:
+        with self._lock:
+            if self._open:
+                self._sink(self._chunk, layer, data)
+                if self._pool is not None:
+                    np.copyto(self._pool.layer_view(self._chunk.promote_slot, layer), data.reshape(-1))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
+
+
 class TransferEngine:
     def __init__(
         self, s3: ObjectStore | None, settings: EngineSettings, counters: Counters | None = None
@@ -122,6 +168,14 @@ class TransferEngine:
         self._store_executor = concurrent.futures.ThreadPoolExecutor(
             max(1, settings.threads // 2), thread_name_prefix="s3kv-store", initializer=_background_priority
         )
+        # NVMe reads and writes have threads of their own: a hung disk ties
+        # up these, never the ones that decode S3 loads or encode stores.
+        self._disk_executor = concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix="s3kv-disk", initializer=unbind_thread
+        )
+        self._aborts: dict[Tier, asyncio.Event] = {}
+        """Per tier: set when a transfer on it failed for the tier's sake, so
+        that the others in flight give up instead of waiting their timeout."""
         self._lock = threading.Lock()
         self._results = PollResult()
         self._inflight_bytes = 0
@@ -149,7 +203,7 @@ class TransferEngine:
         if self._fmt is None:
             return
         self.codec = ChunkCodec(
-            namespace, self.s.rank, self.s.num_layers, self._fmt, self.s.codec, self.s.zstd_level
+            namespace, self.s.rank, self.s.num_layers, self._fmt, self.s.codec, self.s.zstd_level, self.s.keys
         )
         if self.s.disk_path is not None:
             self.disk = DiskTier(Path(self.s.disk_path), self.codec, fsync=self.s.disk_fsync)
@@ -180,15 +234,46 @@ class TransferEngine:
         with self._lock:
             self._results.released.append(key)
 
-    def _unavailable(self) -> None:
+    def _tier_ok(self, tier: Tier) -> None:
         with self._lock:
-            self._results.unavailable += 1
+            self._results.tier_ok[tier] = self._results.tier_ok.get(tier, 0) + 1
+
+    def _tier_failed(self, tier: Tier) -> None:
+        """The tier failed a transfer for its own sake: the breaker hears it,
+        and the tier's other transfers in flight give up."""
+        with self._lock:
+            self._results.tier_failed[tier] = self._results.tier_failed.get(tier, 0) + 1
+        event = self._aborts.pop(tier, None)
+        if event is not None:
+            event.set()
+
+    async def _on_tier(self, tier: Tier, coro: Any, timeout_s: float) -> Any:
+        """Run one transfer on ``tier``, giving up after ``timeout_s`` or
+        as soon as another transfer on the tier failed for its sake."""
+        event = self._aborts.setdefault(tier, asyncio.Event())
+        task = asyncio.ensure_future(coro)
+        aborted = asyncio.ensure_future(event.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {task, aborted}, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            aborted.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        if aborted in done:
+            raise Transient(f"{tier.value}: given up, another transfer found the tier failing")
+        raise asyncio.TimeoutError(f"{tier.value}: no answer within {timeout_s:.1f} s")
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _run_background(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._store_executor, fn, *args)
+
+    async def _run_disk(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._disk_executor, fn, *args)
 
     # -- loads -----------------------------------------------------------------
     def submit_load(self, job_id: str, chunks: Sequence[LoadChunk], sink: ChunkSink) -> None:
@@ -210,40 +295,18 @@ class TransferEngine:
         pool = self.pool if chunk.promote_slot is not None else None
         if pool is not None:
             pool.claim(chunk.promote_slot, None)  # type: ignore[arg-type]
-        # Decoding runs in executor threads that a timeout cannot stop. Once
-        # this load is over (done, failed or timed out) its blocks belong to
-        # vLLM again: the gate makes sure no late write reaches them.
-        gate = threading.Lock()
-        open_ = [True]
-
-        def gated_sink(layer: int, data: np.ndarray) -> None:
-            with gate:
-                if open_[0]:
-                    sink(chunk, layer, data)
-                    if pool is not None:
-                        np.copyto(pool.layer_view(chunk.promote_slot, layer), data.reshape(-1))  # type: ignore[arg-type]
-
-        def close_gate() -> None:
-            with gate:
-                open_[0] = False
-
         try:
-            tier, nbytes, blob = await asyncio.wait_for(
-                self._load_from_sources(chunk, gated_sink), self.s.load_timeout_s
+            tier, nbytes, blob = await self._load_from_sources(
+                chunk, sink, pool, time.monotonic() + self.s.load_timeout_s
             )
         except Exception as e:  # every failure becomes a recompute, never an engine error
-            close_gate()
             kind = self._classify(e)
             if kind not in ("missing", "corrupt"):  # those were counted per tier
                 self.counters.add(f"load_errors_{kind}")
                 log.warning("s3kv: load of chunk %s failed (%s): %s", chunk.key.hex(), kind, e)
-            if kind in ("unavailable", "throttled", "timeout"):
-                self._unavailable()
             self._promotion_failed(chunk)
             return False
-        close_gate()
-        with self._lock:
-            self._results.loaded += 1
+        self._tier_ok(tier)
         self.counters.add(f"load_chunks_{tier.value}")
         self.counters.add(f"load_bytes_{tier.value}", nbytes)
         self.counters.observe(f"load_seconds_{tier.value}", time.perf_counter() - start)
@@ -265,52 +328,89 @@ class TransferEngine:
             self._failed(Tier.DISK, chunk.key)
 
     async def _load_from_sources(
-        self, chunk: LoadChunk, sink: Callable[[int, np.ndarray], None]
+        self, chunk: LoadChunk, sink: ChunkSink, pool: HostPool | None, deadline: float
     ) -> tuple[Tier, int, bytes | None]:
         """(tier it came from, bytes read, the object if asked to keep it).
         A tier that lacks the chunk (absent, corrupt) is reported and the next
-        source tried; other errors end the load."""
+        source tried; so is a disk that errs or is too slow. Other errors end
+        the load."""
         last: Exception | None = None
-        for tier in chunk.sources:
+        for i, tier in enumerate(chunk.sources):
+            # Each attempt writes the KV cache through a gate of its own: once
+            # it is over (done, failed, timed out, given up) no late write of
+            # a decoding thread reaches blocks that are vLLM's again, or that
+            # the next source is writing.
+            gate = _Gate(chunk, sink, pool)
+            left = deadline - time.monotonic()
             try:
                 if tier is Tier.CPU:
                     if self.pool is None:
                         raise NotFound("no host pool")
-                    return tier, await self._run(self.pool.read, chunk.key, sink, chunk.cpu_slot), None
+                    nbytes = await self._run(self.pool.read, chunk.key, gate.sink, chunk.cpu_slot)
+                    return tier, nbytes, None
                 if tier is Tier.DISK:
                     if self.disk is None:
                         raise NotFound("no disk tier")
-                    return tier, await self._run(self.disk.read, chunk.key, sink), None
+                    read = self._run_disk(self.disk.read, chunk.key, gate.sink)
+                    return tier, await self._on_tier(tier, read, min(left, self.s.disk_timeout_s)), None
                 if self.s3 is None:
                     raise NotFound("no S3 tier")
-                fetched, blob = await load_chunk(
+                load = load_chunk(
                     self.s3,
                     self.chunk_id(chunk.key),
-                    sink,
+                    gate.sink,
                     chunk_codec=self.codec,  # type: ignore[arg-type]
                     range_bytes=self.s.range_bytes,
                     executor=self._executor,
                     keep_blob=chunk.promote_disk,
                 )
+                fetched, blob = await self._on_tier(tier, load, left)
                 return tier, fetched, blob
             except (NotFound, CorruptChunk) as e:
                 kind = self._classify(e)
                 self.counters.add(f"load_errors_{kind}")
                 log.warning("s3kv: chunk %s %s in %s: %s", chunk.key.hex(), kind, tier.value, e)
                 self._missing(tier, chunk.key)
-                if tier is Tier.S3 and kind == "corrupt":
-                    await self._delete_corrupt(chunk.key)
+                if tier is Tier.S3 and isinstance(e, CorruptChunk):
+                    await self._delete_corrupt(chunk.key, e.etag)
                 last = e
+            except Exception as e:
+                kind = self._classify(e)
+                if kind in ("unavailable", "throttled", "timeout"):
+                    self._tier_failed(tier)
+                if tier is not Tier.DISK or i == len(chunk.sources) - 1:
+                    raise
+                self.counters.add(f"load_errors_{kind}")  # the disk failed us: try the next source
+                log.warning("s3kv: NVMe read of chunk %s failed (%s): %s", chunk.key.hex(), kind, e)
+                last = e
+            finally:
+                gate.close()
         raise last if last is not None else NotFound(chunk.key.hex())
 
-    async def _delete_corrupt(self, key: bytes) -> None:
+    async def _delete_corrupt(self, key: bytes, etag: str | None) -> None:
         """The object is ours (our namespace and key) and unusable: remove it
-        so that a later store can write a good one."""
+        so that a later store can write a good one, but only the version that
+        was read (If-Match), never a good one written since. Without the
+        permission (or a conditional delete), report it bad to the fleet."""
         cid = self.chunk_id(key)
-        try:
-            await self.s3.delete(cid.object_key)  # type: ignore[union-attr]
-        except Exception as e:
-            log.warning("s3kv: could not delete corrupt %s: %s", cid.object_key, e)
+        reason = "no ETag was read"
+        if etag is not None:
+            try:
+                await self.s3.delete_if(cid.object_key, etag)  # type: ignore[union-attr]
+                return
+            except (NotFound, Precondition):
+                return  # gone, or rewritten since: nothing of ours to remove
+            except PermissionDenied as e:
+                reason = f"no permission to delete it ({e})"
+            except NotImplementedError:
+                reason = "the store has no conditional delete"
+            except Exception as e:
+                log.warning("s3kv: could not delete corrupt %s: %s", cid.object_key, e)
+                return
+        log.warning("s3kv: corrupt %s is reported to the fleet as bad: %s", cid.object_key, reason)
+        self.counters.add("quarantined_chunks")
+        with self._lock:
+            self._results.bad[key] = etag
 
     @staticmethod
     def _classify(e: BaseException) -> str:
@@ -322,7 +422,7 @@ class TransferEngine:
             return "timeout"
         if isinstance(e, Throttled):
             return "throttled"
-        if isinstance(e, Transient):
+        if isinstance(e, (Transient, PermissionDenied)):
             return "unavailable"
         return "other"
 
@@ -420,7 +520,8 @@ class TransferEngine:
             self._failed(Tier.DISK, chunk.key)
             return
         try:
-            n = await self._run_background(self.disk.write, chunk.key, chunk)
+            write = self._run_disk(self.disk.write, chunk.key, chunk)
+            n = await self._on_tier(Tier.DISK, write, self.s.disk_timeout_s)
         except StorageFull as e:
             self.counters.add("store_dropped_disk_full")
             log.warning("s3kv: NVMe tier full, chunk not stored there: %s", e)
@@ -430,9 +531,12 @@ class TransferEngine:
             return
         except Exception as e:
             self.counters.add("store_errors_disk")
+            if self._classify(e) in ("unavailable", "timeout"):
+                self._tier_failed(Tier.DISK)
             log.warning("s3kv: NVMe write of chunk %s failed: %s", chunk.key.hex(), e)
             self._failed(Tier.DISK, chunk.key)
             return
+        self._tier_ok(Tier.DISK)
         self.counters.add("store_chunks_disk")
         self.counters.add("store_bytes_disk", n)
         if start is not None:
@@ -443,21 +547,66 @@ class TransferEngine:
         cid = self.chunk_id(chunk.key)
         blob = chunk.blob
         try:
-            await self.s3.put(cid.object_key, blob, mode=PutMode.CREATE)  # type: ignore[union-attr]
-        except AlreadyExists:
-            self.counters.add("store_chunks_existing")
+            try:
+                await self.s3.put(cid.object_key, blob, mode=PutMode.CREATE)  # type: ignore[union-attr]
+            except AlreadyExists:
+                self.counters.add("store_chunks_existing")
+                if not await self._existing_is_ours(cid, blob):
+                    self._failed(Tier.S3, chunk.key)
+                    return
+                with self._lock:
+                    self._results.existing.add(chunk.key)
+            else:
+                self.counters.add("store_chunks_s3")
+                self.counters.add("store_bytes_s3", len(blob))
+                self.counters.observe("store_seconds_s3", time.perf_counter() - start)
         except Exception as e:
             self.counters.add("store_errors_s3")
-            if isinstance(e, Transient):
-                self._unavailable()
+            if isinstance(e, (Transient, PermissionDenied)):
+                self._tier_failed(Tier.S3)
             log.warning("s3kv: store of %s failed: %s", cid.object_key, e)
             self._failed(Tier.S3, chunk.key)
             return
-        else:
-            self.counters.add("store_chunks_s3")
-            self.counters.add("store_bytes_s3", len(blob))
-            self.counters.observe("store_seconds_s3", time.perf_counter() - start)
+        self._tier_ok(Tier.S3)
         self._written(Tier.S3, chunk.key, len(blob))
+
+    async def _existing_is_ours(self, cid: ChunkId, blob: bytes) -> bool:
+        """A create-only store found ``cid`` there. Without a fleet secret any
+        object counts (its frames are checked when loaded). With one, only an
+        object whose header carries a valid MAC does: one that fails is
+        deleted (if it was not rewritten since) and ours written instead, or,
+        without the permission to delete it, reported bad. The key is never
+        published from an object that could not be verified."""
+        if self.s.keys is None:
+            return True
+        assert self.s3 is not None and self.codec is not None
+        etag: str | None = None
+        try:
+            got = await self.s3.get_object(cid.object_key, ByteRange(0, self.codec.max_header + 64))
+            etag, head = got.etag, got.data
+            header = self.codec.parse_header(head)
+            self.codec.check(header, cid.key_hex, cid.object_key)
+            if got.size is not None and got.size != header.object_length:
+                raise CorruptChunk(
+                    f"{cid.object_key}: {got.size} bytes, its header says {header.object_length}"
+                )
+            return True
+        except NotFound:
+            pass  # deleted meanwhile: write ours
+        except (Transient, PermissionDenied):
+            raise
+        except Exception as e:
+            log.warning(
+                "s3kv: %s exists but does not verify (%s)", cid.object_key, as_corrupt(e, cid.object_key)
+            )
+            self._missing(Tier.S3, bytes.fromhex(cid.key_hex))
+            await self._delete_corrupt(bytes.fromhex(cid.key_hex), etag)
+        try:
+            await self.s3.put(cid.object_key, blob, mode=PutMode.CREATE)
+        except AlreadyExists:
+            return False  # someone wrote it again first: not verified, not published by us
+        self.counters.add("store_chunks_s3")
+        return True
 
     # -- results and lifecycle -----------------------------------------------------
     def _track(self, fut: concurrent.futures.Future[Any]) -> None:
@@ -504,4 +653,5 @@ class TransferEngine:
         self._loop.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._store_executor.shutdown(wait=False, cancel_futures=True)
+        self._disk_executor.shutdown(wait=False, cancel_futures=True)
         self.pool = None

@@ -26,7 +26,7 @@ from s3kv.tiering.tier import TierStorage
 NAMESPACE = "5e" * 16
 LAYERS = 4
 LAYER_BYTES = 2 << 10
-FMT = PageFormat(dtype="bfloat16", itemsize=2, page_shape=(2, 1, 32, 16), tokens=32)
+FMT = PageFormat(dtype="bfloat16", itemsize=2, page_shape=(2, 1, 32, 16), tokens=32, layer_bytes=LAYER_BYTES)
 assert 2 * 1 * 32 * 16 * FMT.itemsize == LAYER_BYTES
 
 

@@ -138,7 +138,8 @@ class TestDiskTier(TierConformance):
             "namespace": make_codec(chunk_codec.codec, namespace="ab" * 16),
             "rank": make_codec(chunk_codec.codec, rank=1),
             "page format": make_codec(
-                chunk_codec.codec, fmt=PageFormat("float16", 2, chunk_codec.fmt.page_shape, 32)
+                chunk_codec.codec,
+                fmt=PageFormat("float16", 2, chunk_codec.fmt.page_shape, 32, chunk_codec.fmt.layer_bytes),
             ),
         }.get(what, chunk_codec)
         theirs = DiskTier(tmp_path / "other", foreign_codec)
@@ -153,7 +154,7 @@ class TestDiskTier(TierConformance):
 
     def test_readers_racing_a_republisher_see_whole_chunks(self, tmp_path, chunk_codec):
         layer_bytes, layers = 64 << 10, 8
-        fmt = PageFormat("bfloat16", 2, (2, 1, 32, 512), 32)
+        fmt = PageFormat("bfloat16", 2, (2, 1, 32, 512), 32, layer_bytes)
         big = make_codec(chunk_codec.codec, num_layers=layers, fmt=fmt)
         tier = DiskTier(tmp_path / "disk", big)
         k = key_of(7)

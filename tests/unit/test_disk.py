@@ -502,7 +502,7 @@ def test_try_lock_held_by_another_process(tmp_path):
 
 # -- a writer killed with SIGKILL mid-write -------------------------------------
 CRASH_LAYERS, CRASH_LAYER_BYTES, CRASH_KEYS = 8, 256 << 10, 16
-CRASH_FMT = PageFormat("bfloat16", 2, (2, 1, 32, 2048), 32)
+CRASH_FMT = PageFormat("bfloat16", 2, (2, 1, 32, 2048), 32, CRASH_LAYER_BYTES)
 
 
 def crash_codec():

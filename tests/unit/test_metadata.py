@@ -19,8 +19,9 @@ def test_aggregate_over_ranks_then_index():
         written={(Tier.S3, K1): 1, (Tier.S3, K2): 1, (Tier.DISK, K1): 1},
         disk_sizes={K1: 100},
         load_failed={"r"},
-        loaded=2,
+        tier_ok={Tier.S3: 2},
         released={K1: 1},
+        bad={(K2, 0): '"etag0"'},
         sync_loaded={"s": 1},
     )
     rank1 = S3KVWorkerMetadata(
@@ -29,7 +30,10 @@ def test_aggregate_over_ranks_then_index():
         missing={(Tier.S3, K2)},
         failed={(Tier.CPU, K2): 1},
         sync_loaded={"s": 1},
-        unavailable=1,
+        tier_ok={Tier.CPU: 1},
+        tier_failed={Tier.S3: 1},
+        bad={(K2, 1): None},
+        existing={K1},
         disk_full=True,
     )
     total = rank0.aggregate(rank1)
@@ -38,7 +42,8 @@ def test_aggregate_over_ranks_then_index():
     assert total.missing == {(Tier.S3, K2)} and total.failed == {(Tier.CPU, K2): 1}
     assert total.sync_loaded == {"s": 2}
     assert total.load_failed == {"r"} and total.disk_full
-    assert (total.loaded, total.unavailable) == (2, 1)
+    assert total.tier_ok == {Tier.S3: 2, Tier.CPU: 1} and total.tier_failed == {Tier.S3: 1}
+    assert total.bad == {(K2, 0): '"etag0"', (K2, 1): None} and total.existing == {K1}
     index = Manifest()
     disk = TierIndex("disk", 10_000)
     disk.reserve(K1, 5000)

@@ -240,7 +240,7 @@ def test_failed_request_gets_no_more_hits():
     p, index = planner()
     index.update(KEYS)
     assert lookup(p) == (4 * CT, True)
-    p.on_load_results({"r"}, loaded=0, unavailable=0)
+    p.on_load_results({"r"})
     assert lookup(p) == (0, False)  # vLLM asks again after a failure
     assert lookup(p, "other") == (4 * CT, True)
 
@@ -250,24 +250,98 @@ def test_unreachable_s3_pauses_s3_hits_and_writes_with_growing_backoff():
     p, index = planner(clock=lambda: now[0], cpu_slots=4)
     index.update(KEYS)
     put_cpu(p, KEYS[:1])
-    p.on_load_results(set(), loaded=0, unavailable=1)
+    p.on_load_results(set(), failed={Tier.S3: 1})
     assert p.paused and lookup(p, "a") == (CT, False)  # the CPU tier still serves
     lookup(p, "w")
     assert all(not s.s3 for s in p.plan_step([sched("w", 0, 300, list(range(10)))]).stores)
     now[0] = 5.1
     assert lookup(p, "b") == (4 * CT, True)
-    p.on_load_results(set(), loaded=0, unavailable=1)  # still down: 10 s now
+    p.on_load_results(set(), failed={Tier.S3: 1})  # still down: 10 s now
     now[0] = 14.0
     assert p.paused
     now[0] = 15.2
     assert not p.paused
-    p.on_load_results(set(), loaded=3, unavailable=0)  # back: next pause is short again
-    p.on_load_results(set(), loaded=0, unavailable=1)
+    p.on_load_results(set(), ok={Tier.S3: 3})  # back: next pause is short again
+    p.on_load_results(set(), failed={Tier.S3: 1})
     now[0] = 20.3
     assert not p.paused
     p.s3_down = True  # unreachable since start-up: paused until the caller says otherwise
     now[0] = 1e6
     assert p.paused
+
+
+def test_hits_from_other_tiers_never_close_the_s3_breaker():
+    now = [0.0]
+    p, index = planner(clock=lambda: now[0], cpu_slots=4)
+    index.update(KEYS)
+    put_cpu(p, KEYS[:1])
+    p.on_load_results(set(), failed={Tier.S3: 1})  # open for 5 s, then 10 s
+    for t in range(1, 5):
+        now[0] = t
+        assert lookup(p, f"cpu{t}") == (CT, False)
+        p.on_load_results(set(), ok={Tier.CPU: 1, Tier.DISK: 2})
+        assert p.paused
+    now[0] = 5.5
+    p.on_load_results(set(), ok={Tier.CPU: 1})
+    assert lookup(p, "probe") == (4 * CT, True)  # the one probe
+    assert p.paused and lookup(p, "another") == (CT, False)  # half-open: nobody else
+    assert lookup(p, "probe") == (4 * CT, True)  # the probe itself, asked again
+    p.on_load_results(set(), failed={Tier.S3: 1})  # the probe failed: 10 s
+    now[0] = 15.0
+    assert p.paused
+    now[0] = 15.6
+    assert lookup(p, "probe2") == (4 * CT, True)
+    p.on_load_results(set(), ok={Tier.S3: 1})
+    assert not p.paused and lookup(p, "after") == (4 * CT, True)
+    assert p.counters.totals()["breaker_trips_s3"] == 2
+
+
+def test_a_probe_that_never_answers_reopens_the_breaker():
+    now = [0.0]
+    p, index = planner(clock=lambda: now[0], probe_timeout_s=30.0)
+    index.update(KEYS)
+    p.on_load_results(set(), failed={Tier.S3: 1})
+    now[0] = 6.0
+    assert lookup(p, "probe") == (4 * CT, True)
+    assert lookup(p, "other") == (0, False)
+    now[0] = 37.0  # no word from the probe: as good as a failure (10 s more)
+    assert lookup(p, "other") == (0, False)
+    now[0] = 47.5
+    assert lookup(p, "other") == (4 * CT, True)
+
+
+def test_a_store_can_be_the_s3_probe():
+    now = [0.0]
+    p, _ = planner(clock=lambda: now[0])
+    p.on_load_results(set(), failed={Tier.S3: 1})
+    now[0] = 6.0
+    lookup(p, "w")
+    stores = p.plan_step([sched("w", 0, 300, list(range(10)))]).stores
+    assert [s.s3 for s in stores] == [True]  # one probe, not a flood (the other 3 have no tier)
+    p.on_written(Tier.S3, {stores[0].key: 1})
+    p.on_load_results(set(), ok={Tier.S3: 1})
+    lookup(p, "w2", tokens=list(range(500, 800)))
+    assert all(s.s3 for s in p.plan_step([sched("w2", 0, 300, list(range(10, 20)))]).stores)
+
+
+def test_a_failing_disk_pauses_only_the_disk():
+    now = [0.0]
+    p, index = planner(clock=lambda: now[0], disk_bytes=100 * disk_estimate(SHARD))
+    index.update(KEYS)
+    for k in KEYS[:2]:
+        p.disk.insert_ready(k, 100)
+    assert lookup(p, "a") == (4 * CT, True)
+    p.on_alloc("a", list(range(10)), 4 * CT)
+    assert p.hit_sources("a") == {Tier.DISK: 2 * CT, Tier.S3: 2 * CT}
+    p.on_load_results(set(), ok={Tier.S3: 2}, failed={Tier.DISK: 1})
+    assert lookup(p, "b") == (4 * CT, True)
+    p.on_alloc("b", list(range(10, 20)), 4 * CT)
+    assert p.hit_sources("b") == {Tier.S3: 4 * CT}
+    assert not p.paused  # S3 goes on
+    lookup(p, "w", tokens=list(range(500, 800)))
+    stores = p.plan_step([sched("w", 0, 300, list(range(10)))]).stores
+    assert stores and all(s.s3 and not s.disk for s in stores)
+    assert p.counters.totals()["breaker_trips_disk"] == 1 and "breaker_trips_s3" not in p.counters.totals()
 
 
 def test_disk_full_shrinks_the_capacity_to_what_is_held():

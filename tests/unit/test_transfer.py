@@ -18,9 +18,9 @@ from s3kv.tiering.placement import Tier
 from s3kv.tiering.planner import LoadChunk
 from s3kv.tiering.transfer import EngineSettings, StoreJob, TransferEngine
 
-FMT = PageFormat(dtype="bfloat16", itemsize=2, page_shape=(2, 2, 32, 16), tokens=64)
 LAYERS = 4
 PAGE = 2 * 2 * 32 * 16  # bytes of one layer of a chunk
+FMT = PageFormat(dtype="bfloat16", itemsize=2, page_shape=(2, 2, 32, 16), tokens=64, layer_bytes=PAGE)
 
 
 def layers(seed):
@@ -58,6 +58,7 @@ class Results:
     def __init__(self):
         self.finished_loads, self.written, self.failed, self.missing = {}, {}, {}, {}
         self.released, self.unavailable, self.disk_full = [], 0, False
+        self.tier_ok, self.tier_failed, self.bad, self.existing = {}, {}, {}, set()
 
     def add(self, r):
         self.finished_loads.update(r.finished_loads)
@@ -68,7 +69,12 @@ class Results:
                 else:
                     mine.setdefault(tier, set()).update(keys)
         self.released += r.released
-        self.unavailable += r.unavailable
+        self.unavailable += r.tier_failed.get(Tier.S3, 0)  # S3 did not answer
+        for mine, theirs in ((self.tier_ok, r.tier_ok), (self.tier_failed, r.tier_failed)):
+            for tier, n in theirs.items():
+                mine[tier] = mine.get(tier, 0) + n
+        self.bad.update(r.bad)
+        self.existing |= r.existing
         self.disk_full |= r.disk_full
 
 
@@ -294,7 +300,7 @@ def test_corrupt_object_is_reported_deleted_and_never_written():
 def test_layout_mismatch_is_corrupt():
     key = b"m" * 16
     e = stored_chunk(MemoryStore(), key, 4)
-    e.configure(PageFormat("float16", 2, FMT.page_shape, 64))
+    e.configure(PageFormat("float16", 2, FMT.page_shape, 64, PAGE))
     e.submit_load("j", [chunk(key)], lambda *a: None)
     wait_for(e, lambda a: "j" in a.finished_loads)
     assert e.counters.totals()["load_errors_corrupt"] == 1
@@ -357,6 +363,7 @@ def test_s3kv_threads_escape_the_forwards_core_binding():
         aff = lambda: os.sched_getaffinity(0)  # noqa: E731
         seen["codec"] = e._loop.run(e._run(aff), timeout=5)
         seen["store"] = e._loop.run(e._run_background(aff), timeout=5)
+        seen["disk"] = e._loop.run(e._run_disk(aff), timeout=5)
 
         async def on_loop():
             return os.sched_getaffinity(0)
@@ -367,4 +374,4 @@ def test_s3kv_threads_escape_the_forwards_core_binding():
     t = threading.Thread(target=start_bound)
     t.start()
     t.join()
-    assert seen == {"codec": allowed, "store": allowed, "loop": allowed}
+    assert seen == {"codec": allowed, "store": allowed, "disk": allowed, "loop": allowed}

@@ -1,0 +1,384 @@
+"""Objects that must cost one failed load, never a crash, a loop or wrong KV:
+decompression bombs, truncations, 416s, bad shuffle values, forgeries; and
+what happens to them (dropped, the next source tried, deleted only if
+unchanged, or reported bad)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+import xxhash
+import zstandard
+
+from s3kv import codec
+from s3kv.auth import FleetKeys
+from s3kv.errors import CorruptChunk, PermissionDenied, Transient
+from s3kv.stores.base import GetResult
+from s3kv.stores.memory import MemoryStore
+from s3kv.tiering.chunks import ChunkCodec
+from s3kv.tiering.placement import Tier
+from s3kv.tiering.transfer import StoreJob
+from tests.unit.test_transfer import FMT, LAYERS, PAGE, chunk, engine, layers, stored_chunk, wait_for
+
+SECRET = "a-fleet-secret-of-at-least-32-chars!"
+OTHER = "another-fleet-secret-32-characters-long"
+
+
+def rewrite_header(blob: bytes, **changes) -> bytes:
+    """``blob`` (an unsigned object, or just its header) with header fields
+    changed, frame offsets moved to match and the header checksum fixed:
+    checksums pass, so only the other checks can refuse it."""
+    _m, version, flags, hlen, _sum, _z = codec.PREFIX.unpack_from(blob)
+    assert flags == 0
+    start = codec.PREFIX_LEN + hlen
+    header = json.loads(blob[codec.PREFIX_LEN : start])
+    header.update(changes)
+    rel = [f[0] - header["frames"][0][0] for f in header["frames"]]
+    length = hlen
+    for _ in range(4):
+        header["frames"] = [[codec.PREFIX_LEN + length + r, *f[1:]] for r, f in zip(rel, header["frames"])]
+        new = json.dumps(header, separators=(",", ":")).encode()
+        if len(new) == length:
+            break
+        length = len(new)
+    prefix = codec.PREFIX.pack(codec.MAGIC, version, 0, len(new), xxhash.xxh3_64_intdigest(new), 0)
+    return prefix + new + blob[start:]
+
+
+def bomb(declared: int) -> bytes:
+    """A tiny zstd frame that says it holds ``declared`` bytes (and would
+    inflate to that much zeros)."""
+    c = zstandard.ZstdCompressor(level=19, write_content_size=True)
+    small = c.compress(b"\0" * (1 << 20))
+    params = zstandard.get_frame_parameters(small)
+    assert params.content_size == 1 << 20
+    # Rewrite the frame header's content size field: single-segment frames
+    # with an 8-byte field (FHD 0xE0 | checksum flag) hold it right after FHD.
+    fhd = small[4]
+    assert fhd >> 6 == 2  # a 4-byte content size field
+    head = bytearray(small[:5])
+    head[4] = (fhd & 0x3F) | 0xC0  # 8-byte field
+    return bytes(head) + struct.pack("<Q", declared) + small[9:]
+
+
+def put(store, name, data):
+    asyncio.run(store.put(name, data))
+
+
+def get(store, name):
+    return asyncio.run(store.get(name))
+
+
+def test_a_decompression_bomb_is_refused_before_any_allocation():
+    frame = bomb(64 << 30)
+    assert zstandard.frame_content_size(frame) == 64 << 30
+    key = b"b" * 16
+    store = MemoryStore()
+    e = stored_chunk(store, key, 1)
+    name = e.chunk_id(key).object_key
+    # A small object whose every frame claims 64 GiB, in a header whose raw
+    # lengths say the same, then one whose header says the page size but
+    # whose zstd frames still claim 64 GiB.
+    blob = get(store, name)
+    h = codec.parse_header(blob)
+    frames = [frame] * LAYERS
+    for raw in (64 << 30, PAGE):
+        body = codec.encode_chunk(
+            namespace=h.namespace,
+            key=h.key,
+            rank=0,
+            tokens=h.tokens,
+            layers=[np.zeros(8, np.uint8)] * LAYERS,
+            dtype=h.dtype,
+            itemsize=2,
+            page_shape=h.page_shape,
+        )
+        hb = codec.parse_header(body)
+        forged = rewrite_header(
+            body[: hb.header_length],
+            frames=[[i * len(f), len(f), raw, xxhash.xxh3_64_intdigest(f)] for i, f in enumerate(frames)],
+        )
+        fixed = codec.parse_header(forged + b"".join(frames))
+        assert [f.raw_length for f in fixed.frames] == [raw] * LAYERS
+        put(store, name, forged + b"".join(frames))
+        assert len(get(store, name)) < 64 << 10
+        written = []
+        tracemalloc.start()
+        e.submit_load(f"j{raw}", [chunk(key)], lambda c, layer, arr, w=written: w.append(layer))
+        acc = wait_for(e, lambda a, raw=raw: f"j{raw}" in a.finished_loads)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert acc.finished_loads[f"j{raw}"] and written == [] and acc.missing == {Tier.S3: {key}}
+        assert peak < 8 * PAGE + (4 << 20), peak  # nothing near what the frames claim
+        put(store, name, blob)
+    assert e.counters.totals()["load_errors_corrupt"] == 2
+    with pytest.raises(CorruptChunk, match="zstd content size 68719476736, the page holds"):
+        codec.decode_frame(codec.parse_header(forged + b"".join(frames)), 0, frame)
+    e.close()
+
+
+def _truncated_at_a_frame_boundary(blob: bytes, frame: int) -> bytes:
+    return blob[: codec.parse_header(blob).frames[frame].end]
+
+
+class HidesSize(MemoryStore):
+    """A store that does not say how large an object is (as a LocalStore
+    would not): truncation shows only as a 416 on a later range."""
+
+    async def get_object(self, key, range=None):
+        return GetResult(await self.get(key, range))
+
+
+@pytest.mark.parametrize("store_cls", [MemoryStore, HidesSize])
+def test_truncation_at_a_frame_boundary_and_416_are_corrupt(store_cls):
+    key = b"t" * 16
+    store = store_cls()
+    e = stored_chunk(store, key, 2)
+    name = e.chunk_id(key).object_key
+    put(store, name, _truncated_at_a_frame_boundary(get(store, name), 1))
+    e.submit_load("j", [chunk(key)], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] and acc.missing == {Tier.S3: {key}}
+    t = e.counters.totals()
+    assert t["load_errors_corrupt"] == 1 and "load_errors_other" not in t
+    if store_cls is MemoryStore:  # deleted (the version read: If-Match), so a store rewrites it
+        assert not asyncio.run(store.exists(name)) and acc.bad == {}
+    else:  # no ETag to delete it by: reported bad to the fleet instead
+        assert asyncio.run(store.exists(name)) and acc.bad == {key: None}
+    e.close()
+
+
+def test_a_bad_disk_copy_falls_back_to_s3(tmp_path):
+    key = b"d" * 16
+    store = MemoryStore()
+    e = engine(store, disk_path=tmp_path)
+    e.submit_store(StoreJob(key, layers(7), disk=True, s3=True))
+    wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
+    path = e.disk.path(key)
+    for damage in (
+        lambda b: _truncated_at_a_frame_boundary(b, 2),
+        lambda b: rewrite_header(b, shuffle=3),
+        lambda b: rewrite_header(b, shuffle=0),
+        lambda b: b[:100],
+    ):
+        good = get(store, e.chunk_id(key).object_key)
+        path.write_bytes(damage(good))
+        got = {}
+        e.submit_load(
+            "j",
+            [chunk(key, Tier.DISK, Tier.S3)],
+            lambda c, layer, arr, g=got: g.__setitem__(layer, arr.copy()),
+        )
+        acc = wait_for(e, lambda a: "j" in a.finished_loads)
+        assert acc.finished_loads["j"] == [] and acc.missing == {Tier.DISK: {key}}
+        assert all(np.array_equal(got[i], layers(7)[i]) for i in range(LAYERS))
+        assert not path.exists()
+    t = e.counters.totals()
+    assert t["load_errors_corrupt"] == 4 and t["load_chunks_s3"] == 4 and "load_errors_other" not in t
+    e.close()
+
+
+def test_a_bad_shuffle_value_in_s3_is_corrupt():
+    key = b"s" * 16
+    store = MemoryStore()
+    e = stored_chunk(store, key, 3)
+    name = e.chunk_id(key).object_key
+    put(store, name, rewrite_header(get(store, name), shuffle=3))
+    e.submit_load("j", [chunk(key)], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.missing == {Tier.S3: {key}} and e.counters.totals()["load_errors_corrupt"] == 1
+    e.close()
+
+
+class NoDelete(MemoryStore):
+    """A role without s3:DeleteObject (the Terraform default for replicas)."""
+
+    async def delete_if(self, key, etag):
+        raise PermissionDenied(f"{key}: AccessDenied")
+
+    async def delete_many(self, keys):
+        raise PermissionDenied("AccessDenied")
+
+
+def test_without_delete_permission_a_corrupt_object_is_reported_bad():
+    key = b"q" * 16
+    store = NoDelete()
+    e = stored_chunk(store, key, 4)
+    name = e.chunk_id(key).object_key
+    blob = bytearray(get(store, name))
+    blob[-5] ^= 1
+    put(store, name, bytes(blob))
+    etag = asyncio.run(store.head(name)).etag
+    e.submit_load("j", [chunk(key)], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.missing == {Tier.S3: {key}} and acc.bad == {key: etag}
+    assert asyncio.run(store.exists(name)) and e.counters.totals()["quarantined_chunks"] == 1
+    e.close()
+
+
+def test_a_corrupt_object_rewritten_meanwhile_is_not_deleted():
+    class RewritesBeforeDelete(MemoryStore):
+        good: bytes = b""
+
+        async def delete_if(self, key, etag):
+            await self.put(key, self.good)  # another replica stored a good one just now
+            return await super().delete_if(key, etag)
+
+    key = b"r" * 16
+    store = RewritesBeforeDelete()
+    e = stored_chunk(store, key, 5)
+    name = e.chunk_id(key).object_key
+    store.good = get(store, name)
+    put(store, name, _truncated_at_a_frame_boundary(store.good, 0))
+    e.submit_load("j", [chunk(key)], lambda *a: None)
+    wait_for(e, lambda a: "j" in a.finished_loads)
+    assert get(store, name) == store.good  # the good object stays
+    e.close()
+
+
+# -- the fleet secret -------------------------------------------------------------
+
+
+def keys(*secrets):
+    return FleetKeys(secrets or (SECRET,))
+
+
+def test_signed_objects_roundtrip_and_forgeries_fail():
+    k = keys()
+    cc = ChunkCodec("n" * 32, 0, LAYERS, FMT, keys=k)
+    data = layers(9)
+    blob = cc.encode(b"k" * 16, data)
+    got = {}
+    cc.decode(b"k" * 16, blob, got.__setitem__, "x")
+    assert all(np.array_equal(got[i], data[i]) for i in range(LAYERS))
+    # An unsigned reader still reads it (checksums are kept).
+    plain = ChunkCodec("n" * 32, 0, LAYERS, FMT)
+    plain.decode(b"k" * 16, blob, {}.__setitem__, "x")
+    unsigned = plain.encode(b"k" * 16, data)
+    forged = ChunkCodec("n" * 32, 0, LAYERS, FMT, keys=keys(OTHER)).encode(b"k" * 16, data)
+    flipped = bytearray(blob)
+    flipped[-3] ^= 1
+    flipped_frame = bytes(flipped)
+    # The frame's xxh3 fixed up: only the MAC can tell.
+    h = codec.parse_header(blob)
+    tampered = bytearray(blob)
+    tampered[h.frames[0].offset] ^= 1
+    for bad, why in (
+        (unsigned, "unsigned object"),
+        (forged, "not one of the fleet's keys"),
+        (flipped_frame, "MAC mismatch"),
+        (bytes(tampered), "MAC mismatch"),
+        (blob[:50] + bytes([blob[50] ^ 1]) + blob[51:], "checksum mismatch|MAC mismatch|malformed"),
+    ):
+        with pytest.raises(CorruptChunk, match=why):
+            cc.decode(b"k" * 16, bad, {}.__setitem__, "x")
+
+
+def test_rotation_reads_old_and_new_signs_with_the_first():
+    old = ChunkCodec("n" * 32, 0, LAYERS, FMT, keys=keys(OTHER))
+    both = ChunkCodec("n" * 32, 0, LAYERS, FMT, keys=keys(SECRET, OTHER))
+    blob_old = old.encode(b"k" * 16, layers(1))
+    both.decode(b"k" * 16, blob_old, {}.__setitem__, "x")  # the old key still verifies
+    blob_new = both.encode(b"k" * 16, layers(1))
+    assert codec.parse_header(blob_new).kid == keys(SECRET).signing_kid
+    with pytest.raises(CorruptChunk):
+        old.decode(b"k" * 16, blob_new, {}.__setitem__, "x")
+
+
+def test_a_forged_object_in_the_way_of_a_store_is_replaced_not_published():
+    key = b"f" * 16
+    store = MemoryStore()
+    e = engine(store, keys=keys())
+    name = e.chunk_id(key).object_key
+    forger = engine(MemoryStore())  # valid checksums, no secret, other KV
+    put(store, name, forger.codec.encode(key, layers(99)))
+    forger.close()
+    e.submit_store(StoreJob(key, layers(1), s3=True))
+    acc = wait_for(e, lambda a: key in a.written.get(Tier.S3, {}) or key in a.failed.get(Tier.S3, ()))
+    assert key in acc.written[Tier.S3]
+    assert codec.parse_header(get(store, name), keys()).signed  # ours now
+    e.close()
+
+
+def test_a_forged_object_that_cannot_be_deleted_is_never_published():
+    key = b"g" * 16
+    store = NoDelete()
+    e = engine(store, keys=keys())
+    name = e.chunk_id(key).object_key
+    put(store, name, ChunkCodec("n" * 32, 0, LAYERS, FMT).encode(key, layers(99)))
+    e.submit_store(StoreJob(key, layers(1), s3=True))
+    acc = wait_for(e, lambda a: key in a.failed.get(Tier.S3, ()) or key in a.written.get(Tier.S3, {}))
+    assert key in acc.failed[Tier.S3] and key not in acc.written.get(Tier.S3, {})
+    assert key in acc.bad and key not in acc.existing
+    e.close()
+
+
+def test_a_good_signed_object_in_the_way_counts_as_stored():
+    key = b"h" * 16
+    store = MemoryStore()
+    a = stored_chunk(store, key, 1, keys=keys())
+    b = engine(store, keys=keys())
+    b.submit_store(StoreJob(key, layers(2), s3=True))
+    acc = wait_for(b, lambda r: key in r.written.get(Tier.S3, {}))
+    assert acc.existing == {key} and b.counters.totals()["store_chunks_existing"] == 1
+    a.close()
+    b.close()
+
+
+# -- tiers in trouble -------------------------------------------------------------
+
+
+def test_a_slow_disk_read_falls_back_to_s3_and_blames_only_the_disk(tmp_path, monkeypatch):
+    import threading
+
+    key = b"w" * 16
+    store = MemoryStore()
+    e = engine(store, disk_path=tmp_path, disk_timeout_s=0.2)
+    e.submit_store(StoreJob(key, layers(3), disk=True, s3=True))
+    wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
+    stuck = threading.Event()
+    real_read = e.disk.read
+
+    def hung_read(*a, **kw):
+        stuck.wait(30)  # a disk that stopped answering
+        return real_read(*a, **kw)
+
+    monkeypatch.setattr(e.disk, "read", hung_read)
+    got = {}
+    e.submit_load(
+        "j", [chunk(key, Tier.DISK, Tier.S3)], lambda c, layer, arr: got.__setitem__(layer, arr.copy())
+    )
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] == [] and all(np.array_equal(got[i], layers(3)[i]) for i in range(LAYERS))
+    assert acc.tier_failed == {Tier.DISK: 1} and acc.tier_ok == {Tier.S3: 1}
+    seen = dict(got)
+    stuck.set()  # the disk answers late: its thread must not write any more
+    e.drain(5)
+    assert got.keys() == seen.keys() and all(got[i] is seen[i] for i in got)
+    e.close()
+
+
+def test_an_s3_failure_makes_loads_in_flight_give_up():
+    class HangsThenFails(MemoryStore):
+        async def get_object(self, key, range=None):
+            if key.endswith("a" * 32 + ".r0"):
+                await asyncio.sleep(0.2)
+                raise Transient("connection reset")
+            await asyncio.sleep(60)  # S3 hangs for the others
+            raise AssertionError("unreachable")
+
+    e = engine(HangsThenFails(), load_timeout_s=30)
+    started = time.monotonic()
+    e.submit_load("a", [chunk(b"\xaa" * 16)], lambda *a: None)
+    e.submit_load("b", [chunk(b"\xbb" * 16)], lambda *a: None)
+    acc = wait_for(e, lambda a: {"a", "b"} <= a.finished_loads.keys())
+    assert time.monotonic() - started < 10  # not the 30 s timeout
+    assert acc.finished_loads["a"] and acc.finished_loads["b"]
+    assert acc.tier_failed[Tier.S3] >= 1
+    e.close(0.1)
