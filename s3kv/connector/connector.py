@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from s3kv.auth import load_keys
 from s3kv.config import parse_config
 from s3kv.connector.compat import check_vllm_version
 from s3kv.connector.layout import engine_layout
@@ -117,6 +118,7 @@ class S3KVConnector(KVConnectorBase_V1):
         _log_through_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        keys = load_keys(self.config.auth_key_file)  # each process reads its own: never pickled
         layout = engine_layout(vllm_config, kv_cache_config, self.config)
         self.config.validate_block_size(layout.block_size)
         self._scheduler: SchedulerSide | None = None
@@ -131,6 +133,7 @@ class S3KVConnector(KVConnectorBase_V1):
                 failure_policy=self._kv_transfer_config.kv_load_failure_policy,
                 model=vllm_config.model_config.model,
                 emit_events=bool(events is not None and events.enable_kv_cache_events),
+                keys=keys,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -138,7 +141,7 @@ class S3KVConnector(KVConnectorBase_V1):
             from s3kv.connector.worker import WorkerSide
 
             self._worker = WorkerSide(
-                self.config, layout, get_tensor_model_parallel_rank(), kv_cache_config.num_blocks
+                self.config, layout, get_tensor_model_parallel_rank(), kv_cache_config.num_blocks, keys
             )
 
     @property

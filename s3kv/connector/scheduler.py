@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from s3kv.auth import FleetKeys
 from s3kv.config import S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
@@ -117,8 +118,10 @@ class SchedulerSide:
         model: str,
         emit_events: bool = False,
         digest_cache: DigestCache | None = None,
+        keys: FleetKeys | None = None,
     ) -> None:
         self.config = config
+        self.keys = keys
         self.layout = layout
         self.counters = Counters("scheduler")
         self._model_name = model
@@ -426,6 +429,9 @@ class SchedulerSide:
         if self._sync is not None and self._sync.refreshed_at is not None:
             c.set("manifest_staleness_seconds", round(max(0.0, time.time() - self._sync.refreshed_at)))
         p = self.planner
+        if p is not None:
+            for tier, breaker in p.breakers.items():
+                c.set(f"breaker_open_{tier.value}", 0 if breaker.closed else 1)
         if p is not None and p.cpu is not None:
             slot_bytes = self.layout.shard_bytes(self.config.chunk_tokens) * self.layout.world_size
             c.set("tier_used_bytes_cpu", p.cpu.used * slot_bytes)

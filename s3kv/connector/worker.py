@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from s3kv.auth import FleetKeys
 from s3kv.config import S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
@@ -67,7 +68,14 @@ class _StepStores:
 
 
 class WorkerSide:
-    def __init__(self, config: S3KVConfig, layout: EngineLayout, rank: int, num_blocks: int) -> None:
+    def __init__(
+        self,
+        config: S3KVConfig,
+        layout: EngineLayout,
+        rank: int,
+        num_blocks: int,
+        keys: FleetKeys | None = None,
+    ) -> None:
         self.config = config
         self.layout = layout
         self.rank = rank
@@ -87,6 +95,7 @@ class WorkerSide:
                 load_timeout_s=config.load_timeout_s,
                 disk_path=config.disk_path,
                 disk_fsync=config.disk_fsync == "always",
+                keys=keys,
             ),
             self.counters,
         )

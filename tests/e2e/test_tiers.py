@@ -114,6 +114,37 @@ def test_restart_on_same_disk_hits_nvme_with_s3_unreachable(tier_a, baseline_tie
     assert "S3 is unreachable at start-up" in Path(r["log"]).read_text()
 
 
+def _faults(**env: str) -> dict[str, str]:
+    return {
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH", "")]
+        ),
+        **env,
+    }
+
+
+def test_a_slow_disk_pauses_only_the_disk(
+    tier_a, baseline_tiers, workdir, model, s3_server, tier_bucket, disk1
+):
+    # The NVMe tier holds every chunk, but each read takes 3 s, past the
+    # disk's 0.5 s bound: loads fall back to S3, the disk's breaker opens,
+    # and S3 keeps serving (its breaker never trips).
+    config = kv_config(
+        s3_server.endpoint_url, tier_bucket, cpu_bytes="8MiB", disk_path=str(disk1), disk_timeout_s=0.5
+    )
+    env = _faults(S3KV_FAULT_DISK_READ_DELAY_S="3")
+    r = run_replica(
+        workdir, "tier-slow-disk", model, TIER_PROMPTS, config, engine_args=NO_PREFIX_CACHE, env=env
+    )
+    assert r["outputs"] == baseline_tiers["outputs"]
+    assert metric(r, "breaker_trips_disk") >= 1 and metric(r, "breaker_trips_s3") == 0
+    # Every chunk came from S3 instead: the family's prefix (then promoted
+    # to host memory) and the whole-chunk prompt's three, at least.
+    assert worker_total(r, "load_chunks_s3") >= SHARED // CT + 3
+    assert worker_total(r, "load_chunks_disk") == 0 and worker_total(r, "load_errors_timeout") >= 1
+    assert metric(r, "breaker_open_disk") == 1  # the disk is still slow: still open (or probing)
+
+
 def test_fresh_disk_hits_s3_and_promotes(
     tier_a, baseline_tiers, workdir, model, s3_server, tier_bucket, tmp_path
 ):
@@ -174,12 +205,7 @@ def test_full_disk_drops_stores_and_serves_correctly(baseline_tiers, workdir, mo
     with tiny_filesystem(root, "1m") as mounted:
         env = {}
         if not mounted:  # no mount permission: writes fail with ENOSPC past 1 MiB instead
-            env = {
-                "PYTHONPATH": os.pathsep.join(
-                    [str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH", "")]
-                ),
-                "S3KV_FAULT_DISK_BYTES": str(1 << 20),
-            }
+            env = _faults(S3KV_FAULT_DISK_BYTES=str(1 << 20))
         config = kv_config(
             "http://unused.invalid",
             "unused-bucket",

@@ -27,3 +27,19 @@ if _limit:
         return _real_write(path, data, **kw)
 
     _disk.atomic_write = _atomic_write
+
+# ``S3KV_FAULT_DISK_READ_DELAY_S=S``: every NVMe tier read first waits S
+# seconds, as on a disk that stopped answering in time.
+_delay = os.environ.get("S3KV_FAULT_DISK_READ_DELAY_S")
+if _delay:
+    import time as _time
+
+    from s3kv.tiering import disk as _disk_mod
+
+    _real_read = _disk_mod.DiskTier.read
+
+    def _slow_read(self, *args, **kwargs):
+        _time.sleep(float(_delay))
+        return _real_read(self, *args, **kwargs)
+
+    _disk_mod.DiskTier.read = _slow_read
