@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -145,18 +146,62 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     return value.lower()
 
 
-def _positive_duration(key: str, value: Any) -> float:
+KiB, MiB, GiB, TiB, PiB = 2**10, 2**20, 2**30, 2**40, 2**50
+DAY_S = 86400.0
+"""No timeout or interval is longer: beyond it a value is a typo, not a setting."""
+MANIFEST_TICK_S = 0.05
+"""The manifest loop wakes at most this often; shorter intervals mean nothing."""
+MIN_CLOCK_SKEW_S = 1.0
+"""A replica publishes a segment again when its PUT took more than half the
+skew margin (``ManifestSync._put_segment``); with a margin near zero every PUT
+is too slow, and replicas would PUT segments nonstop."""
+
+
+def _seconds_text(seconds: float) -> str:
+    if seconds == DAY_S:
+        return "1 day (86400 s)"
+    return f"{seconds * 1000:g} ms" if 0 < seconds < 1 else f"{seconds:g} s"
+
+
+def _bytes_text(n: int) -> str:
+    for unit, suffix in ((PiB, "PiB"), (TiB, "TiB"), (GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if n >= unit and n % unit == 0:
+            return f"{n // unit} {suffix}"
+    return f"{n} bytes"
+
+
+def _not_a_count(value: Any) -> bool:
+    """A number no duration or size can be: NaN, an infinity (JSON's ``NaN``,
+    ``Infinity`` are read as floats) or a negative one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return not (math.isfinite(value) and value >= 0)
+
+
+def _duration(key: str, value: Any, lo: float, hi: float = DAY_S) -> float:
+    """Seconds in ``[lo, hi]``; ``lo=0`` means more than zero (a zero timeout
+    or interval means nothing)."""
+    low = "more than 0 s" if lo == 0 else f"at least {_seconds_text(lo)}"
+    allowed = f"{key}: must be {low} and at most {_seconds_text(hi)}, got {value!r}"
+    if _not_a_count(value):
+        raise ConfigError(allowed)
     seconds = parse_duration(value, name=key)
-    if seconds <= 0:
-        raise ConfigError(f"{key}: must be greater than zero, got {value!r}")
+    if (seconds <= 0 if lo == 0 else seconds < lo) or seconds > hi:
+        raise ConfigError(allowed)
     return seconds
 
 
-def _positive_size(key: str, value: Any) -> int:
+def _size(key: str, value: Any, lo: int, hi: int, *, zero_turns_off: bool = False) -> int:
+    """Bytes in ``[lo, hi]``, or 0 where that turns the feature off."""
+    low = "more than 0" if lo == 1 else f"at least {_bytes_text(lo)}"
+    off = " (or 0 to turn it off)" if zero_turns_off else ""
+    allowed = f"{key}: must be {low} and at most {_bytes_text(hi)}{off}, got {value!r}"
+    if _not_a_count(value):
+        raise ConfigError(allowed)
     n = parse_size(value, name=key)
-    if n <= 0:
-        raise ConfigError(f"{key}: must be greater than zero, got {value!r}")
-    return n
+    if (n == 0 and zero_turns_off) or lo <= n <= hi:
+        return n
+    raise ConfigError(allowed)
 
 
 def _bucket(value: Any) -> str:
@@ -226,24 +271,24 @@ _PARSERS = {
     "chunk_tokens": lambda v: _int("chunk_tokens", v, 1, 1 << 20),
     "codec": lambda v: _choice("codec", v, CODECS),
     "zstd_level": lambda v: _int("zstd_level", v, -7, 22),
-    "max_inflight_bytes": lambda v: _positive_size("max_inflight_bytes", v),
-    "load_timeout_s": lambda v: _positive_duration("load_timeout_s", v),
-    "range_bytes": lambda v: _positive_size("range_bytes", v),
+    "max_inflight_bytes": lambda v: _size("max_inflight_bytes", v, 1, TiB),
+    "load_timeout_s": lambda v: _duration("load_timeout_s", v, 0),
+    "range_bytes": lambda v: _size("range_bytes", v, 64 * KiB, GiB),
     "max_connections": lambda v: _int("max_connections", v, 1, 4096),
     "s3_max_attempts": lambda v: _int("s3_max_attempts", v, 1, 20),
-    "s3_connect_timeout_s": lambda v: _positive_duration("s3_connect_timeout_s", v),
-    "s3_read_timeout_s": lambda v: _positive_duration("s3_read_timeout_s", v),
-    "cpu_bytes": lambda v: parse_size(v, name="cpu_bytes"),
+    "s3_connect_timeout_s": lambda v: _duration("s3_connect_timeout_s", v, 0),
+    "s3_read_timeout_s": lambda v: _duration("s3_read_timeout_s", v, 0),
+    "cpu_bytes": lambda v: _size("cpu_bytes", v, 1, 64 * TiB, zero_turns_off=True),
     "disk_path": lambda v: _str("disk_path", v),
-    "disk_bytes": lambda v: _positive_size("disk_bytes", v),
+    "disk_bytes": lambda v: _size("disk_bytes", v, 1, PiB),
     "disk_fsync": lambda v: _choice("disk_fsync", v, DISK_FSYNC),
     "write_policy": lambda v: _choice("write_policy", v, WRITE_POLICIES),
     "promote": lambda v: _bool("promote", v),
     "save_generated": lambda v: _bool("save_generated", v),
-    "manifest_publish_s": lambda v: _positive_duration("manifest_publish_s", v),
-    "manifest_refresh_s": lambda v: _positive_duration("manifest_refresh_s", v),
-    "manifest_clock_skew_s": lambda v: parse_duration(v, name="manifest_clock_skew_s"),
-    "manifest_max_bytes": lambda v: _positive_size("manifest_max_bytes", v),
+    "manifest_publish_s": lambda v: _duration("manifest_publish_s", v, MANIFEST_TICK_S),
+    "manifest_refresh_s": lambda v: _duration("manifest_refresh_s", v, MANIFEST_TICK_S),
+    "manifest_clock_skew_s": lambda v: _duration("manifest_clock_skew_s", v, MIN_CLOCK_SKEW_S),
+    "manifest_max_bytes": lambda v: _size("manifest_max_bytes", v, MiB, 64 * GiB),
     "model_digest": _digest,
     "namespace_salt": _salt,
     "auth_key_file": lambda v: _str("auth_key_file", v),

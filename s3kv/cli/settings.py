@@ -46,19 +46,17 @@ class Parsed(click.ParamType):
     """A flag value read by one of s3kv's own parsers (``parse_duration``,
     ``parse_size``), so the CLI accepts exactly what the config accepts."""
 
-    def __init__(self, name: str, parse: Callable[..., Any], kind: type) -> None:
-        self.name, self._parse, self._kind = name, parse, kind
+    def __init__(self, name: str, parse: Callable[..., Any]) -> None:
+        self.name, self._parse = name, parse
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        if isinstance(value, self._kind) and not isinstance(value, bool):
-            return value
-        try:
+        try:  # numbers too (a default, a caller's value): NaN and infinities are refused
             return self._parse(value, name="value")
         except ConfigError as e:
             self.fail(str(e).removeprefix("value: "), param, ctx)
 
 
-DURATION, SIZE = Parsed("DURATION", parse_duration, float), Parsed("SIZE", parse_size, int)
+DURATION, SIZE = Parsed("DURATION", parse_duration), Parsed("SIZE", parse_size)
 
 
 class Settings:

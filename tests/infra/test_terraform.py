@@ -6,6 +6,7 @@ runs on it (fmt, checkov, trivy) are in test_checks.py.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from pathlib import Path
@@ -259,8 +260,11 @@ def test_replica_policy_least_privilege(module):
     assert "var.replica_delete_enabled" in optional_delete[0].toggle
     assert _variable_default(module, optional_delete[0].toggle) is False
 
+    # Two Denies: create-only (below) and the gc lease (test_replicas_may_not_write_the_gc_lease).
+    denies = {s.sid: s for s in stmts if s.effect == "Deny"}
+    assert set(denies) == {"DenyOverwrite", "DenyGcLease"}
     # Create-only: a Deny on writes that create an object without If-None-Match.
-    (deny,) = [s for s in stmts if s.effect == "Deny"]
+    deny = denies["DenyOverwrite"]
     assert deny.actions == {"s3:PutObject"} and deny.resources == (UNDER_PREFIX + "*",)
     assert set(deny.conditions) == {
         ("Null", "s3:if-none-match", ("true",)),
@@ -268,9 +272,65 @@ def test_replica_policy_least_privilege(module):
     }
     assert _variable_default(module, deny.toggle) is True
 
-    # Nothing else: no bucket configuration, ACL, tagging or policy actions.
-    every = set().union(*(s.actions for s in stmts))
+    # Nothing else allowed: no bucket configuration, ACL, tagging or policy actions.
+    every = set().union(*(s.actions for s in stmts if s.effect == "Allow"))
     assert every == always | {"kms:Decrypt", "kms:GenerateDataKey"}
+
+
+GC_LOCK = UNDER_PREFIX + "gc.lock"
+# Every S3 action that changes an object or its metadata (a version, an ACL, a
+# tag, a retention or legal hold, an upload, a restore).
+OBJECT_WRITES = (
+    "s3:PutObject",
+    "s3:PutObjectAcl",
+    "s3:PutObjectVersionAcl",
+    "s3:PutObjectTagging",
+    "s3:PutObjectVersionTagging",
+    "s3:PutObjectRetention",
+    "s3:PutObjectLegalHold",
+    "s3:DeleteObject",
+    "s3:DeleteObjectVersion",
+    "s3:DeleteObjectTagging",
+    "s3:DeleteObjectVersionTagging",
+    "s3:AbortMultipartUpload",
+    "s3:RestoreObject",
+)
+
+
+def _matches(s: Statement, action: str, resource: str) -> bool:
+    """Whether the statement names the action on the resource (IAM wildcards)."""
+    return any(fnmatch.fnmatchcase(action, a) for a in s.actions) and any(
+        fnmatch.fnmatchcase(resource, r) for r in s.resources
+    )
+
+
+def test_replicas_may_not_write_the_gc_lease(module):
+    """A replica that wrote or deleted {prefix}/gc.lock could let two gc runs
+    delete at once: the replica policy denies every write to it, always."""
+    stmts = statements(module, module.policy("replica"))
+    denies = [s for s in stmts if s.effect == "Deny" and GC_LOCK in s.resources]
+    assert len(denies) == 1, "no Deny on the gc lease in the replica policy"
+    (deny,) = denies
+    assert deny.toggle is None and deny.conditions == () and deny.resources == (GC_LOCK,)
+    for action in OBJECT_WRITES:
+        assert _matches(deny, action, GC_LOCK), f"replicas may still {action} the gc lease"
+    # It matters: without it the prefix-wide grants would allow the PUT.
+    assert any(s.effect == "Allow" and _matches(s, "s3:PutObject", GC_LOCK) for s in stmts)
+    # It is the lease alone: chunks and manifest objects stay writable, and reads are not denied.
+    assert not _matches(deny, "s3:PutObject", UNDER_PREFIX + "ns/ab/key.r0")
+    assert not _matches(deny, "s3:PutObject", UNDER_PREFIX + "ns/manifest/seg/x")
+    assert not any(_matches(deny, a, GC_LOCK) for a in ("s3:GetObject", "s3:ListBucket"))
+
+    # gc keeps its lease: create, renew (PUT) and release (DELETE), nothing denied.
+    gc = statements(module, module.policy("gc"))
+    assert not [s for s in gc if s.effect == "Deny"]
+    for action in ("s3:PutObject", "s3:DeleteObject", "s3:GetObject"):
+        assert any(_matches(s, action, GC_LOCK) for s in gc), action
+
+    # A directory bucket's session cannot be scoped to an object: the README says so.
+    readme = (MODULE / "README.md").read_text()
+    directory = readme[readme.index("### Directory buckets") :]
+    assert "gc.lock" in directory[: directory.index("\n## ")]
 
 
 def test_gc_policy_least_privilege(module):

@@ -1,10 +1,16 @@
 """The gc lease: one holder at a time, stale leases taken over, a holder
-that lost its lease finds out. On the in-memory store and on real S3
+that lost its lease finds out, and no wall clock trusted (holders an hour
+ahead or behind never overlap; staleness and a holder's own deadline are
+counted on monotonic clocks). On the in-memory store and on real S3
 (If-None-Match / If-Match on a loopback server)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import time
+import uuid
 
 import pytest
 
@@ -77,3 +83,208 @@ async def test_held_renews_and_releases(store):
         lease.check()
         assert await Lease(store, lock_key("p"), ttl_s=1).try_acquire() is not None
     assert not await store.exists(lock_key("p"))
+
+
+# -- Clocks: the lease must not trust wall clocks --------------------------------
+HOUR = 3600.0
+
+
+class ManualClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
+def skewed(offset_s: float):
+    return lambda: time.time() + offset_s
+
+
+def own_monotonic():
+    """A monotonic clock that advances normally from an origin of its own."""
+    origin = 1e6 * (1 + uuid.uuid4().int % 97)
+    return lambda: time.monotonic() + origin
+
+
+class SlowPuts:
+    """The store, with every PUT taking ``delay_s`` on ``clock`` (a slow renewal)."""
+
+    def __init__(self, store, clock: ManualClock, delay_s: float) -> None:
+        self._store, self._clock, self._delay_s = store, clock, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    async def put(self, key, data, *, mode=PutMode.OVERWRITE):
+        self._clock.advance(self._delay_s)
+        return await self._store.put(key, data, mode=mode)
+
+
+@pytest.mark.parametrize("skew", [HOUR, -HOUR], ids=["holder-an-hour-ahead", "holder-an-hour-behind"])
+async def test_skewed_clocks_never_overlap_while_the_holder_renews(store, skew):
+    ttl = 3.0  # renewals every 0.75 s: a slow loopback server under load does not stall them
+    contender = Lease(store, lock_key("p"), ttl_s=ttl, wall=skewed(-skew), monotonic=own_monotonic())
+    async with held(store, "p", wait_s=0, ttl_s=ttl, wall=skewed(skew)) as first:
+        etags, start = {first.etag}, contender.monotonic()
+        # Watch until the holder renewed five times and 1.5 ttls passed on the contender's clock.
+        while len(etags) < 6 or contender.monotonic() - start < 1.5 * ttl:
+            holder = await contender.try_acquire()
+            assert holder is not None, "the contender took a lease that was being renewed"
+            first.check()  # and the holder never had to stop
+            etags.add(first.etag)
+            await asyncio.sleep(0.2)
+        assert contender.etag is None
+    await contender.acquire(wait_s=5, poll_s=0.05)  # released: the contender gets it at once
+    await contender.release()
+
+
+@pytest.mark.parametrize("skew", [HOUR, -HOUR], ids=["holder-an-hour-ahead", "holder-an-hour-behind"])
+async def test_skewed_clocks_a_crashed_holder_is_taken_over_after_its_ttl_unchanged(store, skew):
+    ttl = 1.0
+    crashed = Lease(store, lock_key("p"), ttl_s=ttl, wall=skewed(skew))
+    await crashed.acquire(wait_s=0)  # and then it stops: no renewals, no release
+    contender = Lease(store, lock_key("p"), ttl_s=30, wall=skewed(-skew), monotonic=own_monotonic())
+    first_look = contender.monotonic()
+    while True:
+        started = contender.monotonic()
+        if await contender.try_acquire() is None:
+            break
+        assert started - first_look < 20 * ttl, "a lease nobody renews was never taken over"
+        await asyncio.sleep(0.1)
+    # Every call before the one that took it over found the lease held, and
+    # that one returned only after a ttl of unchanged ETag on the contender's clock.
+    assert contender.monotonic() - first_look >= ttl
+    with pytest.raises(LockLost):
+        await crashed.renew()  # had it been alive, it would find out
+    await contender.release()
+    assert not await store.exists(lock_key("p"))
+
+
+async def test_two_held_gc_runs_with_skewed_clocks_take_turns(store):
+    """Two ``held()`` contexts, one wall clock an hour ahead and one an hour
+    behind: the second enters only after the first left."""
+    events: list[tuple[str, float]] = []
+    first_in = asyncio.Event()
+
+    async def gc_run(name: str, skew: float, renewals: int) -> None:
+        async with held(store, "p", wait_s=30, ttl_s=2.0, poll_s=0.2, wall=skewed(skew)) as lease:
+            events.append((f"{name} in", time.monotonic()))
+            first_in.set()
+            etags = {lease.etag}
+            while len(etags) <= renewals:  # work through a few renewals
+                lease.check()
+                etags.add(lease.etag)
+                await asyncio.sleep(0.05)
+            events.append((f"{name} out", time.monotonic()))
+
+    one = asyncio.create_task(gc_run("behind", -HOUR, renewals=4))
+    await first_in.wait()
+    await gc_run("ahead", HOUR, renewals=1)
+    await one
+    assert [e for e, _ in events] == ["behind in", "behind out", "ahead in", "ahead out"]
+
+
+async def test_takeover_counts_on_the_contenders_monotonic_clock(store):
+    key = lock_key("p")
+    first = Lease(store, key, ttl_s=10, wall=skewed(-24 * HOUR))  # its body says: expired a day ago
+    await first.acquire(wait_s=0)
+    clock = ManualClock(500.0)
+    contender = Lease(store, key, ttl_s=600, wall=skewed(24 * HOUR), monotonic=clock)
+    assert await contender.try_acquire() is not None  # first look: ETag noted
+    clock.advance(9.9)
+    assert await contender.try_acquire() is not None  # unchanged for 9.9 s of the holder's 10
+    await first.renew()  # a new ETag: the count starts again
+    clock.advance(5)
+    assert await contender.try_acquire() is not None
+    clock.advance(9.9)
+    assert await contender.try_acquire() is not None
+    first.check()
+    clock.advance(0.2)  # 10.1 s unchanged on the contender's clock
+    assert await contender.try_acquire() is None
+    assert contender.etag is not None
+    with pytest.raises(LockLost):
+        await first.renew()
+
+
+async def test_a_frozen_contender_clock_never_takes_over(store):
+    """Real time passing is not enough: only the contender's own monotonic
+    clock counts (here it stands still while the lease goes unrenewed)."""
+    key = lock_key("p")
+    first = Lease(store, key, ttl_s=0.2, wall=skewed(-HOUR))
+    await first.acquire(wait_s=0)
+    contender = Lease(store, key, ttl_s=0.2, monotonic=ManualClock(7.0))
+    assert await contender.try_acquire() is not None
+    deadline = time.monotonic() + 1.0  # five ttls of real time
+    while time.monotonic() < deadline:
+        assert await contender.try_acquire() is not None
+        await asyncio.sleep(0.1)
+
+
+async def test_the_holder_stops_by_its_monotonic_clock_not_its_wall_clock(store):
+    mono, wall = ManualClock(0.0), ManualClock(1.7e9)
+    lease = Lease(store, lock_key("p"), ttl_s=8, wall=wall, monotonic=mono)
+    await lease.acquire(wait_s=0)
+    wall.advance(-HOUR)  # the wall clock steps back an hour: no help
+    mono.advance(5.9)
+    lease.check()  # 5.9 s < 3/4 of the ttl
+    mono.advance(0.2)
+    with pytest.raises(LockLost):
+        lease.check()
+    wall.advance(2 * HOUR)
+    await lease.renew()
+    lease.check()  # a renewal restores it
+    before = lease.etag
+    await lease.renew()  # the wall clock stood still, yet contenders must see a renewal
+    assert lease.etag != before
+    mono.advance(6.1)
+    with pytest.raises(LockLost):
+        lease.check()
+    await lease.release()
+
+
+async def test_a_renewal_counts_from_before_its_request_was_sent(store):
+    mono = ManualClock(0.0)
+    lease = Lease(SlowPuts(store, mono, delay_s=4.0), lock_key("p"), ttl_s=8, monotonic=mono)
+    await lease.acquire(wait_s=0)  # the PUT took 4 s
+    lease.check()
+    mono.advance(1.9)
+    lease.check()  # 5.9 s since the request was sent
+    mono.advance(0.2)
+    with pytest.raises(LockLost):
+        lease.check()  # 6.1 s since it was sent, though only 2.1 s since it returned
+    await lease.release()
+
+
+async def test_a_holders_claimed_expiry_is_capped_at_last_modified_plus_ttl(store):
+    key = lock_key("p")
+    ahead = Lease(store, key, ttl_s=30, wall=skewed(HOUR))  # claims its lease ends in an hour and 30 s
+    await ahead.acquire(wait_s=0)
+    holder = await Lease(store, key, ttl_s=30).try_acquire()
+    assert holder is not None and ahead.owner in holder
+    ends_in = int(re.search(r"lease ends in (\d+) s", holder).group(1))
+    assert 28 <= ends_in <= 31, holder  # LastModified (the server's clock, whole seconds) + 30 s
+
+
+@pytest.mark.parametrize(
+    "body", [b"not json", b"[1, 2]", json.dumps({"owner": "old", "expires": 0}).encode()]
+)
+async def test_a_lease_body_without_a_ttl_uses_the_contenders(store, body):
+    """Garbage, or a lease written by an older s3kv: the contender waits its
+    own ttl of unchanged ETag, whatever the body claims."""
+    key = lock_key("p")
+    await store.put(key, body, mode=PutMode.CREATE)
+    clock = ManualClock(0.0)
+    contender = Lease(store, key, ttl_s=5, monotonic=clock)
+    assert await contender.try_acquire() is not None
+    clock.advance(4.9)
+    assert await contender.try_acquire() is not None
+    clock.advance(0.2)
+    assert await contender.try_acquire() is None
+    await contender.release()
+    assert not await store.exists(key)

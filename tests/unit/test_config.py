@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from s3kv.config import KNOWN_KEYS, S3KVConfig, field_docs, parse_config
@@ -79,3 +81,140 @@ def test_units():
             parse_size(bad)
     with pytest.raises(ConfigError):
         parse_duration("soon")
+
+
+DURATION_KEYS = (
+    "load_timeout_s",
+    "s3_connect_timeout_s",
+    "s3_read_timeout_s",
+    "manifest_publish_s",
+    "manifest_refresh_s",
+    "manifest_clock_skew_s",
+)
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("key", DURATION_KEYS)
+@pytest.mark.parametrize("bad", [NAN, INF, -INF, 0, -1, -0.5, "2d", 86400.5, 10**12, "1w"])
+def test_bad_durations_fail_naming_the_key_and_range(key, bad):
+    with pytest.raises(ConfigError) as info:
+        parse_config({"bucket": "ok-bucket", key: bad})
+    msg = str(info.value)
+    assert msg.startswith(f"{key}: must be ") and "at most 1 day" in msg
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"bucket": "ok-bucket", "load_timeout_s": NaN}',
+        '{"bucket": "ok-bucket", "manifest_refresh_s": Infinity}',
+    ],
+)
+def test_json_nan_and_infinity_are_refused(text):
+    with pytest.raises(ConfigError, match=r"^(load_timeout_s|manifest_refresh_s): must be (more|at least) "):
+        parse_config(json.loads(text))  # Python's json reads these literals as floats
+
+
+@pytest.mark.parametrize(
+    ("key", "bad", "allowed"),
+    [
+        ("manifest_clock_skew_s", 0, "at least 1 s"),  # a zero margin: replicas PUT segments nonstop
+        ("manifest_clock_skew_s", 0.5, "at least 1 s"),
+        ("manifest_publish_s", 0.001, "at least 50 ms"),
+        ("manifest_refresh_s", "10ms", "at least 50 ms"),
+        ("range_bytes", "4KiB", "at least 64 KiB and at most 1 GiB"),
+        ("range_bytes", "2GiB", "at least 64 KiB and at most 1 GiB"),
+        ("range_bytes", 0, "at least 64 KiB"),
+        ("max_inflight_bytes", 0, "more than 0 and at most 1 TiB"),
+        ("max_inflight_bytes", "2TiB", "at most 1 TiB"),
+        ("cpu_bytes", "65TiB", "at most 64 TiB (or 0 to turn it off)"),
+        ("cpu_bytes", -1, "cpu_bytes"),
+        ("disk_bytes", 0, "more than 0 and at most 1 PiB"),
+        ("disk_bytes", "2PiB", "at most 1 PiB"),
+        ("manifest_max_bytes", "512KiB", "at least 1 MiB and at most 64 GiB"),
+        ("manifest_max_bytes", "65GiB", "at least 1 MiB and at most 64 GiB"),
+        ("manifest_max_bytes", 0, "at least 1 MiB"),
+    ],
+)
+def test_out_of_range_values_name_the_key_and_range(key, bad, allowed):
+    with pytest.raises(ConfigError) as info:
+        parse_config({"bucket": "ok-bucket", key: bad})
+    assert str(info.value).startswith(f"{key}: ") and allowed in str(info.value)
+
+
+SIZE_KEYS = ("max_inflight_bytes", "range_bytes", "cpu_bytes", "disk_bytes", "manifest_max_bytes")
+
+
+@pytest.mark.parametrize("key", SIZE_KEYS)
+@pytest.mark.parametrize("bad", [NAN, INF, -INF, -1, 1.5, 10**30, "10**30", "9" * 40 + "PiB", "1e9"])
+def test_bad_sizes_fail_naming_the_key(key, bad):
+    with pytest.raises(ConfigError) as info:
+        parse_config({"bucket": "ok-bucket", key: bad})
+    assert str(info.value).startswith(f"{key}: ")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("load_timeout_s", "1d", 86400.0),  # the bounds themselves are allowed
+        ("load_timeout_s", 0.3, 0.3),
+        ("s3_connect_timeout_s", 1, 1.0),
+        ("s3_read_timeout_s", "24h", 86400.0),
+        ("manifest_publish_s", "50ms", 0.05),
+        ("manifest_refresh_s", 3600, 3600.0),
+        ("manifest_clock_skew_s", 1, 1.0),
+        ("manifest_clock_skew_s", "1d", 86400.0),
+        ("range_bytes", "64KiB", 64 << 10),
+        ("range_bytes", "1GiB", 1 << 30),
+        ("max_inflight_bytes", "1TiB", 1 << 40),
+        ("cpu_bytes", 0, 0),
+        ("cpu_bytes", "64TiB", 64 << 40),
+        ("disk_bytes", "1PiB", 1 << 50),
+        ("disk_bytes", 1.0, 1),
+        ("manifest_max_bytes", "1MiB", 1 << 20),
+        ("manifest_max_bytes", "64GiB", 64 << 30),
+    ],
+)
+def test_values_at_the_bounds_are_accepted(key, value, expected):
+    assert getattr(parse_config({"bucket": "ok-bucket", key: value}), key) == expected
+
+
+def test_every_default_parses_back_to_itself():
+    defaults = S3KVConfig()
+    for key in KNOWN_KEYS:
+        value = getattr(defaults, key)
+        if value is None or key == "bucket":
+            continue
+        raw = {"bucket": "ok-bucket", key: value}
+        assert getattr(parse_config(raw), key) == value, key
+
+
+def test_configs_the_tests_and_benchmarks_use_still_parse():
+    """The extra configs under tests/ and benchmarks/ (e2e harness, fleet, gc,
+    tiers, outage, scheduler start-up, ttft, store_path, codec)."""
+    base = {"bucket": "ok-bucket", "endpoint_url": "http://127.0.0.1:9000", "region": "us-east-1"}
+    for extra in (
+        {"chunk_tokens": 16, "cpu_bytes": "32MiB"},
+        {"cpu_bytes": "8MiB", "disk_path": "/tmp/d", "s3_connect_timeout_s": 1},
+        {"cpu_bytes": "400KiB", "disk_bytes": 3 * 200_000},
+        {"cpu_bytes": "8MiB", "disk_bytes": "1GiB"},
+        {"load_timeout_s": 20, "s3_connect_timeout_s": 1, "s3_max_attempts": 2},
+        {"manifest_refresh_s": 3600},
+        {"manifest_refresh_s": 1.0, "manifest_publish_s": 1.0},
+        {"cpu_bytes": "1GiB", "disk_path": "/tmp/d", "save_generated": True},
+        {"write_policy": "local_only", "disk_path": "/tmp/d", "codec": "none"},
+        {"max_inflight_bytes": "2GiB", "range_bytes": "512 KiB"},
+    ):
+        parse_config({**base, **extra})
+
+
+def test_units_refuse_nan_infinities_and_absurd_sizes():
+    for bad in (NAN, INF, -INF, "9" * 400, "1" * 100 + "s"):
+        with pytest.raises(ConfigError, match="^wait: "):
+            parse_duration(bad, name="wait")
+    for bad in (NAN, INF, -INF, 2**63, "8 EiB", "9" * 30 + "PiB", -1.0):
+        with pytest.raises(ConfigError, match="^max: "):
+            parse_size(bad, name="max")
+    assert parse_size("1PiB") == 1 << 50 and parse_size("2PB") == 2 * 10**15
+    assert parse_size(2**63 - 1) == 2**63 - 1 and parse_size("0.5KiB") == 512
+    assert parse_duration(1e9) == 1e9  # large but finite: bounds are the caller's (a config key's)

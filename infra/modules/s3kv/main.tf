@@ -480,6 +480,23 @@ data "aws_iam_policy_document" "replica" {
     }
   }
 
+  # The gc lease is gc's alone. A replica that created, overwrote or deleted
+  # {prefix}/gc.lock could make two gc runs delete at once, so every write to
+  # it (PutObject covers PUT, copy and multipart uploads; ACLs, tags,
+  # retention, legal holds, versions) is denied whatever else is allowed.
+  # Replicas never read it, so reads stay as they are.
+  statement {
+    sid    = "DenyGcLease"
+    effect = "Deny"
+    actions = [
+      "s3:PutObject*",
+      "s3:DeleteObject*",
+      "s3:AbortMultipartUpload",
+      "s3:RestoreObject",
+    ]
+    resources = [local.gc_lock_object]
+  }
+
   dynamic "statement" {
     for_each = local.kms_key_arn == null ? [] : [local.kms_key_arn]
 
@@ -571,6 +588,8 @@ data "aws_iam_policy_document" "gc" {
 # IAM, directory bucket: one session grants every object operation on the
 # whole bucket (no prefix, delete or create-only scoping is possible), so
 # replicas and gc get the same ReadWrite session; give a fleet its own bucket.
+# For the same reason replicas cannot be denied the gc lease ({prefix}/gc.lock)
+# here: S3 Express authorizes CreateSession only, never a single object.
 ################################################################################
 
 data "aws_iam_policy_document" "replica_express" {

@@ -28,6 +28,10 @@ locals {
     "manifest_publish_s",
     "manifest_refresh_s",
     "manifest_clock_skew_s",
+    "manifest_max_bytes",
+    "model_digest",
+    "namespace_salt",
+    "auth_key_file",
   ]
 
   # Set by this module from the bucket it describes; extra_config may not override them.
