@@ -72,6 +72,11 @@ class S3KVConfig:
         '"always" fsyncs each chunk file before publishing it; "never" relies on checksums '
         "(a file torn by a power loss fails its checksum and is recomputed).",
     )
+    disk_timeout_s: float = _key(
+        5.0,
+        "A chunk read or write on the NVMe tier slower than this is a disk failure: a read is "
+        "fetched from S3 instead, and the disk's breaker pauses the tier.",
+    )
     write_policy: str = _key(
         "write_through",
         '"write_through" stores new chunks in every tier (CPU, NVMe, S3); "local_only" '
@@ -278,6 +283,7 @@ _PARSERS = {
     "s3_max_attempts": lambda v: _int("s3_max_attempts", v, 1, 20),
     "s3_connect_timeout_s": lambda v: _duration("s3_connect_timeout_s", v, 0),
     "s3_read_timeout_s": lambda v: _duration("s3_read_timeout_s", v, 0),
+    "disk_timeout_s": lambda v: _duration("disk_timeout_s", v, 0),
     "cpu_bytes": lambda v: _size("cpu_bytes", v, 1, 64 * TiB, zero_turns_off=True),
     "disk_path": lambda v: _str("disk_path", v),
     "disk_bytes": lambda v: _size("disk_bytes", v, 1, PiB),

@@ -223,6 +223,9 @@ class SchedulerSide:
             save_generated=config.save_generated,
             emit_events=self._emit_events,
             counters=self.counters,
+            # A probe that never reports (its request gone) counts as failed
+            # once any load of it would have timed out.
+            probe_timeout_s=config.load_timeout_s + 10,
         )
         planner.s3_down = self._s3_down
         self.namespace = namespace

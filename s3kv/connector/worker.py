@@ -95,6 +95,7 @@ class WorkerSide:
                 load_timeout_s=config.load_timeout_s,
                 disk_path=config.disk_path,
                 disk_fsync=config.disk_fsync == "always",
+                disk_timeout_s=config.disk_timeout_s,
                 keys=keys,
             ),
             self.counters,

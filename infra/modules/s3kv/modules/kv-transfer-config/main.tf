@@ -22,6 +22,7 @@ locals {
     "disk_path",
     "disk_bytes",
     "disk_fsync",
+    "disk_timeout_s",
     "write_policy",
     "promote",
     "save_generated",
