@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
+from s3kv.auth import FleetKeys, load_keys
 from s3kv.cli import output as out
 from s3kv.cli.settings import (
     DURATION,
@@ -234,13 +235,13 @@ async def _find_chunk(store: ObjectStore, prefix: str, key: str, rank: str | Non
     return [n for n in names if rank is None or n.endswith(f".r{rank}")]
 
 
-async def _inspect(store: ObjectStore, name: str, check: bool) -> dict[str, Any]:
+async def _inspect(store: ObjectStore, name: str, check: bool, keys: FleetKeys | None) -> dict[str, Any]:
     """inspect_object, with a damaged object reported as its problem."""
     from s3kv.errors import CorruptChunk
     from s3kv.manifest.format import CorruptManifest
 
     try:
-        return await inspect_object(store, name, check_frames=check)
+        return await inspect_object(store, name, check_frames=check, keys=keys)
     except NotFound as e:
         raise ValueError(f"no object {name!r} in the bucket") from e
     except (CorruptChunk, CorruptManifest) as e:
@@ -263,7 +264,7 @@ def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
 
         async def local() -> list[dict[str, Any]]:
             await mem.put(f"file/{path.name}", path.read_bytes())
-            return [await _inspect(mem, f"file/{path.name}", check)]
+            return [await _inspect(mem, f"file/{path.name}", check, load_keys(None))]  # S3KV_AUTH_KEY
 
         docs = asyncio.run(local())
     else:
@@ -281,7 +282,7 @@ def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
                         await store.head(target)
                     except NotFound:
                         names = [f"{s.config.prefix}/{target}"]
-            return [await _inspect(store, n, check) for n in names]
+            return [await _inspect(store, n, check, s.keys) for n in names]
 
         docs = run(s, body)
     if s.as_json:
@@ -347,7 +348,8 @@ def verify_cmd(
     seed: int | None,
     wait: float,
 ) -> int:
-    """Check chunk headers and checksums; report corrupt objects and objects s3kv did not write."""
+    """Check chunk headers and checksums (and, with the fleet secret, MACs); report corrupt and
+    unsigned objects, and objects s3kv did not write."""
 
     async def body(store: ObjectStore) -> Any:
         inv = await _scan(store, s, namespaces, read_access=False)
@@ -359,6 +361,7 @@ def verify_cmd(
                 seed=seed,
                 concurrency=s.concurrency,
                 progress=b.advance,
+                keys=s.keys,
             )
         if delete_corrupt and rep.corrupt:
             async with held(store, s.config.prefix, wait_s=wait) as lease:
@@ -385,7 +388,9 @@ def verify_cmd(
                 )
             )
         con.print(
-            f"{len(rep.corrupt)} corrupt, {len(rep.foreign)} foreign"
+            f"{len(rep.corrupt) - len(rep.unsigned)} corrupt, "
+            + (f"{len(rep.unsigned)} unsigned or badly signed, " if s.keys is not None else "")
+            + f"{len(rep.foreign)} foreign"
             + (f"; deleted {len(rep.deleted)}" if rep.deleted else "")
         )
     return EXIT_PROBLEMS if rep.problems else EXIT_OK

@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from s3kv.auth import FleetKeys, load_keys
 from s3kv.config import S3KVConfig, parse_config
 from s3kv.errors import ConfigError
 from s3kv.units import parse_duration, parse_size
@@ -66,6 +67,7 @@ class Settings:
     def __init__(self, sources: tuple[Any, ...], as_json: bool, concurrency: int, progress: bool) -> None:
         self._sources = sources
         self._config: S3KVConfig | None = None
+        self._keys: tuple[FleetKeys | None] | None = None
         self.as_json, self.concurrency, self.progress = as_json, concurrency, progress
 
     @property
@@ -73,6 +75,14 @@ class Settings:
         if self._config is None:
             self._config = resolve(*self._sources)
         return self._config
+
+    @property
+    def keys(self) -> FleetKeys | None:
+        """The fleet secret, as the replicas get it (``S3KV_AUTH_KEY``, else
+        ``--auth-key-file`` / the config's ``auth_key_file``); None if unset."""
+        if self._keys is None:
+            self._keys = (load_keys(self.config.auth_key_file),)
+        return self._keys[0]
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -96,6 +106,7 @@ def resolve(
     prefix: str | None,
     endpoint_url: str | None,
     region: str | None,
+    auth_key_file: str | None = None,
 ) -> S3KVConfig:
     raw = load_config_file(config_path) if config_path else {}
     for key, value in (
@@ -103,6 +114,7 @@ def resolve(
         ("prefix", prefix),
         ("endpoint_url", endpoint_url),
         ("region", region),
+        ("auth_key_file", auth_key_file),
     ):
         if value is not None:
             raw[key] = value
@@ -132,6 +144,14 @@ def store_options(func: Callable[..., Any]) -> Callable[..., Any]:
         help="S3-compatible endpoint (MinIO, R2, a test server). [env: S3KV_ENDPOINT_URL]",
     )
     @click.option("--region", envvar="S3KV_REGION", help="AWS region of the bucket. [env: S3KV_REGION]")
+    @click.option(
+        "--auth-key-file",
+        envvar="S3KV_AUTH_KEY_FILE",
+        metavar="FILE",
+        help="The fleet secret's file, as the replicas' auth_key_file; S3KV_AUTH_KEY (the secret itself) "
+        "takes precedence. With a secret, objects without a valid MAC are reported, and gc signs what it "
+        "writes. [env: S3KV_AUTH_KEY_FILE]",
+    )
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
     @click.option(
         "--concurrency",
@@ -146,16 +166,19 @@ def store_options(func: Callable[..., Any]) -> Callable[..., Any]:
         help="Progress bars on stderr (default: when stderr is a terminal and not --json).",
     )
     @functools.wraps(func)
-    def wrapper(config_path, bucket, prefix, endpoint_url, region, as_json, concurrency, progress, **kw):
+    def wrapper(
+        config_path, bucket, prefix, endpoint_url, region, auth_key_file, as_json, concurrency, progress, **kw
+    ):
         import sys
 
         if progress is None:
             progress = sys.stderr.isatty() and not as_json
         settings = Settings(
-            (config_path, bucket, prefix, endpoint_url, region), as_json, concurrency, progress
+            (config_path, bucket, prefix, endpoint_url, region, auth_key_file), as_json, concurrency, progress
         )
         if func.__name__ != "inspect_cmd":
             settings.config  # noqa: B018 (fail on a bad config before any work)
+            settings.keys  # noqa: B018 (and on a bad secret)
         return func(settings, **kw)
 
     return wrapper

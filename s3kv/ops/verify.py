@@ -3,9 +3,11 @@ objects, descriptors; and telling apart objects s3kv did not write.
 
 A chunk object is *corrupt* when it does not parse, names another
 namespace, key or rank than its object name says, has another length than
-its header says, or a frame fails its checksum. A *foreign* object is one
-under the prefix that is no chunk, manifest object, descriptor or the gc
-lease: verify reports it and never deletes it.
+its header says, or a frame fails its checksum. With the fleet secret, an
+object without a valid MAC (unsigned, signed with an unknown key, or whose
+MAC fails) is *unsigned*: replicas refuse it as they refuse corrupt ones. A
+*foreign* object is one under the prefix that is no chunk, manifest object,
+descriptor or the gc lease: verify reports it and never deletes it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
 from s3kv import codec
+from s3kv.auth import FleetKeys
 from s3kv.errors import CorruptChunk, NotFound, S3KVError
 from s3kv.keys import parse_object_key
 from s3kv.manifest import format as mf
@@ -31,7 +32,7 @@ from s3kv.stores.base import ObjectMeta, ObjectStore
 class Problem:
     key: str
     kind: str
-    """corrupt or foreign"""
+    """corrupt, unsigned or foreign"""
     reason: str
     namespace: str | None = None
 
@@ -48,7 +49,12 @@ class VerifyReport:
 
     @property
     def corrupt(self) -> list[Problem]:
-        return [p for p in self.problems if p.kind == "corrupt"]
+        """What replicas refuse to read: corrupt and (with a secret) unsigned objects."""
+        return [p for p in self.problems if p.kind in ("corrupt", "unsigned")]
+
+    @property
+    def unsigned(self) -> list[Problem]:
+        return [p for p in self.problems if p.kind == "unsigned"]
 
     @property
     def foreign(self) -> list[Problem]:
@@ -60,26 +66,32 @@ class VerifyReport:
             "checked_bytes": self.checked_bytes,
             "population": self.population,
             "vanished": self.vanished,
-            "corrupt": [p.__dict__ for p in self.corrupt],
+            "corrupt": [p.__dict__ for p in self.corrupt if p.kind == "corrupt"],
+            "unsigned": [p.__dict__ for p in self.unsigned],
             "foreign": [p.__dict__ for p in self.foreign],
             "deleted": self.deleted,
         }
 
 
-def check_chunk(name: str, data: bytes) -> None:
-    """Raise CorruptChunk unless ``data`` is a sound chunk object named ``name``."""
+class Unsigned(CorruptChunk):
+    """The object has no valid MAC under the fleet's keys."""
+
+
+def check_chunk(name: str, data: bytes, keys: FleetKeys | None = None) -> None:
+    """Raise CorruptChunk unless ``data`` is a sound chunk object named
+    ``name`` (with ``keys``: Unsigned unless a fleet key signed it)."""
     parsed = parse_object_key(name)
     if parsed is None:
         raise CorruptChunk("not a chunk object name")
     ns, key, rank = parsed
-    header = codec.parse_header(data)
+    header = codec.parse_header(data)  # sound first: a damaged object is corrupt, whoever wrote it
     header.check_identity(ns, key.hex(), rank)
-    if len(data) != header.object_length:
-        raise CorruptChunk(f"object is {len(data)} bytes, its header says {header.object_length}")
-    mv = memoryview(data)
-    for i, f in enumerate(header.frames):
-        if xxhash.xxh3_64_intdigest(mv[f.offset : f.end]) != f.checksum:
-            raise CorruptChunk(f"frame {i}: checksum mismatch")
+    codec.check_frames(data, header)
+    if keys is not None:
+        try:
+            codec.check_frames(data, codec.parse_header(data, keys), keys)
+        except CorruptChunk as e:
+            raise Unsigned(str(e)) from None
 
 
 def check_descriptor(ns: str, data: bytes) -> None:
@@ -99,10 +111,11 @@ async def verify(
     seed: int | None = None,
     concurrency: int = 16,
     progress: Callable[[int], None] | None = None,
+    keys: FleetKeys | None = None,
 ) -> VerifyReport:
     """Check every object of the inventory's namespaces (``sample=None``)
     or ``sample`` chunk objects chosen at random. Foreign objects are
-    reported either way."""
+    reported either way; with ``keys``, objects without a valid MAC too."""
     report = VerifyReport()
     jobs: list[tuple[str, ObjectMeta, str]] = []  # (what, meta, namespace)
     for ns, info in inv.namespaces.items():
@@ -130,13 +143,14 @@ async def verify(
                 return
         try:
             if what == "chunk":
-                await asyncio.to_thread(check_chunk, meta.key, data)
+                await asyncio.to_thread(check_chunk, meta.key, data, keys)
             elif what == "manifest":
                 mf.decode(data, name=meta.key)
             else:
                 check_descriptor(ns, data)
         except (CorruptChunk, mf.CorruptManifest) as e:
-            report.problems.append(Problem(meta.key, "corrupt", str(e), ns))
+            kind = "unsigned" if isinstance(e, Unsigned) else "corrupt"
+            report.problems.append(Problem(meta.key, kind, str(e), ns))
         report.checked += 1
         report.checked_bytes += len(data)
         if progress is not None:
@@ -181,7 +195,9 @@ async def delete_corrupt(
     return [k for k in ordered if k not in failed]
 
 
-async def inspect_object(store: ObjectStore, name: str, *, check_frames: bool = False) -> dict[str, Any]:
+async def inspect_object(
+    store: ObjectStore, name: str, *, check_frames: bool = False, keys: FleetKeys | None = None
+) -> dict[str, Any]:
     """What one object is: a chunk's header (and, with ``check_frames``, its
     frames checked), or a manifest object's kind, counts and header."""
     if "/manifest/" in name:
@@ -208,6 +224,8 @@ async def inspect_object(store: ObjectStore, name: str, *, check_frames: bool = 
         "dtype": h.dtype,
         "page_shape": list(h.page_shape),
         "frames": len(h.frames),
+        "format_version": h.version,
+        "signed_by_key_id": h.kid.hex() if h.kid is not None else None,
         "header_bytes": h.header_length,
         "object_bytes": h.object_length,
         "raw_bytes": h.raw_bytes,
@@ -222,9 +240,14 @@ async def inspect_object(store: ObjectStore, name: str, *, check_frames: bool = 
             h.check_identity(parsed[0], parsed[1].hex(), parsed[2])
         except CorruptChunk as e:
             problems.append(str(e))
+    if keys is not None and not check_frames:
+        try:
+            codec.parse_header(await read_head_bytes(store, name, codec.header_length), keys)
+        except CorruptChunk as e:
+            problems.append(f"unsigned: {e}")
     if check_frames:
         try:
-            check_chunk(name, await store.get(name))
+            check_chunk(name, await store.get(name), keys)
         except (CorruptChunk, S3KVError) as e:
             problems.append(str(e))
         out["frames_checked"] = True
