@@ -5,6 +5,7 @@ merges), exact counts, the epoch, and readers racing writers."""
 from __future__ import annotations
 
 import random
+import sys
 import threading
 
 import numpy as np
@@ -169,58 +170,123 @@ def test_bulk_writers_do_not_alias_the_callers_arrays():
 
 
 def test_readers_never_see_a_torn_state():
-    """Keys that stay present (some from the base, some from segments, some
-    from this replica's own adds re-announced by segments) and keys never
-    added, read without a lock while segments, single changes and merges
-    run: every read must find the first all present, the second all absent."""
+    """Readers without a lock, while merges, segments and single changes run:
+    every key added before a read began (by this replica, by a segment, by
+    this replica and then re-announced by a segment) is present in it, and
+    no key never added is. The sets are made large and thread switches
+    frequent, so that readers land between the steps of a writer."""
     rng = np.random.default_rng(3)
-    stable_base = np.unique(rng.integers(0, 2**64, 200, dtype=np.uint64))
-    stable_seg = np.unique(rng.integers(0, 2**64, 200, dtype=np.uint64))
-    stable_own = np.unique(rng.integers(0, 2**64, 50, dtype=np.uint64))
-    never = np.unique(rng.integers(0, 2**64, 200, dtype=np.uint64))
-    churn = np.unique(rng.integers(0, 2**64, 2000, dtype=np.uint64))
-    s = FingerprintSet(merge_at=64)
-    s.replace(stable_base)
-    s.update(stable_seg)
-    for fp in stable_own.tolist():
-        s.add(fp)
-    stable = np.concatenate([stable_base, stable_seg, stable_own])
-    probe = np.concatenate([stable, never])
-    expect = np.concatenate([np.ones(len(stable), dtype=bool), np.zeros(len(never), dtype=bool)])
-    stop = threading.Event()
+    batch, rounds = 40, 80
+    pool = np.unique(rng.integers(0, 2**64, 4 * batch * rounds + 500, dtype=np.uint64))
+    rng.shuffle(pool)
+    n = batch * rounds
+    single, bulk, both, never = pool[:n], pool[n : 2 * n], pool[2 * n : 3 * n], pool[3 * n : 3 * n + 500]
+    base = np.sort(pool[3 * n + 500 :])
+    s = FingerprintSet(merge_at=1 << 20)
+    s.replace(base)
+    done = {"single": 0, "bulk": 0, "both": 0}
+    stop, merge_wanted, merged = threading.Event(), threading.Event(), threading.Event()
     failures: list[str] = []
     reads = [0]
 
     def reader() -> None:
         while not stop.is_set():
-            if not (s.present(probe) == expect).all():
-                failures.append("present")
-            fp = int(stable[reads[0] % len(stable)])
-            if fp not in s:
-                failures.append(f"contains {fp}")
+            upto = dict(done)  # added before this read began
+            for name, arr in (("single", single), ("bulk", bulk), ("both", both)):
+                if not s.present(arr[max(0, upto[name] - 2 * batch) : upto[name]]).all():
+                    failures.append(name)
+            if s.present(never).any():
+                failures.append("never")
             reads[0] += 1
+
+    def prober() -> None:  # the newest keys, which only the sets hold: a read of a few bytecodes
+        singles, boths = single.tolist(), both.tolist()
+        while not stop.is_set():
+            i, j = done["single"], done["both"]
+            if (i and singles[i - 1] not in s) or (j and boths[j - 1] not in s):
+                failures.append("contains")
 
     def merger() -> None:
         while not stop.is_set():
-            s.merge()
+            if merge_wanted.wait(0.05):
+                merge_wanted.clear()
+                s.merge()
+                merged.set()
 
-    threads = [threading.Thread(target=reader), threading.Thread(target=merger)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=f) for f in (reader, prober, merger)]
     for t in threads:
         t.start()
     try:
-        r = random.Random(4)
-        for i in range(400):
-            pick = churn[r.randrange(len(churn) - 50) :][:50]
-            if i % 3 == 0:
-                s.update(pick, removed=churn[: r.randrange(20)])
-            elif i % 3 == 1:  # segments naming the stable keys again
-                s.update_many([(stable_seg[i % 100 :][:30], ()), (stable_own[: i % 50], pick[:5])])
-            else:
-                for fp in pick[:10].tolist():
-                    s.add(fp) if r.random() < 0.5 else s.discard(fp)
+        for r in range(rounds):
+            lo, hi = r * batch, (r + 1) * batch
+            for i in range(lo, hi):
+                s.add(int(single[i]))
+                done["single"] = i + 1
+                s.add(int(both[i]))
+                done["both"] = i + 1
+            s.update(both[lo:hi], removed=never[:50])  # the sets' entries give way to the delta's
+            s.update_many([(bulk[lo:hi], ()), ((), never[50:60])])
+            done["bulk"] = hi
+            merged.clear()
+            merge_wanted.set()
+            assert merged.wait(10)
     finally:
         stop.set()
         for t in threads:
             t.join()
-    assert reads[0] > 0 and not failures, failures[:5]
-    assert (s.present(probe) == expect).all()
+        sys.setswitchinterval(switch)
+    assert reads[0] > rounds and not failures, failures[:5]
+    assert s.present(pool[: 3 * n]).all() and not s.present(never).any() and len(s) == 3 * n + len(base)
+
+
+class Observed(FingerprintSet):
+    """Calls ``on_sets`` each time a writer replaces one of the small sets,
+    in the middle of its change: a reader's look at that very moment."""
+
+    on_sets = None
+
+    @property
+    def _added(self) -> set[int]:
+        return self.__dict__["_a"]
+
+    @_added.setter
+    def _added(self, value: set[int]) -> None:
+        self.__dict__["_a"] = value
+        if self.on_sets is not None:
+            self.on_sets()
+
+    @property
+    def _removed(self) -> set[int]:
+        return self.__dict__["_r"]
+
+    @_removed.setter
+    def _removed(self, value: set[int]) -> None:
+        self.__dict__["_r"] = value
+        if self.on_sets is not None:
+            self.on_sets()
+
+
+def test_writers_swap_the_sets_only_after_the_view():
+    """Keys this replica added (held by the sets alone) stay present at every
+    step of a merge folding them into the base and of a segment naming them
+    again: the sets may shrink only once the arrays that replace them are
+    visible."""
+    s = Observed()
+    s.replace(arr([1, 2, 3]))
+    mine = [10, 11, 12]
+    looks: list[list[bool]] = []
+
+    def look() -> None:
+        looks.append([fp in s for fp in mine] + s.present(arr(mine)).tolist())
+
+    for fp in mine:
+        s.add(fp)
+    s.discard(2)
+    s.on_sets = look
+    s.update(arr(mine[:2]))  # re-announced: the sets give them up to the delta
+    s.merge()  # all folded into the base
+    s.on_sets = None
+    assert len(looks) >= 3 and all(all(seen) for seen in looks), looks
+    assert s.array().tolist() == [1, 3, 10, 11, 12] and len(s) == 5
