@@ -385,6 +385,11 @@ async def publish_tombstones(
     return name
 
 
+def _is_segment(info: NamespaceInfo, key: str) -> bool:
+    name = mf.parse_name(info.manifest_base, key)
+    return name is not None and name.kind == "segment"
+
+
 async def read_head(store: ObjectStore, key: str) -> tuple[str, int, int, dict[str, Any]]:
     """A manifest object's kind, counts and header, with one or two ranged GETs."""
     return mf.decode_head(await read_head_bytes(store, key, mf.head_length), name=key)
@@ -403,13 +408,14 @@ async def compact(
 ) -> None:
     now_ms = int(clock() * 1000)
     skew_ms = int(p.policy.skew_s * 1000)
-    # Not those stamped in the future: their stamps would become the new
-    # snapshot's horizon, which replicas refuse.
+    # Segments by name, none stamped in the future: the newest becomes the
+    # new snapshot's horizon, and replicas refuse a horizon in the future
+    # (and read every segment after one that names no segment).
     segments = sorted(
         [
             m
             async for m in store.list(info.manifest_base + "seg/")
-            if mf.name_ts(m.key) is not None and not stamps.in_future(m.key)
+            if _is_segment(info, m.key) and not stamps.in_future(m.key)
         ],
         key=lambda m: m.key,
     )

@@ -307,23 +307,27 @@ def test_gc_stamps_ignore_names_in_the_future():
 
 def test_gc_compaction_keeps_future_stamps_out_of_its_snapshot():
     """gc's snapshot names the newest segment as its horizon: a junk
-    far-future one would make every replica refuse the snapshot."""
+    far-future one would make every replica refuse the snapshot, and a name
+    that is no segment's would make them read every segment after it."""
     from s3kv.ops import gc
     from s3kv.ops.inventory import scan
 
     clock = [T]
-    store = MemoryStore()
-    real_history(store, clock, snapshot=False)
+    inner = MemoryStore()
+    real_history(inner, clock, snapshot=False)
     future = mf.segment_name(BASE, int(clock[0] * 1000) + FUTURE_MS, "junk", 1)
-    run(store.put(future, segment(key(99))))
+    run(inner.put(future, segment(key(99))))
+    run(inner.put(mf.segment_name(BASE, int(clock[0] * 1000), "zz", 1) + ".partial", segment(key(98))))
+    store = WrappedStore(inner, markers={BASE + "seg/"})
     inv = run(scan(store, "pfx"))
     p = gc.plan(inv, gc.Policy(), clock[0])
     result = run(gc.execute(store, inv, p, lease=None, clock=lambda: clock[0]))
     assert result.snapshots_written == 1
     (snap,) = run(store.list_keys(BASE + "snap/"))
     horizon = mf.decode(run(store.get(snap))).meta["horizon"]
-    assert mf.name_ts(snap) <= int(clock[0] * 1000) and horizon < future
-    b = replica(WrappedStore(store), clock, "bbbb")
+    assert mf.name_ts(snap) <= int(clock[0] * 1000) + 1000 and horizon < future  # not carried ahead
+    assert mf.parse_name(BASE, horizon).writer == "aaaa"
+    b = replica(store, clock, "bbbb")
     run(b.load())
     assert all(key(i) in b.manifest for i in (1, 2, 3)) and key(99) not in b.manifest
     assert b.counters.totals().get("manifest_segments_loaded", 0) == 0  # the snapshot covered them
