@@ -221,10 +221,10 @@ class FingerprintSet:
         base, delta, state = self._view
         key = np.uint64(fp)
         if len(delta):
-            i = int(np.searchsorted(delta, key))
+            i = int(delta.searchsorted(key))
             if i < len(delta) and int(delta[i]) == fp:
                 return bool(state[i])
-        i = int(np.searchsorted(base, key))
+        i = int(base.searchsorted(key))
         return i < len(base) and int(base[i]) == fp
 
     def present(self, fps: np.ndarray) -> np.ndarray:
