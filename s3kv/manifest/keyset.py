@@ -298,36 +298,48 @@ class FingerprintSet:
             return
         with self._merge_lock:
             view = self._view  # only this lock's holders replace it
-            before = view.present(fps)
+            # All that is O(len(fps)) happens here, before the writers' lock.
+            before = view.present(fps)  # the arrays' word; the sets' is added below
+            gained = int(np.count_nonzero(present & ~before))
+            lost = int(np.count_nonzero(before & ~present))
             # Every change is kept until a merge, even one the base already
             # agrees with: a snapshot replacing the base keeps it (replace).
             delta, state = overlay(view.delta, view.state, fps, present)
             with self._lock:
-                # The sets' word on these fps is older than this change now.
+                # The fps the sets hold: their word was the newest, and is
+                # older than this change now. O(len(sets)), the sets are small.
                 added, removed = self._added, self._removed
-                touched_added = self._correct(before, fps, added, True)
-                touched_removed = self._correct(before, fps, removed, False)
-                self._n += int(np.count_nonzero(present & ~before)) - int(np.count_nonzero(before & ~present))
+                touched: list[set[int]] = []
+                for members, was in ((added, True), (removed, False)):
+                    pos, values = self._held(fps, members)
+                    if len(pos):
+                        b, p = before[pos], present[pos]
+                        gained -= int(np.count_nonzero(p & ~b))
+                        lost -= int(np.count_nonzero(b & ~p))
+                        if was:
+                            lost += int(np.count_nonzero(~p))
+                        else:
+                            gained += int(np.count_nonzero(p))
+                    touched.append(values)
+                self._n += gained - lost
                 self._view = _View(view.base, delta, state)
-                if touched_added:
-                    self._added = added - touched_added
-                if touched_removed:
-                    self._removed = removed - touched_removed
-                if np.count_nonzero(before & ~present):
+                if touched[0]:
+                    self._added = added - touched[0]
+                if touched[1]:
+                    self._removed = removed - touched[1]
+                if lost:
                     self.epoch += 1
 
     @staticmethod
-    def _correct(before: np.ndarray, fps: np.ndarray, members: set[int], value: bool) -> set[int]:
-        """Mark the ``members`` of one set that are in ``fps`` as ``value`` in
-        ``before``; returns them (small: the sets are)."""
+    def _held(fps: np.ndarray, members: set[int]) -> tuple[np.ndarray, set[int]]:
+        """Where in ``fps`` the ``members`` of one set are, and which they are."""
         if not members:
-            return set()
+            return np.empty(0, dtype=np.intp), set()
         arr = _set_array(members)
         pos, found = _positions(fps, arr)
         if not np.count_nonzero(found):
-            return set()
-        before[pos[found]] = value
-        return set(arr[found].tolist())
+            return np.empty(0, dtype=np.intp), set()
+        return pos[found], set(arr[found].tolist())
 
     def replace(self, fps: np.ndarray) -> None:
         """Start over from a snapshot (sorted, unique); later changes survive."""
