@@ -206,6 +206,7 @@ class SchedulerSide:
                     publish_s=config.manifest_publish_s,
                     refresh_s=config.manifest_refresh_s,
                     skew_s=config.manifest_clock_skew_s,
+                    max_object_bytes=config.manifest_max_bytes,
                 ),
                 counters=self.counters,
             )

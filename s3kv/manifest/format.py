@@ -24,6 +24,7 @@ the rest), a JSON header, then little-endian uint64 arrays, sorted.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ CHECKSUM = struct.Struct("<Q")
 KINDS = {"segment": 1, "snapshot": 2, "access": 3}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 TS_DIGITS = 13
+MIN_BYTES = PREFIX.size + CHECKSUM.size
+"""No manifest object is shorter: a smaller one is garbage without a GET."""
 
 
 class CorruptManifest(S3KVError):
@@ -153,3 +156,39 @@ def name_ts(name: str) -> int | None:
     leaf = name.rsplit("/", 1)[-1]
     head = leaf.split("-", 1)[0]
     return int(head) if len(head) == TS_DIGITS and head.isdigit() else None
+
+
+@dataclass(frozen=True)
+class ManifestName:
+    """What a manifest object's name says."""
+
+    kind: str
+    """segment, snapshot or access"""
+    ts: int
+    """Milliseconds since the epoch."""
+    writer: str
+    seq: int | None
+    """None for a snapshot."""
+
+
+_WRITER = r"([0-9A-Za-z_]{1,64})"
+_NAMES = {
+    "seg": ("segment", re.compile(rf"(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})")),
+    "snap": ("snapshot", re.compile(rf"(\d{{{TS_DIGITS}}})-{_WRITER}")),
+    "access": ("access", re.compile(rf"\d{{10}}/(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})")),
+}
+
+
+def parse_name(base: str, key: str) -> ManifestName | None:
+    """The segment, snapshot or access record ``key`` names under the
+    manifest prefix ``base``, or None: a folder marker, another directory,
+    or a name s3kv does not write (which nobody should GET)."""
+    if not key.startswith(base):
+        return None
+    directory, _, rest = key[len(base) :].partition("/")
+    kind, pattern = _NAMES.get(directory, ("", None))
+    m = pattern.fullmatch(rest) if pattern is not None else None
+    if m is None:
+        return None
+    seq = int(m.group(3)) if m.lastindex == 3 else None
+    return ManifestName(kind, int(m.group(1)), m.group(2), seq)

@@ -2,9 +2,19 @@
 
 ``get_num_new_matched_tokens`` asks it for a request's whole chain of chunk
 keys at once, so it must answer from memory, fast, for millions of keys. A
-:class:`FingerprintSet` keeps a sorted ``uint64`` array (8 bytes a key) plus
-two small Python sets of recent additions and removals; :meth:`merge` folds
-the sets into a new array off the hot path and swaps it in.
+:class:`FingerprintSet` answers from three layers, newest first:
+
+- two small Python sets of this replica's own single changes (a key it
+  stored, a key it dropped), newer than everything below;
+- a *delta*: a sorted ``uint64`` array of the fingerprints that bulk updates
+  (the fleet's manifest segments) changed, with a parallel bool array saying
+  whether each is now present;
+- the *base*: a sorted ``uint64`` array of the members as of the last merge
+  (8 bytes a key).
+
+Segments are applied with numpy (sorting, ``searchsorted``), never through
+Python sets of ints; :meth:`merge` folds the delta and the sets into a new
+base off the hot path and swaps it in.
 
 A fingerprint is the first 8 bytes of a 16-byte chunk key. Two keys sharing
 one (odds ~n/2^64 a lookup) only cost a failed load: objects are named by the
@@ -15,13 +25,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from s3kv.keys import fingerprint
 
 EMPTY = np.empty(0, dtype=np.uint64)
+_NO_STATE = np.empty(0, dtype=bool)
 
 
 def fingerprints(keys: Sequence[bytes]) -> np.ndarray:
@@ -31,8 +42,14 @@ def fingerprints(keys: Sequence[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(k[:8] for k in keys), dtype=">u8").astype(np.uint64)
 
 
+def _as_array(values: Iterable[int] | np.ndarray) -> np.ndarray:
+    if isinstance(values, np.ndarray):
+        return values.astype(np.uint64, copy=False)
+    return np.array(values if isinstance(values, (list, tuple)) else list(values), dtype=np.uint64)
+
+
 def as_sorted_unique(values: Iterable[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.uint64)
+    arr = _as_array(values)
     if len(arr) < 2 or (arr[1:] > arr[:-1]).all():  # already so (a snapshot): O(n), no sort
         return arr
     return np.unique(arr)
@@ -61,16 +78,128 @@ def delete_sorted(base: np.ndarray, values: np.ndarray) -> np.ndarray:
     return np.delete(base, pos[found]) if found.any() else base
 
 
+def resolve(
+    changes: Sequence[tuple[np.ndarray | Iterable[int], np.ndarray | Iterable[int]]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bulk changes as one ``(fingerprints, present)`` pair, the fingerprints
+    sorted and unique: what applying ``changes`` in order leaves, each
+    ``(added, removed)`` adding, then removing; a later operation on a
+    fingerprint beats an earlier one. New arrays, never the inputs."""
+    if len(changes) == 1:
+        added, removed = as_sorted_unique(changes[0][0]), as_sorted_unique(changes[0][1])
+        if not len(removed):
+            return (added.copy() if added is changes[0][0] else added), np.ones(len(added), dtype=bool)
+        if not len(added):
+            return (removed.copy() if removed is changes[0][1] else removed), np.zeros(
+                len(removed), dtype=bool
+            )
+        added = added[~_positions(removed, added)[1]]  # the removal comes second: it wins
+        pos = np.searchsorted(added, removed)
+        return np.insert(added, pos, removed), np.insert(np.ones(len(added), dtype=bool), pos, False)
+    parts: list[np.ndarray] = []
+    states: list[np.ndarray] = []
+    for added, removed in changes:
+        a, r = _as_array(added), _as_array(removed)
+        parts += [a, r]
+        states += [np.ones(len(a), dtype=bool), np.zeros(len(r), dtype=bool)]
+    if not parts:
+        return EMPTY, _NO_STATE
+    # Reversed, the first occurrence of a fingerprint is its last operation.
+    fps, first = np.unique(np.concatenate(parts)[::-1], return_index=True)
+    return fps, np.concatenate(states)[::-1][first]
+
+
+def overlay(
+    delta: np.ndarray, state: np.ndarray, fps: np.ndarray, present: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(delta, state)`` with ``(fps, present)`` (sorted, unique) laid over
+    it: where both name a fingerprint, ``present`` wins. New arrays; the
+    inputs are never written to (readers may hold them)."""
+    if not len(delta):
+        return fps, present
+    if not len(fps):
+        return delta, state
+    pos, found = _positions(delta, fps)
+    state = state.copy()
+    state[pos[found]] = present[found]
+    new = ~found
+    if not np.count_nonzero(new):
+        return delta, state
+    return np.insert(delta, pos[new], fps[new]), np.insert(state, pos[new], present[new])
+
+
+def _member(arr: np.ndarray, fps: np.ndarray) -> np.ndarray:
+    """Which of ``fps`` are in ``arr`` (sorted, unique)."""
+    return _lookup(arr, fps)[1] if len(arr) else np.zeros(len(fps), dtype=bool)
+
+
+def apply_to(base: np.ndarray, fps: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """``base`` (sorted, unique) with ``fps[present]`` in it and ``fps[~present]``
+    not: one search of ``fps`` through ``base``, at most two O(n) copies."""
+    if not len(fps):
+        return base
+    pos, found = _positions(base, fps)
+    drop, add = found & ~present, ~found & present
+    out = np.delete(base, pos[drop]) if drop.any() else base
+    if add.any():
+        at = pos[add]
+        # Each deletion before an insertion point moves it one place down.
+        out = np.insert(out, at - np.searchsorted(pos[drop], at), fps[add])
+    return out
+
+
+def _lookup(arr: np.ndarray, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of ``fps`` (any order) would be in ``arr`` (sorted, not
+    empty), and which are there. Method calls and ``take(mode="clip")``, not
+    ``np.searchsorted`` and ``np.minimum``: the hot path pays numpy's call
+    overhead per call, which at 32 keys is most of the cost."""
+    idx = arr.searchsorted(fps)
+    return idx, arr.take(idx, mode="clip") == fps
+
+
+def _set_array(s: set[int]) -> np.ndarray:
+    return np.sort(np.fromiter(s, dtype=np.uint64, count=len(s)))
+
+
+class _View(NamedTuple):
+    """What readers see of the arrays, swapped in whole: never torn, never written to."""
+
+    base: np.ndarray
+    """Sorted, unique: the members as of the last merge (or snapshot)."""
+    delta: np.ndarray
+    """Sorted, unique: fingerprints bulk updates changed since."""
+    state: np.ndarray
+    """Parallel to ``delta``: whether each is present now."""
+
+    def present(self, fps: np.ndarray) -> np.ndarray:
+        base, delta, state = self
+        hit = _member(base, fps)
+        if len(delta):
+            idx, found = _lookup(delta, fps)
+            if np.count_nonzero(found):
+                hit[found] = state[idx[found]]
+        return hit
+
+
 class FingerprintSet:
     """A set of uint64 fingerprints: many writers (under a lock), lock-free
-    readers. An fp is present if it was added since the last merge, or is in
-    the array and was not removed since."""
+    readers. An fp is present if the sets say so (added or removed since the
+    last merge, by :meth:`add` and :meth:`discard`); else if the delta says
+    so (a bulk update since the last merge); else if it is in the base.
+
+    Bulk writers (:meth:`update`, :meth:`update_many`, :meth:`replace`) and
+    :meth:`merge` exclude each other and hold the writers' lock only for
+    the work on the small sets, not while searching millions of keys:
+    :meth:`add` and :meth:`discard`, called from vLLM's scheduling loop,
+    never wait for numpy work on a large array."""
 
     def __init__(self, merge_at: int = 1 << 16) -> None:
         self.merge_at = merge_at
-        self._base = EMPTY
+        self._view = _View(EMPTY, EMPTY, _NO_STATE)
         self._added: set[int] = set()
         self._removed: set[int] = set()
+        """Single changes, each newer than the delta's and the base's word on
+        that fp; an fp is in at most one of the two."""
         self._n = 0
         """Members, kept exact by the writers (a merge changes none)."""
         self.epoch = 0
@@ -78,54 +207,65 @@ class FingerprintSet:
         a fingerprint present at an epoch knows it still is while that lasts."""
         self._lock = threading.Lock()
         self._merge_lock = threading.Lock()
+        """Held by merges and bulk writers: the view changes only under it."""
 
     # -- reads ---------------------------------------------------------------------
+    # Readers take the sets before the view, and writers swap the view before
+    # the sets: a reader that sees new sets sees the new view, and old sets
+    # over a new view only repeat what the sets said before the change.
     def __contains__(self, fp: int) -> bool:
         if fp in self._added:
             return True
         if fp in self._removed:
             return False
-        base = self._base
-        i = int(np.searchsorted(base, np.uint64(fp)))
+        base, delta, state = self._view
+        key = np.uint64(fp)
+        if len(delta):
+            i = int(delta.searchsorted(key))
+            if i < len(delta) and int(delta[i]) == fp:
+                return bool(state[i])
+        i = int(base.searchsorted(key))
         return i < len(base) and int(base[i]) == fp
 
     def present(self, fps: np.ndarray) -> np.ndarray:
         """A bool array: which of ``fps`` are present (one vectorised pass)."""
-        # The sets before the array: a merge swapping both in between then
-        # only makes the sets repeat what the new array already says.
         added, removed = self._added, self._removed
-        base = self._base
+        base, delta, state = self._view
+        # _View.present, inlined: a Python call costs as much as a numpy one here.
         if len(base):
-            idx = np.searchsorted(base, fps)
-            np.minimum(idx, len(base) - 1, out=idx)
-            hit = base[idx] == fps
+            hit = base.take(base.searchsorted(fps), mode="clip") == fps
         else:
             hit = np.zeros(len(fps), dtype=bool)
+        if len(delta):
+            idx = delta.searchsorted(fps)
+            found = delta.take(idx, mode="clip") == fps
+            if np.count_nonzero(found):
+                hit[found] = state[idx[found]]
         if added or removed:
-            for i, fp in enumerate(fps.tolist()):
-                if fp in added:
-                    hit[i] = True
-                elif fp in removed:
-                    hit[i] = False
+            values = fps.tolist()
+            if not (added.isdisjoint(values) and removed.isdisjoint(values)):
+                for i, fp in enumerate(values):
+                    if fp in added:
+                        hit[i] = True
+                    elif fp in removed:
+                        hit[i] = False
         return hit
 
     def __len__(self) -> int:
         return self._n
 
-    def _count_present(self, fps: list[int]) -> int:
-        return int(self.present(np.array(fps, dtype=np.uint64)).sum()) if fps else 0
-
     @property
     def nbytes(self) -> int:
-        """Memory held, roughly: the array plus ~40 bytes per set entry."""
-        return int(self._base.nbytes) + 40 * (len(self._added) + len(self._removed))
+        """Memory held, roughly: the arrays plus ~40 bytes per set entry."""
+        base, delta, state = self._view
+        return int(base.nbytes + delta.nbytes + state.nbytes) + 40 * (len(self._added) + len(self._removed))
 
     def array(self) -> np.ndarray:
         """Every present fingerprint, sorted (a merge)."""
         self.merge()
-        return self._base
+        return self._view.base
 
-    # -- writes --------------------------------------------------------------------
+    # -- single changes (this replica's own) -----------------------------------------
     def add(self, fp: int) -> None:
         with self._lock:
             if fp not in self:
@@ -143,52 +283,110 @@ class FingerprintSet:
             if was:  # last: a reader that sees the new epoch sees the removal
                 self.epoch += 1
 
+    # -- bulk changes (the fleet's segments, snapshots) ------------------------------
     def update(self, fps: np.ndarray | Iterable[int], removed: np.ndarray | Iterable[int] = ()) -> None:
         """Add ``fps``, then remove ``removed`` (a manifest segment)."""
-        add_list = list(set(fps.tolist() if isinstance(fps, np.ndarray) else fps))
-        del_list = list(set(removed.tolist() if isinstance(removed, np.ndarray) else removed))
-        with self._lock:
-            self._n += len(add_list) - self._count_present(add_list)
-            self._removed.difference_update(add_list)
-            self._added.update(add_list)
-            self._n -= self._count_present(del_list)
-            self._added.difference_update(del_list)
-            self._removed.update(del_list)
-            if del_list:
-                self.epoch += 1
+        self.update_many([(fps, removed)])
+
+    def update_many(
+        self, changes: Sequence[tuple[np.ndarray | Iterable[int], np.ndarray | Iterable[int]]]
+    ) -> None:
+        """Apply ``(added, removed)`` pairs in order, as :meth:`update` one at
+        a time would (manifest segments, in name order), in one pass."""
+        fps, present = resolve(changes)
+        if not len(fps):
+            return
+        with self._merge_lock:
+            view = self._view  # only this lock's holders replace it
+            # All that is O(len(fps)) happens here, before the writers' lock.
+            before = view.present(fps)  # the arrays' word; the sets' is added below
+            gained = int(np.count_nonzero(present & ~before))
+            lost = int(np.count_nonzero(before & ~present))
+            # Every change is kept until a merge, even one the base already
+            # agrees with: a snapshot replacing the base keeps it (replace).
+            delta, state = overlay(view.delta, view.state, fps, present)
+            with self._lock:
+                # The fps the sets hold: their word was the newest, and is
+                # older than this change now. O(len(sets)), the sets are small.
+                added, removed = self._added, self._removed
+                touched: list[set[int]] = []
+                for members, was in ((added, True), (removed, False)):
+                    pos, values = self._held(fps, members)
+                    if len(pos):
+                        b, p = before[pos], present[pos]
+                        gained -= int(np.count_nonzero(p & ~b))
+                        lost -= int(np.count_nonzero(b & ~p))
+                        if was:
+                            lost += int(np.count_nonzero(~p))
+                        else:
+                            gained += int(np.count_nonzero(p))
+                    touched.append(values)
+                self._n += gained - lost
+                self._view = _View(view.base, delta, state)
+                if touched[0]:
+                    self._added = added - touched[0]
+                if touched[1]:
+                    self._removed = removed - touched[1]
+                if lost:
+                    self.epoch += 1
+
+    @staticmethod
+    def _held(fps: np.ndarray, members: set[int]) -> tuple[np.ndarray, set[int]]:
+        """Where in ``fps`` the ``members`` of one set are, and which they are."""
+        if not members:
+            return np.empty(0, dtype=np.intp), set()
+        arr = _set_array(members)
+        pos, found = _positions(fps, arr)
+        if not np.count_nonzero(found):
+            return np.empty(0, dtype=np.intp), set()
+        return pos[found], set(arr[found].tolist())
 
     def replace(self, fps: np.ndarray) -> None:
         """Start over from a snapshot (sorted, unique); later changes survive."""
-        with self._merge_lock, self._lock:
-            self._base = fps.astype(np.uint64, copy=False)
-            in_base = self._base
-            added = np.fromiter(self._added, dtype=np.uint64, count=len(self._added))
-            removed = np.fromiter(self._removed, dtype=np.uint64, count=len(self._removed))
-            self._n = (
-                len(in_base)
-                + int((~_positions(in_base, added)[1]).sum() if len(added) else 0)
-                - int(_positions(in_base, removed)[1].sum() if len(removed) else 0)
-            )
-            self.epoch += 1
+        base = fps.astype(np.uint64, copy=False)  # the set keeps it: never written to
+        with self._merge_lock:
+            view = self._view
+            n = len(base)
+            if len(view.delta):
+                in_base = _member(base, view.delta)
+                n += int(np.count_nonzero(view.state & ~in_base)) - int(
+                    np.count_nonzero(~view.state & in_base)
+                )
+            new = _View(base, view.delta, view.state)
+            with self._lock:
+                for members, value in ((self._added, True), (self._removed, False)):
+                    if members:
+                        below = new.present(_set_array(members))
+                        n += int(np.count_nonzero(~below)) if value else -int(np.count_nonzero(below))
+                self._view = new
+                self._n = n
+                self.epoch += 1
 
+    # -- merging ---------------------------------------------------------------------
     def needs_merge(self) -> bool:
-        return len(self._added) + len(self._removed) >= self.merge_at
+        return len(self._added) + len(self._removed) + len(self._view.delta) >= self.merge_at
 
     def merge(self) -> None:
-        """Fold the recent sets into the array. Runs off the scheduling
-        thread; writers are blocked only to copy and trim the sets."""
+        """Fold the delta and the sets into a new base. Runs off the
+        scheduling thread; single writers are blocked only to copy and trim
+        the sets."""
         with self._merge_lock:
+            view = self._view
             with self._lock:
                 added, removed = set(self._added), set(self._removed)
-            base = self._base
-            if added:
-                base = insert_sorted(base, np.fromiter(added, dtype=np.uint64, count=len(added)))
-            if removed:
-                base = delete_sorted(base, np.fromiter(removed, dtype=np.uint64, count=len(removed)))
+            if not (added or removed or len(view.delta)):
+                return
+            ops = (
+                resolve([(_set_array(added), _set_array(removed))])
+                if added or removed
+                else (EMPTY, _NO_STATE)
+            )
+            base = apply_to(view.base, *overlay(view.delta, view.state, *ops))
             with self._lock:
-                self._base = base
-                # What changed while merging stays in the sets: identities
-                # tell the merged members from the newer ones.
+                self._view = _View(base, EMPTY, _NO_STATE)
+                # What changed while merging stays in the sets: values tell
+                # the merged members from the newer ones (only single
+                # writers ran meanwhile, and each leaves an fp in one set).
                 self._added = self._added - added
                 self._removed = self._removed - removed
 

@@ -7,6 +7,24 @@ every ``publish_s``, it writes a segment with the keys this replica stored
 segments newer than the newest it has seen, less a clock-skew margin, and
 applies the ones it has not. Nothing here runs in vLLM's scheduling loop:
 the loop only reads the in-memory :class:`~s3kv.manifest.keyset.Manifest`.
+
+A bucket holds more than s3kv wrote, and the manifest must survive it.
+Listed objects are skipped, counted once each (``manifest_skipped`` by
+reason) and never fatal:
+
+- *marker*: a folder marker (a key ending in '/');
+- *foreign*: a name that is no segment's or snapshot's (never fetched);
+- *future*: stamped beyond now plus the skew margin; not applied (and so
+  moving neither the listing floor nor this writer's clock) until time
+  catches up with it;
+- *oversize*: larger than ``max_object_bytes``, by the listing's size or
+  by a GET bounded to one byte more;
+- *garbage*: too short, or failing to decode;
+- *denied*: the store refused the GET.
+
+A GET that fails otherwise is tried again at the next refreshes, at most
+``get_attempts`` times in all, then skipped. Only segments that were
+applied move the listing floor.
 """
 
 from __future__ import annotations
@@ -23,15 +41,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from s3kv.errors import AlreadyExists, NotFound
+from s3kv.errors import AlreadyExists, NotFound, PermissionDenied, S3KVError
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import Manifest, as_sorted_unique
 from s3kv.stats import Counters
-from s3kv.stores.base import ByteRange, ObjectStore, PutMode
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode
 
 log = logging.getLogger("s3kv.manifest")
 
 RANGE_BYTES = 8 << 20
+REPUBLISH_MAX = 2
+"""Times a segment is published again after a slow PUT, at most."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +66,20 @@ class SyncSettings:
     """... and no sooner than this after the newest snapshot."""
     snapshots_kept: int = 3
     fetch_concurrency: int = 16
+    max_object_bytes: int = 1 << 30
+    """A segment or snapshot larger than this is refused unread (``manifest_max_bytes``)."""
+    get_attempts: int = 3
+    """GETs of one object that fail otherwise (not denied, missing or
+    corrupt: throttled, reset, timed out) before it is skipped."""
+
+
+SKIP_REASONS = ("marker", "foreign", "garbage", "denied", "future", "oversize")
+"""The ``manifest_skipped`` reasons this module counts (``unsigned`` is the MACs')."""
+_DIRS = {"segment": "seg/", "snapshot": "snap/"}
+
+
+class TooLarge(S3KVError):
+    """A manifest object is larger than ``max_object_bytes``."""
 
 
 def new_writer_id() -> str:
@@ -79,9 +113,16 @@ class ManifestSync:
         self._seq = 0
         self._seen: dict[str, int] = {}
         """Segment names applied (or written) recently, with their stamps."""
-        self._retry: set[str] = set()
-        """Segments listed whose GET failed: fetched by name next time, even
-        once the listing floor has passed them."""
+        self._retry: dict[str, int | None] = {}
+        """Segments listed whose GET failed, with their listed sizes: fetched
+        by name next time, even once the listing floor has passed them."""
+        self._failures: dict[str, int] = {}
+        """GETs failed so far (not counting skips), by name."""
+        self._skipped: dict[str, str] = {}
+        """Names skipped for good, with the reason; forgotten once a listing
+        of their directory no longer shows them."""
+        self._future: set[str] = set()
+        """Names stamped in the future at the last listings (counted once)."""
         self._max_seen_ts = 0
         self._since_snapshot = 0
         self._snapshot_ts = 0
@@ -100,7 +141,67 @@ class ManifestSync:
             self._used.update(fps.tolist())
 
     # -- reading -----------------------------------------------------------------
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    def _skip(self, name: str, reason: str, detail: object = "") -> None:
+        """Skip ``name`` for good, counted once: as ``manifest_skipped`` for
+        the :data:`SKIP_REASONS`, and as ``manifest_errors`` for a read that
+        failed (garbage, denied, gone)."""
+        self._retry.pop(name, None)
+        self._failures.pop(name, None)
+        if name in self._skipped:
+            return
+        self._skipped[name] = reason
+        if reason in SKIP_REASONS:
+            self.counters.add(f"manifest_skipped_{reason}")
+        if reason in ("garbage", "denied", "gone"):
+            self.counters.add("manifest_errors")
+        (log.debug if reason == "marker" else log.warning)(
+            "s3kv: skipping manifest object %s (%s)%s", name, reason, f": {detail}" if detail else ""
+        )
+
+    def _sift(self, listed: list[ObjectMeta], kind: str, now_ms: int) -> list[ObjectMeta]:
+        """The listed objects worth a GET: new, named as a ``kind`` is, not
+        stamped in the future, of a plausible size. The rest are skipped
+        (the future ones only until time catches up with them)."""
+        out: list[ObjectMeta] = []
+        future: set[str] = set()
+        limit = now_ms + int(self.s.skew_s * 1000)
+        for meta in listed:
+            name = meta.key
+            if name in self._seen or name in self._skipped or name in self._retry:
+                continue
+            parsed = mf.parse_name(self.base, name)
+            if name.endswith("/"):
+                self._skip(name, "marker")
+            elif parsed is None or parsed.kind != kind:
+                self._skip(name, "foreign")
+            elif parsed.ts > limit:
+                if name not in self._future:
+                    self.counters.add("manifest_skipped_future")
+                    log.warning("s3kv: manifest object %s is stamped in the future; not applied yet", name)
+                future.add(name)
+            elif meta.size > self.s.max_object_bytes:
+                self._skip(name, "oversize", f"{meta.size} bytes listed")
+            elif meta.size < mf.MIN_BYTES:
+                self._skip(name, "garbage", f"{meta.size} bytes listed")
+            else:
+                out.append(meta)
+        # Forget what this directory's listing no longer shows (below the
+        # floor now, or deleted): memory stays bounded by what the bucket holds.
+        directory = self.base + _DIRS[kind]
+        shown = {m.key for m in listed}
+        self._future = {n for n in self._future if not n.startswith(directory)} | future
+        self._skipped = {n: r for n, r in self._skipped.items() if n in shown or not n.startswith(directory)}
+        return out
+
     async def _get(self, name: str, size: int | None = None) -> mf.ManifestObject:
+        """Read and decode one object, never more than ``max_object_bytes``
+        + 1 bytes of it, whatever it became since it was listed."""
+        bound = self.s.max_object_bytes
+        if size is not None and size > bound:
+            raise TooLarge(f"{name}: {size} bytes, more than {bound}")
         if size is not None and size > 2 * RANGE_BYTES:
             parts = await asyncio.gather(
                 *(
@@ -110,86 +211,112 @@ class ManifestSync:
             )
             data = b"".join(parts)
         else:
-            data = await self.store.get(name)
+            data = await self.store.get(name, ByteRange(0, bound + 1))
+        if len(data) > bound:
+            raise TooLarge(f"{name}: more than {bound} bytes")
         return mf.decode(data, name=name)
 
-    async def _fetch_all(self, names: list[str]) -> list[tuple[str, mf.ManifestObject | None]]:
-        """Fetch segments. A corrupt or vanished one comes back as None (and is
-        skipped for good); one whose GET failed otherwise is left for a retry."""
+    async def _read(self, name: str, size: int | None, kind: str) -> mf.ManifestObject | None:
+        """One object, or None when it is skipped (counted) or left for a retry."""
+        try:
+            obj = await self._get(name, size)
+            if obj.kind != kind:
+                raise mf.CorruptManifest(f"{name}: a {obj.kind}, not a {kind}")
+        except (mf.CorruptManifest, ValueError) as e:  # ValueError: emptied since it was listed (a 416)
+            self._skip(name, "garbage", e)
+        except PermissionDenied as e:
+            self._skip(name, "denied", e)
+        except TooLarge as e:
+            self._skip(name, "oversize", e)
+        except NotFound:  # removed by gc since it was listed
+            self._skip(name, "gone")
+        except Exception as e:
+            self.counters.add("manifest_errors")
+            failures = self._failures[name] = self._failures.get(name, 0) + 1
+            if failures >= self.s.get_attempts:
+                self._skip(name, "failed", f"{failures} GETs failed, the last: {e}")
+            else:
+                log.warning("s3kv: fetching manifest object %s failed (%s); retrying later", name, e)
+                self._retry[name] = size
+        else:
+            self._retry.pop(name, None)
+            self._failures.pop(name, None)
+            return obj
+        return None
+
+    async def _fetch_all(self, items: list[tuple[str, int | None]]) -> list[tuple[str, mf.ManifestObject]]:
+        """Fetch segments: the ones that read, in name order."""
         sem = asyncio.Semaphore(self.s.fetch_concurrency)
 
-        async def one(name: str) -> tuple[str, mf.ManifestObject | None] | None:
+        async def one(name: str, size: int | None) -> tuple[str, mf.ManifestObject] | None:
             async with sem:
-                try:
-                    return name, await self._get(name)
-                except (mf.CorruptManifest, NotFound) as e:
-                    self.counters.add("manifest_errors")
-                    log.warning("s3kv: skipping manifest segment %s: %s", name, e)
-                    return name, None
-                except Exception as e:
-                    self.counters.add("manifest_errors")
-                    log.warning("s3kv: fetching manifest segment %s failed (%s); retrying later", name, e)
-                    self._retry.add(name)
-                    return None
+                obj = await self._read(name, size, "segment")
+            return None if obj is None else (name, obj)
 
-        got = await asyncio.gather(*(one(n) for n in names))
-        return [g for g in got if g is not None]
+        got = await asyncio.gather(*(one(n, s) for n, s in items))
+        return sorted((g for g in got if g is not None), key=lambda g: g[0])
 
-    def _apply(self, fetched: list[tuple[str, mf.ManifestObject | None]]) -> int:
-        """Apply segments in name order (a later removal beats an earlier add)."""
+    async def _apply(self, fetched: list[tuple[str, mf.ManifestObject]]) -> int:
+        """Apply segments in name order (a later removal beats an earlier
+        add), all at once and off the event loop: numpy work on millions
+        of keys."""
+        if not fetched:
+            return 0
+        await asyncio.to_thread(self.manifest.fps.update_many, [(o.added, o.removed) for _, o in fetched])
         keys = 0
-        for name, obj in sorted(fetched, key=lambda f: f[0]):
+        for name, obj in fetched:
             ts = mf.name_ts(name) or 0
             self._seen[name] = ts
-            self._retry.discard(name)
             self._max_seen_ts = max(self._max_seen_ts, ts)
-            if obj is None:
-                continue
-            self.manifest.fps.update(obj.added, obj.removed)
             keys += len(obj.added)
-            self.counters.add("manifest_segments_loaded")
+        self.counters.add("manifest_segments_loaded", len(fetched))
         self._since_snapshot += len(fetched)
         return keys
 
-    async def _load_snapshot(self) -> tuple[int, str | None, set[str]]:
+    async def _load_snapshot(self) -> tuple[int, str | None]:
         """The newest snapshot that reads: (its keys, where the segments after
-        it start, the recent segments it includes). When none reads, the
-        segments are read from the start instead."""
-        snaps = sorted(
-            [m async for m in self.store.list(self.base + "snap/")], key=lambda m: m.key, reverse=True
-        )
-        for meta in snaps:
+        it start). When none reads, the segments are read from the start
+        instead."""
+        now_ms = self._now_ms()
+        limit = now_ms + int(self.s.skew_s * 1000)
+        listed = [m async for m in self.store.list(self.base + "snap/")]
+        for meta in sorted(self._sift(listed, "snapshot", now_ms), key=lambda m: m.key, reverse=True):
             try:
-                snap = await self._get(meta.key, meta.size)
-            except (mf.CorruptManifest, NotFound) as e:
-                self.counters.add("manifest_errors")
-                log.warning("s3kv: manifest snapshot %s unusable (%s); trying an older one", meta.key, e)
+                snap = await self._read(meta.key, meta.size, "snapshot")
+            finally:
+                self._retry.pop(meta.key, None)  # snapshots are retried by loading again
+            if snap is None:
+                if self._failures.get(meta.key):
+                    raise S3KVError(f"reading manifest snapshot {meta.key} failed; loading again later")
+                continue
+            horizon = str(snap.meta.get("horizon", ""))
+            parsed = mf.parse_name(self.base, horizon) if horizon else None
+            if parsed is not None and parsed.ts > limit:
+                # Written by a replica that trusted a stamp in the future:
+                # what it covers cannot be told. An older one, then.
+                self._skip(meta.key, "future", f"its horizon {horizon} is in the future")
                 continue
             self.manifest.fps.replace(snap.added)
             self._snapshot_ts = mf.name_ts(meta.key) or 0
-            recent = {str(n) for n in snap.meta.get("recent", ())}
-            for name in recent:
-                self._seen[name] = mf.name_ts(name) or 0
-            horizon = str(snap.meta.get("horizon", ""))
-            horizon_ts = mf.name_ts(horizon) if horizon else None
-            if horizon_ts is None:
-                return len(snap.added), None, recent
-            self._max_seen_ts = max(self._max_seen_ts, horizon_ts)
-            return len(snap.added), self._segment_floor(), recent
-        return 0, None, set()
+            for name in snap.meta.get("recent", ()):
+                n = mf.parse_name(self.base, str(name))
+                if n is not None and n.kind == "segment" and n.ts <= limit:
+                    self._seen[str(name)] = n.ts
+            if parsed is None or parsed.kind != "segment":
+                return len(snap.added), None
+            self._max_seen_ts = max(self._max_seen_ts, parsed.ts)
+            return len(snap.added), self._segment_floor()
+        return 0, None
 
     async def load(self) -> int:
         """Start-up: the newest snapshot, then every segment after it.
         Returns the fingerprints loaded."""
-        keys, start_after, recent = await self._load_snapshot()
-        names = [
-            m.key
-            async for m in self.store.list(self.base + "seg/", start_after=start_after)
-            if m.key not in recent
-        ]
+        keys, start_after = await self._load_snapshot()
+        listed = [m async for m in self.store.list(self.base + "seg/", start_after=start_after)]
+        todo = [(m.key, m.size) for m in self._sift(listed, "segment", self._now_ms())]
         self._since_snapshot = 0
-        keys += self._apply(await self._fetch_all(names))
-        self.manifest.fps.merge()
+        keys += await self._apply(await self._fetch_all(todo))
+        await asyncio.to_thread(self.manifest.fps.merge)
         self.loaded = True
         self.refreshed_at = time.time()
         return keys
@@ -200,13 +327,10 @@ class ManifestSync:
     async def refresh(self) -> int:
         """New segments of other replicas since the last look."""
         start_after = self._segment_floor() if self._max_seen_ts else None
-        listed = {
-            m.key
-            async for m in self.store.list(self.base + "seg/", start_after=start_after)
-            if m.key not in self._seen
-        }
-        names = sorted(listed | self._retry)
-        keys = self._apply(await self._fetch_all(names)) if names else 0
+        listed = [m async for m in self.store.list(self.base + "seg/", start_after=start_after)]
+        todo = dict(self._retry)
+        todo.update((m.key, m.size) for m in self._sift(listed, "segment", self._now_ms()))
+        keys = await self._apply(await self._fetch_all(sorted(todo.items()))) if todo else 0
         if not self._retry:
             self.refreshed_at = time.time()
         floor = self._max_seen_ts - 2 * int(self.s.skew_s * 1000)
@@ -246,7 +370,7 @@ class ManifestSync:
 
     async def _put_segment(self, fps: np.ndarray) -> None:
         body = mf.encode(mf.ManifestObject("segment", fps))
-        while True:
+        for _ in range(1 + REPUBLISH_MAX):
             ts = self._next_ts()
             self._seq += 1
             name = mf.segment_name(self.base, ts, self.writer, self._seq)
@@ -256,20 +380,24 @@ class ManifestSync:
             self._since_snapshot += 1
             self.counters.add("manifest_segments_published")
             # A PUT slower than half the margin may land behind other readers'
-            # floors: publish the same keys again under a fresh stamp.
+            # floors: publish the same keys again under a fresh stamp (a
+            # couple of times at most: S3 that slow delays every replica).
             if self._clock() * 1000 - ts <= self.s.skew_s * 500:
                 return
+        log.warning(
+            "s3kv: manifest segment PUTs keep taking over %.0f s; not publishing it again", self.s.skew_s / 2
+        )
 
     async def _publish_access(self, used: set[int]) -> None:
-        now_ms = int(self._clock() * 1000)
-        hour = time.strftime("%Y%m%d%H", time.gmtime(now_ms / 1000))
+        ts = self._next_ts()  # the segments' clock: a late clock cannot age a use
+        hour = time.strftime("%Y%m%d%H", time.gmtime(ts / 1000))
         if hour != self._used_hour:
             self._used_hour, self._used_published = hour, set()
         new = used - self._used_published
         if not new:
             return
         self._seq += 1
-        name = mf.access_name(self.base, now_ms, self.writer, self._seq)
+        name = mf.access_name(self.base, ts, self.writer, self._seq)
         body = mf.encode(mf.ManifestObject("access", as_sorted_unique(new)))
         await self.store.put(name, body, mode=PutMode.CREATE)
         self._used_published |= new
@@ -303,7 +431,15 @@ class ManifestSync:
         self._since_snapshot, self._snapshot_ts = 0, ts
         self.counters.add("manifest_snapshots_written")
         log.info("s3kv: manifest snapshot %s (%d keys)", name, count)
-        old = sorted([m.key async for m in self.store.list(self.base + "snap/")])[: -self.s.snapshots_kept]
+        # Only snapshots by name, none stamped in the future: junk is neither
+        # counted among the newest nor deleted.
+        limit = self._now_ms() + int(self.s.skew_s * 1000)
+        ours = []
+        async for m in self.store.list(self.base + "snap/"):
+            n = mf.parse_name(self.base, m.key)
+            if n is not None and n.kind == "snapshot" and n.ts <= limit:
+                ours.append(m.key)
+        old = sorted(ours)[: -self.s.snapshots_kept]
         if old:
             await self.store.delete_many(old)
         return True

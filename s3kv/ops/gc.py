@@ -228,17 +228,35 @@ Progress = Callable[[int], None]
 class Stamps:
     """Manifest names for one namespace: a stamp after everything listed
     (a hybrid logical clock, like the replicas'), so that a slow gc clock
-    cannot hide its tombstones below the replicas' listing floors."""
+    cannot hide its tombstones below the replicas' listing floors.
 
-    def __init__(self, info: NamespaceInfo, writer: str) -> None:
+    Names stamped beyond now + ``skew_s`` are not counted: replicas do not
+    apply them while they are in the future, and a junk name must not carry
+    gc's stamps (and tombstones) there with it."""
+
+    def __init__(
+        self,
+        info: NamespaceInfo,
+        writer: str,
+        *,
+        skew_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.max_ts = 0
         self.max_listed = 0
         self.writer = writer
         self.seq = 0
+        self.skew_s = skew_s
+        self._clock = clock
         self.seen(o.key for o in (*info.segments, *info.snapshots))
+
+    def in_future(self, name: str) -> bool:
+        return (mf.name_ts(name) or 0) > self._clock() * 1000 + self.skew_s * 1000
 
     def seen(self, names: Iterable[str]) -> None:
         for name in names:
+            if self.in_future(name):
+                continue
             ts = mf.name_ts(name) or 0
             self.max_ts = max(self.max_ts, ts)
             self.max_listed = max(self.max_listed, ts)
@@ -291,7 +309,7 @@ async def execute(
 ) -> Result:
     writer = writer or "gc" + new_writer_id()
     result = Result()
-    stamps = {ns: Stamps(inv.namespaces[ns], writer) for ns in p.scope}
+    stamps = {ns: Stamps(inv.namespaces[ns], writer, skew_s=p.policy.skew_s, clock=clock) for ns in p.scope}
     by_ns: dict[str, list[Deletion]] = {}
     for d in p.deletions:
         by_ns.setdefault(d.ns, []).append(d)
@@ -367,6 +385,11 @@ async def publish_tombstones(
     return name
 
 
+def _is_segment(info: NamespaceInfo, key: str) -> bool:
+    name = mf.parse_name(info.manifest_base, key)
+    return name is not None and name.kind == "segment"
+
+
 async def read_head(store: ObjectStore, key: str) -> tuple[str, int, int, dict[str, Any]]:
     """A manifest object's kind, counts and header, with one or two ranged GETs."""
     return mf.decode_head(await read_head_bytes(store, key, mf.head_length), name=key)
@@ -385,8 +408,15 @@ async def compact(
 ) -> None:
     now_ms = int(clock() * 1000)
     skew_ms = int(p.policy.skew_s * 1000)
+    # Segments by name, none stamped in the future: the newest becomes the
+    # new snapshot's horizon, and replicas refuse a horizon in the future
+    # (and read every segment after one that names no segment).
     segments = sorted(
-        [m async for m in store.list(info.manifest_base + "seg/") if mf.name_ts(m.key) is not None],
+        [
+            m
+            async for m in store.list(info.manifest_base + "seg/")
+            if _is_segment(info, m.key) and not stamps.in_future(m.key)
+        ],
         key=lambda m: m.key,
     )
     stamps.seen(m.key for m in segments)

@@ -1,0 +1,94 @@
+"""What a shared bucket's manifest prefix may hold besides s3kv's own
+objects: one or more of each kind of junk, with the reason a replica must
+give for skipping it (the ``manifest_skipped`` label) and the keys it
+names, which no replica may take from it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from s3kv.manifest import format as mf
+from s3kv.manifest.keyset import fingerprints
+
+FUTURE_MS = 10 * 365 * 86_400_000
+"""Ten years ahead: far beyond any clock-skew margin."""
+MAX_BYTES = 64 << 10
+"""The ``max_object_bytes`` the tests run with."""
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big") * 2
+
+
+@dataclass(frozen=True)
+class Junk:
+    name: str
+    body: bytes
+    reason: str
+    keys: tuple[bytes, ...] = ()
+
+
+def segment(*keys: bytes, removed: tuple[bytes, ...] = ()) -> bytes:
+    return mf.encode(mf.ManifestObject("segment", fingerprints(list(keys)), fingerprints(list(removed))))
+
+
+def snapshot(*keys: bytes, horizon: str = "") -> bytes:
+    meta = {"horizon": horizon, "recent": [], "writer": "junk"} if horizon else {}
+    return mf.encode(mf.ManifestObject("snapshot", fingerprints(list(keys)), meta=meta))
+
+
+def junk(base: str, now_ms: int, *, markers: bool = True) -> list[Junk]:
+    """Junk stamped around ``now_ms`` (newer than the real snapshot a test
+    wrote before, so that a loading replica meets it first)."""
+    future_seg = mf.segment_name(base, now_ms + FUTURE_MS, "futr", 1)
+    big = [key(5000 + i) for i in range(MAX_BYTES // 8 + 10)]
+    out = [
+        Junk(base + "seg/README.txt", b"what this folder is for", "foreign"),
+        Junk(base + "seg/" + mf.stamp(now_ms - 950) + "-w0", segment(key(1001)), "foreign", (key(1001),)),
+        Junk(
+            mf.segment_name(base, now_ms - 940, "w0", 1) + ".partial",
+            segment(key(1002)),
+            "foreign",
+            (key(1002),),
+        ),
+        Junk(base + "snap/backup", snapshot(key(1003)), "foreign", (key(1003),)),
+        Junk(mf.segment_name(base, now_ms - 900, "junk", 1), b"", "garbage"),
+        Junk(mf.segment_name(base, now_ms - 800, "junk", 2), bytes(range(200)), "garbage"),
+        Junk(
+            mf.segment_name(base, now_ms - 700, "junk", 3),
+            mf.encode(mf.ManifestObject("access", fingerprints([key(1004)]))),
+            "garbage",
+            (key(1004),),
+        ),
+        Junk(mf.snapshot_name(base, now_ms - 600, "junk"), b"", "garbage"),
+        Junk(mf.snapshot_name(base, now_ms - 550, "junkb"), b"S3KM" + bytes(96), "garbage"),
+        Junk(mf.segment_name(base, now_ms - 500, "deny", 1), segment(key(1005)), "denied", (key(1005),)),
+        Junk(mf.snapshot_name(base, now_ms - 450, "deny"), snapshot(key(1006)), "denied", (key(1006),)),
+        Junk(future_seg, segment(key(1007)), "future", (key(1007),)),
+        Junk(
+            mf.snapshot_name(base, now_ms + FUTURE_MS, "futr"),
+            snapshot(key(1008), horizon=future_seg),
+            "future",
+            (key(1008),),
+        ),
+        # A current name, but what it covers reaches into the future.
+        Junk(
+            mf.snapshot_name(base, now_ms - 350, "horz"),
+            snapshot(key(1009), horizon=future_seg),
+            "future",
+            (key(1009),),
+        ),
+        Junk(mf.segment_name(base, now_ms - 400, "big", 1), segment(*big), "oversize", tuple(big[:3])),
+    ]
+    if markers:
+        out += [Junk(base + "seg/", b"", "marker"), Junk(base + "snap/", b"", "marker")]
+    return out
+
+
+def reasons(objects: list[Junk]) -> Counter[str]:
+    return Counter(j.reason for j in objects)
+
+
+def named_keys(objects: list[Junk], reason: str | None = None) -> list[bytes]:
+    return [k for j in objects if reason in (None, j.reason) for k in j.keys]

@@ -1,0 +1,83 @@
+"""A store wrapper for tests of what real buckets hold: it composes over any
+store (memory, S3) as arrow-rs's wrappers do, and
+
+- raises :class:`~s3kv.errors.PermissionDenied` for the GETs of chosen keys
+  (an object another tenant wrote, a KMS key this role may not use);
+- raises :class:`~s3kv.errors.Transient` for the GETs of others (throttled
+  for good);
+- lists folder markers (zero-byte keys ending in '/') that a store which
+  refuses such keys cannot hold, as S3 lists them;
+- lists chosen objects with another size than they have (changed since);
+- records every GET, with its range and how many bytes came back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from s3kv.errors import PermissionDenied, Transient
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, Update
+
+
+@dataclass
+class Get:
+    key: str
+    range: ByteRange | None
+    returned: int
+    """Bytes that came back (0 when it raised)."""
+
+
+@dataclass
+class WrappedStore(ObjectStore):
+    inner: ObjectStore
+    denied: set[str] = field(default_factory=set)
+    failing: set[str] = field(default_factory=set)
+    markers: set[str] = field(default_factory=set)
+    listed_sizes: dict[str, int] = field(default_factory=dict)
+    gets: list[Get] = field(default_factory=list)
+
+    def gets_of(self, key: str) -> list[Get]:
+        return [g for g in self.gets if g.key == key]
+
+    async def put(
+        self, key: str, data: bytes | memoryview, *, mode: PutMode | Update = PutMode.OVERWRITE
+    ) -> str | None:
+        return await self.inner.put(key, data, mode=mode)
+
+    async def get(self, key: str, range: ByteRange | None = None) -> bytes:
+        if key in self.denied:
+            self.gets.append(Get(key, range, 0))
+            raise PermissionDenied(f"{key}: AccessDenied")
+        if key in self.failing:
+            self.gets.append(Get(key, range, 0))
+            raise Transient(f"{key}: SlowDown (HTTP 503)")
+        data = await self.inner.get(key, range)
+        self.gets.append(Get(key, range, len(data)))
+        return data
+
+    async def head(self, key: str) -> ObjectMeta:
+        return await self.inner.head(key)
+
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
+        extra = [
+            ObjectMeta(m, 0, 0.0)
+            for m in sorted(self.markers)
+            if m.startswith(prefix) and (start_after is None or m > start_after)
+        ]
+        extra_keys = [m.key for m in extra]
+        async for meta in self.inner.list(prefix, start_after=start_after):
+            while extra and extra[0].key < meta.key:
+                yield extra.pop(0)
+            if meta.key in self.listed_sizes:
+                meta = ObjectMeta(meta.key, self.listed_sizes[meta.key], meta.last_modified, meta.etag)
+            if meta.key not in extra_keys:
+                yield meta
+        for meta in extra:
+            yield meta
+
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        await self.inner.delete_many(keys)
+
+    async def close(self) -> None:
+        await self.inner.close()
