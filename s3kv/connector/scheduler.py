@@ -28,7 +28,7 @@ from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, Transient
 from s3kv.identity import DigestCache, content_digest, resolve_identity
-from s3kv.keys import Namespace, namespace_prefix
+from s3kv.keys import Namespace, namespace_prefix, object_key
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest.format import manifest_prefix
 from s3kv.stats import Counters
@@ -209,6 +209,7 @@ class SchedulerSide:
                     max_object_bytes=config.manifest_max_bytes,
                 ),
                 counters=self.counters,
+                keys=self.keys,
             )
             self._loop.submit(self._describe_namespace(namespace))
         planner = Planner(
@@ -386,6 +387,13 @@ class SchedulerSide:
         if p is None:  # nothing was planned yet, so nothing to hear of
             return
         if isinstance(meta, S3KVWorkerMetadata):
+            if meta.existing:
+                p.on_existing(meta.existing)
+            for (key, rank), etag in meta.bad.items():  # corrupt objects left in S3: tell the fleet
+                if self.index is not None:
+                    self.index.quarantine(
+                        key, object_key(self.config.prefix, p.namespace.id, key, rank), etag
+                    )
             for tier in Tier:
                 written = {k: n for (t, k), n in meta.written.items() if t is tier}
                 if written:

@@ -17,8 +17,17 @@ A writer stamps ``max(its clock, newest ts it has seen + 1)``; readers list
 from a margin before the newest name they have seen, so replicas whose
 clocks disagree by less than the margin never miss each other's segments.
 
-Each object: a 32-byte prefix (magic ``S3KM``, version, kind, counts, xxh3 of
-the rest), a JSON header, then little-endian uint64 arrays, sorted.
+Each object: a 32-byte prefix (magic ``S3KM``, version, kind, flags, counts,
+xxh3 of the rest), a JSON header, then little-endian uint64 arrays, sorted;
+signed (flag 1, with the fleet secret), a 24-byte trailer: the key id and a
+keyed-BLAKE3 MAC of everything before it. Format version 2; version 1
+objects (never signed) are still read without a secret, and a reader older
+than version 2 refuses these by their version.
+
+A segment may name *bad* chunk objects (``meta["bad"]``: object names and
+the ETags read), corrupt ones a replica could not delete: its removals drop
+them from every replica's manifest, replicas then never publish them from a
+412, and ``s3kv gc`` deletes them.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import re
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
@@ -36,10 +45,16 @@ import xxhash
 from s3kv.errors import S3KVError
 from s3kv.manifest.keyset import EMPTY, as_sorted_unique
 
+if TYPE_CHECKING:
+    from s3kv.auth import FleetKeys
+
 MAGIC = b"S3KM"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)
+FLAG_SIGNED = 1
 PREFIX = struct.Struct("<4sHBBIQQ")  # magic, version, kind, flags, header len, n_add, n_del
 CHECKSUM = struct.Struct("<Q")
+TRAILER = struct.Struct("<8s16s")  # key id, MAC
 KINDS = {"segment": 1, "snapshot": 2, "access": 3}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 TS_DIGITS = 13
@@ -51,6 +66,10 @@ class CorruptManifest(S3KVError):
     """A manifest object failed validation."""
 
 
+class UnsignedManifest(CorruptManifest):
+    """With the fleet secret set: a manifest object without a valid MAC."""
+
+
 @dataclass
 class ManifestObject:
     kind: str
@@ -60,32 +79,64 @@ class ManifestObject:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def encode(obj: ManifestObject) -> bytes:
+def encode(obj: ManifestObject, keys: FleetKeys | None = None) -> bytes:
+    """The object's bytes; with ``keys``, signed with the fleet's signing key."""
     added = as_sorted_unique(obj.added).astype("<u8").tobytes()
     removed = as_sorted_unique(obj.removed).astype("<u8").tobytes()
     header = json.dumps(obj.meta, separators=(",", ":"), sort_keys=True).encode()
     body = header + added + removed
-    prefix = PREFIX.pack(MAGIC, VERSION, KINDS[obj.kind], 0, len(header), len(added) // 8, len(removed) // 8)
-    return prefix + CHECKSUM.pack(xxhash.xxh3_64_intdigest(prefix + body)) + body
+    flags = FLAG_SIGNED if keys is not None else 0
+    prefix = PREFIX.pack(
+        MAGIC, VERSION, KINDS[obj.kind], flags, len(header), len(added) // 8, len(removed) // 8
+    )
+    data = prefix + CHECKSUM.pack(xxhash.xxh3_64_intdigest(prefix + body)) + body
+    if keys is not None:
+        data += TRAILER.pack(keys.signing_kid, keys.sign("manifest", data))
+    return data
 
 
-def decode(data: bytes, *, name: str = "manifest object") -> ManifestObject:
-    head = PREFIX.size + CHECKSUM.size
-    if len(data) < head:
+def _check_prefix(data: bytes, name: str) -> tuple[int, int, int, int, int, int]:
+    """(version, kind, flags, header length, n_add, n_del) of a sound prefix."""
+    if len(data) < PREFIX.size:
         raise CorruptManifest(f"{name}: {len(data)} bytes, shorter than its prefix")
     magic, version, kind, flags, hlen, n_add, n_del = PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise CorruptManifest(f"{name}: bad magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise CorruptManifest(f"{name}: manifest format version {version}; this s3kv reads {VERSION}")
-    if kind not in _KIND_NAMES or flags:
-        raise CorruptManifest(f"{name}: unknown kind {kind} or flags {flags}")
-    if len(data) != head + hlen + 8 * (n_add + n_del):
+    if version not in READ_VERSIONS:
         raise CorruptManifest(
-            f"{name}: {len(data)} bytes, its prefix says {head + hlen + 8 * (n_add + n_del)}"
+            f"{name}: manifest format version {version}; this s3kv reads {', '.join(map(str, READ_VERSIONS))}"
         )
+    if kind not in _KIND_NAMES or flags & ~FLAG_SIGNED or (flags and version < 2):
+        raise CorruptManifest(f"{name}: unknown kind {kind} or flags {flags}")
+    return version, kind, flags, hlen, n_add, n_del
+
+
+def decode(data: bytes, *, name: str = "manifest object", keys: FleetKeys | None = None) -> ManifestObject:
+    """Check and decode a whole object. With ``keys``, only one signed with a
+    fleet key passes (UnsignedManifest otherwise), its MAC checked first."""
+    head = PREFIX.size + CHECKSUM.size
+    if len(data) < head:
+        raise CorruptManifest(f"{name}: {len(data)} bytes, shorter than its prefix")
+    _version, kind, flags, hlen, n_add, n_del = _check_prefix(data, name)
+    trailer = TRAILER.size if flags & FLAG_SIGNED else 0
+    if keys is not None:
+        if not trailer:
+            raise UnsignedManifest(
+                f"{name}: unsigned (the fleet secret is set: only signed objects are read)"
+            )
+        if len(data) < head + trailer:
+            raise CorruptManifest(f"{name}: {len(data)} bytes, shorter than a signed object")
+        kid, tag = TRAILER.unpack_from(data, len(data) - trailer)
+        if not keys.knows(kid):
+            raise UnsignedManifest(f"{name}: signed with key id {kid.hex()}, not one of the fleet's keys")
+        if not keys.verify("manifest", kid, tag, memoryview(data)[: len(data) - trailer]):
+            raise UnsignedManifest(f"{name}: MAC mismatch (not written with the fleet's secret)")
+    expect = head + hlen + 8 * (n_add + n_del) + trailer
+    if len(data) != expect:
+        raise CorruptManifest(f"{name}: {len(data)} bytes, its prefix says {expect}")
+    end = len(data) - trailer
     (checksum,) = CHECKSUM.unpack_from(data, PREFIX.size)
-    if xxhash.xxh3_64_intdigest(data[: PREFIX.size] + data[head:]) != checksum:
+    if xxhash.xxh3_64_intdigest(data[: PREFIX.size] + data[head:end]) != checksum:
         raise CorruptManifest(f"{name}: checksum mismatch")
     try:
         meta = json.loads(data[head : head + hlen])
@@ -116,9 +167,7 @@ def decode_head(data: bytes, *, name: str = "manifest object") -> tuple[str, int
     :func:`head_length` bytes, without reading (or checking) the arrays."""
     if len(data) < head_length(data):
         raise CorruptManifest(f"{name}: truncated inside its header")
-    magic, version, kind, flags, hlen, n_add, n_del = PREFIX.unpack_from(data)
-    if version != VERSION or kind not in _KIND_NAMES or flags:
-        raise CorruptManifest(f"{name}: version {version}, kind {kind}, flags {flags} unknown")
+    _version, kind, _flags, hlen, n_add, n_del = _check_prefix(data, name)
     head = PREFIX.size + CHECKSUM.size
     try:
         meta = json.loads(data[head : head + hlen])

@@ -399,6 +399,11 @@ class Manifest:
         self.fps = FingerprintSet(merge_at)
         self.journal: Journal | None = None
         """Told of this replica's own additions and uses, to publish them."""
+        self.bad: set[int] = set()
+        """Fingerprints of chunks some replica found corrupt in S3 and could
+        not delete: a store that finds such an object there (a 412) must not
+        publish it (``s3kv gc`` deletes them; a new object is published as
+        usual)."""
 
     def __contains__(self, key: bytes) -> bool:
         return fingerprint(key) in self.fps
@@ -432,6 +437,18 @@ class Manifest:
         """Forget ``key`` here only (its object turned out missing or corrupt)."""
         self.fps.discard(fingerprint(key))
 
+    def is_bad(self, key: bytes) -> bool:
+        return fingerprint(key) in self.bad
+
+    def quarantine(self, key: bytes, name: str, etag: str | None) -> None:
+        """This replica found ``key``'s object ``name`` corrupt and could not
+        delete it: forget it, and tell the fleet (a bad record)."""
+        fp = fingerprint(key)
+        self.bad.add(fp)
+        self.fps.discard(fp)
+        if self.journal is not None:
+            self.journal.bad(fp, name, etag)
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """These chunks were used: recorded for gc's least-recently-used policy."""
         if self.journal is not None and keys:
@@ -442,3 +459,5 @@ class Journal(Protocol):
     def stored(self, fp: int) -> None: ...
 
     def used(self, fps: np.ndarray) -> None: ...
+
+    def bad(self, fp: int, name: str, etag: str | None) -> None: ...

@@ -20,7 +20,9 @@ reason) and never fatal:
 - *oversize*: larger than ``max_object_bytes``, by the listing's size or
   by a GET bounded to one byte more;
 - *garbage*: too short, or failing to decode;
-- *denied*: the store refused the GET.
+- *denied*: the store refused the GET;
+- *unsigned*: with the fleet secret set, no valid MAC (a forgery, or a
+  replica without the secret).
 
 A GET that fails otherwise is tried again at the next refreshes, at most
 ``get_attempts`` times in all, then skipped. Only segments that were
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from s3kv.auth import FleetKeys
 from s3kv.errors import AlreadyExists, NotFound, PermissionDenied, S3KVError
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import Manifest, as_sorted_unique
@@ -73,8 +76,8 @@ class SyncSettings:
     corrupt: throttled, reset, timed out) before it is skipped."""
 
 
-SKIP_REASONS = ("marker", "foreign", "garbage", "denied", "future", "oversize")
-"""The ``manifest_skipped`` reasons this module counts (``unsigned`` is the MACs')."""
+SKIP_REASONS = ("marker", "foreign", "garbage", "denied", "future", "oversize", "unsigned")
+"""The ``manifest_skipped`` reasons this module counts."""
 _DIRS = {"segment": "seg/", "snapshot": "snap/"}
 
 
@@ -97,8 +100,11 @@ class ManifestSync:
         counters: Counters | None = None,
         writer: str | None = None,
         clock: Callable[[], float] = time.time,
+        keys: FleetKeys | None = None,
     ) -> None:
         self.store = store
+        self.keys = keys
+        """The fleet secret: what is written is signed, only what is signed is read."""
         self.base = base
         self.manifest = manifest
         self.s = settings or SyncSettings()
@@ -107,6 +113,8 @@ class ManifestSync:
         self._clock = clock
         self._lock = threading.Lock()
         self._to_publish: list[int] = []
+        self._bad: list[tuple[int, str, str | None]] = []
+        """Bad chunk objects to report: (fingerprint, object name, ETag)."""
         self._used: set[int] = set()
         self._used_published: set[int] = set()
         self._used_hour = ""
@@ -140,6 +148,10 @@ class ManifestSync:
         with self._lock:
             self._used.update(fps.tolist())
 
+    def bad(self, fp: int, name: str, etag: str | None) -> None:
+        with self._lock:
+            self._bad.append((fp, name, etag))
+
     # -- reading -----------------------------------------------------------------
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
@@ -155,7 +167,7 @@ class ManifestSync:
         self._skipped[name] = reason
         if reason in SKIP_REASONS:
             self.counters.add(f"manifest_skipped_{reason}")
-        if reason in ("garbage", "denied", "gone"):
+        if reason in ("garbage", "denied", "gone", "unsigned"):
             self.counters.add("manifest_errors")
         (log.debug if reason == "marker" else log.warning)(
             "s3kv: skipping manifest object %s (%s)%s", name, reason, f": {detail}" if detail else ""
@@ -214,7 +226,7 @@ class ManifestSync:
             data = await self.store.get(name, ByteRange(0, bound + 1))
         if len(data) > bound:
             raise TooLarge(f"{name}: more than {bound} bytes")
-        return mf.decode(data, name=name)
+        return mf.decode(data, name=name, keys=self.keys)
 
     async def _read(self, name: str, size: int | None, kind: str) -> mf.ManifestObject | None:
         """One object, or None when it is skipped (counted) or left for a retry."""
@@ -222,6 +234,8 @@ class ManifestSync:
             obj = await self._get(name, size)
             if obj.kind != kind:
                 raise mf.CorruptManifest(f"{name}: a {obj.kind}, not a {kind}")
+        except mf.UnsignedManifest as e:
+            self._skip(name, "unsigned", e)
         except (mf.CorruptManifest, ValueError) as e:  # ValueError: emptied since it was listed (a 416)
             self._skip(name, "garbage", e)
         except PermissionDenied as e:
@@ -265,6 +279,9 @@ class ManifestSync:
         await asyncio.to_thread(self.manifest.fps.update_many, [(o.added, o.removed) for _, o in fetched])
         keys = 0
         for name, obj in fetched:
+            bad = obj.meta.get("bad")
+            if bad and isinstance(bad, list) and len(obj.removed) <= len(bad):
+                self.manifest.bad.update(obj.removed.tolist())  # never republished from a 412
             ts = mf.name_ts(name) or 0
             self._seen[name] = ts
             self._max_seen_ts = max(self._max_seen_ts, ts)
@@ -347,16 +364,31 @@ class ManifestSync:
         return ts
 
     async def publish(self) -> None:
-        """Write what this replica stored and used since the last call. On any
-        failure (or cancellation) the fingerprints go back for the next call."""
+        """Write what this replica stored and used since the last call, and
+        the bad objects it found. On any failure (or cancellation) they go
+        back for the next call."""
         with self._lock:
             fps, self._to_publish = self._to_publish, []
+            bad, self._bad = self._bad, []
         if fps:
             try:
-                await self._put_segment(as_sorted_unique(fps))
+                await self._put_segment(mf.ManifestObject("segment", as_sorted_unique(fps)))
             except BaseException:
                 with self._lock:
                     self._to_publish[:0] = fps
+                    self._bad[:0] = bad
+                raise
+        if bad:
+            record = mf.ManifestObject(
+                "segment",
+                removed=as_sorted_unique([fp for fp, _, _ in bad]),
+                meta={"bad": [[name, etag] for _, name, etag in bad], "writer": self.writer},
+            )
+            try:
+                await self._put_segment(record)
+            except BaseException:
+                with self._lock:
+                    self._bad[:0] = bad
                 raise
         with self._lock:
             used, self._used = self._used, set()
@@ -368,8 +400,8 @@ class ManifestSync:
                     self._used |= used
                 raise
 
-    async def _put_segment(self, fps: np.ndarray) -> None:
-        body = mf.encode(mf.ManifestObject("segment", fps))
+    async def _put_segment(self, segment: mf.ManifestObject) -> None:
+        body = mf.encode(segment, self.keys)
         for _ in range(1 + REPUBLISH_MAX):
             ts = self._next_ts()
             self._seq += 1
@@ -398,7 +430,7 @@ class ManifestSync:
             return
         self._seq += 1
         name = mf.access_name(self.base, ts, self.writer, self._seq)
-        body = mf.encode(mf.ManifestObject("access", as_sorted_unique(new)))
+        body = mf.encode(mf.ManifestObject("access", as_sorted_unique(new)), self.keys)
         await self.store.put(name, body, mode=PutMode.CREATE)
         self._used_published |= new
 
@@ -422,7 +454,7 @@ class ManifestSync:
 
         def build() -> tuple[int, bytes]:
             fps = self.manifest.fps.array()
-            return len(fps), mf.encode(mf.ManifestObject("snapshot", fps, meta=meta))
+            return len(fps), mf.encode(mf.ManifestObject("snapshot", fps, meta=meta), self.keys)
 
         count, body = await asyncio.to_thread(build)  # off the loop: it holds millions of keys
         ts = self._next_ts()

@@ -206,6 +206,8 @@ class Planner:
         self._outcomes: dict[tuple[Tier, bytes], tuple[int, int]] = {}
         """(ranks that wrote, ranks that failed) of each pending write."""
         self._disk_sizes: dict[bytes, int] = {}
+        self._existing: set[bytes] = set()
+        """S3 stores that found the object there already (a 412), until decided."""
         self._deleting: set[Hashable] = set()
         self._disk_evictions: list[Hashable] = []
         self.breakers = {
@@ -623,6 +625,10 @@ class Planner:
                 self._disk_sizes[key] = self._disk_sizes.get(key, 0) + sizes.get(key, 0)
             self._decide(tier, key, self._outcome(tier, key, n, 0))
 
+    def on_existing(self, keys: Iterable[bytes]) -> None:
+        """Ranks' S3 stores of these keys found the object already there."""
+        self._existing.update(keys)
+
     def on_write_failed(self, tier: Tier, counts: dict[bytes, int]) -> None:
         """``counts[key]`` more ranks dropped or failed their write of ``key``."""
         for key, n in counts.items():
@@ -638,7 +644,11 @@ class Planner:
             self._event(True, tier, key)
         if tier is Tier.S3:
             self._storing.pop(key, None)
-            if ok and self.s3 is not None:
+            existing = key in self._existing
+            self._existing.discard(key)
+            # An object some replica reported bad is never published from a
+            # 412 (it may be that very object); one this replica wrote is.
+            if ok and self.s3 is not None and not (existing and self.s3.is_bad(key)):
                 self.s3.add(key)
         elif tier is Tier.CPU and self.cpu is not None:
             if ok:
