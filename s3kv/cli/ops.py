@@ -70,6 +70,7 @@ async def _scan(
             concurrency=s.concurrency,
             progress=b.advance,
             read_access=read_access,
+            keys=s.keys,
         )
 
 
@@ -366,7 +367,7 @@ def verify_cmd(
         if delete_corrupt and rep.corrupt:
             async with held(store, s.config.prefix, wait_s=wait) as lease:
                 rep.deleted = await delete_corrupt_objects(
-                    store, inv, rep, lease=lease, skew_s=s.config.manifest_clock_skew_s
+                    store, inv, rep, lease=lease, skew_s=s.config.manifest_clock_skew_s, keys=s.keys
                 )
         return rep
 
@@ -505,9 +506,10 @@ def gc_cmd(
             f"yet; use at least {floor:g}s (twice manifest_clock_skew_s)"
         )
 
-    async def body(store: ObjectStore) -> tuple[gcmod.Plan, gcmod.Result | None]:
-        async def once(lease: Any) -> tuple[gcmod.Plan, gcmod.Result | None]:
+    async def body(store: ObjectStore) -> tuple[gcmod.Plan, gcmod.Result | None, list[gcmod.BadObject]]:
+        async def once(lease: Any) -> tuple[gcmod.Plan, gcmod.Result | None, list[gcmod.BadObject]]:
             inv = await _scan(store, s, namespaces)
+            bad = await gcmod.find_bad(store, inv, keys=s.keys, concurrency=min(s.concurrency, 16))
             kept = tuple(inv.resolve(keep))
             policy = gcmod.Policy(
                 max_age_s=max_age,
@@ -524,24 +526,33 @@ def gc_cmd(
             uploads = await store.list_uploads(f"{s.config.prefix}/" if s.config.prefix else "")
             p = gcmod.plan(inv, policy, time.time(), uploads)
             if dry_run:
-                return p, None
+                return p, None, bad
             with out.bar(s.progress, "deleting", total=len(p.objects)) as b:
                 res = await gcmod.execute(
-                    store, inv, p, lease=lease, concurrency=min(s.concurrency, 16), progress=b.advance
+                    store,
+                    inv,
+                    p,
+                    lease=lease,
+                    concurrency=min(s.concurrency, 16),
+                    progress=b.advance,
+                    keys=s.keys,
+                    bad=bad,
                 )
-            return p, res
+            return p, res, bad
 
         if dry_run:
             return await once(None)
         async with held(store, s.config.prefix, wait_s=wait) as lease:
             return await once(lease)
 
-    p, res = run(s, body)
-    _print_gc(s, p, res, price_per_gib_month)
+    p, res, bad = run(s, body)
+    _print_gc(s, p, res, bad, price_per_gib_month)
     return EXIT_PARTIAL if res is not None and res.failed else EXIT_OK
 
 
-def _print_gc(s: Settings, p: gcmod.Plan, res: gcmod.Result | None, price: float) -> None:
+def _print_gc(
+    s: Settings, p: gcmod.Plan, res: gcmod.Result | None, bad: list[gcmod.BadObject], price: float
+) -> None:
     deleted = p.by_namespace() if res is None else res.deleted
     freed = sum(r["bytes"] for r in deleted.values())
     objects = [o.key for o in p.objects]
@@ -558,6 +569,7 @@ def _print_gc(s: Settings, p: gcmod.Plan, res: gcmod.Result | None, price: float
         "retired_namespaces": p.retired,
         "namespace_objects": [o.key for o in p.namespace_objects] if p.retired else [],
         "uploads_to_abort": [u.key for u in p.uploads],
+        "bad_objects": [{"object": b.name, "reason": b.reason} for b in bad],
         **({"result": res.as_dict()} if res is not None else {}),
     }
     if s.as_json:
@@ -597,6 +609,9 @@ def _print_gc(s: Settings, p: gcmod.Plan, res: gcmod.Result | None, price: float
         con.print(
             f"{'would abort' if res is None else 'aborted'} {len(p.uploads)} incomplete multipart upload(s)"
         )
+    if bad:
+        n = len(bad) if res is None else res.bad_deleted
+        con.print(f"{'would delete' if res is None else 'deleted'} {n} object(s) replicas reported bad")
     if res is not None:
         con.print(
             f"manifest: {res.tombstones} tombstone segment(s), {res.snapshots_written} snapshot(s) written, "
@@ -605,10 +620,11 @@ def _print_gc(s: Settings, p: gcmod.Plan, res: gcmod.Result | None, price: float
         )
         if res.failed:
             con.print(f"{len(res.failed)} deletes failed (run gc again): {', '.join(res.failed[:5])}")
-    if res is None and (objects or p.retired or p.uploads):
+    if res is None and (objects or p.retired or p.uploads or bad):
         con.print("objects that would be deleted:")
         for k in (
             objects
+            + [b.name for b in bad]
             + [o.key for o in p.namespace_objects]
             + [f"upload {u.key} {u.upload_id}" for u in p.uploads]
         ):

@@ -152,6 +152,11 @@ def decode(data: bytes, *, name: str = "manifest object", keys: FleetKeys | None
     return ManifestObject(_KIND_NAMES[kind], added, removed, meta if isinstance(meta, dict) else {})
 
 
+def is_signed(prefix: bytes) -> bool:
+    """Whether an object's prefix says it is signed."""
+    return len(prefix) >= PREFIX.size and bool(PREFIX.unpack_from(prefix)[3] & FLAG_SIGNED)
+
+
 def head_length(prefix: bytes) -> int:
     """Bytes of prefix, checksum and JSON header, from the object's first 32 bytes."""
     if len(prefix) < PREFIX.size:

@@ -37,14 +37,28 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from s3kv.errors import AlreadyExists, NotFound, S3KVError
-from s3kv.keys import fingerprint
+from s3kv.auth import FleetKeys
+from s3kv.errors import (
+    AlreadyExists,
+    ConfigError,
+    CorruptChunk,
+    NotFound,
+    PermissionDenied,
+    Precondition,
+    S3KVError,
+)
+from s3kv.keys import fingerprint, parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import as_sorted_unique
 from s3kv.manifest.sync import new_writer_id
 from s3kv.ops.inventory import Chunk, Inventory, NamespaceInfo, read_head_bytes
 from s3kv.ops.lock import Lease
 from s3kv.stores.base import ObjectMeta, ObjectStore, PutMode, Upload
+
+
+class UnsignedWrite(ConfigError):
+    """gc has no fleet secret for a namespace whose manifest is signed."""
+
 
 DELETE_BATCH = 1000
 """Keys per DeleteObjects request (S3's limit)."""
@@ -207,6 +221,8 @@ class Result:
     snapshots_deleted: int = 0
     access_merged: int = 0
     namespaces_removed: list[str] = field(default_factory=list)
+    bad_deleted: int = 0
+    """Objects replicas reported bad, deleted."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -219,6 +235,7 @@ class Result:
             "snapshots_deleted": self.snapshots_deleted,
             "access_records_merged": self.access_merged,
             "namespaces_removed": self.namespaces_removed,
+            "bad_objects_deleted": self.bad_deleted,
         }
 
 
@@ -296,6 +313,96 @@ async def delete_keys(
     return failed
 
 
+@dataclass(frozen=True)
+class BadObject:
+    """A chunk object a replica reported bad, that gc found corrupt too."""
+
+    ns: str
+    key: bytes
+    name: str
+    etag: str | None
+    """The ETag gc read: it deletes only that version."""
+    reason: str
+
+
+async def find_bad(
+    store: ObjectStore, inv: Inventory, *, keys: FleetKeys | None = None, concurrency: int = 8
+) -> list[BadObject]:
+    """The chunk objects replicas reported bad (in their segments' ``bad``
+    lists) that are still there and still fail to verify; an object that
+    reads well now (stored again since, or named by a bogus record) is not
+    bad. Reads only."""
+    from s3kv.ops.verify import check_chunk
+
+    named: dict[str, str] = {}
+    for ns, info in inv.namespaces.items():
+        for m in info.segments:
+            try:
+                meta = (await read_head(store, m.key, keys))[3]
+            except (NotFound, PermissionDenied, mf.CorruptManifest):
+                continue
+            for entry in meta.get("bad") or ():
+                if isinstance(entry, list) and entry and isinstance(entry[0], str):
+                    name = entry[0]
+                    parsed = parse_object_key(name)
+                    if name.startswith(info.base) and parsed is not None and parsed[0] == ns:
+                        named[name] = ns
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(name: str, ns: str) -> BadObject | None:
+        async with sem:
+            try:
+                got = await store.get_object(name)
+            except NotFound:
+                return None
+        try:
+            await asyncio.to_thread(check_chunk, name, got.data, keys)
+        except CorruptChunk as e:
+            return BadObject(ns, parse_object_key(name)[1], name, got.etag, str(e))  # type: ignore[index]
+        return None
+
+    found = await asyncio.gather(*(one(n, ns) for n, ns in sorted(named.items())))
+    return [b for b in found if b is not None]
+
+
+async def delete_bad(store: ObjectStore, inv: Inventory, bad: Iterable[BadObject], result: Result) -> None:
+    """Delete bad objects, each only if it is still the version gc read
+    (If-Match); then a replica may store the chunk again."""
+    for b in bad:
+        try:
+            if b.etag is None:
+                raise NotImplementedError("no ETag")
+            await store.delete_if(b.name, b.etag)
+        except (NotFound, Precondition):
+            continue  # gone, or rewritten since gc read it
+        except (S3KVError, NotImplementedError):
+            result.failed.append(b.name)
+            continue
+        result.bad_deleted += 1
+        chunk = inv.namespaces[b.ns].chunks.get(b.key)
+        if chunk is not None:
+            chunk.objects = [o for o in chunk.objects if o.key != b.name]
+            if not chunk.objects:
+                del inv.namespaces[b.ns].chunks[b.key]
+
+
+async def manifest_signed(store: ObjectStore, info: NamespaceInfo, sample: int = 8) -> bool:
+    """Whether the namespace's replicas sign their manifest: its newest
+    snapshot or one of its newest segments is signed (a forger's unsigned
+    ones beside them do not make it look unsigned)."""
+    newest = []
+    for objs, n in ((info.snapshots, 1), (info.segments, sample)):
+        named = sorted(
+            (m for m in objs if mf.parse_name(info.manifest_base, m.key) is not None), key=lambda m: m.key
+        )
+        newest += named[-n:]
+    for m in newest:
+        with contextlib.suppress(NotFound, PermissionDenied, mf.CorruptManifest):
+            if mf.is_signed(await read_head_bytes(store, m.key, mf.head_length)):
+                return True
+    return False
+
+
 async def execute(
     store: ObjectStore,
     inv: Inventory,
@@ -306,9 +413,22 @@ async def execute(
     progress: Progress | None = None,
     writer: str | None = None,
     clock: Callable[[], float] = time.time,
+    keys: FleetKeys | None = None,
+    bad: Iterable[BadObject] = (),
 ) -> Result:
+    """Carry the plan out (and delete ``bad`` objects); with ``keys``, every
+    manifest object gc writes is signed and only signed ones are read."""
     writer = writer or "gc" + new_writer_id()
     result = Result()
+    if keys is None:
+        for ns in p.scope:
+            if await manifest_signed(store, inv.namespaces[ns]):
+                raise UnsignedWrite(
+                    f"namespace {ns}: its replicas sign their manifest, so gc's tombstones and snapshots "
+                    "must be signed too: give gc the fleet secret (S3KV_AUTH_KEY or --auth-key-file)"
+                )
+    # 0. Bad objects replicas could not delete (their keys are tombstoned already).
+    await delete_bad(store, inv, bad, result)
     stamps = {ns: Stamps(inv.namespaces[ns], writer, skew_s=p.policy.skew_s, clock=clock) for ns in p.scope}
     by_ns: dict[str, list[Deletion]] = {}
     for d in p.deletions:
@@ -318,11 +438,11 @@ async def execute(
         if ns in p.retired:
             continue
         dead = [d.chunk.key for d in dels]
-        await publish_tombstones(store, inv.namespaces[ns], dead, stamps[ns], p.policy.skew_s, clock)
+        await publish_tombstones(store, inv.namespaces[ns], dead, stamps[ns], p.policy.skew_s, clock, keys)
         result.tombstones += 1
     # 2. The chunks.
-    keys = [o.key for o in p.objects]
-    failed = set(await delete_keys(store, keys, concurrency=concurrency, lease=lease, progress=progress))
+    names = [o.key for o in p.objects]
+    failed = set(await delete_keys(store, names, concurrency=concurrency, lease=lease, progress=progress))
     result.failed = sorted(failed)
     for d in p.deletions:
         if any(o.key in failed for o in d.chunk.objects):
@@ -357,26 +477,29 @@ async def execute(
                 continue
             if lease is not None:
                 lease.check()
-            await compact(store, inv, inv.namespaces[ns], p, stamps[ns], result, concurrency, clock, lease)
+            await compact(
+                store, inv, inv.namespaces[ns], p, stamps[ns], result, concurrency, clock, lease, keys
+            )
     return result
 
 
 async def publish_tombstones(
     store: ObjectStore,
     info: NamespaceInfo,
-    keys: Iterable[bytes],
+    chunk_keys: Iterable[bytes],
     stamps: Stamps,
     skew_s: float,
     clock: Callable[[], float] = time.time,
+    keys: FleetKeys | None = None,
 ) -> str:
-    """A segment that removes ``keys`` from every replica's manifest, stamped
+    """A segment that removes ``chunk_keys`` from every replica's manifest, stamped
     after the newest segment in the bucket (listed afresh from a skew
     margin below the newest seen), so no replica's listing floor hides it."""
     floor = info.manifest_base + "seg/" + mf.stamp(max(0, stamps.max_ts - int(skew_s * 1000)))
     stamps.seen([m.key async for m in store.list(info.manifest_base + "seg/", start_after=floor)])
-    removed = as_sorted_unique([fingerprint(k) for k in keys])
+    removed = as_sorted_unique([fingerprint(k) for k in chunk_keys])
     body = mf.encode(
-        mf.ManifestObject("segment", removed=removed, meta={"writer": stamps.writer, "by": "gc"})
+        mf.ManifestObject("segment", removed=removed, meta={"writer": stamps.writer, "by": "gc"}), keys
     )
     ts = stamps.next(int(clock() * 1000))
     name = mf.segment_name(info.manifest_base, ts, stamps.writer, stamps.seq)
@@ -390,8 +513,15 @@ def _is_segment(info: NamespaceInfo, key: str) -> bool:
     return name is not None and name.kind == "segment"
 
 
-async def read_head(store: ObjectStore, key: str) -> tuple[str, int, int, dict[str, Any]]:
-    """A manifest object's kind, counts and header, with one or two ranged GETs."""
+async def read_head(
+    store: ObjectStore, key: str, keys: FleetKeys | None = None
+) -> tuple[str, int, int, dict[str, Any]]:
+    """A manifest object's kind, counts and header, with one or two ranged
+    GETs; with ``keys``, read whole, so that its MAC is checked before gc acts
+    on what the header says."""
+    if keys is not None:
+        obj = mf.decode(await store.get(key), name=key, keys=keys)
+        return obj.kind, len(obj.added), len(obj.removed), obj.meta
     return mf.decode_head(await read_head_bytes(store, key, mf.head_length), name=key)
 
 
@@ -405,6 +535,7 @@ async def compact(
     concurrency: int,
     clock: Callable[[], float],
     lease: Lease | None = None,
+    keys: FleetKeys | None = None,
 ) -> None:
     now_ms = int(clock() * 1000)
     skew_ms = int(p.policy.skew_s * 1000)
@@ -426,7 +557,7 @@ async def compact(
     async def head(name: str) -> dict[str, Any] | None:
         if name not in heads:
             try:
-                heads[name] = (await read_head(store, name))[3]
+                heads[name] = (await read_head(store, name, keys))[3]
             except (NotFound, mf.CorruptManifest, S3KVError):
                 return None
         return heads[name]
@@ -444,7 +575,7 @@ async def compact(
         since = min(int(inv.started_at * 1000), stamps.max_listed) - skew_ms
         for m in [m for m in segments if (mf.name_ts(m.key) or 0) >= since]:
             try:
-                obj = mf.decode(await store.get(m.key), name=m.key)
+                obj = mf.decode(await store.get(m.key), name=m.key, keys=keys)
             except (NotFound, mf.CorruptManifest):
                 continue
             live.update(obj.added.tolist())
@@ -453,7 +584,7 @@ async def compact(
         top_ts = mf.name_ts(top) or 0
         recent = [m.key for m in segments if (mf.name_ts(m.key) or 0) >= top_ts - skew_ms]
         meta = {"horizon": top, "recent": recent, "writer": stamps.writer, "by": "gc"}
-        body = mf.encode(mf.ManifestObject("snapshot", as_sorted_unique(list(live)), meta=meta))
+        body = mf.encode(mf.ManifestObject("snapshot", as_sorted_unique(list(live)), meta=meta), keys)
         name = mf.snapshot_name(info.manifest_base, stamps.next(now_ms), stamps.writer)
         await store.put(name, body, mode=PutMode.CREATE)
         result.snapshots_written += 1
@@ -471,7 +602,7 @@ async def compact(
     old: list[str] = []
     if cover is not None:
         try:
-            snap = mf.decode(await store.get(cover.key), name=cover.key)
+            snap = mf.decode(await store.get(cover.key), name=cover.key, keys=keys)
             cover_horizon = str(snap.meta.get("horizon", ""))
         except (NotFound, mf.CorruptManifest):
             cover_horizon = ""
@@ -490,11 +621,17 @@ async def compact(
     result.failed += bad
     result.segments_deleted += len(set(old) - set(bad))
     result.snapshots_deleted += len(set(stale_snaps) - set(bad))
-    await _merge_access(store, info, stamps, result, now_ms, concurrency)
+    await _merge_access(store, info, stamps, result, now_ms, concurrency, keys)
 
 
 async def _merge_access(
-    store: ObjectStore, info: NamespaceInfo, stamps: Stamps, result: Result, now_ms: int, concurrency: int
+    store: ObjectStore,
+    info: NamespaceInfo,
+    stamps: Stamps,
+    result: Result,
+    now_ms: int,
+    concurrency: int,
+    keys: FleetKeys | None = None,
 ) -> None:
     """One object per closed hour, holding the live keys used in it."""
     hours: dict[str, list[ObjectMeta]] = {}
@@ -508,12 +645,13 @@ async def _merge_access(
         fps: set[int] = set()
         for m in records:
             with contextlib.suppress(NotFound, mf.CorruptManifest):
-                fps.update(mf.decode(await store.get(m.key), name=m.key).added.tolist())
+                fps.update(mf.decode(await store.get(m.key), name=m.key, keys=keys).added.tolist())
         newest = max(mf.name_ts(m.key) or 0 for m in records)
         stamps.seq += 1
         name = mf.access_name(info.manifest_base, newest, stamps.writer, stamps.seq)
         body = mf.encode(
-            mf.ManifestObject("access", as_sorted_unique(list(fps & live)), meta={"merged": len(records)})
+            mf.ManifestObject("access", as_sorted_unique(list(fps & live)), meta={"merged": len(records)}),
+            keys,
         )
         await store.put(name, body, mode=PutMode.CREATE)
         bad = await delete_keys(store, [m.key for m in records], concurrency=concurrency, lease=None)

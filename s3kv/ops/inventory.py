@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from s3kv.auth import FleetKeys
 from s3kv.errors import NotFound
 from s3kv.keys import fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import format as mf
@@ -182,6 +183,7 @@ async def scan_namespace(
     concurrency: int = 16,
     progress: Progress | None = None,
     read_access: bool = True,
+    keys: FleetKeys | None = None,
 ) -> NamespaceInfo:
     info = NamespaceInfo(ns, namespace_prefix(prefix, ns))
     objects, dirs = await store.list_dirs(info.base)
@@ -216,7 +218,7 @@ async def scan_namespace(
         except (NotFound, ValueError):
             info.descriptor = None
     if read_access and info.access:
-        await read_access_records(store, info, concurrency=concurrency)
+        await read_access_records(store, info, concurrency=concurrency, keys=keys)
     return info
 
 
@@ -249,9 +251,11 @@ def access_hour_end(name: str, now: float) -> float:
     return min(now, (ts // 3600 + 1) * 3600)
 
 
-async def read_access_records(store: ObjectStore, info: NamespaceInfo, *, concurrency: int = 16) -> int:
+async def read_access_records(
+    store: ObjectStore, info: NamespaceInfo, *, concurrency: int = 16, keys: FleetKeys | None = None
+) -> int:
     """Set each chunk's ``accessed`` from the access records; returns the
-    corrupt records skipped. A record that cannot be read for another reason
+    corrupt (with ``keys``: or unsigned) records skipped. A record that cannot be read for another reason
     (throttling, access denied) raises: deciding what is idle without it
     could delete chunks in use."""
     index = info.fp_index()
@@ -263,7 +267,7 @@ async def read_access_records(store: ObjectStore, info: NamespaceInfo, *, concur
         nonlocal bad
         async with sem:
             try:
-                obj = mf.decode(await store.get(meta.key), name=meta.key)
+                obj = mf.decode(await store.get(meta.key), name=meta.key, keys=keys)
             except NotFound:
                 return None
             except mf.CorruptManifest:
@@ -306,6 +310,7 @@ async def scan(
     concurrency: int = 16,
     progress: Progress | None = None,
     read_access: bool = True,
+    keys: FleetKeys | None = None,
 ) -> Inventory:
     """List ``prefix`` (all namespaces, or the given ids/prefixes of ids)."""
     started = time.time()
@@ -316,7 +321,7 @@ async def scan(
     wanted = inv.resolve(namespaces) if namespaces else sorted(found)
     for ns in wanted:  # one namespace at a time, its directories in parallel
         inv.namespaces[ns] = await scan_namespace(
-            store, prefix, ns, concurrency=concurrency, progress=progress, read_access=read_access
+            store, prefix, ns, concurrency=concurrency, progress=progress, read_access=read_access, keys=keys
         )
     inv.namespaces = {ns: inv.namespaces[ns] for ns in wanted}
     return inv

@@ -145,7 +145,11 @@ async def verify(
             if what == "chunk":
                 await asyncio.to_thread(check_chunk, meta.key, data, keys)
             elif what == "manifest":
-                mf.decode(data, name=meta.key)
+                try:
+                    mf.decode(data, name=meta.key, keys=keys)
+                except mf.UnsignedManifest as e:
+                    mf.decode(data, name=meta.key)  # sound otherwise? then it is "unsigned"
+                    raise Unsigned(str(e)) from None
             else:
                 check_descriptor(ns, data)
         except (CorruptChunk, mf.CorruptManifest) as e:
@@ -169,6 +173,7 @@ async def delete_corrupt(
     lease: Any,
     skew_s: float,
     concurrency: int = 8,
+    keys: FleetKeys | None = None,
 ) -> list[str]:
     """Delete what verify found corrupt: every rank of a damaged chunk (after
     a tombstone, as gc does), or the damaged manifest object or descriptor.
@@ -189,7 +194,7 @@ async def delete_corrupt(
     writer = "gc" + new_writer_id()
     for ns, chunk_keys in dead.items():
         info = inv.namespaces[ns]
-        await publish_tombstones(store, info, chunk_keys, Stamps(info, writer), skew_s)
+        await publish_tombstones(store, info, chunk_keys, Stamps(info, writer), skew_s, keys=keys)
     ordered = sorted(keys)
     failed = set(await delete_keys(store, ordered, concurrency=concurrency, lease=lease))
     return [k for k in ordered if k not in failed]

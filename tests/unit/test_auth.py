@@ -1,0 +1,180 @@
+"""The fleet secret: loading it (and never showing it), signed manifest
+objects, and bad records, without vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import time
+
+import numpy as np
+import pytest
+
+from s3kv.auth import ENV_VAR, FleetKeys, load_keys
+from s3kv.errors import ConfigError
+from s3kv.keys import Namespace, chain_keys, fingerprint
+from s3kv.manifest import Manifest, ManifestSync, SyncSettings
+from s3kv.manifest import format as mf
+from s3kv.stores.memory import MemoryStore
+from s3kv.tiering.placement import Tier
+from s3kv.tiering.planner import Planner
+
+SECRET = "s3kv-test-secret-0123456789abcdef"
+OTHER = "s3kv-test-secret-fedcba9876543210"
+BASE = "p/" + "ab" * 16 + "/manifest/"
+
+
+def test_secrets_come_from_the_environment_first_then_the_file(tmp_path):
+    f = tmp_path / "key"
+    f.write_text(OTHER + "\n")
+    f.chmod(0o600)
+    assert load_keys(None, {}) is None
+    assert load_keys(str(f), {}).signing_kid == FleetKeys([OTHER]).signing_kid
+    assert load_keys(str(f), {ENV_VAR: SECRET}).signing_kid == FleetKeys([SECRET]).signing_kid
+    both = load_keys(None, {ENV_VAR: f"{SECRET}, {OTHER}"})
+    assert both.signing_kid == FleetKeys([SECRET]).signing_kid  # the first signs
+    assert both.knows(FleetKeys([OTHER]).signing_kid)  # every one verifies
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("short", "has 5 characters; at least 32"),
+        (f"{SECRET},tiny", "secret 2 of 2 has 4 characters"),
+        (f"{SECRET},,{OTHER}", "empty fleet secret"),
+        ("   ", "empty fleet secret"),
+    ],
+)
+def test_bad_secrets_fail_naming_the_problem_not_the_value(value, message):
+    with pytest.raises(ConfigError) as info:
+        load_keys(None, {ENV_VAR: value})
+    assert message in str(info.value) and ENV_VAR in str(info.value)
+    for part in value.split(","):
+        if part.strip():
+            assert part.strip() not in str(info.value)
+
+
+def test_an_unreadable_key_file_fails_naming_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="auth_key_file: cannot read .*nope"):
+        load_keys(str(tmp_path / "nope"), {})
+
+
+def test_a_key_file_others_can_read_is_warned_about(tmp_path, caplog):
+    f = tmp_path / "key"
+    f.write_text(SECRET)
+    f.chmod(0o644)
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    load_keys(str(f), {})
+    assert "readable by other users" in caplog.text and SECRET not in caplog.text
+
+
+def test_the_secret_never_shows(caplog):
+    keys = FleetKeys([SECRET, OTHER])
+    for text in (repr(keys), str(keys), f"{keys}", str([keys])):
+        assert SECRET not in text and OTHER not in text and "2 key(s)" in text
+    with pytest.raises(TypeError):
+        pickle.dumps(keys)
+    assert not hasattr(keys, "__dict__")
+
+
+# -- signed manifest objects ------------------------------------------------------
+
+
+def _segment(added=(1, 2, 3), removed=()):
+    return mf.ManifestObject("segment", np.array(added, np.uint64), np.array(removed, np.uint64), {"w": 1})
+
+
+def test_signed_manifest_objects_roundtrip_and_forgeries_fail():
+    keys = FleetKeys([SECRET])
+    signed = mf.encode(_segment(), keys)
+    assert mf.is_signed(signed) and not mf.is_signed(mf.encode(_segment()))
+    assert mf.decode(signed, keys=keys).added.tolist() == [1, 2, 3]
+    assert mf.decode(signed).added.tolist() == [1, 2, 3]  # readers without the secret still read it
+    assert mf.decode(signed, keys=FleetKeys([OTHER, SECRET])).added.tolist() == [1, 2, 3]  # rotation
+    tampered = bytearray(signed)
+    tampered[-30] ^= 1  # in the arrays; the checksum would catch it too
+    unsigned = mf.encode(_segment(added=(7,)))
+    for bad, why in (
+        (unsigned, "unsigned"),
+        (mf.encode(_segment(), FleetKeys([OTHER])), "not one of the fleet's keys"),
+        (bytes(tampered), "MAC mismatch"),
+    ):
+        with pytest.raises(mf.UnsignedManifest, match=why):
+            mf.decode(bad, keys=keys)
+    # Version 1 (what an older s3kv wrote) is read without a secret; a newer
+    # version is refused by its number.
+    v1 = bytearray(unsigned)
+    v1[4:6] = (1).to_bytes(2, "little")
+    import xxhash
+
+    head = mf.PREFIX.size + mf.CHECKSUM.size
+    v1[mf.PREFIX.size : head] = mf.CHECKSUM.pack(
+        xxhash.xxh3_64_intdigest(bytes(v1[: mf.PREFIX.size] + v1[head:]))
+    )
+    assert mf.decode(bytes(v1)).added.tolist() == [7]
+    v9 = bytearray(unsigned)
+    v9[4:6] = (9).to_bytes(2, "little")
+    with pytest.raises(mf.CorruptManifest, match="manifest format version 9; this s3kv reads 1, 2"):
+        mf.decode(bytes(v9))
+
+
+def _sync(store, keys=None, writer=None):
+    m = Manifest()
+    return ManifestSync(store, BASE, m, SyncSettings(skew_s=5.0), writer=writer, keys=keys), m
+
+
+def test_with_a_secret_only_signed_segments_are_applied():
+    keys = FleetKeys([SECRET])
+    store = MemoryStore()
+    a, _ = _sync(store, keys, "writera")
+    for fp in (11, 12):
+        a.stored(fp)
+    asyncio.run(a.publish())
+    # A forger (no secret) writes a segment adding a key and one removing ours.
+    forger, _ = _sync(store, None, "forger")
+    forger.stored(99)
+    asyncio.run(forger.publish())
+    asyncio.run(
+        store.put(
+            mf.segment_name(BASE, int(time.time() * 1000) + 1000, "forger", 7),
+            mf.encode(_segment(added=(), removed=(11,))),
+        )
+    )
+    b, mb = _sync(store, keys, "writerb")
+    asyncio.run(b.load())
+    assert 11 in mb.fps and 12 in mb.fps and 99 not in mb.fps
+    assert b.counters.totals()["manifest_skipped_unsigned"] == 2
+    # Without the secret, the same bucket's forgeries are applied: the MAC is what stops them.
+    c, mc = _sync(store, None, "writerc")
+    asyncio.run(c.load())
+    assert 99 in mc.fps and 11 not in mc.fps
+
+
+def test_bad_records_drop_a_key_everywhere_and_block_publishing_it_from_a_412():
+    store = MemoryStore()
+    ns = Namespace.from_fields({"m": "bad"})
+    keys = chain_keys(ns, list(range(128)), 64)
+    a, ma = _sync(store, writer="writera")
+    b, mb = _sync(store, writer="writerb")
+    for m in (ma, mb):
+        m.update(keys)
+    asyncio.run(a.publish())
+    ma.quarantine(keys[0], "p/x/obj.r0", '"etag-1"')
+    assert keys[0] not in ma and ma.is_bad(keys[0])
+    asyncio.run(a.publish())
+    asyncio.run(b.refresh())
+    assert keys[0] not in mb and keys[1] in mb and mb.is_bad(keys[0])
+    record = [mf.decode(asyncio.run(store.get(n))) for n in asyncio.run(store.list_keys(BASE + "seg/"))][-1]
+    assert record.meta["bad"] == [["p/x/obj.r0", '"etag-1"']] and record.removed.tolist() == [
+        fingerprint(keys[0])
+    ]
+    # The planner of replica b: a store of the bad key that found it there (a
+    # 412) is not published; one that wrote it is.
+    p = Planner(namespace=ns, chunk_tokens=64, block_size=32, s3=mb)
+    p._storing[keys[0]] = 0.0
+    p.on_existing([keys[0]])
+    p.on_written(Tier.S3, {keys[0]: 1})
+    assert keys[0] not in mb
+    p.on_written(Tier.S3, {keys[0]: 1})  # written anew (after gc removed the bad one)
+    assert keys[0] in mb
