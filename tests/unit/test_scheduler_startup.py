@@ -192,3 +192,52 @@ def test_an_unknowable_identity_leaves_the_cache_off(caplog):
         assert "set model_digest" in caplog.text
     finally:
         s.shutdown()
+
+
+def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path):
+    import time
+
+    from s3kv.keys import chain_keys
+
+    adapters = {}
+    for name, weights in (("a", b"A" * 4096), ("b", b"B" * 4096)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_config.json").write_text('{"r": 8}')
+        (d / "adapter_model.safetensors").write_bytes(weights)
+        adapters[name] = d
+    twin = tmp_path / "a-copy"  # the same adapter under another name and path
+    twin.mkdir()
+    for f in adapters["a"].iterdir():
+        (twin / f.name).write_bytes(f.read_bytes())
+
+    def lora(name, path, int_id):
+        return SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=str(path))
+
+    s = side(write_policy="local_only", cpu_bytes="4MiB", chunk_tokens=64)
+    try:
+        req = _request("l1", lora=lora("sql", adapters["a"], 1))
+        assert s.lookup(req, 0) == (0, False)  # hashing the adapter: unkeyed for now
+        assert s.counters.totals()["unkeyed_requests_adapter"] == 1
+        deadline = time.monotonic() + 30
+        while s._adapters.get(req.lora_request) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+        def keys_of(req_id, lo):
+            s.lookup(_request(req_id, lora=lo), 0)
+            return s.planner._requests[req_id].keys
+
+        ka = keys_of("a", lora("sql", adapters["a"], 1))
+        for name, path, int_id in (("sql-v2", twin, 2), ("chat", adapters["b"], 3)):
+            probe = lora(name, path, int_id)
+            s._adapters.get(probe)
+            while s._adapters.get(probe) is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        assert keys_of("twin", lora("sql-v2", twin, 2)) == ka  # same content: same keys
+        kb = keys_of("b", lora("chat", adapters["b"], 3))
+        plain = chain_keys(s.namespace, list(range(3, 3 + 256)), 64)
+        assert kb != ka and ka != plain and kb != plain
+    finally:
+        s.shutdown()
