@@ -181,21 +181,21 @@ async def delete_corrupt(
     from s3kv.manifest.sync import new_writer_id
     from s3kv.ops.gc import Stamps, delete_keys, publish_tombstones
 
-    keys: set[str] = set()
+    names: set[str] = set()
     dead: dict[str, list[bytes]] = {}
     for p in report.corrupt:
         parsed = parse_object_key(p.key)
         info = inv.namespaces.get(p.namespace or "")
         if parsed is not None and info is not None and parsed[1] in info.chunks:
-            keys.update(o.key for o in info.chunks[parsed[1]].objects)
+            names.update(o.key for o in info.chunks[parsed[1]].objects)
             dead.setdefault(info.id, []).append(parsed[1])
         else:
-            keys.add(p.key)
+            names.add(p.key)
     writer = "gc" + new_writer_id()
     for ns, chunk_keys in dead.items():
         info = inv.namespaces[ns]
         await publish_tombstones(store, info, chunk_keys, Stamps(info, writer), skew_s, keys=keys)
-    ordered = sorted(keys)
+    ordered = sorted(names)
     failed = set(await delete_keys(store, ordered, concurrency=concurrency, lease=lease))
     return [k for k in ordered if k not in failed]
 
