@@ -191,3 +191,50 @@ def lookalike_model(src: Path, dst: Path, layer: int = 2) -> tuple[Path, list[tu
         changed.append((start, end))
     weights.write_bytes(bytes(data))
     return dst, changed
+
+
+def s3kv_value(llm: Any, name: str) -> float:
+    """An s3kv counter or gauge of an in-process engine by its flat name
+    (``load_errors_unavailable`` is ``vllm:s3kv_load_errors{kind="unavailable"}``)."""
+    from s3kv.stats import SERIES
+
+    family, value = SERIES[name]
+    return sum(
+        m.value
+        for m in llm.get_metrics()
+        if m.name == f"vllm:s3kv_{family.name}"
+        and (family.label is None or m.labels.get(family.label) == value)
+    )
+
+
+def start_engine(model: Path, kv_transfer_config: dict[str, Any], **engine_args: Any) -> Any:
+    """A vLLM engine in this process (the caller shuts it down), with the
+    replicas' engine arguments and environment (set it first, e.g. with
+    monkeypatch, from :data:`REPLICA_ENV`)."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        kv_transfer_config=kv_transfer_config,
+        **{**ENGINE_ARGS, **engine_args},
+    )
+
+
+def greedy_params() -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def copy_objects(src: Any, src_bucket: str, dst: Any, dst_bucket: str) -> list[str]:
+    """Every object of ``src_bucket`` into ``dst_bucket`` (two boto3 clients,
+    maybe of two servers); returns their names."""
+    names = []
+    for page in src.get_paginator("list_objects_v2").paginate(Bucket=src_bucket):
+        for obj in page.get("Contents", ()):
+            body = src.get_object(Bucket=src_bucket, Key=obj["Key"])["Body"].read()
+            dst.put_object(Bucket=dst_bucket, Key=obj["Key"], Body=body)
+            names.append(obj["Key"])
+    return names

@@ -7,23 +7,9 @@ import pytest
 
 from tests.conftest import S3Server, free_port
 from tests.e2e.conftest import PROMPTS
-from tests.e2e.harness import ENGINE_ARGS, MAX_TOKENS, REPLICA_ENV, kv_config
+from tests.e2e.harness import REPLICA_ENV, copy_objects, greedy_params, kv_config, s3kv_value, start_engine
 
 pytestmark = pytest.mark.engine
-
-
-def _counter(llm, name: str) -> float:
-    """An s3kv counter by its flat name (``load_errors_unavailable`` is
-    ``vllm:s3kv_load_errors{kind="unavailable"}``)."""
-    from s3kv.stats import SERIES
-
-    family, value = SERIES[name]
-    return sum(
-        m.value
-        for m in llm.get_metrics()
-        if m.name == f"vllm:s3kv_{family.name}"
-        and (family.label is None or m.labels.get(family.label) == value)
-    )
 
 
 def test_s3_stopped_while_serving(replica_a, baseline, s3_server, bucket_a, model, monkeypatch):
@@ -35,26 +21,13 @@ def test_s3_stopped_while_serving(replica_a, baseline, s3_server, bucket_a, mode
     engines = []
     try:
         bucket = server.new_bucket()
-        src = s3_server.client()
-        dst = server.client()
-        for obj in src.list_objects_v2(Bucket=bucket_a)["Contents"]:
-            body = src.get_object(Bucket=bucket_a, Key=obj["Key"])["Body"].read()
-            dst.put_object(Bucket=bucket, Key=obj["Key"], Body=body)
-
-        from vllm import LLM, SamplingParams
-
+        copy_objects(s3_server.client(), bucket_a, server.client(), bucket)
         config = kv_config(
             server.endpoint_url, bucket, load_timeout_s=20, s3_connect_timeout_s=1, s3_max_attempts=2
         )
-        llm = LLM(
-            model=str(model),
-            skip_tokenizer_init=True,
-            disable_log_stats=False,
-            kv_transfer_config=config,
-            **ENGINE_ARGS,
-        )
+        llm = start_engine(model, config)
         engines.append(llm)
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        params = greedy_params()
 
         def generate(i: int):
             (out,) = llm.generate([{"prompt_token_ids": PROMPTS[i]}], params, use_tqdm=False)
@@ -69,23 +42,11 @@ def test_s3_stopped_while_serving(replica_a, baseline, s3_server, bucket_a, mode
         server.stop()
         for i in (1, 2, 3):
             assert list(generate(i).outputs[0].token_ids) == baseline["outputs"][i]
-        assert _counter(llm, "load_errors_unavailable") >= 1
+        assert s3kv_value(llm, "load_errors_unavailable") >= 1
     finally:
         for engine in engines:
             engine.llm_engine.engine_core.shutdown()
         server.stop()
-
-
-def _gauge(llm, name: str) -> float:
-    from s3kv.stats import SERIES
-
-    family, value = SERIES[name]
-    return sum(
-        m.value
-        for m in llm.get_metrics()
-        if m.name == f"vllm:s3kv_{family.name}"
-        and (family.label is None or m.labels.get(family.label) == value)
-    )
 
 
 def test_s3_hanging_pauses_s3_while_host_hits_go_on(
@@ -103,23 +64,11 @@ def test_s3_hanging_pauses_s3_while_host_hits_go_on(
     engines = []
     try:
         bucket = server.new_bucket()
-        src, dst = s3_server.client(), server.client()
-        for obj in src.list_objects_v2(Bucket=bucket_a)["Contents"]:
-            body = src.get_object(Bucket=bucket_a, Key=obj["Key"])["Body"].read()
-            dst.put_object(Bucket=bucket, Key=obj["Key"], Body=body)
-
-        from vllm import LLM, SamplingParams
-
+        copy_objects(s3_server.client(), bucket_a, server.client(), bucket)
         config = kv_config(server.endpoint_url, bucket, cpu_bytes="8MiB", load_timeout_s=3, s3_max_attempts=1)
-        llm = LLM(
-            model=str(model),
-            skip_tokenizer_init=True,
-            disable_log_stats=False,
-            kv_transfer_config=config,
-            **{**ENGINE_ARGS, "enable_prefix_caching": False},  # every hit is s3kv's
-        )
+        llm = start_engine(model, config, enable_prefix_caching=False)  # every hit is s3kv's
         engines.append(llm)
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        params = greedy_params()
 
         def generate(prompt):
             (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
@@ -131,25 +80,25 @@ def test_s3_hanging_pauses_s3_while_host_hits_go_on(
         # Prompt 1's own chunks are in S3 only: that load times out, the
         # prompt is recomputed, and the S3 breaker opens.
         assert list(generate(PROMPTS[1]).outputs[0].token_ids) == baseline["outputs"][1]
-        assert _counter(llm, "breaker_trips_s3") >= 1
-        cpu_before = _counter(llm, "load_chunks_cpu")
+        assert s3kv_value(llm, "breaker_trips_s3") >= 1
+        cpu_before = s3kv_value(llm, "load_chunks_cpu")
         for i in (0, 2, 0):  # host-memory hits go on, with the right answers
             out = generate(PROMPTS[i])
             assert list(out.outputs[0].token_ids) == baseline["outputs"][i] and out.num_cached_tokens >= 320
-        assert _counter(llm, "load_chunks_cpu") >= cpu_before + 3 * 5
-        assert _gauge(llm, "breaker_open_s3") == 1  # they did not close S3's breaker
+        assert s3kv_value(llm, "load_chunks_cpu") >= cpu_before + 3 * 5
+        assert s3kv_value(llm, "breaker_open_s3") == 1  # they did not close S3's breaker
         os.kill(server.proc.pid, signal.SIGCONT)
         # S3 is back: within the backoff, one probe (a store of new chunks)
         # finds out, the breaker closes and S3 is written again.
         rng = random.Random(5)
         deadline = time.monotonic() + 120
-        while _gauge(llm, "breaker_open_s3") != 0:
+        while s3kv_value(llm, "breaker_open_s3") != 0:
             assert time.monotonic() < deadline, "the S3 breaker never closed"
             generate([rng.randrange(3, 2048) for _ in range(2 * 64 + 5)])
-        stored = _counter(llm, "store_chunks_s3")
+        stored = s3kv_value(llm, "store_chunks_s3")
         generate([rng.randrange(3, 2048) for _ in range(2 * 64 + 5)])
         generate([rng.randrange(3, 2048) for _ in range(5)])  # a step that reports the stores
-        assert _counter(llm, "store_chunks_s3") >= stored + 2
+        assert s3kv_value(llm, "store_chunks_s3") >= stored + 2
     finally:
         if server.proc is not None:
             os.kill(server.proc.pid, signal.SIGCONT)

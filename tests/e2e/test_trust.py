@@ -25,13 +25,15 @@ from tests.conftest import S3Server, free_port
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import (
     CHUNK_TOKENS,
-    ENGINE_ARGS,
-    MAX_TOKENS,
     REPLICA_ENV,
     chunk_objects,
+    copy_objects,
+    greedy_params,
     kv_config,
     metric,
     run_replica,
+    s3kv_value,
+    start_engine,
     worker_total,
 )
 from tests.e2e.test_replicas import _rotate_pages
@@ -168,12 +170,8 @@ def test_a_corrupt_object_no_replica_may_delete_costs_one_load_each(
         admin = server.client_as("admin")
         bucket = f"s3kv-iam-{uuid.uuid4().hex[:10]}"
         admin.create_bucket(Bucket=bucket)
-        src = s3_server.client()
-        ns = None
-        for obj in src.list_objects_v2(Bucket=bucket_a)["Contents"]:
-            body = src.get_object(Bucket=bucket_a, Key=obj["Key"])["Body"].read()
-            admin.put_object(Bucket=bucket, Key=obj["Key"], Body=body)
-            ns = ns or (parse_object_key(obj["Key"]) or [None])[0]
+        names = copy_objects(s3_server.client(), bucket_a, admin, bucket)
+        ns = next(parse_object_key(n)[0] for n in names if parse_object_key(n) is not None)
         # The family's third chunk is damaged: every family prompt would hit it.
         key = chain_keys(Namespace(ns, {}), PROMPTS[0], CHUNK_TOKENS)[2]
         name = f"s3kv/{ns}/{key.hex()[:2]}/{key.hex()}.r0"
@@ -196,17 +194,9 @@ def test_a_corrupt_object_no_replica_may_delete_costs_one_load_each(
         # Replica 2 learned it from replica 1's bad record: no failed load at all.
         for k, v in {**REPLICA_ENV, **replica}.items():
             monkeypatch.setenv(k, v)
-        from vllm import LLM, SamplingParams
-
-        llm = LLM(
-            model=str(model),
-            skip_tokenizer_init=True,
-            disable_log_stats=False,
-            kv_transfer_config=config,
-            **ENGINE_ARGS,
-        )
+        llm = start_engine(model, config)
         engines.append(llm)
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        params = greedy_params()
 
         def generate(i):
             (out,) = llm.generate([{"prompt_token_ids": PROMPTS[i]}], params, use_tqdm=False)
@@ -215,9 +205,7 @@ def test_a_corrupt_object_no_replica_may_delete_costs_one_load_each(
 
         assert generate(1).num_cached_tokens == 2 * CHUNK_TOKENS  # chunks 0 and 1, then recomputed
         generate(0)
-        from tests.e2e.test_outage import _counter
-
-        assert _counter(llm, "load_errors_corrupt") == 0
+        assert s3kv_value(llm, "load_errors_corrupt") == 0
 
         # gc (with delete permission) removes it; then a replica stores the key again.
         gc = subprocess.run(
