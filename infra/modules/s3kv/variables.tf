@@ -180,7 +180,7 @@ variable "iam_policy_name_prefix" {
 }
 
 variable "replica_delete_enabled" {
-  description = "Let replicas delete any object under the prefix (s3kv deletes a chunk it found corrupt, so a later store rewrites it). Off by default: replicas can delete only old manifest snapshots; a corrupt chunk is then recomputed on every hit until `s3kv gc` removes it."
+  description = "Let replicas delete any object under the prefix (s3kv deletes a chunk it found corrupt, so a later store rewrites it). Off by default: replicas can delete only old manifest snapshots; a replica that finds a chunk corrupt then reports it bad in the manifest instead, so the fleet stops offering it (one failed load per replica), and `s3kv gc` deletes it."
   type        = bool
   default     = false
   nullable    = false
