@@ -161,16 +161,15 @@ class SchedulerSide:
         start), set the tiers up for its namespace, then keep the manifest in
         step with the fleet until cancelled."""
         started = time.monotonic()
+        what = "the model's identity cannot be established"
         try:
             identity = await asyncio.to_thread(resolve_identity, self.layout.model, self._digests)
+            what = "setting the tiers up failed"
+            await asyncio.to_thread(self._activate, identity, time.monotonic() - started)
         except Exception as e:
-            log.error(
-                "s3kv: the model's identity cannot be established (%s); this replica serves "
-                "without the KV cache",
-                e,
-            )
+            log.error("s3kv: %s (%s); this replica serves without the KV cache", what, e)
+            self._ready.set()  # nothing to wait for
             return
-        await asyncio.to_thread(self._activate, identity, time.monotonic() - started)
         if self._sync is None:
             self._ready.set()
             return

@@ -131,6 +131,11 @@ def _background_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICE)
 
 
+class GaveUp(Transient):
+    """A transfer abandoned because another one on its tier failed (it is
+    not itself news to the tier's breaker)."""
+
+
 class _Gate:
     """One load attempt's way into the KV cache (and its CPU promotion slot):
     open until :meth:`close`, which waits for a write in progress."""
@@ -263,7 +268,7 @@ class TransferEngine:
             return task.result()
         task.cancel()
         if aborted in done:
-            raise Transient(f"{tier.value}: given up, another transfer found the tier failing")
+            raise GaveUp(f"{tier.value}: given up, another transfer found the tier failing")
         raise asyncio.TimeoutError(f"{tier.value}: no answer within {timeout_s:.1f} s")
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -376,7 +381,7 @@ class TransferEngine:
                 last = e
             except Exception as e:
                 kind = self._classify(e)
-                if kind in ("unavailable", "throttled", "timeout"):
+                if kind in ("unavailable", "throttled", "timeout") and not isinstance(e, GaveUp):
                     self._tier_failed(tier)
                 if tier is not Tier.DISK or i == len(chunk.sources) - 1:
                     raise
@@ -531,7 +536,7 @@ class TransferEngine:
             return
         except Exception as e:
             self.counters.add("store_errors_disk")
-            if self._classify(e) in ("unavailable", "timeout"):
+            if self._classify(e) in ("unavailable", "timeout") and not isinstance(e, GaveUp):
                 self._tier_failed(Tier.DISK)
             log.warning("s3kv: NVMe write of chunk %s failed: %s", chunk.key.hex(), e)
             self._failed(Tier.DISK, chunk.key)
@@ -562,7 +567,7 @@ class TransferEngine:
                 self.counters.observe("store_seconds_s3", time.perf_counter() - start)
         except Exception as e:
             self.counters.add("store_errors_s3")
-            if isinstance(e, (Transient, PermissionDenied)):
+            if isinstance(e, (Transient, PermissionDenied)) and not isinstance(e, GaveUp):
                 self._tier_failed(Tier.S3)
             log.warning("s3kv: store of %s failed: %s", cid.object_key, e)
             self._failed(Tier.S3, chunk.key)
