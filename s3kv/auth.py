@@ -18,6 +18,7 @@ Secrets never leave this module: not in reprs, logs, metrics or messages.
 
 from __future__ import annotations
 
+import hmac
 import os
 import stat
 from collections.abc import Iterable, Mapping
@@ -83,8 +84,6 @@ class FleetKeys:
         return tag
 
     def verify(self, purpose: str, kid: bytes, tag: bytes, *parts: bytes | memoryview) -> bool:
-        import hmac
-
         expected = self.mac(purpose, kid, *parts)
         return expected is not None and hmac.compare_digest(expected, bytes(tag))
 

@@ -618,6 +618,10 @@ def _print_gc(
             f"{res.segments_deleted} segment(s) and {res.snapshots_deleted} snapshot(s) dropped, "
             f"{res.access_merged} access record(s) merged"
         )
+        if res.unsigned:
+            con.print(
+                f"{len(res.unsigned)} unsigned or badly signed manifest object(s) ignored (s3kv verify lists them)"
+            )
         if res.failed:
             con.print(f"{len(res.failed)} deletes failed (run gc again): {', '.join(res.failed[:5])}")
     if res is None and (objects or p.retired or p.uploads or bad):

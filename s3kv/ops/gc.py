@@ -223,6 +223,8 @@ class Result:
     namespaces_removed: list[str] = field(default_factory=list)
     bad_deleted: int = 0
     """Objects replicas reported bad, deleted."""
+    unsigned: list[str] = field(default_factory=list)
+    """Manifest objects gc read and ignored: with the fleet secret, not validly signed."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -236,6 +238,7 @@ class Result:
             "access_records_merged": self.access_merged,
             "namespaces_removed": self.namespaces_removed,
             "bad_objects_deleted": self.bad_deleted,
+            "unsigned_manifest_objects_ignored": self.unsigned,
         }
 
 
@@ -576,6 +579,9 @@ async def compact(
         for m in [m for m in segments if (mf.name_ts(m.key) or 0) >= since]:
             try:
                 obj = mf.decode(await store.get(m.key), name=m.key, keys=keys)
+            except mf.UnsignedManifest:
+                result.unsigned.append(m.key)
+                continue
             except (NotFound, mf.CorruptManifest):
                 continue
             live.update(obj.added.tolist())
@@ -644,8 +650,12 @@ async def _merge_access(
             continue
         fps: set[int] = set()
         for m in records:
-            with contextlib.suppress(NotFound, mf.CorruptManifest):
+            try:
                 fps.update(mf.decode(await store.get(m.key), name=m.key, keys=keys).added.tolist())
+            except mf.UnsignedManifest:
+                result.unsigned.append(m.key)
+            except (NotFound, mf.CorruptManifest):
+                pass
         newest = max(mf.name_ts(m.key) or 0 for m in records)
         stamps.seq += 1
         name = mf.access_name(info.manifest_base, newest, stamps.writer, stamps.seq)

@@ -21,7 +21,7 @@ from typing import Any
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.errors import CorruptChunk, NotFound, S3KVError
+from s3kv.errors import CorruptChunk, NotFound, Precondition, S3KVError
 from s3kv.keys import parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.ops.inventory import Inventory, read_head_bytes
@@ -181,23 +181,42 @@ async def delete_corrupt(
     from s3kv.manifest.sync import new_writer_id
     from s3kv.ops.gc import Stamps, delete_keys, publish_tombstones
 
-    names: set[str] = set()
+    names: dict[str, str | None] = {}
+    """Object -> its ETag as listed: deleted only if still that version."""
     dead: dict[str, list[bytes]] = {}
     for p in report.corrupt:
         parsed = parse_object_key(p.key)
         info = inv.namespaces.get(p.namespace or "")
         if parsed is not None and info is not None and parsed[1] in info.chunks:
-            names.update(o.key for o in info.chunks[parsed[1]].objects)
+            names.update((o.key, o.etag) for o in info.chunks[parsed[1]].objects)
             dead.setdefault(info.id, []).append(parsed[1])
         else:
-            names.add(p.key)
+            listed = [m for m in (info.manifest_objects if info else []) if m.key == p.key]
+            if info is not None and info.descriptor_meta is not None and info.descriptor_meta.key == p.key:
+                listed.append(info.descriptor_meta)
+            names[p.key] = listed[0].etag if listed else None
     writer = "gc" + new_writer_id()
     for ns, chunk_keys in dead.items():
         info = inv.namespaces[ns]
         await publish_tombstones(store, info, chunk_keys, Stamps(info, writer), skew_s, keys=keys)
-    ordered = sorted(names)
-    failed = set(await delete_keys(store, ordered, concurrency=concurrency, lease=lease))
-    return [k for k in ordered if k not in failed]
+    conditional = sorted(k for k, etag in names.items() if etag is not None)
+    plain = sorted(k for k, etag in names.items() if etag is None)
+    failed = set(await delete_keys(store, plain, concurrency=concurrency, lease=lease))
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(name: str) -> None:
+        async with sem:
+            if lease is not None:
+                lease.check()
+            try:
+                await store.delete_if(name, names[name])  # type: ignore[arg-type]
+            except NotFound:
+                pass
+            except (Precondition, S3KVError, NotImplementedError):
+                failed.add(name)  # rewritten since it was listed (or not deletable): kept
+
+    await asyncio.gather(*(one(n) for n in conditional))
+    return [k for k in sorted(names) if k not in failed]
 
 
 async def inspect_object(

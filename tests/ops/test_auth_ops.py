@@ -110,6 +110,12 @@ def test_gc_with_the_secret_signs_what_it_writes(fleet, s3_server, capsys, monke
     rc, _, err = cli(capsys, s3_server, bucket, "gc", "--max-bytes", "0", "--min-age", "0s")
     assert rc == 2 and "give gc the fleet secret" in err and SECRET not in err
     monkeypatch.setenv(ENV_VAR, SECRET)
+    recent = mf.segment_name(BASE, int(time.time() * 1000), "forger", 2)  # one gc's compaction reads
+    client.put_object(
+        Bucket=bucket,
+        Key=recent,
+        Body=mf.encode(mf.ManifestObject("segment", removed=np.array([7], np.uint64))),
+    )
     rc, doc, err = cli(capsys, s3_server, bucket, "gc", "--max-bytes", "0", "--min-age", "0s")
     assert rc == 0, err
     written = [
@@ -121,6 +127,8 @@ def test_gc_with_the_secret_signs_what_it_writes(fleet, s3_server, capsys, monke
     for name in written:
         mf.decode(client.get_object(Bucket=bucket, Key=name)["Body"].read(), name=name, keys=keys)
     assert SECRET not in json.dumps(doc)
+    # The forger's recent segment was read, ignored, and said so.
+    assert doc["result"]["unsigned_manifest_objects_ignored"] == [recent]
 
 
 def test_gc_deletes_the_objects_replicas_reported_bad(fleet, s3_server, capsys, monkeypatch):
@@ -149,3 +157,28 @@ def test_gc_deletes_the_objects_replicas_reported_bad(fleet, s3_server, capsys, 
     client.put_object(Bucket=bucket, Key=names[5], Body=chunk(5, keys))
     rc, again, _ = cli(capsys, s3_server, bucket, "gc")
     assert rc == 0 and again["bad_objects"] == [] and client.head_object(Bucket=bucket, Key=names[5])
+
+
+def test_verify_deletes_only_the_versions_it_listed():
+    import asyncio
+
+    from s3kv.ops.inventory import scan
+    from s3kv.ops.verify import delete_corrupt, verify
+    from s3kv.stores.memory import MemoryStore
+
+    async def body():
+        store = MemoryStore()
+        names = {i: object_key(PREFIX, NS, key(i), 0) for i in (1, 2)}
+        for i, name in names.items():
+            damaged = bytearray(chunk(i, None))
+            damaged[-1] ^= 1
+            await store.put(name, bytes(damaged))
+        inv = await scan(store, PREFIX)
+        rep = await verify(store, inv, sample=None)
+        assert {p.key for p in rep.corrupt} == set(names.values())
+        await store.put(names[2], chunk(2, None))  # a replica stored a good one since the listing
+        deleted = await delete_corrupt(store, inv, rep, lease=None, skew_s=60)
+        assert deleted == [names[1]]
+        assert not await store.exists(names[1]) and await store.get(names[2]) == chunk(2, None)
+
+    asyncio.run(body())
