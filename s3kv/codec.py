@@ -1,7 +1,7 @@
 """The chunk object format.
 
 One object holds one rank's shard of one chunk: every layer's KV pages for
-``chunk_tokens`` tokens. Layout (format version 2)::
+``chunk_tokens`` tokens. Layout::
 
     prefix  24 bytes   magic "S3KV", format version u16, flags u16,
                        header length u32, xxh3_64 of the header u64, zero u32
@@ -15,10 +15,18 @@ One object holds one rank's shard of one chunk: every layer's KV pages for
 Per-layer frames let a reader fetch a few layers per ranged GET and decode
 them as they arrive. Every byte that reaches a KV cache passed a checksum
 (and, with a fleet secret, a MAC): anything else (truncation, flipped bits,
-another namespace or key, an unknown version, a frame that would decode to
-another size than its page) raises :class:`CorruptChunk` and returns
-nothing. Version 1 objects (no MAC field) are still read when no secret is
-set; a reader older than version 2 refuses these objects by their version.
+another namespace or key, a frame that would decode to another size than
+its page) raises :class:`CorruptChunk` and returns nothing.
+
+Versions: an unsigned object is version 1, byte for byte the layout s3kv
+wrote before objects could be signed, so that older readers go on reading
+what newer writers store without a secret. A signed object (flag 1, MACs)
+is version 2: older readers refuse it by its version. A reader without the
+secret reads version 2 by its checksums (the MAC is not checked); with the
+secret, only version 2 objects whose MACs verify are read. A version 2
+object without the flag (only the builds between the two wrote them) reads
+as unsigned. A higher version raises :class:`UnsupportedFormat`: a newer
+s3kv's object, unusable here but not damaged.
 """
 
 from __future__ import annotations
@@ -34,14 +42,15 @@ import numpy as np
 import xxhash
 import zstandard
 
-from s3kv.errors import CorruptChunk
+from s3kv.errors import CorruptChunk, UnsupportedFormat
 
 if TYPE_CHECKING:
     from s3kv.auth import FleetKeys
 
 MAGIC = b"S3KV"
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+UNSIGNED_VERSION = 1
+SIGNED_VERSION = 2
+READ_VERSIONS = (UNSIGNED_VERSION, SIGNED_VERSION)
 FLAG_SIGNED = 1
 PREFIX = struct.Struct("<4sHHIQI")
 PREFIX_LEN = PREFIX.size  # 24
@@ -83,7 +92,7 @@ class ChunkHeader:
     """Bytes of prefix + header (+ MAC): where frames may start."""
     kid: bytes | None = None
     """The id of the fleet key that signed it; None: unsigned."""
-    version: int = FORMAT_VERSION
+    version: int = UNSIGNED_VERSION
 
     @property
     def signed(self) -> bool:
@@ -239,8 +248,8 @@ def encode_chunk(
         header_len = len(header)
     else:  # pragma: no cover - offsets converge in two passes
         raise AssertionError("header length did not converge")
-    flags = FLAG_SIGNED if keys is not None else 0
-    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(header), xxhash.xxh3_64_intdigest(header), 0)
+    version, flags = (SIGNED_VERSION, FLAG_SIGNED) if keys is not None else (UNSIGNED_VERSION, 0)
+    prefix = PREFIX.pack(MAGIC, version, flags, len(header), xxhash.xxh3_64_intdigest(header), 0)
     mac = [keys.sign("chunk", b"header", prefix, header)] if keys is not None else []
     return b"".join([prefix, header, *mac, *stored])
 
@@ -254,10 +263,10 @@ def header_length(prefix: bytes | memoryview, max_header_len: int = MAX_HEADER_L
     if magic != MAGIC:
         raise CorruptChunk(f"bad magic {bytes(magic)!r}: not an s3kv chunk object")
     if version not in READ_VERSIONS:
-        raise CorruptChunk(
-            f"chunk format version {version}; this s3kv reads versions {', '.join(map(str, READ_VERSIONS))}"
-        )
-    if flags & ~FLAG_SIGNED or zero or (flags and version < 2):
+        if version > SIGNED_VERSION:
+            raise UnsupportedFormat(version, READ_VERSIONS)
+        raise CorruptChunk(f"chunk format version {version}: no s3kv writes it")
+    if flags & ~FLAG_SIGNED or zero or (flags and version < SIGNED_VERSION):
         raise CorruptChunk(f"unknown flags {flags:#x}/{zero:#x} in the prefix")
     if hlen > max_header_len:
         raise CorruptChunk(f"header length {hlen} exceeds {max_header_len}")

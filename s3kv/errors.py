@@ -77,3 +77,15 @@ class CorruptChunk(S3KVError):
 
 class UnsupportedVersion(S3KVError, RuntimeError):
     """The installed vLLM is not one s3kv supports."""
+
+
+class UnsupportedFormat(CorruptChunk):
+    """A chunk object of a format version this s3kv does not read (a newer
+    s3kv wrote it). Unusable here, like a corrupt one, but nothing is wrong
+    with it: readers treat it as missing and never delete it."""
+
+    def __init__(self, version: int, reads: tuple[int, ...]) -> None:
+        self.version = version
+        super().__init__(
+            f"chunk format version {version}; this s3kv reads versions {', '.join(map(str, reads))}"
+        )

@@ -20,9 +20,11 @@ clocks disagree by less than the margin never miss each other's segments.
 Each object: a 32-byte prefix (magic ``S3KM``, version, kind, flags, counts,
 xxh3 of the rest), a JSON header, then little-endian uint64 arrays, sorted;
 signed (flag 1, with the fleet secret), a 24-byte trailer: the key id and a
-keyed-BLAKE3 MAC of everything before it. Format version 2; version 1
-objects (never signed) are still read without a secret, and a reader older
-than version 2 refuses these by their version.
+keyed-BLAKE3 MAC of everything before it. Versions as for chunk objects
+(:mod:`s3kv.codec`): an unsigned object is version 1, exactly what s3kv
+wrote before signing existed (older readers keep reading it); a signed one
+is version 2 (older readers refuse it by its version); a higher version is
+refused as :class:`UnsupportedManifestVersion`.
 
 A segment may name *bad* chunk objects (``meta["bad"]``: object names and
 the ETags read), corrupt ones a replica could not delete: its removals drop
@@ -49,8 +51,9 @@ if TYPE_CHECKING:
     from s3kv.auth import FleetKeys
 
 MAGIC = b"S3KM"
-VERSION = 2
-READ_VERSIONS = (1, 2)
+UNSIGNED_VERSION = 1
+SIGNED_VERSION = 2
+READ_VERSIONS = (UNSIGNED_VERSION, SIGNED_VERSION)
 FLAG_SIGNED = 1
 PREFIX = struct.Struct("<4sHBBIQQ")  # magic, version, kind, flags, header len, n_add, n_del
 CHECKSUM = struct.Struct("<Q")
@@ -70,6 +73,11 @@ class UnsignedManifest(CorruptManifest):
     """With the fleet secret set: a manifest object without a valid MAC."""
 
 
+class UnsupportedManifestVersion(CorruptManifest):
+    """A manifest object of a newer format version than this s3kv reads:
+    skipped like a corrupt one, but never deleted as one."""
+
+
 @dataclass
 class ManifestObject:
     kind: str
@@ -85,9 +93,9 @@ def encode(obj: ManifestObject, keys: FleetKeys | None = None) -> bytes:
     removed = as_sorted_unique(obj.removed).astype("<u8").tobytes()
     header = json.dumps(obj.meta, separators=(",", ":"), sort_keys=True).encode()
     body = header + added + removed
-    flags = FLAG_SIGNED if keys is not None else 0
+    version, flags = (SIGNED_VERSION, FLAG_SIGNED) if keys is not None else (UNSIGNED_VERSION, 0)
     prefix = PREFIX.pack(
-        MAGIC, VERSION, KINDS[obj.kind], flags, len(header), len(added) // 8, len(removed) // 8
+        MAGIC, version, KINDS[obj.kind], flags, len(header), len(added) // 8, len(removed) // 8
     )
     data = prefix + CHECKSUM.pack(xxhash.xxh3_64_intdigest(prefix + body)) + body
     if keys is not None:
@@ -103,10 +111,11 @@ def _check_prefix(data: bytes, name: str) -> tuple[int, int, int, int, int, int]
     if magic != MAGIC:
         raise CorruptManifest(f"{name}: bad magic {bytes(magic)!r}")
     if version not in READ_VERSIONS:
-        raise CorruptManifest(
+        error = UnsupportedManifestVersion if version > SIGNED_VERSION else CorruptManifest
+        raise error(
             f"{name}: manifest format version {version}; this s3kv reads {', '.join(map(str, READ_VERSIONS))}"
         )
-    if kind not in _KIND_NAMES or flags & ~FLAG_SIGNED or (flags and version < 2):
+    if kind not in _KIND_NAMES or flags & ~FLAG_SIGNED or (flags and version < SIGNED_VERSION):
         raise CorruptManifest(f"{name}: unknown kind {kind} or flags {flags}")
     return version, kind, flags, hlen, n_add, n_del
 
