@@ -9,15 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.errors import ConfigError, CorruptChunk, NotFound, PermissionDenied, RangeNotSatisfiable, Transient
+from s3kv.errors import (
+    ConfigError,
+    CorruptChunk,
+    NotFound,
+    PermissionDenied,
+    RangeNotSatisfiable,
+    Transient,
+    UnsupportedFormat,
+)
 from s3kv.stores.base import ByteRange, ObjectStore
+
+T = TypeVar("T")
 
 FrameSink = Callable[[int, np.ndarray], None]
 """Called once per layer with that layer's decoded page bytes (uint8)."""
@@ -81,6 +93,18 @@ def as_corrupt(e: BaseException, where: str) -> CorruptChunk:
     return CorruptChunk(f"{where}: {type(e).__name__}: {e}")
 
 
+@contextlib.contextmanager
+def checking_bytes(where: str) -> Iterator[None]:
+    """Around code that only looks at an object's bytes (parsing, checksums,
+    MACs, decompression): whatever it raises means the bytes are bad."""
+    try:
+        yield
+    except CorruptChunk:
+        raise
+    except Exception as e:
+        raise as_corrupt(e, where) from e
+
+
 @dataclass(frozen=True)
 class ChunkCodec:
     """How this engine's chunk shards are encoded, and what a decoded one
@@ -124,16 +148,22 @@ class ChunkCodec:
             keys=self.keys,
         )
 
-    def header_length(self, prefix: bytes | memoryview) -> int:
-        return codec.header_length(prefix, self.max_header)
+    def header_length(self, prefix: bytes | memoryview, where: str = "chunk") -> int:
+        with checking_bytes(where):
+            return codec.header_length(prefix, self.max_header)
 
-    def parse_header(self, data: bytes | memoryview) -> codec.ChunkHeader:
-        return codec.parse_header(data, self.keys, max_header_len=self.max_header)
+    def parse_header(self, data: bytes | memoryview, where: str = "chunk") -> codec.ChunkHeader:
+        with checking_bytes(where):
+            return codec.parse_header(data, self.keys, max_header_len=self.max_header)
 
     def check(self, header: codec.ChunkHeader, key_hex: str, where: str) -> None:
         """Raise CorruptChunk unless ``header`` is this engine's chunk
         ``key_hex``, with frames that decode to exactly this engine's pages:
         nothing a header says is allocated before it passed."""
+        with checking_bytes(where):
+            self._check(header, key_hex, where)
+
+    def _check(self, header: codec.ChunkHeader, key_hex: str, where: str) -> None:
         try:
             header.check_identity(self.namespace, key_hex, self.rank)
         except CorruptChunk as e:
@@ -152,7 +182,7 @@ class ChunkCodec:
             )
         bound = zstd_bound(fmt.layer_bytes) if header.codec == "zstd" else fmt.layer_bytes
         for i, f in enumerate(header.frames):
-            if f.raw_length != fmt.layer_bytes or f.length > bound:
+            if f.raw_length != fmt.layer_bytes or not 0 < f.length <= bound:
                 raise CorruptChunk(
                     f"{where}: frame {i} holds {f.raw_length} bytes in {f.length}; a layer's pages "
                     f"are {fmt.layer_bytes} bytes"
@@ -161,17 +191,12 @@ class ChunkCodec:
     def decode_frame(
         self, header: codec.ChunkHeader, index: int, stored: bytes | memoryview, where: str
     ) -> np.ndarray:
-        try:
+        with checking_bytes(where):
             return codec.decode_frame(header, index, stored, keys=self.keys)
-        except Exception as e:
-            raise as_corrupt(e, where) from e
 
     def decode(self, key: bytes, blob: bytes | memoryview, sink: FrameSink, where: str) -> None:
         """Check a whole object and hand each decoded layer to ``sink``."""
-        try:
-            header = self.parse_header(blob)
-        except Exception as e:
-            raise as_corrupt(e, where) from e
+        header = self.parse_header(blob, where)
         self.check(header, key.hex(), where)
         if len(blob) != header.object_length:
             raise CorruptChunk(f"{where}: {len(blob)} bytes, its header says {header.object_length}")
@@ -225,6 +250,91 @@ class _SinkFailed(Exception):
     """Writing verified pages failed (the cause): not the object's fault."""
 
 
+@dataclass(frozen=True)
+class HeaderRead:
+    """An object's header, read and checked to be this engine's chunk."""
+
+    header: codec.ChunkHeader
+    data: bytes
+    """The object's first bytes: the header and whatever else the first GET brought."""
+    etag: str | None
+    size: int | None
+    """The whole object's size, where the store said."""
+
+
+@dataclass
+class _Reading:
+    """One read of a chunk object: what a CorruptChunk must carry."""
+
+    where: str
+    etag: str | None = None
+
+
+_STORE_ERRORS = (NotFound, Transient, PermissionDenied, ConfigError)
+"""What stores raise that a read passes on as it is."""
+
+
+async def _read(where: str, body: Callable[[_Reading], Awaitable[T]]) -> T:
+    """Run one read of the chunk object ``where``, and say what its failure
+    means: the one place this is decided, for every read of a chunk object.
+
+    CorruptChunk only for the object's bytes (what :func:`checking_bytes`
+    guards: header, MAC, checksums, sizes, frames, truncation) and a 416, with
+    the ETag read so that a delete is conditional; MemoryError counts too.
+    A too new format version is NotFound: this s3kv cannot use the object,
+    but another can, so it is never deleted. Store errors pass as they are;
+    anything else (a library's surprise: a connection dropped mid-body, an
+    executor shut down) is Transient, never corrupt, so that a network fault
+    never costs a good object. Its message names the object and the error's
+    type, not its text, which may hold an endpoint or a signed URL."""
+    r = _Reading(where)
+    try:
+        return await body(r)
+    except _SinkFailed as e:  # the engine's side, not the object's: no corruption
+        raise e.__cause__ from None  # type: ignore[misc]
+    except UnsupportedFormat as e:
+        raise NotFound(where, str(e)) from e
+    except CorruptChunk as e:
+        e.etag = r.etag
+        raise
+    except (RangeNotSatisfiable, MemoryError) as e:
+        why = "shorter than its header says" if isinstance(e, RangeNotSatisfiable) else "MemoryError"
+        corrupt = CorruptChunk(f"{where}: {why} ({e})")
+        corrupt.etag = r.etag
+        raise corrupt from e
+    except _STORE_ERRORS:
+        raise
+    except Exception as e:
+        raise Transient(f"{where}: reading it failed ({type(e).__name__}), not a fault of the object") from e
+
+
+async def _read_header(
+    store: ObjectStore, chunk: ChunkId, chunk_codec: ChunkCodec, prefetch: int, r: _Reading
+) -> HeaderRead:
+    where = chunk.object_key
+    got = await store.get_object(where, ByteRange(0, max(prefetch, codec.PREFIX_LEN)))
+    r.etag, first = got.etag, got.data
+    need = chunk_codec.header_length(first, where)
+    if need > len(first):
+        first += await store.get(where, ByteRange(len(first), need))
+    header = chunk_codec.parse_header(first, where)
+    chunk_codec.check(header, chunk.key_hex, where)
+    if len(first) > header.object_length or (got.size is not None and got.size != header.object_length):
+        raise CorruptChunk(
+            f"{where}: object is {got.size if got.size is not None else len(first)} bytes, "
+            f"its header says {header.object_length}"
+        )
+    return HeaderRead(header, first, got.etag, got.size)
+
+
+async def read_header(
+    store: ObjectStore, chunk: ChunkId, *, chunk_codec: ChunkCodec, prefetch: int
+) -> HeaderRead:
+    """Read and check ``chunk``'s header (the first GET asks for ``prefetch``
+    bytes). Raises as :func:`load_chunk` does."""
+    return await _read(chunk.object_key, lambda r: _read_header(store, chunk, chunk_codec, prefetch, r))
+
+
 async def load_chunk(
     store: ObjectStore,
     chunk: ChunkId,
@@ -239,39 +349,21 @@ async def load_chunk(
     ``sink`` as soon as its range arrives. Returns the bytes fetched and, with
     ``keep_blob``, the whole object (to promote it to another tier).
 
-    Raises NotFound; CorruptChunk for anything wrong with the object's bytes
-    (identity, layer count, sizes, checksum or MAC, truncation, a 416), with
-    the ETag read; Transient. ``sink`` sees only verified bytes, but may have
-    seen some layers before a later one fails. Nothing is allocated from what
-    a header says before :meth:`ChunkCodec.check` passed it."""
-    where = chunk.object_key
-    etag: str | None = None
-    try:
-        got = await store.get_object(where, ByteRange(0, max(range_bytes, codec.PREFIX_LEN)))
-        etag, first = got.etag, got.data
-        need = chunk_codec.header_length(first)
-        if need > len(first):
-            first += await store.get(where, ByteRange(len(first), need))
-        header = chunk_codec.parse_header(first)
-        chunk_codec.check(header, chunk.key_hex, where)
-        if len(first) > header.object_length or (got.size is not None and got.size != header.object_length):
-            raise CorruptChunk(
-                f"{where}: object is {got.size if got.size is not None else len(first)} bytes, "
-                f"its header says {header.object_length}"
-            )
+    Raises NotFound (also for an object of a newer format version);
+    CorruptChunk for anything wrong with the object's bytes (identity, layer
+    count, sizes, checksum or MAC, truncation, a 416), with the ETag read;
+    Transient, PermissionDenied (see :func:`_read`). ``sink`` sees only
+    verified bytes, but may have seen some layers before a later one fails.
+    Nothing is allocated from what a header says before
+    :meth:`ChunkCodec.check` passed it."""
+
+    async def body(r: _Reading) -> tuple[int, bytes | None]:
+        head = await _read_header(store, chunk, chunk_codec, range_bytes, r)
         return await _fetch_frames(
-            store, chunk_codec, header, first, sink, where, range_bytes, executor, keep_blob
+            store, chunk_codec, head.header, head.data, sink, r.where, range_bytes, executor, keep_blob
         )
-    except _SinkFailed as e:  # the engine's side, not the object's: no corruption
-        raise e.__cause__ from None  # type: ignore[misc]
-    except (NotFound, Transient, PermissionDenied, ConfigError, asyncio.CancelledError):
-        raise
-    except Exception as e:
-        if isinstance(e, RangeNotSatisfiable):
-            e = CorruptChunk(f"{where}: shorter than its header says ({e})")
-        corrupt = as_corrupt(e, where)
-        corrupt.etag = etag
-        raise corrupt from e
+
+    return await _read(chunk.object_key, body)
 
 
 async def _fetch_frames(

@@ -18,7 +18,7 @@ import zstandard
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.errors import CorruptChunk, PermissionDenied, Transient
+from s3kv.errors import CorruptChunk, NotFound, PermissionDenied, Throttled, Transient
 from s3kv.stores.base import GetResult
 from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.chunks import ChunkCodec
@@ -382,3 +382,170 @@ def test_an_s3_failure_makes_loads_in_flight_give_up():
     assert acc.finished_loads["a"] and acc.finished_loads["b"]
     assert acc.tier_failed[Tier.S3] >= 1
     e.close(0.1)
+
+
+# -- what a failure to read means: only the bytes make an object corrupt ----------------------
+
+LEAKY = "https://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI%2FK7MDENG@bucket.s3.amazonaws.com/x?X-Amz-Signature=abc"
+"""What a library's error text may hold: an endpoint with credentials, a signed URL."""
+
+
+class Faulty(MemoryStore):
+    """Raises ``fault`` on GET number ``at`` of the object (1: the header's,
+    2: the first range of frames after it: mid-body)."""
+
+    def __init__(self, fault: BaseException, at: int) -> None:
+        super().__init__()
+        self.fault, self.at, self.gets = fault, at, 0
+
+    async def get(self, key, range=None):
+        self.gets += 1
+        if self.gets == self.at:
+            raise self.fault
+        return await super().get(key, range)
+
+
+def _network_faults():
+    import aiohttp
+    import botocore.exceptions as bexc
+
+    from s3kv.errors import S3KVError
+
+    return [
+        ConnectionResetError(104, f"Connection reset by peer ({LEAKY})"),
+        aiohttp.ClientPayloadError(f"Response payload is not completed ({LEAKY})"),
+        bexc.IncompleteReadError(actual_bytes=10, expected_bytes=100),
+        bexc.ResponseStreamingError(error=LEAKY),
+        S3KVError(f"{LEAKY}: IncompleteReadError"),  # what the S3 store makes of a BotoCoreError
+        RuntimeError(f"Session is closed ({LEAKY})"),
+        TimeoutError(),
+    ]
+
+
+def _load(store, key, e):
+    from s3kv.tiering.chunks import load_chunk
+
+    return asyncio.run(
+        load_chunk(store, e.chunk_id(key), lambda *a: None, chunk_codec=e.codec, range_bytes=PAGE + 200)
+    )
+
+
+@pytest.mark.parametrize("at", [1, 2])
+@pytest.mark.parametrize("fault", _network_faults(), ids=lambda f: type(f).__name__)
+def test_a_network_fault_is_transient_never_corrupt(fault, at):
+    key = b"n" * 16
+    store = Faulty(fault, at=0)
+    e = stored_chunk(store, key, 6)
+    name = e.chunk_id(key).object_key
+    good = get(store, name)
+    store.gets, store.at = 0, at
+    with pytest.raises(Transient) as raised:
+        _load(store, key, e)
+    assert not isinstance(raised.value, CorruptChunk) and raised.value.__cause__ is fault
+    assert name in str(raised.value) and type(fault).__name__ in str(raised.value)
+    assert "AKIA" not in str(raised.value) and "wJalr" not in str(raised.value)
+    # Through the engine: the tier is blamed, the object is kept, not reported bad.
+    store.gets = 0
+    e.submit_load("j", [chunk(key)], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] and acc.bad == {} and acc.missing == {}
+    assert acc.tier_failed == {Tier.S3: 1}
+    assert get(store, name) == good and "load_errors_corrupt" not in e.counters.totals()
+    e.close()
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_416_and_memory_error_are_corrupt_with_the_etag_read(at):
+    from s3kv.errors import RangeNotSatisfiable
+
+    key = b"m" * 16
+    for fault, why in (
+        (RangeNotSatisfiable("range not satisfiable"), "shorter than its header says"),
+        (MemoryError(), "MemoryError"),
+    ):
+        store = Faulty(fault, at=0)
+        e = stored_chunk(store, key, 7)
+        name = e.chunk_id(key).object_key
+        etag = asyncio.run(store.head(name)).etag
+        store.gets, store.at = 0, at
+        with pytest.raises(CorruptChunk, match=why) as raised:
+            _load(store, key, e)
+        # The ETag of the GET that brought the header (none: the first GET failed).
+        assert raised.value.etag == (etag if at > 1 else None) and raised.value.__cause__ is fault
+        e.close()
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [NotFound("x"), PermissionDenied("x: AccessDenied"), Transient("x: 503"), Throttled("x: SlowDown")],
+    ids=lambda f: type(f).__name__,
+)
+def test_store_errors_pass_as_they_are(fault):
+    key = b"e" * 16
+    store = Faulty(fault, at=0)
+    e = stored_chunk(store, key, 8)
+    store.gets, store.at = 0, 2
+    with pytest.raises(type(fault)) as raised:
+        _load(store, key, e)
+    assert raised.value is fault
+    e.close()
+
+
+def test_bad_bytes_are_corrupt_whatever_the_check_raises(monkeypatch):
+    """A check of the bytes that fails in an unforeseen way (a numpy or zstd
+    error it does not catch) still makes the object corrupt, not Transient:
+    a forged object must not trip the S3 breaker on every hit."""
+    key = b"c" * 16
+    store = MemoryStore()
+    e = stored_chunk(store, key, 9)
+    etag = asyncio.run(store.head(e.chunk_id(key).object_key)).etag
+
+    def broken(*a, **kw):
+        raise IndexError("a check that did not expect these bytes")
+
+    for target in ("parse_header", "decode_frame"):
+        with monkeypatch.context() as m:
+            m.setattr(codec, target, broken)
+            with pytest.raises(CorruptChunk, match="IndexError") as raised:
+                _load(store, key, e)
+        assert raised.value.etag == etag
+    e.close()
+
+
+def test_an_object_of_a_newer_format_is_missing_not_corrupt():
+    """A newer s3kv's object (format version 3): this replica cannot use it,
+    but it is not damaged: not deleted, not reported bad, only missing here."""
+    key = b"v" * 16
+    store = MemoryStore()
+    e = stored_chunk(store, key, 10)
+    name = e.chunk_id(key).object_key
+    newer = bytearray(get(store, name))
+    newer[4:6] = (3).to_bytes(2, "little")
+    put(store, name, bytes(newer))
+    with pytest.raises(NotFound, match="chunk format version 3; this s3kv reads versions 1, 2"):
+        _load(store, key, e)
+    e.submit_load("j", [chunk(key)], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] and acc.missing == {Tier.S3: {key}} and acc.bad == {}
+    assert get(store, name) == bytes(newer) and "load_errors_corrupt" not in e.counters.totals()
+    e.close()
+
+
+def test_read_header_reads_and_classifies_as_loads_do():
+    from s3kv.tiering.chunks import read_header
+
+    key = b"k" * 16
+    store = Faulty(ConnectionResetError(104, "reset"), at=0)
+    e = stored_chunk(store, key, 11)
+    name = e.chunk_id(key).object_key
+    got = asyncio.run(read_header(store, e.chunk_id(key), chunk_codec=e.codec, prefetch=64))
+    assert got.etag == asyncio.run(store.head(name)).etag and got.size == len(get(store, name))
+    assert len(got.header.frames) == LAYERS and got.data == get(store, name)[: len(got.data)]
+    store.gets, store.at = 0, 2  # the header's second GET (64 bytes were not all of it)
+    with pytest.raises(Transient, match="ConnectionResetError"):
+        asyncio.run(read_header(store, e.chunk_id(key), chunk_codec=e.codec, prefetch=64))
+    put(store, name, get(store, name)[:100])
+    with pytest.raises(CorruptChunk) as raised:
+        asyncio.run(read_header(store, e.chunk_id(key), chunk_codec=e.codec, prefetch=64))
+    assert raised.value.etag == asyncio.run(store.head(name)).etag
+    e.close()
