@@ -7,7 +7,8 @@ fetched, and a new chunk is encoded once for both). Files are written to a
 fsync'd, then renamed: a crash never leaves a half file under a real name, and
 a later process removes a dead writer's partials (by pid in its own pid
 namespace, by age for writers in other containers). Every read is checked
-(identity, layout, per-layer checksums); a file that fails is deleted.
+(identity, layout, per-layer checksums), from a regular file of at most a
+chunk's size, never through a symlink; a file that fails is deleted.
 
 The scheduler side rebuilds its index of the directory with :func:`scan` at
 start-up, so a restarted replica hits its own disk without S3. The scan trusts
@@ -18,6 +19,7 @@ are skipped and counted, never followed and never fatal.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -66,14 +68,41 @@ class DiskTier(TierStorage):
         return len(blob)
 
     def read_blob(self, key: bytes) -> bytes:
+        """The file's bytes, not yet checked, read only from a regular file
+        at the shard's own name (never through a symlink, never blocking on
+        a FIFO) and never more than one of this engine's objects can be.
+        CorruptChunk for anything else: a symlink, FIFO or directory there
+        is left alone (as the scan leaves it); a file too large to be a
+        chunk of this engine's is deleted unread."""
         path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptChunk(f"{path}: a symlink where a chunk file belongs (not followed)") from None
+            if e.errno == errno.ENXIO:  # a socket
+                raise CorruptChunk(f"{path}: not a regular file") from None
+            raise map_os_error(e, str(path)) from e
+        limit = self.codec.max_object
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptChunk(f"{path}: not a regular file (mode {stat.filemode(st.st_mode)})")
+            size = st.st_size
+            data = b"" if size > limit else _read_at_most(fd, limit + 1)
         except OSError as e:
             raise map_os_error(e, str(path)) from e
+        finally:
+            os.close(fd)
+        if size > limit or len(data) > limit:
+            self.delete(key)
+            raise CorruptChunk(f"{path}: {max(size, len(data))} bytes, more than a chunk's {limit}")
+        return data
 
     def read(self, key: bytes, sink: FrameSink, slot: int | None = None) -> int:
+        """Check and decode the file; one that fails (a newer format's
+        included: this s3kv cannot use it) is deleted, so that a bad copy
+        costs one failed load."""
         blob = self.read_blob(key)
         try:
             self.codec.decode(key, blob, sink, str(self.path(key)))
@@ -88,6 +117,19 @@ class DiskTier(TierStorage):
 
     def bytes_used(self) -> int:
         return directory_bytes(self.root)
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes from ``fd``, to its end."""
+    parts: list[bytes] = []
+    left = limit
+    while left > 0:
+        part = os.read(fd, min(left, 1 << 24))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
 
 
 def directory_bytes(root: Path) -> int:

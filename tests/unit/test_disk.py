@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from s3kv.errors import CorruptChunk
+from s3kv.errors import CorruptChunk, NotFound
 from s3kv.keys import KEY_BYTES
 from s3kv.stores.local import (
     FOREIGN_PARTIAL_MAX_AGE_S,
@@ -569,3 +569,79 @@ def test_writer_killed_mid_write_leaves_no_file_loaded_as_valid(tmp_path):
     assert corrupt == []
     assert len(valid) >= 2
     assert sorted(c[0] for c in result.chunks) == sorted(valid) and result.other == []
+
+
+# -- reading a chunk file: only a regular file of at most a chunk's size, never a link -----------
+
+
+def _tier_with_chunk(root: Path) -> tuple[DiskTier, bytes, bytes]:
+    chunk_codec = make_codec()
+    tier = DiskTier(root, chunk_codec)
+    key = key_of(7)
+    tier.write(key, make_chunk(chunk_codec, key))
+    return tier, key, tier.path(key).read_bytes()
+
+
+def test_a_disk_read_never_follows_a_symlink(tmp_path):
+    tier, key, good = _tier_with_chunk(tmp_path / "disk")
+    target = tmp_path / "elsewhere"
+    target.write_bytes(good)  # a valid chunk, but not the tier's file
+    path = tier.path(key)
+    path.unlink()
+    path.symlink_to(target)
+    with pytest.raises(CorruptChunk, match="symlink"):
+        read_raw(tier, key, None)
+    assert path.is_symlink() and target.read_bytes() == good  # left alone, as the scan leaves it
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "socket"])
+def test_a_disk_read_refuses_what_is_not_a_regular_file_without_blocking(tmp_path, kind, monkeypatch):
+    tier, key, _ = _tier_with_chunk(tmp_path / "disk")
+    path = tier.path(key)
+    path.unlink()
+    sock = None
+    if kind == "fifo":
+        os.mkfifo(path)  # no writer: a plain open() would block here for ever
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        monkeypatch.chdir(path.parent)  # a socket's path must be short
+        sock.bind(path.name)
+    try:
+        started = time.monotonic()
+        with pytest.raises(CorruptChunk, match="not a regular file"):
+            read_raw(tier, key, None)
+        assert time.monotonic() - started < 5 and path.exists()
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def test_a_disk_file_larger_than_a_chunk_is_deleted_unread(tmp_path, monkeypatch):
+    tier, key, good = _tier_with_chunk(tmp_path / "disk")
+    path = tier.path(key)
+    limit = tier.codec.max_object
+    with open(path, "ab") as f:
+        f.truncate(limit + 1)  # sparse: costs no disk
+    reads = []
+    real_read = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    with pytest.raises(CorruptChunk, match=f"{limit + 1} bytes, more than a chunk's {limit}"):
+        read_raw(tier, key, None)
+    assert reads == [] and not path.exists()
+
+
+def test_a_corrupt_disk_file_is_deleted_after_the_failed_read(tmp_path):
+    tier, key, good = _tier_with_chunk(tmp_path / "disk")
+    path = tier.path(key)
+    bad = bytearray(good)
+    bad[-10] ^= 1
+    path.write_bytes(bytes(bad))
+    with pytest.raises(CorruptChunk, match="checksum mismatch"):
+        read_raw(tier, key, None)
+    assert not path.exists()
+    with pytest.raises(NotFound):  # the next read is a plain miss
+        read_raw(tier, key, None)
+    tier.write(key, make_chunk(tier.codec, key))
+    assert read_raw(tier, key, None) == [a.tobytes() for a in make_chunk(tier.codec, key).layers]
