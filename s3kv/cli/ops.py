@@ -252,7 +252,7 @@ async def _inspect(store: ObjectStore, name: str, check: bool, keys: FleetKeys |
 @click.command("inspect", epilog=EXIT_CODES_HELP)
 @store_options
 @click.argument("target", metavar="KEY|OBJECT")
-@click.option("--check", is_flag=True, help="Also read every frame and check its checksum.")
+@click.option("--check", is_flag=True, help="Also read and decode every frame (MACs too, with the secret).")
 @click.option(
     "--frames", is_flag=True, help="Show the frame table (offset, stored, raw, checksum per layer)."
 )
@@ -349,8 +349,8 @@ def verify_cmd(
     seed: int | None,
     wait: float,
 ) -> int:
-    """Check chunk headers and checksums (and, with the fleet secret, MACs); report corrupt and
-    unsigned objects, and objects s3kv did not write."""
+    """Check chunk headers and checksums, decode every frame (and, with the fleet secret, check
+    MACs); report corrupt and unsigned objects, and objects s3kv did not write."""
 
     async def body(store: ObjectStore) -> Any:
         inv = await _scan(store, s, namespaces, read_access=False)

@@ -1,13 +1,17 @@
-"""Checking stored objects: chunk headers and frame checksums, manifest
-objects, descriptors; and telling apart objects s3kv did not write.
+"""Checking stored objects: chunk objects (header and every frame decoded),
+manifest objects, descriptors; and telling apart objects s3kv did not write.
 
 A chunk object is *corrupt* when it does not parse, names another
 namespace, key or rank than its object name says, has another length than
-its header says, or a frame fails its checksum. With the fleet secret, an
-object without a valid MAC (unsigned, signed with an unknown key, or whose
-MAC fails) is *unsigned*: replicas refuse it as they refuse corrupt ones. A
-*foreign* object is one under the prefix that is no chunk, manifest object,
-descriptor or the gc lease: verify reports it and never deletes it.
+its header says, or a frame fails its checksum or does not decode to its
+raw length (bad zstd bytes, another content size, a frame claiming more
+than :data:`~s3kv.codec.MAX_FRAME_RAW`, refused undecoded). With the fleet
+secret, a sound object without a valid MAC (unsigned, signed with an
+unknown key, or whose MAC fails) is *unsigned*: replicas refuse it as they
+refuse corrupt ones. An object of a newer format than this s3kv reads is
+*unsupported*: reported, never deleted. A *foreign* object is one under the
+prefix that is no chunk, manifest object, descriptor or the gc lease:
+verify reports it and never deletes it.
 """
 
 from __future__ import annotations
@@ -21,18 +25,19 @@ from typing import Any
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.errors import CorruptChunk, NotFound, Precondition, S3KVError
+from s3kv.errors import CorruptChunk, NotFound, Precondition, S3KVError, UnsupportedFormat
 from s3kv.keys import parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.ops.inventory import Inventory, read_head_bytes
 from s3kv.stores.base import ObjectMeta, ObjectStore
+from s3kv.tiering.chunks import checking_bytes
 
 
 @dataclass
 class Problem:
     key: str
     kind: str
-    """corrupt, unsigned or foreign"""
+    """corrupt, unsigned, unsupported or foreign"""
     reason: str
     namespace: str | None = None
 
@@ -46,6 +51,8 @@ class VerifyReport:
     vanished: int = 0
     """Objects listed that were gone when read (a gc or replica deleted them)."""
     deleted: list[str] = field(default_factory=list)
+    signed_namespaces: set[str] = field(default_factory=set)
+    """Namespaces where a sound object read was signed: their replicas sign."""
 
     @property
     def corrupt(self) -> list[Problem]:
@@ -55,6 +62,11 @@ class VerifyReport:
     @property
     def unsigned(self) -> list[Problem]:
         return [p for p in self.problems if p.kind == "unsigned"]
+
+    @property
+    def unsupported(self) -> list[Problem]:
+        """Objects of a newer format than this s3kv reads: never deleted."""
+        return [p for p in self.problems if p.kind == "unsupported"]
 
     @property
     def foreign(self) -> list[Problem]:
@@ -68,6 +80,7 @@ class VerifyReport:
             "vanished": self.vanished,
             "corrupt": [p.__dict__ for p in self.corrupt if p.kind == "corrupt"],
             "unsigned": [p.__dict__ for p in self.unsigned],
+            "unsupported": [p.__dict__ for p in self.unsupported],
             "foreign": [p.__dict__ for p in self.foreign],
             "deleted": self.deleted,
         }
@@ -77,21 +90,38 @@ class Unsigned(CorruptChunk):
     """The object has no valid MAC under the fleet's keys."""
 
 
-def check_chunk(name: str, data: bytes, keys: FleetKeys | None = None) -> None:
+def check_chunk(name: str, data: bytes, keys: FleetKeys | None = None) -> codec.ChunkHeader:
     """Raise CorruptChunk unless ``data`` is a sound chunk object named
-    ``name`` (with ``keys``: Unsigned unless a fleet key signed it)."""
+    ``name``: its header, identity and length, and every frame checked and
+    decoded as a replica would (one claiming more than MAX_FRAME_RAW bytes
+    is corrupt undecoded, so that a bomb costs nothing). Then, with
+    ``keys``, Unsigned unless a fleet key signed it (header and every
+    frame). UnsupportedFormat for a newer format. Returns the header."""
     parsed = parse_object_key(name)
     if parsed is None:
         raise CorruptChunk("not a chunk object name")
     ns, key, rank = parsed
-    header = codec.parse_header(data)  # sound first: a damaged object is corrupt, whoever wrote it
-    header.check_identity(ns, key.hex(), rank)
-    codec.check_frames(data, header)
+    with checking_bytes(name):  # sound first: a damaged object is corrupt, whoever wrote it
+        header = codec.parse_header(data)
+        header.check_identity(ns, key.hex(), rank)
+        if len(data) != header.object_length:
+            raise CorruptChunk(f"object is {len(data)} bytes, its header says {header.object_length}")
+        mv = memoryview(data)
+        for i, f in enumerate(header.frames):
+            if f.raw_length > codec.MAX_FRAME_RAW:
+                raise CorruptChunk(
+                    f"frame {i}: says it decodes to {f.raw_length} bytes, more than {codec.MAX_FRAME_RAW}"
+                )
+            codec.decode_frame(header, i, mv[f.offset : f.end])
     if keys is not None:
         try:
-            codec.check_frames(data, codec.parse_header(data, keys), keys)
+            with checking_bytes(name):
+                signed = codec.parse_header(data, keys)
+                for i, f in enumerate(signed.frames):
+                    codec.check_frame_mac(signed, i, mv[f.offset : f.end], keys)
         except CorruptChunk as e:
             raise Unsigned(str(e)) from None
+    return header
 
 
 def check_descriptor(ns: str, data: bytes) -> None:
@@ -143,15 +173,20 @@ async def verify(
                 return
         try:
             if what == "chunk":
-                await asyncio.to_thread(check_chunk, meta.key, data, keys)
+                if (await asyncio.to_thread(check_chunk, meta.key, data, keys)).signed:
+                    report.signed_namespaces.add(ns)
             elif what == "manifest":
                 try:
                     mf.decode(data, name=meta.key, keys=keys)
                 except mf.UnsignedManifest as e:
                     mf.decode(data, name=meta.key)  # sound otherwise? then it is "unsigned"
                     raise Unsigned(str(e)) from None
+                if mf.is_signed(data):
+                    report.signed_namespaces.add(ns)
             else:
                 check_descriptor(ns, data)
+        except (UnsupportedFormat, mf.UnsupportedManifestVersion) as e:
+            report.problems.append(Problem(meta.key, "unsupported", str(e), ns))
         except (CorruptChunk, mf.CorruptManifest) as e:
             kind = "unsigned" if isinstance(e, Unsigned) else "corrupt"
             report.problems.append(Problem(meta.key, kind, str(e), ns))
@@ -177,9 +212,24 @@ async def delete_corrupt(
 ) -> list[str]:
     """Delete what verify found corrupt: every rank of a damaged chunk (after
     a tombstone, as gc does), or the damaged manifest object or descriptor.
-    Returns the keys deleted."""
+    Returns the keys deleted.
+
+    Without ``keys``, nothing in a namespace whose replicas sign (a sound
+    signed object read, or a signed manifest) is deleted: UnsignedWrite.
+    Without the secret, verify cannot tell a forgery from the fleet's own
+    objects, and the tombstones it would publish are unsigned, which those
+    replicas ignore."""
     from s3kv.manifest.sync import new_writer_id
-    from s3kv.ops.gc import Stamps, delete_keys, publish_tombstones
+    from s3kv.ops.gc import Stamps, UnsignedWrite, delete_keys, manifest_signed, publish_tombstones
+
+    if keys is None:
+        for ns in sorted({p.namespace for p in report.corrupt if p.namespace is not None}):
+            info = inv.namespaces.get(ns)
+            if ns in report.signed_namespaces or (info is not None and await manifest_signed(store, info)):
+                raise UnsignedWrite(
+                    f"namespace {ns}: its replicas sign their objects, so verify deletes nothing there "
+                    "without the fleet secret (S3KV_AUTH_KEY or --auth-key-file); nothing was deleted"
+                )
 
     names: dict[str, str | None] = {}
     """Object -> its ETag as listed: deleted only if still that version."""
