@@ -82,7 +82,9 @@ class UnsupportedVersion(S3KVError, RuntimeError):
 class UnsupportedFormat(CorruptChunk):
     """A chunk object of a format version this s3kv does not read (a newer
     s3kv wrote it). Unusable here, like a corrupt one, but nothing is wrong
-    with it: readers treat it as missing and never delete it."""
+    with it: a load from S3 treats it as missing and never deletes it, and
+    ``s3kv verify`` reports it apart (a CorruptChunk still, so that code
+    unaware of versions refuses it; an NVMe copy is deleted like a bad one)."""
 
     def __init__(self, version: int, reads: tuple[int, ...]) -> None:
         self.version = version
