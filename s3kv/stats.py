@@ -52,8 +52,8 @@ FAMILIES: tuple[Family, ...] = (
     _c(
         "load_errors",
         "Chunk loads that failed (the tokens are recomputed), by kind: the object absent, corrupt or "
-        "refused (a 403 on it); the tier too slow, throttling or unavailable; given up (another load "
-        "found the tier failing, or no time was left)",
+        "refused (a 403 on it); the tier too slow, throttling or unavailable; given up (another transfer "
+        "found the tier failing, no disk thread was free, or no time was left)",
         "kind",
         ("missing", "corrupt", "denied", "timeout", "throttled", "unavailable", "gave_up", "other"),
     ),
