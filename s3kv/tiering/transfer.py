@@ -100,8 +100,8 @@ class EngineSettings:
     disk_timeout_s: float = 5.0
     """A chunk read or write on the NVMe tier slower than this, from when a
     thread starts it, counts as a disk failure (a read falls back to S3). A
-    read that waits this long for a thread goes to the next source without
-    blaming the disk."""
+    read that waits this long for a thread goes to the next source, blaming
+    the disk only if its threads are stuck (busy is not failing)."""
     keys: FleetKeys | None = None
     """The fleet secret: sign what is stored, read only what is signed."""
 
@@ -149,21 +149,33 @@ class GaveUp(Transient):
 
 class _Began:
     """When a worker thread took a job up: set from that thread, awaited on
-    the event loop (a tier's time starts then, not while the job is queued)."""
+    the event loop (a tier's time starts then, not while the job is queued).
+    ``running``: the jobs of its threads under way, shared by them."""
 
-    def __init__(self) -> None:
+    def __init__(self, running: set[_Began]) -> None:
         self._loop = asyncio.get_running_loop()
+        self._running = running
         self.event = asyncio.Event()
         self.at: float | None = None
 
     def wrap(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
         def job() -> Any:
             self.at = time.monotonic()
+            self._running.add(self)
             with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
                 self._loop.call_soon_threadsafe(self.event.set)
-            return fn(*args)
+            try:
+                return fn(*args)
+            finally:
+                self._running.discard(self)
 
         return job
+
+    def threads_stuck(self, timeout_s: float) -> bool:
+        """Is a job that holds a thread this one waits for under way for
+        longer than ``timeout_s`` (the tier hung, not merely busy)?"""
+        now = time.monotonic()
+        return any(now - job.at > timeout_s for job in list(self._running) if job.at is not None)
 
 
 class _Gate:
@@ -209,6 +221,8 @@ class TransferEngine:
         self._disk_write_executor = concurrent.futures.ThreadPoolExecutor(
             DISK_THREADS, thread_name_prefix="s3kv-disk-write", initializer=unbind_thread
         )
+        self._disk_running: dict[bool, set[_Began]] = {False: set(), True: set()}
+        """Reads (False) and writes (True) under way on the disk's threads."""
         self._aborts: dict[tuple[Tier, bool], asyncio.Event] = {}
         """Per (tier, loads?): set when a transfer on the tier failed for the
         tier's sake, so that the others in flight give up instead of waiting
@@ -318,10 +332,11 @@ class TransferEngine:
         the tier's sake (TimeoutError) when the tier takes longer than
         ``timeout_s``: from now, or where ``began`` is given from when a
         thread took the job up (time queued behind other work is not the
-        tier's). It gives up (GaveUp) when another transfer on the tier
-        failed for the tier's sake, when no thread took it up within
-        ``queue_s``, or at ``deadline`` (its load's) before the tier's time
-        was up."""
+        tier's), or when no thread took it up within ``queue_s`` because
+        they are stuck past ``timeout_s``. It gives up (GaveUp) when another
+        transfer on the tier failed for the tier's sake, when no thread was
+        free within ``queue_s`` (busy, not stuck), or at ``deadline`` (its
+        load's) before the tier's time was up."""
         event = self._aborts.setdefault((tier, load), asyncio.Event())
         task = asyncio.ensure_future(coro)
         aborted = asyncio.ensure_future(event.wait())
@@ -351,6 +366,10 @@ class TransferEngine:
                 if first == "tier":
                     raise asyncio.TimeoutError(f"{tier.value}: no answer within {timeout_s:.1f} s")
                 if first == "queue":
+                    if began.threads_stuck(timeout_s):  # type: ignore[union-attr]
+                        raise asyncio.TimeoutError(
+                            f"{tier.value}: its threads are stuck past {timeout_s:.1f} s"
+                        )
                     raise GaveUp(f"{tier.value}: given up, no thread free within {queue_s:.1f} s")
                 raise GaveUp(f"{tier.value}: given up, no time left before the load's deadline")
         finally:
@@ -366,14 +385,15 @@ class TransferEngine:
     async def _run_background(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._store_executor, fn, *args)
 
-    async def _run_disk(
-        self, fn: Callable[..., Any], *args: Any, write: bool = False, began: _Began | None = None
-    ) -> Any:
-        """``fn(*args)`` on the NVMe tier's read (or write) threads; ``began``
-        is set when a thread takes it up."""
+    async def _run_disk(self, fn: Callable[..., Any], *args: Any, write: bool = False) -> Any:
+        """``fn(*args)`` on the NVMe tier's read (or write) threads."""
         executor = self._disk_write_executor if write else self._disk_read_executor
-        job = began.wrap(fn, *args) if began is not None else functools.partial(fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(executor, job)
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
+
+    def _disk_op(self, fn: Callable[..., Any], *args: Any, write: bool = False) -> tuple[Any, _Began]:
+        """(``fn(*args)`` on the disk's threads, to await; when a thread took it up)."""
+        began = _Began(self._disk_running[write])
+        return self._run_disk(began.wrap(fn, *args), write=write), began
 
     # -- loads -----------------------------------------------------------------
     def submit_load(self, job_id: str, chunks: Sequence[LoadChunk], sink: ChunkSink) -> None:
@@ -454,8 +474,7 @@ class TransferEngine:
                 if tier is Tier.DISK:
                     if self.disk is None:
                         raise NotFound("no disk tier")
-                    began = _Began()
-                    read = self._run_disk(self.disk.read, chunk.key, gate.sink, began=began)
+                    read, began = self._disk_op(self.disk.read, chunk.key, gate.sink)
                     timeout_s = self.s.disk_timeout_s
                     nbytes = await self._on_tier(
                         tier, read, timeout_s, load=True, began=began, queue_s=timeout_s, deadline=deadline
@@ -651,10 +670,10 @@ class TransferEngine:
             self._failed(Tier.DISK, chunk.key)
             return
         try:
-            began = _Began()
-            write = self._run_disk(self.disk.write, chunk.key, chunk, write=True, began=began)
+            write, began = self._disk_op(self.disk.write, chunk.key, chunk, write=True)
             # Write-through is background work: it may wait for a thread as
-            # long as a load may take, then it is dropped (no disk failure).
+            # long as a load may take, then it is dropped (a disk failure
+            # only if the threads are stuck).
             n = await self._on_tier(
                 Tier.DISK,
                 write,

@@ -559,3 +559,60 @@ def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_pat
     assert 1 <= failures <= DISK_THREADS and acc.tier_failed.keys() | more.tier_failed.keys() == {Tier.DISK}
     stuck.set()
     e.close()
+
+
+def disk_and_s3_engine(tmp_path, n, **kw):
+    """An engine whose NVMe tier and S3 both hold chunks ``keys``."""
+    keys = [bytes([0xA0 + i]) * 16 for i in range(n)]
+    e = engine(MemoryStore(), disk_path=tmp_path, **kw)
+    for i, key in enumerate(keys):
+        e.submit_store(StoreJob(key, layers(i), disk=True, s3=True))
+    wait_for(
+        e, lambda a: all(k in a.written.get(Tier.DISK, {}) and k in a.written.get(Tier.S3, {}) for k in keys)
+    )
+    return e, keys
+
+
+def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(tmp_path, monkeypatch):
+    from s3kv.tiering.transfer import DISK_THREADS
+
+    e, keys = disk_and_s3_engine(tmp_path, 3 * DISK_THREADS, disk_timeout_s=0.5)
+    real_read = e.disk.read
+
+    def busy_read(*a, **kw):
+        time.sleep(0.4)  # each read in time, but the third in a row waits too long
+        return real_read(*a, **kw)
+
+    monkeypatch.setattr(e.disk, "read", busy_read)
+    e.submit_load("j", [chunk(k, Tier.DISK, Tier.S3) for k in keys], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] == [] and acc.tier_failed == {}
+    totals = e.counters.totals()
+    assert totals["load_chunks_s3"] >= 1 and totals["load_errors_gave_up"] == totals["load_chunks_s3"]
+    e.close()
+
+
+def test_a_read_that_waits_for_a_hung_disk_is_the_disks_failure(tmp_path, monkeypatch):
+    import threading
+
+    from s3kv.tiering.transfer import DISK_THREADS
+
+    e, keys = disk_and_s3_engine(tmp_path, DISK_THREADS + 1, disk_timeout_s=0.3)
+    hung = threading.Event()
+    real_read = e.disk.read
+
+    def hung_read(*a, **kw):
+        hung.wait(30)
+        return real_read(*a, **kw)
+
+    monkeypatch.setattr(e.disk, "read", hung_read)
+    e.submit_load("first", [chunk(k, Tier.DISK) for k in keys[:DISK_THREADS]], lambda *a: None)
+    wait_for(e, lambda a: "first" in a.finished_loads)  # they timed out; their threads hang on
+    # The next read waits behind stuck threads: that is the disk's failure
+    # too (it is a breaker's probe: its answer must come back), then S3 serves.
+    e.submit_load("next", [chunk(keys[-1], Tier.DISK, Tier.S3)], lambda *a: None)
+    acc = wait_for(e, lambda a: "next" in a.finished_loads)
+    assert acc.finished_loads["next"] == []
+    assert acc.tier_failed == {Tier.DISK: 1} and acc.tier_ok == {Tier.S3: 1}
+    hung.set()
+    e.close()
