@@ -45,7 +45,17 @@ class RangeNotSatisfiable(S3KVError, ValueError):
 
 
 class PermissionDenied(S3KVError, PermissionError):
-    """The store refused the credentials for this operation."""
+    """The store refused this operation.
+
+    ``credentials``: it refused the caller itself (keys unknown or expired, a
+    signature or token it rejects, an account or bucket closed to it), so
+    every request will fail alike: the tier is unusable. Otherwise it refused
+    this object only (a bucket policy or KMS key for its prefix): the tier
+    works, this object is not ours to use."""
+
+    def __init__(self, message: str, *, credentials: bool = False) -> None:
+        self.credentials = credentials
+        super().__init__(message)
 
 
 class Transient(S3KVError):

@@ -51,9 +51,11 @@ FAMILIES: tuple[Family, ...] = (
     _c("load_bytes", "Bytes read for loads (object bytes; CPU: page bytes), by source tier", "tier", TIERS),
     _c(
         "load_errors",
-        "Chunk loads that failed (the tokens are recomputed), by kind",
+        "Chunk loads that failed (the tokens are recomputed), by kind: the object absent, corrupt or "
+        "refused (a 403 on it); the tier too slow, throttling or unavailable; given up (another transfer "
+        "found the tier failing, no disk thread was free, or no time was left)",
         "kind",
-        ("missing", "corrupt", "timeout", "throttled", "unavailable", "other"),
+        ("missing", "corrupt", "denied", "timeout", "throttled", "unavailable", "gave_up", "other"),
     ),
     _c("promote_chunks", "Chunk shards loaded from below and kept in a tier above", "tier", ("cpu",)),
     _c("store_chunks", "Chunk shards written into a tier (stores and promotions)", "tier", TIERS),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import aiohttp.http_exceptions
 import botocore.exceptions as bexc
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
@@ -34,14 +35,29 @@ from s3kv.errors import (
 from s3kv.stores.base import ByteRange, GetResult, ObjectMeta, ObjectStore, PutMode, Update, Upload, check_key
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
-_DENIED = {
-    "AccessDenied",
-    "403",
-    "Forbidden",
+_DENIED = {"AccessDenied", "403", "Forbidden"}
+"""Refused for this object (a bucket policy, a KMS key for its prefix):
+other objects may well be readable."""
+_CREDENTIALS = {
     "InvalidAccessKeyId",
     "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "ExpiredTokenException",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "InvalidClientTokenId",
+    "UnrecognizedClientException",
+    "InvalidSecurity",
+    "RequestExpired",
+    "RequestTimeTooSkewed",
+    "AuthorizationHeaderMalformed",
+    "AccountProblem",
+    "NotSignedUp",
     "AllAccessDisabled",
 }
+"""Refused for the caller itself, whatever the object (S3's and STS's codes
+for keys unknown or expired, signatures or tokens rejected, a clock too far
+off to sign, an account or bucket closed to it): every request fails alike."""
 _EXISTS = {"PreconditionFailed", "412"}
 _THROTTLED = {
     "SlowDown",
@@ -87,6 +103,8 @@ def _map_error(e: BaseException, what: str, *, if_match: bool = False) -> Except
             return NotFound(what)
         if code in _EXISTS or status == 412:
             return Precondition(what) if if_match else AlreadyExists(what)
+        if code in _CREDENTIALS:
+            return PermissionDenied(f"{what}: {code} (HTTP {status})", credentials=True)
         if code in _DENIED or status == 403:
             return PermissionDenied(f"{what}: {code}")
         if code == "InvalidRange" or status == 416:
@@ -96,13 +114,21 @@ def _map_error(e: BaseException, what: str, *, if_match: bool = False) -> Except
         return Transient(f"{what}: {code} (HTTP {status})")
     if isinstance(e, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
         return ConfigError(f"no usable AWS credentials: {e}")
+    if isinstance(e, (bexc.CredentialRetrievalError, bexc.TokenRetrievalError, bexc.SSOError)):
+        # Credentials that expired and could not be renewed (an instance
+        # role's endpoint, an SSO session): no request can be signed.
+        return PermissionDenied(f"{what}: {type(e).__name__}: {e}", credentials=True)
     if isinstance(
         e,
         (
             bexc.EndpointConnectionError,
             bexc.ConnectionError,
             bexc.HTTPClientError,
+            # The connection dropped in the middle of a body: botocore finds
+            # fewer bytes than Content-Length said, or aiohttp the payload cut.
+            bexc.IncompleteReadError,
             aiohttp.ClientError,
+            aiohttp.http_exceptions.HttpProcessingError,
             asyncio.TimeoutError,
             ConnectionError,
         ),

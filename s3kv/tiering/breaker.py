@@ -9,6 +9,9 @@ stays down (``backoff_s``). When the backoff has passed, the breaker lets one
 it: its success closes the breaker and resets the backoff, its failure (or
 no answer within ``probe_timeout_s``) opens it again. Only the tier's own
 results move its breaker: hits served by other tiers say nothing about it.
+A probe that ends up not using the tier (its hit was trimmed, it finished,
+its write was dropped) gives its slot back (:meth:`release`), so that the
+next user probes instead of everyone waiting for the probe to time out.
 """
 
 from __future__ import annotations
@@ -35,8 +38,6 @@ class Breaker:
         """None: closed. Else: open until then, and half-open after."""
         self._probe: Hashable | None = None
         self._probe_at = 0.0
-        self.trips = 0
-        """Times it opened (closed or half-open -> open)."""
 
     @property
     def closed(self) -> bool:
@@ -71,16 +72,28 @@ class Breaker:
             self._probe, self._probe_at = owner, self._clock()
         return True
 
+    def release(self, owner: Hashable) -> None:
+        """``owner`` will not use the tier after all: if it is the probe, the
+        next owner to ask may probe instead."""
+        if self._probe is not None and self._probe == owner:
+            self._probe = None
+
     def success(self) -> None:
         self._open_until = None
         self._probe = None
         self._next_backoff_s = self._backoff_s[0]
 
     def failure(self) -> None:
-        self._open_until = self._clock() + self._next_backoff_s
+        """A transfer on the tier failed for the tier's sake. Closed or
+        half-open, the breaker opens (a trip) for the next backoff. Already
+        open, the failure is news of transfers that started before it opened:
+        it neither trips it again nor lengthens the backoff."""
+        now = self._clock()
+        if self._open_until is not None and now < self._open_until:
+            return
+        self._open_until = now + self._next_backoff_s
         self._next_backoff_s = min(self._next_backoff_s * 2, self._backoff_s[1])
         self._probe = None
-        self.trips += 1
         if self._on_trip is not None:
             self._on_trip()
 

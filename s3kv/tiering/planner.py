@@ -200,7 +200,9 @@ class Planner:
         """Entries a load reads, unpinned when it is over on every rank."""
         self._async_loading: set[str] = set()
         self._storing: dict[bytes, float] = {}
-        """Keys planned for an S3 store and not yet reported, with when."""
+        """Keys planned for an S3 store and not yet reported, or whose store
+        found an object reported bad in the way (a 412): with when, so that
+        they are not stored again before ``store_retry_s``."""
         self._tally: dict[tuple[Tier | str, bytes], int] = {}
         """Ranks that reported a slot release (or a synchronous load) so far."""
         self._outcomes: dict[tuple[Tier, bytes], tuple[int, int]] = {}
@@ -312,6 +314,14 @@ class Planner:
             return False
         return self.breakers[tier].allow(owner, take=take)
 
+    def _release_probes(self, owner: Hashable, keep: Iterable[Tier] = ()) -> None:
+        """``owner`` uses no tier but those in ``keep``: a half-open breaker's
+        probe slot it holds on another goes to the next that asks."""
+        keep = set(keep)
+        for tier, breaker in self.breakers.items():
+            if tier not in keep and not breaker.closed:
+                breaker.release(owner)
+
     def _index(self, tier: Tier) -> TierIndex | None:
         return self.cpu if tier is Tier.CPU else self.disk if tier is Tier.DISK else None
 
@@ -362,8 +372,11 @@ class Planner:
                 break
         req.hit_start, req.hit = start, hit
         for tier in (Tier.DISK, Tier.S3):
-            if tier in hit:  # a half-open breaker: this request is its probe
-                self._allows(tier, req_id)
+            if not self.breakers[tier].closed:  # half-open: a request that hits the tier probes it
+                if tier in hit:
+                    self._allows(tier, req_id)
+                else:
+                    self.breakers[tier].release(req_id)
         end = (start + len(hit)) * ct
         sync = bool(hit) and all(t is Tier.CPU for t in hit)
         if sync:
@@ -377,7 +390,10 @@ class Planner:
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM allocated blocks for a hit of ``num_external_tokens``: plan the load."""
         req = self._requests.get(req_id)
-        if req is None or num_external_tokens <= 0:
+        if req is None:
+            return
+        if num_external_tokens <= 0:
+            self._release_probes(req_id)  # vLLM loads nothing: a probe it took is not one
             return
         ct, bs, bpc = self.chunk_tokens, self.block_size, self.blocks_per_chunk
         start = req.local_tokens
@@ -386,6 +402,7 @@ class Planner:
         tiers = req.hit[first_chunk - req.hit_start : end_chunk - req.hit_start]
         if len(tiers) != end_chunk - first_chunk:
             raise ValueError(f"request {req_id}: {num_external_tokens} tokens exceed the planned hit")
+        self._release_probes(req_id, keep=tiers)  # vLLM may have trimmed the hit
         # Pin every source first, so that promotions cannot evict a later
         # chunk of this very hit.
         pins: list[tuple[Tier, bytes]] = []
@@ -558,9 +575,11 @@ class Planner:
             return False
         if req_id in self._async_loading:
             # Aborted while loading: vLLM holds the blocks until the load is
-            # over, and they do not hold valid KV yet. Nothing to store.
+            # over, and they do not hold valid KV yet. Nothing to store. (A
+            # probe slot it holds goes back when the load is over.)
             del self._requests[req_id]
             return False
+        self._release_probes(req_id)
         stores = self._plan_stores(req, num_computed_tokens, lambda: block_ids)
         if not stores:
             del self._requests[req_id]
@@ -584,6 +603,10 @@ class Planner:
         for req_id in req_ids:
             self._async_loading.discard(req_id)
             self._unpin(self._load_pins.pop(req_id, []))
+            # Its tiers' breakers heard how it went (a success closes one, a
+            # tier's failure reopens it); a load that failed for another
+            # reason leaves the probe slot to the next request.
+            self._release_probes(req_id)
 
     def on_sync_loaded(self, counts: dict[str, int]) -> None:
         for req_id, n in counts.items():
@@ -642,13 +665,22 @@ class Planner:
             return
         if ok:
             self._event(True, tier, key)
+        elif tier in self.breakers:
+            self.breakers[tier].release(("store", key))  # if the store was the probe, it is over
         if tier is Tier.S3:
-            self._storing.pop(key, None)
             existing = key in self._existing
             self._existing.discard(key)
             # An object some replica reported bad is never published from a
             # 412 (it may be that very object); one this replica wrote is.
-            if ok and self.s3 is not None and not (existing and self.s3.is_bad(key)):
+            bad = self.s3 is not None and self.s3.is_bad(key)
+            if bad and (existing or not ok):
+                # The bad object is in the way (a 412, or a store that found
+                # one it could not verify) until gc removes it: the next
+                # store waits store_retry_s instead of trying every step.
+                self._storing[key] = self._clock()
+            else:
+                self._storing.pop(key, None)
+            if ok and self.s3 is not None and not (existing and bad):
                 self.s3.add(key)
         elif tier is Tier.CPU and self.cpu is not None:
             if ok:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -66,21 +67,19 @@ class PollResult:
     released: list[bytes] = field(default_factory=list)
     """Stores that no longer read their CPU slot."""
     tier_ok: dict[Tier, int] = field(default_factory=dict)
-    """Tier -> transfers (loads, writes) it served."""
+    """Tier -> transfers (loads, writes) it answered: served, or said the
+    object is absent, corrupt, in the way (a 412) or not ours to read (a 403
+    on that object). A working tier's answers: what closes its breaker."""
     tier_failed: dict[Tier, int] = field(default_factory=dict)
     """Tier -> transfers that failed because the tier itself is in trouble
-    (S3 not answering, throttling, a timeout; the disk erring or too slow):
-    what its breaker hears."""
+    (S3 not answering, throttling, refusing our credentials, a timeout; the
+    disk erring or too slow): what its breaker hears."""
     bad: dict[bytes, str | None] = field(default_factory=dict)
     """Key -> ETag of this rank's S3 object of it, found corrupt and not
     deleted (no permission): to be reported to the fleet as bad."""
     existing: set[bytes] = field(default_factory=set)
     """Keys whose S3 store found the object already there (a 412)."""
     disk_full: bool = False
-
-    @property
-    def loaded(self) -> int:
-        return sum(self.tier_ok.values())
 
 
 @dataclass(frozen=True)
@@ -99,8 +98,10 @@ class EngineSettings:
     disk_path: str | None = None
     disk_fsync: bool = False
     disk_timeout_s: float = 5.0
-    """A chunk read or write on the NVMe tier slower than this counts as a
-    disk failure (a read falls back to S3)."""
+    """A chunk read or write on the NVMe tier slower than this, from when a
+    thread starts it, counts as a disk failure (a read falls back to S3). A
+    read that waits this long for a thread goes to the next source, blaming
+    the disk only if its threads are stuck (busy is not failing)."""
     keys: FleetKeys | None = None
     """The fleet secret: sign what is stored, read only what is signed."""
 
@@ -131,9 +132,50 @@ def _background_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICE)
 
 
+DISK_THREADS = 2
+"""Threads for NVMe reads, and as many again for writes: a slow or hung
+disk ties up these, never the ones that decode S3 loads or encode stores,
+and writes queued behind slow writes never hold up a read."""
+
+UNREADABLE_SIZE = 1 << 16
+"""Keys remembered whose S3 object this rank may not read (~100 bytes each)."""
+
+
 class GaveUp(Transient):
-    """A transfer abandoned because another one on its tier failed (it is
-    not itself news to the tier's breaker)."""
+    """A transfer abandoned because another one on its tier failed for the
+    tier's sake, it waited too long for a thread, or its load's deadline
+    came first. Not itself news to the tier's breaker."""
+
+
+class _Began:
+    """When a worker thread took a job up: set from that thread, awaited on
+    the event loop (a tier's time starts then, not while the job is queued).
+    ``running``: the jobs of its threads under way, shared by them."""
+
+    def __init__(self, running: set[_Began]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._running = running
+        self.event = asyncio.Event()
+        self.at: float | None = None
+
+    def wrap(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        def job() -> Any:
+            self.at = time.monotonic()
+            self._running.add(self)
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
+                self._loop.call_soon_threadsafe(self.event.set)
+            try:
+                return fn(*args)
+            finally:
+                self._running.discard(self)
+
+        return job
+
+    def threads_stuck(self, timeout_s: float) -> bool:
+        """Is a job that holds a thread this one waits for under way for
+        longer than ``timeout_s`` (the tier hung, not merely busy)?"""
+        now = time.monotonic()
+        return any(now - job.at > timeout_s for job in list(self._running) if job.at is not None)
 
 
 class _Gate:
@@ -173,14 +215,22 @@ class TransferEngine:
         self._store_executor = concurrent.futures.ThreadPoolExecutor(
             max(1, settings.threads // 2), thread_name_prefix="s3kv-store", initializer=_background_priority
         )
-        # NVMe reads and writes have threads of their own: a hung disk ties
-        # up these, never the ones that decode S3 loads or encode stores.
-        self._disk_executor = concurrent.futures.ThreadPoolExecutor(
-            2, thread_name_prefix="s3kv-disk", initializer=unbind_thread
+        self._disk_read_executor = concurrent.futures.ThreadPoolExecutor(
+            DISK_THREADS, thread_name_prefix="s3kv-disk-read", initializer=unbind_thread
         )
-        self._aborts: dict[Tier, asyncio.Event] = {}
-        """Per tier: set when a transfer on it failed for the tier's sake, so
-        that the others in flight give up instead of waiting their timeout."""
+        self._disk_write_executor = concurrent.futures.ThreadPoolExecutor(
+            DISK_THREADS, thread_name_prefix="s3kv-disk-write", initializer=unbind_thread
+        )
+        self._disk_running: dict[bool, set[_Began]] = {False: set(), True: set()}
+        """Reads (False) and writes (True) under way on the disk's threads."""
+        self._aborts: dict[tuple[Tier, bool], asyncio.Event] = {}
+        """Per (tier, loads?): set when a transfer on the tier failed for the
+        tier's sake, so that the others in flight give up instead of waiting
+        their timeout. A failed load stops loads and writes; a failed write
+        only writes (loads that are going fine go on)."""
+        self._unreadable: dict[bytes, None] = {}
+        """Keys whose S3 object refused this rank (a 403 on that object): a
+        store that finds it in the way (a 412) does not publish it."""
         self._lock = threading.Lock()
         self._results = PollResult()
         self._inflight_bytes = 0
@@ -243,33 +293,91 @@ class TransferEngine:
         with self._lock:
             self._results.tier_ok[tier] = self._results.tier_ok.get(tier, 0) + 1
 
-    def _tier_failed(self, tier: Tier) -> None:
+    def _tier_failed(self, tier: Tier, *, abort_loads: bool = True) -> None:
         """The tier failed a transfer for its own sake: the breaker hears it,
-        and the tier's other transfers in flight give up."""
+        and the tier's other writes in flight give up, and its loads too
+        unless ``abort_loads`` is False (a write failed: loads of other
+        requests that are going fine must not fail for it)."""
         with self._lock:
             self._results.tier_failed[tier] = self._results.tier_failed.get(tier, 0) + 1
-        event = self._aborts.pop(tier, None)
-        if event is not None:
-            event.set()
+        for loads in (False, True) if abort_loads else (False,):
+            event = self._aborts.pop((tier, loads), None)
+            if event is not None:
+                event.set()
 
-    async def _on_tier(self, tier: Tier, coro: Any, timeout_s: float) -> Any:
-        """Run one transfer on ``tier``, giving up after ``timeout_s`` or
-        as soon as another transfer on the tier failed for its sake."""
-        event = self._aborts.setdefault(tier, asyncio.Event())
+    @staticmethod
+    def _tier_trouble(tier: Tier, e: BaseException) -> bool:
+        """Does ``e`` say that ``tier`` itself is in trouble (news for its
+        breaker), rather than something about one object or transfer?"""
+        if isinstance(e, GaveUp):
+            return False
+        if isinstance(e, PermissionDenied):
+            # S3: a 403 on one object (a bucket policy, a KMS key for its
+            # prefix) is that object's; refused credentials are the tier's.
+            return e.credentials or tier is not Tier.S3
+        return isinstance(e, (Transient, asyncio.TimeoutError))
+
+    async def _on_tier(
+        self,
+        tier: Tier,
+        coro: Any,
+        timeout_s: float,
+        *,
+        load: bool,
+        began: _Began | None = None,
+        queue_s: float | None = None,
+        deadline: float | None = None,
+    ) -> Any:
+        """Run one transfer (a load, else a write) on ``tier``. It fails for
+        the tier's sake (TimeoutError) when the tier takes longer than
+        ``timeout_s``: from now, or where ``began`` is given from when a
+        thread took the job up (time queued behind other work is not the
+        tier's), or when no thread took it up within ``queue_s`` because
+        they are stuck past ``timeout_s``. It gives up (GaveUp) when another
+        transfer on the tier failed for the tier's sake, when no thread was
+        free within ``queue_s`` (busy, not stuck), or at ``deadline`` (its
+        load's) before the tier's time was up."""
+        event = self._aborts.setdefault((tier, load), asyncio.Event())
         task = asyncio.ensure_future(coro)
         aborted = asyncio.ensure_future(event.wait())
+        started = asyncio.ensure_future(began.event.wait()) if began is not None else None
+        queued_at = time.monotonic()
+        start = None if began is not None else queued_at
         try:
-            done, _ = await asyncio.wait(
-                {task, aborted}, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED
-            )
+            while True:
+                ends: dict[str, float] = {}  # on a tie the tier's own time counts first
+                if start is not None:
+                    ends["tier"] = start + timeout_s
+                elif queue_s is not None:
+                    ends["queue"] = queued_at + queue_s
+                if deadline is not None:
+                    ends["deadline"] = deadline
+                first = min(ends, key=ends.__getitem__) if ends else None
+                timeout = max(0.0, ends[first] - time.monotonic()) if first is not None else None
+                waits = {task, aborted} if started is None or start is not None else {task, aborted, started}
+                done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    return task.result()
+                if aborted in done:
+                    raise GaveUp(f"{tier.value}: given up, another transfer found the tier failing")
+                if start is None and started in done:
+                    start = began.at  # type: ignore[union-attr]
+                    continue
+                if first == "tier":
+                    raise asyncio.TimeoutError(f"{tier.value}: no answer within {timeout_s:.1f} s")
+                if first == "queue":
+                    if began.threads_stuck(timeout_s):  # type: ignore[union-attr]
+                        raise asyncio.TimeoutError(
+                            f"{tier.value}: its threads are stuck past {timeout_s:.1f} s"
+                        )
+                    raise GaveUp(f"{tier.value}: given up, no thread free within {queue_s:.1f} s")
+                raise GaveUp(f"{tier.value}: given up, no time left before the load's deadline")
         finally:
             aborted.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        if aborted in done:
-            raise GaveUp(f"{tier.value}: given up, another transfer found the tier failing")
-        raise asyncio.TimeoutError(f"{tier.value}: no answer within {timeout_s:.1f} s")
+            if started is not None:
+                started.cancel()
+            if not task.done():
+                task.cancel()  # a queued disk job is dropped; a running one ends behind a closed gate
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -277,8 +385,15 @@ class TransferEngine:
     async def _run_background(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._store_executor, fn, *args)
 
-    async def _run_disk(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._disk_executor, fn, *args)
+    async def _run_disk(self, fn: Callable[..., Any], *args: Any, write: bool = False) -> Any:
+        """``fn(*args)`` on the NVMe tier's read (or write) threads."""
+        executor = self._disk_write_executor if write else self._disk_read_executor
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
+
+    def _disk_op(self, fn: Callable[..., Any], *args: Any, write: bool = False) -> tuple[Any, _Began]:
+        """(``fn(*args)`` on the disk's threads, to await; when a thread took it up)."""
+        began = _Began(self._disk_running[write])
+        return self._run_disk(began.wrap(fn, *args), write=write), began
 
     # -- loads -----------------------------------------------------------------
     def submit_load(self, job_id: str, chunks: Sequence[LoadChunk], sink: ChunkSink) -> None:
@@ -306,7 +421,7 @@ class TransferEngine:
             )
         except Exception as e:  # every failure becomes a recompute, never an engine error
             kind = self._classify(e)
-            if kind not in ("missing", "corrupt"):  # those were counted per tier
+            if kind not in ("missing", "corrupt", "denied"):  # those were counted per tier
                 self.counters.add(f"load_errors_{kind}")
                 log.warning("s3kv: load of chunk %s failed (%s): %s", chunk.key.hex(), kind, e)
             self._promotion_failed(chunk)
@@ -336,17 +451,20 @@ class TransferEngine:
         self, chunk: LoadChunk, sink: ChunkSink, pool: HostPool | None, deadline: float
     ) -> tuple[Tier, int, bytes | None]:
         """(tier it came from, bytes read, the object if asked to keep it).
-        A tier that lacks the chunk (absent, corrupt) is reported and the next
-        source tried; so is a disk that errs or is too slow. Other errors end
-        the load."""
+        A tier that lacks the chunk (absent, corrupt, a 403 on the object) is
+        reported and the next source tried; so is a disk that errs, is too
+        slow or has no thread free. Other errors end the load, and so does
+        the deadline (GaveUp: no tier's fault)."""
         last: Exception | None = None
         for i, tier in enumerate(chunk.sources):
+            left = deadline - time.monotonic()
+            if left <= 0:  # an earlier source took the time: this one is not to blame
+                raise GaveUp(f"{tier.value}: given up, no time left before the load's deadline")
             # Each attempt writes the KV cache through a gate of its own: once
             # it is over (done, failed, timed out, given up) no late write of
             # a decoding thread reaches blocks that are vLLM's again, or that
             # the next source is writing.
             gate = _Gate(chunk, sink, pool)
-            left = deadline - time.monotonic()
             try:
                 if tier is Tier.CPU:
                     if self.pool is None:
@@ -356,8 +474,12 @@ class TransferEngine:
                 if tier is Tier.DISK:
                     if self.disk is None:
                         raise NotFound("no disk tier")
-                    read = self._run_disk(self.disk.read, chunk.key, gate.sink)
-                    return tier, await self._on_tier(tier, read, min(left, self.s.disk_timeout_s)), None
+                    read, began = self._disk_op(self.disk.read, chunk.key, gate.sink)
+                    timeout_s = self.s.disk_timeout_s
+                    nbytes = await self._on_tier(
+                        tier, read, timeout_s, load=True, began=began, queue_s=timeout_s, deadline=deadline
+                    )
+                    return tier, nbytes, None
                 if self.s3 is None:
                     raise NotFound("no S3 tier")
                 load = load_chunk(
@@ -369,19 +491,35 @@ class TransferEngine:
                     executor=self._executor,
                     keep_blob=chunk.promote_disk,
                 )
-                fetched, blob = await self._on_tier(tier, load, left)
+                fetched, blob = await self._on_tier(tier, load, left, load=True)
+                self._unreadable.pop(chunk.key, None)
                 return tier, fetched, blob
             except (NotFound, CorruptChunk) as e:
                 kind = self._classify(e)
                 self.counters.add(f"load_errors_{kind}")
                 log.warning("s3kv: chunk %s %s in %s: %s", chunk.key.hex(), kind, tier.value, e)
+                if self._has(tier):  # the tier answered: it works
+                    self._tier_ok(tier)
                 self._missing(tier, chunk.key)
                 if tier is Tier.S3 and isinstance(e, CorruptChunk):
                     await self._delete_corrupt(chunk.key, e.etag)
                 last = e
             except Exception as e:
+                if isinstance(e, PermissionDenied) and not self._tier_trouble(tier, e):
+                    # A 403 on this object only: S3 works, the object is not
+                    # ours to read. Dropped here (not reported bad: another
+                    # replica's role may read it, and gc would delete it).
+                    self.counters.add("load_errors_denied")
+                    log.warning("s3kv: chunk %s not readable in %s: %s", chunk.key.hex(), tier.value, e)
+                    self._tier_ok(tier)
+                    self._missing(tier, chunk.key)
+                    self._unreadable[chunk.key] = None
+                    if len(self._unreadable) > UNREADABLE_SIZE:
+                        self._unreadable.clear()
+                    last = e
+                    continue
                 kind = self._classify(e)
-                if kind in ("unavailable", "throttled", "timeout") and not isinstance(e, GaveUp):
+                if self._tier_trouble(tier, e):
                     self._tier_failed(tier)
                 if tier is not Tier.DISK or i == len(chunk.sources) - 1:
                     raise
@@ -417,6 +555,9 @@ class TransferEngine:
         with self._lock:
             self._results.bad[key] = etag
 
+    def _has(self, tier: Tier) -> bool:
+        return (self.disk if tier is Tier.DISK else self.s3 if tier is Tier.S3 else None) is not None
+
     @staticmethod
     def _classify(e: BaseException) -> str:
         if isinstance(e, NotFound):
@@ -425,9 +566,13 @@ class TransferEngine:
             return "corrupt"
         if isinstance(e, asyncio.TimeoutError):
             return "timeout"
+        if isinstance(e, GaveUp):
+            return "gave_up"
         if isinstance(e, Throttled):
             return "throttled"
-        if isinstance(e, (Transient, PermissionDenied)):
+        if isinstance(e, PermissionDenied):
+            return "unavailable" if e.credentials else "denied"
+        if isinstance(e, Transient):
             return "unavailable"
         return "other"
 
@@ -525,8 +670,18 @@ class TransferEngine:
             self._failed(Tier.DISK, chunk.key)
             return
         try:
-            write = self._run_disk(self.disk.write, chunk.key, chunk)
-            n = await self._on_tier(Tier.DISK, write, self.s.disk_timeout_s)
+            write, began = self._disk_op(self.disk.write, chunk.key, chunk, write=True)
+            # Write-through is background work: it may wait for a thread as
+            # long as a load may take, then it is dropped (a disk failure
+            # only if the threads are stuck).
+            n = await self._on_tier(
+                Tier.DISK,
+                write,
+                self.s.disk_timeout_s,
+                load=False,
+                began=began,
+                queue_s=self.s.load_timeout_s,
+            )
         except StorageFull as e:
             self.counters.add("store_dropped_disk_full")
             log.warning("s3kv: NVMe tier full, chunk not stored there: %s", e)
@@ -536,8 +691,8 @@ class TransferEngine:
             return
         except Exception as e:
             self.counters.add("store_errors_disk")
-            if self._classify(e) in ("unavailable", "timeout") and not isinstance(e, GaveUp):
-                self._tier_failed(Tier.DISK)
+            if self._tier_trouble(Tier.DISK, e):
+                self._tier_failed(Tier.DISK, abort_loads=False)
             log.warning("s3kv: NVMe write of chunk %s failed: %s", chunk.key.hex(), e)
             self._failed(Tier.DISK, chunk.key)
             return
@@ -556,7 +711,8 @@ class TransferEngine:
                 await self.s3.put(cid.object_key, blob, mode=PutMode.CREATE)  # type: ignore[union-attr]
             except AlreadyExists:
                 self.counters.add("store_chunks_existing")
-                if not await self._existing_is_ours(cid, blob):
+                if chunk.key in self._unreadable or not await self._existing_is_ours(cid, blob):
+                    self._tier_ok(Tier.S3)  # S3 answered; the object in the way is not one to publish
                     self._failed(Tier.S3, chunk.key)
                     return
                 with self._lock:
@@ -567,8 +723,8 @@ class TransferEngine:
                 self.counters.observe("store_seconds_s3", time.perf_counter() - start)
         except Exception as e:
             self.counters.add("store_errors_s3")
-            if isinstance(e, (Transient, PermissionDenied)) and not isinstance(e, GaveUp):
-                self._tier_failed(Tier.S3)
+            if self._tier_trouble(Tier.S3, e):
+                self._tier_failed(Tier.S3, abort_loads=False)
             log.warning("s3kv: store of %s failed: %s", cid.object_key, e)
             self._failed(Tier.S3, chunk.key)
             return
@@ -598,7 +754,12 @@ class TransferEngine:
             return True
         except NotFound:
             pass  # deleted meanwhile: write ours
-        except (Transient, PermissionDenied):
+        except PermissionDenied as e:
+            if e.credentials:
+                raise
+            log.warning("s3kv: %s exists but is not ours to read (%s): not published", cid.object_key, e)
+            return False
+        except Transient:
             raise
         except Exception as e:
             log.warning(
@@ -658,5 +819,6 @@ class TransferEngine:
         self._loop.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._store_executor.shutdown(wait=False, cancel_futures=True)
-        self._disk_executor.shutdown(wait=False, cancel_futures=True)
+        self._disk_read_executor.shutdown(wait=False, cancel_futures=True)
+        self._disk_write_executor.shutdown(wait=False, cancel_futures=True)
         self.pool = None

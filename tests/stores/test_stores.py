@@ -101,3 +101,115 @@ def test_s3_errors_map_onto_s3kv_errors(code, status, kind):
 
     e = ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
     assert type(_map_error(e, "k")).__name__ == kind
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "credentials"),
+    [
+        ("AccessDenied", 403, False),  # a bucket policy or KMS key for this object's prefix
+        ("403", 403, False),  # a HEAD's 403 (no body, no code)
+        ("InvalidAccessKeyId", 403, True),
+        ("SignatureDoesNotMatch", 403, True),
+        ("ExpiredToken", 400, True),
+        ("InvalidToken", 400, True),
+        ("TokenRefreshRequired", 400, True),
+        ("InvalidClientTokenId", 403, True),
+        ("RequestTimeTooSkewed", 403, True),
+        ("AllAccessDisabled", 403, True),
+    ],
+)
+def test_a_403_says_whether_the_credentials_or_the_object_were_refused(code, status, credentials):
+    from botocore.exceptions import ClientError
+
+    from s3kv.errors import PermissionDenied
+    from s3kv.stores.s3 import _map_error
+
+    e = ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+    mapped = _map_error(e, "k")
+    assert isinstance(mapped, PermissionDenied) and mapped.credentials is credentials
+    assert code in str(mapped)
+
+
+def test_a_body_cut_short_and_credentials_that_expired_map_onto_s3kv_errors():
+    import aiohttp
+    import botocore.exceptions as bexc
+
+    from s3kv.errors import PermissionDenied, Transient
+    from s3kv.stores.s3 import _map_error
+
+    for e in (
+        bexc.IncompleteReadError(actual_bytes=100, expected_bytes=1000),
+        aiohttp.ClientPayloadError("Response payload is not completed"),
+        bexc.ResponseStreamingError(error="connection reset"),
+    ):
+        assert isinstance(_map_error(e, "k"), Transient), e
+    expired = _map_error(bexc.CredentialRetrievalError(provider="iam-role", error_msg="timed out"), "k")
+    assert isinstance(expired, PermissionDenied) and expired.credentials
+
+
+class FakeS3:
+    """An HTTP server on loopback that answers every request with one canned
+    response (then closes the connection): what moto cannot be made to say."""
+
+    def __init__(self, response: bytes) -> None:
+        self.response = response
+        self.requests = 0
+
+    async def __aenter__(self) -> str:
+        import asyncio
+
+        async def serve(reader, writer):
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                self.requests += 1
+                writer.write(self.response)
+                await writer.drain()
+            finally:
+                writer.close()
+
+        self._server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.close()
+
+
+def fake_store(endpoint: str) -> S3Store:
+    return S3Store("b", S3Options(endpoint_url=endpoint, region="us-east-1", max_attempts=1))
+
+
+def error_response(status: int, reason: str, code: str) -> bytes:
+    body = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>no</Message></Error>"
+    head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+    return (head + "Connection: close\r\n\r\n" + body).encode()
+
+
+async def test_a_connection_dropped_mid_body_is_transient():
+    from s3kv.errors import Transient
+
+    head = b'HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nETag: "e"\r\nConnection: close\r\n\r\n'
+    async with FakeS3(head + b"x" * 100) as endpoint:
+        store = fake_store(endpoint)
+        try:
+            with pytest.raises(Transient):
+                await store.get("k")
+        finally:
+            await store.close()
+
+
+async def test_the_s3_store_tells_refused_credentials_from_a_refused_object():
+    from s3kv.errors import PermissionDenied
+
+    for status, reason, code, credentials in (
+        (403, "Forbidden", "AccessDenied", False),
+        (403, "Forbidden", "InvalidAccessKeyId", True),
+        (400, "Bad Request", "ExpiredToken", True),
+    ):
+        async with FakeS3(error_response(status, reason, code)) as endpoint:
+            store = fake_store(endpoint)
+            try:
+                with pytest.raises(PermissionDenied) as err:
+                    await store.get("k")
+            finally:
+                await store.close()
+        assert err.value.credentials is credentials, code

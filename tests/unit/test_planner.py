@@ -324,6 +324,87 @@ def test_a_store_can_be_the_s3_probe():
     assert all(s.s3 for s in p.plan_step([sched("w2", 0, 300, list(range(10, 20)))]).stores)
 
 
+def half_open_s3(**kw):
+    """A planner whose S3 breaker opened at 0 s and is half-open now (6 s)."""
+    now = [0.0]
+    p, index = planner(clock=lambda: now[0], **kw)
+    index.update(KEYS)
+    p.on_load_results(set(), failed={Tier.S3: 1})
+    now[0] = 6.0
+    return p, index, now
+
+
+def test_a_probe_whose_s3_part_vllm_trimmed_gives_the_slot_back():
+    p, _, _ = half_open_s3(disk_bytes=100 * disk_estimate(SHARD))
+    for k in KEYS[:2]:
+        p.disk.insert_ready(k, 100)
+    assert lookup(p, "a") == (4 * CT, True)  # the S3 probe
+    assert lookup(p, "b") == (2 * CT, True)  # the disk only: S3 has its probe
+    p.on_alloc("a", list(range(10)), 2 * CT)  # vLLM loads only the disk's part
+    assert p.hit_sources("a") == {Tier.DISK: 2 * CT}
+    assert lookup(p, "b") == (4 * CT, True)  # the next request probes S3 instead
+
+
+def test_a_finished_request_gives_its_probe_slot_back():
+    p, _, _ = half_open_s3()
+    assert lookup(p, "a") == (4 * CT, True)
+    assert lookup(p, "b") == (0, False)
+    p.request_finished("a", [], 0)  # never allocated: it will not probe
+    assert lookup(p, "b") == (4 * CT, True)
+
+
+def test_a_load_over_without_news_for_the_tier_gives_the_probe_slot_back():
+    p, _, _ = half_open_s3()
+    assert lookup(p, "a") == (4 * CT, True)
+    p.on_alloc("a", list(range(10)), 4 * CT)
+    p.on_load_results({"a"})  # it failed, not for S3's sake (a chunk refused, given up)
+    assert lookup(p, "b") == (0, False)
+    p.on_recved(["a"])
+    assert lookup(p, "b") == (4 * CT, True)
+
+
+def test_a_store_that_failed_gives_its_probe_slot_back():
+    p, index, _ = half_open_s3()
+    lookup(p, "w", tokens=list(range(500, 800)))
+    (store,) = [s for s in p.plan_step([sched("w", 0, 300, list(range(10)))]).stores if s.s3]
+    assert lookup(p, "r") == (0, False)  # the store is the probe
+    p.on_write_failed(Tier.S3, {store.key: 1})  # dropped (the byte budget): S3 said nothing
+    assert lookup(p, "r") == (4 * CT, True)
+
+
+def test_failures_while_open_count_one_trip():
+    now = [0.0]
+    p, index = planner(clock=lambda: now[0])
+    for t in (0.0, 1.0, 2.0):  # loads in flight when it opened fail one by one
+        now[0] = t
+        p.on_load_results(set(), failed={Tier.S3: 2})
+    assert p.counters.totals()["breaker_trips_s3"] == 1
+    now[0] = 5.1  # and the backoff is still the first one
+    assert not p.paused
+
+
+def test_a_412_on_a_bad_key_is_not_stored_again_before_store_retry_s():
+    now = [0.0]
+    p, index = planner(clock=lambda: now[0], store_retry_s=100.0)
+    index.quarantine(KEYS[0], "p/bad-object", '"etag"')  # some replica could not delete it
+    for bad_outcome in ("existing", "failed"):
+        lookup(p, "w")
+        stores = p.plan_step([sched("w", 0, 300, list(range(10)))]).stores
+        assert [s.key for s in stores if s.s3][:1] == [KEYS[0]]
+        if bad_outcome == "existing":  # the 412 found the bad object: not published
+            p.on_existing([KEYS[0]])
+            p.on_written(Tier.S3, {s.key: 1 for s in stores})
+        else:  # a store that found it in the way and could not verify it
+            p.on_write_failed(Tier.S3, {KEYS[0]: 1})
+        assert KEYS[0] not in index and all(k in index for k in KEYS[1:4])
+        for step in range(3):  # not every step
+            lookup(p, f"again{step}")
+            assert p.plan_step([sched(f"again{step}", 0, 300, list(range(10)))]).stores == []
+            p.request_finished(f"again{step}", [], 0)
+        now[0] += 100.0  # store_retry_s later it is tried again (gc may have removed it)
+        p.request_finished("w", [], 0)
+
+
 def test_a_failing_disk_pauses_only_the_disk():
     now = [0.0]
     p, index = planner(clock=lambda: now[0], disk_bytes=100 * disk_estimate(SHARD))

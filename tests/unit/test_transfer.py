@@ -364,6 +364,7 @@ def test_s3kv_threads_escape_the_forwards_core_binding():
         seen["codec"] = e._loop.run(e._run(aff), timeout=5)
         seen["store"] = e._loop.run(e._run_background(aff), timeout=5)
         seen["disk"] = e._loop.run(e._run_disk(aff), timeout=5)
+        seen["disk-write"] = e._loop.run(e._run_disk(aff, write=True), timeout=5)
 
         async def on_loop():
             return os.sched_getaffinity(0)
@@ -374,4 +375,244 @@ def test_s3kv_threads_escape_the_forwards_core_binding():
     t = threading.Thread(target=start_bound)
     t.start()
     t.join()
-    assert seen == {"codec": allowed, "store": allowed, "disk": allowed, "loop": allowed}
+    assert seen == {
+        "codec": allowed,
+        "store": allowed,
+        "disk": allowed,
+        "disk-write": allowed,
+        "loop": allowed,
+    }
+
+
+# -- what the tiers' breakers hear ---------------------------------------------------
+
+
+def test_a_403_on_one_object_drops_the_key_without_blaming_s3():
+    from s3kv.errors import PermissionDenied
+    from tests.stores.wrappers import WrappedStore
+
+    key = b"q" * 16
+    inner = MemoryStore()
+    stored_chunk(inner, key, 1).close()
+    e = engine(WrappedStore(inner))
+    e.s3.denied.add(e.chunk_id(key).object_key)  # a bucket policy or KMS key for its prefix
+    c = chunk(key)
+    e.submit_load("j", [c], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] == [c] and acc.missing == {Tier.S3: {key}}
+    assert acc.tier_failed == {} and acc.tier_ok == {Tier.S3: 1}  # S3 answered
+    assert acc.bad == {}  # not the fleet's business: another role may read it
+    assert e.counters.totals()["load_errors_denied"] == 1
+    # A store that finds it in the way (a 412) does not publish what this
+    # rank cannot read.
+    e.submit_store(store_job(key, 2))
+    acc = wait_for(e, lambda a: key in a.failed.get(Tier.S3, ()) or key in a.written.get(Tier.S3, {}))
+    assert key in acc.failed[Tier.S3] and key not in acc.existing and acc.tier_failed == {}
+    e.close()
+    # Refused credentials are the tier's trouble: its breaker hears them.
+    e = engine(FlakyStore(fail=PermissionDenied("k: ExpiredToken (HTTP 400)", credentials=True)))
+    e.submit_load("j", [chunk(key)], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.tier_failed == {Tier.S3: 1} and acc.missing == {}
+    assert e.counters.totals()["load_errors_unavailable"] == 1
+    e.close(0.1)
+
+
+def test_absent_or_corrupt_is_an_answer_from_a_working_tier(tmp_path):
+    key = b"z" * 16
+    e = engine(MemoryStore(), disk_path=tmp_path)
+    e.submit_load("absent", [chunk(key, Tier.DISK, Tier.S3)], lambda *a: None)
+    acc = wait_for(e, lambda a: "absent" in a.finished_loads)
+    assert acc.missing == {Tier.DISK: {key}, Tier.S3: {key}}
+    assert acc.tier_ok == {Tier.DISK: 1, Tier.S3: 1} and acc.tier_failed == {}
+    e.submit_store(StoreJob(key, layers(3), disk=True))
+    wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}))
+    path = e.disk.path(key)
+    blob = bytearray(path.read_bytes())
+    blob[-5] ^= 0x01
+    path.write_bytes(bytes(blob))
+    e.submit_load("corrupt", [chunk(key, Tier.DISK)], lambda *a: None)
+    acc = wait_for(e, lambda a: "corrupt" in a.finished_loads)
+    assert acc.missing == {Tier.DISK: {key}} and acc.tier_ok == {Tier.DISK: 1} and acc.tier_failed == {}
+    e.close()
+
+
+class SlowGets(MemoryStore):
+    """GETs take ``delay``; PUTs fail (S3 in trouble for writes) once ``fail_puts``."""
+
+    def __init__(self, delay):
+        super().__init__()
+        self.delay, self.fail_puts = delay, False
+
+    async def get(self, key, range=None):
+        await asyncio.sleep(self.delay)
+        return await super().get(key, range)
+
+    async def put(self, key, data, *, mode=PutMode.OVERWRITE):
+        if self.fail_puts:
+            raise Transient(f"{key}: InternalError (HTTP 500)")
+        return await super().put(key, data, mode=mode)
+
+
+def test_a_failed_s3_store_does_not_fail_loads_in_flight():
+    store = SlowGets(0.3)
+    key = b"l" * 16
+    e = stored_chunk(store, key, 4)
+    store.fail_puts = True
+    got = {}
+    e.submit_load("j", [chunk(key)], collect(got))
+    time.sleep(0.05)  # the load is under way
+    e.submit_store(store_job(b"s" * 16, 5))
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] == [] and (got[(key, 0)] == layers(4)[0]).all()
+    acc.add(e.poll())
+    assert acc.tier_failed == {Tier.S3: 1} and acc.tier_ok == {Tier.S3: 1}  # the breaker hears both
+    e.close()
+
+
+def test_a_failed_nvme_write_does_not_fail_disk_reads_in_flight(tmp_path, monkeypatch):
+    key = b"r" * 16
+    e = engine(MemoryStore(), disk_path=tmp_path)
+    e.submit_store(StoreJob(key, layers(6), disk=True))
+    wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}))
+    real_read = e.disk.read
+
+    def slow_read(*a, **kw):
+        time.sleep(0.3)
+        return real_read(*a, **kw)
+
+    def failing_write(*a, **kw):
+        raise Transient("EIO")
+
+    monkeypatch.setattr(e.disk, "read", slow_read)
+    monkeypatch.setattr(e.disk, "write", failing_write)
+    e.submit_load("j", [chunk(key, Tier.DISK)], lambda *a: None)
+    time.sleep(0.05)
+    e.submit_store(StoreJob(b"x" * 16, layers(7), disk=True))
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] == []
+    acc.add(e.poll())
+    assert acc.tier_failed == {Tier.DISK: 1} and acc.failed == {Tier.DISK: {b"x" * 16}}
+    e.close()
+
+
+def test_a_load_out_of_time_gives_up_without_blaming_a_tier(tmp_path, monkeypatch):
+    key = b"o" * 16
+    e = engine(MemoryStore(), disk_path=tmp_path, load_timeout_s=0.3, disk_timeout_s=5.0)
+    e.submit_store(StoreJob(key, layers(2), disk=True, s3=True))
+    wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
+    real_read = e.disk.read
+
+    def slow_read(*a, **kw):
+        time.sleep(0.6)  # slow, but well within the disk's own bound
+        return real_read(*a, **kw)
+
+    monkeypatch.setattr(e.disk, "read", slow_read)
+    c = chunk(key, Tier.DISK, Tier.S3)
+    e.submit_load("j", [c], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] == [c]
+    time.sleep(0.5)
+    acc.add(e.poll())
+    assert acc.tier_failed == {}  # neither the disk nor S3 (which had no time left) failed
+    totals = e.counters.totals()
+    assert totals["load_errors_gave_up"] >= 1 and "load_errors_timeout" not in totals
+    e.close()
+
+
+def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_path, monkeypatch):
+    import threading
+
+    from s3kv.tiering.transfer import DISK_THREADS
+
+    keys = [bytes([0xD0 + i]) * 16 for i in range(2 * DISK_THREADS)]
+    e = engine(MemoryStore(), disk_path=tmp_path, disk_timeout_s=1.0)
+    for i, key in enumerate(keys):
+        e.submit_store(StoreJob(key, layers(i), disk=True))
+    wait_for(e, lambda a: len(a.written.get(Tier.DISK, {})) == len(keys))
+    real_read = e.disk.read
+    stuck = threading.Event()
+
+    def slow_read(*a, **kw):
+        time.sleep(0.7)  # within the bound, but two in a row are not
+        return real_read(*a, **kw)
+
+    def hung_write(*a, **kw):
+        stuck.wait(30)
+        raise Transient("EIO")
+
+    monkeypatch.setattr(e.disk, "read", slow_read)
+    monkeypatch.setattr(e.disk, "write", hung_write)
+    for i in range(DISK_THREADS + 1):  # every write thread hung, one more write queued
+        e.submit_store(StoreJob(bytes([0xE0 + i]) * 16, layers(9), disk=True))
+    time.sleep(0.05)
+    # Twice as many reads as threads: half of them wait for a thread first.
+    e.submit_load("j", [chunk(k, Tier.DISK) for k in keys], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] == [] and acc.tier_ok.get(Tier.DISK) == len(keys)
+    # Meanwhile the hung writes timed out (the disk's failures: the first
+    # of them may have made the other give up) and the queued one gave up;
+    # no read was failed for them.
+    writes = {bytes([0xE0 + i]) * 16 for i in range(DISK_THREADS + 1)}
+    more = wait_for(e, lambda a: acc.failed.get(Tier.DISK, set()) | a.failed.get(Tier.DISK, set()) == writes)
+    failures = acc.tier_failed.get(Tier.DISK, 0) + more.tier_failed.get(Tier.DISK, 0)
+    assert 1 <= failures <= DISK_THREADS and acc.tier_failed.keys() | more.tier_failed.keys() == {Tier.DISK}
+    stuck.set()
+    e.close()
+
+
+def disk_and_s3_engine(tmp_path, n, **kw):
+    """An engine whose NVMe tier and S3 both hold chunks ``keys``."""
+    keys = [bytes([0xA0 + i]) * 16 for i in range(n)]
+    e = engine(MemoryStore(), disk_path=tmp_path, **kw)
+    for i, key in enumerate(keys):
+        e.submit_store(StoreJob(key, layers(i), disk=True, s3=True))
+    wait_for(
+        e, lambda a: all(k in a.written.get(Tier.DISK, {}) and k in a.written.get(Tier.S3, {}) for k in keys)
+    )
+    return e, keys
+
+
+def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(tmp_path, monkeypatch):
+    from s3kv.tiering.transfer import DISK_THREADS
+
+    e, keys = disk_and_s3_engine(tmp_path, 3 * DISK_THREADS, disk_timeout_s=0.5)
+    real_read = e.disk.read
+
+    def busy_read(*a, **kw):
+        time.sleep(0.4)  # each read in time, but the third in a row waits too long
+        return real_read(*a, **kw)
+
+    monkeypatch.setattr(e.disk, "read", busy_read)
+    e.submit_load("j", [chunk(k, Tier.DISK, Tier.S3) for k in keys], lambda *a: None)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] == [] and acc.tier_failed == {}
+    totals = e.counters.totals()
+    assert totals["load_chunks_s3"] >= 1 and totals["load_errors_gave_up"] == totals["load_chunks_s3"]
+    e.close()
+
+
+def test_a_read_that_waits_for_a_hung_disk_is_the_disks_failure(tmp_path, monkeypatch):
+    import threading
+
+    from s3kv.tiering.transfer import DISK_THREADS
+
+    e, keys = disk_and_s3_engine(tmp_path, DISK_THREADS + 1, disk_timeout_s=0.3)
+    hung = threading.Event()
+    real_read = e.disk.read
+
+    def hung_read(*a, **kw):
+        hung.wait(30)
+        return real_read(*a, **kw)
+
+    monkeypatch.setattr(e.disk, "read", hung_read)
+    e.submit_load("first", [chunk(k, Tier.DISK) for k in keys[:DISK_THREADS]], lambda *a: None)
+    wait_for(e, lambda a: "first" in a.finished_loads)  # they timed out; their threads hang on
+    # The next read waits behind stuck threads: that is the disk's failure
+    # too (it is a breaker's probe: its answer must come back), then S3 serves.
+    e.submit_load("next", [chunk(keys[-1], Tier.DISK, Tier.S3)], lambda *a: None)
+    acc = wait_for(e, lambda a: "next" in a.finished_loads)
+    assert acc.finished_loads["next"] == []
+    assert acc.tier_failed == {Tier.DISK: 1} and acc.tier_ok == {Tier.S3: 1}
+    hung.set()
+    e.close()
