@@ -178,3 +178,17 @@ def test_bad_records_drop_a_key_everywhere_and_block_publishing_it_from_a_412():
     assert keys[0] not in mb
     p.on_written(Tier.S3, {keys[0]: 1})  # written anew (after gc removed the bad one)
     assert keys[0] in mb
+
+
+def test_one_bad_object_reported_by_many_loads_is_recorded_once():
+    store = MemoryStore()
+    keys = chain_keys(Namespace.from_fields({"m": "bad-once"}), list(range(64)), 64)
+    a, ma = _sync(store, writer="writera")
+    for _ in range(3):  # three loads (or ranks) found the same object bad
+        ma.quarantine(keys[0], "p/x/obj.r0", '"etag-1"')
+    ma.quarantine(keys[0], "p/x/obj.r0", '"etag-2"')  # stored again since, and bad again: a new record
+    asyncio.run(a.publish())
+    ma.quarantine(keys[0], "p/x/obj.r0", '"etag-1"')  # reported again after it was published
+    asyncio.run(a.publish())
+    records = [mf.decode(asyncio.run(store.get(n))) for n in asyncio.run(store.list_keys(BASE + "seg/"))]
+    assert [r.meta["bad"] for r in records] == [[["p/x/obj.r0", '"etag-1"'], ["p/x/obj.r0", '"etag-2"']]]
