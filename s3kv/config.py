@@ -252,6 +252,14 @@ def _str(key: str, value: Any) -> str:
     return value
 
 
+def _key_file(value: Any) -> str:
+    if not isinstance(value, str) or not value:  # not echoed: it may be the secret, pasted by mistake
+        raise ConfigError(
+            "auth_key_file: expected the path of a file holding the fleet secret (value not shown)"
+        )
+    return value
+
+
 def _digest(value: Any) -> str:
     if not isinstance(value, str) or not _DIGEST_RE.match(value):
         raise ConfigError(
@@ -297,7 +305,7 @@ _PARSERS = {
     "manifest_max_bytes": lambda v: _size("manifest_max_bytes", v, MiB, 64 * GiB),
     "model_digest": _digest,
     "namespace_salt": _salt,
-    "auth_key_file": lambda v: _str("auth_key_file", v),
+    "auth_key_file": _key_file,
 }
 assert set(_PARSERS) == set(KNOWN_KEYS), set(_PARSERS) ^ set(KNOWN_KEYS)
 
