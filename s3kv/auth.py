@@ -114,19 +114,25 @@ def load_keys(auth_key_file: str | None, environ: Mapping[str, str] | None = Non
     if auth_key_file is None:
         return None
     path = Path(auth_key_file)
+    name = key_file_name(auth_key_file)
     try:
         st = path.stat()
         text = path.read_text("utf-8")
     except OSError as e:
-        raise ConfigError(f"auth_key_file: cannot read {path}: {e.strerror or e}") from None
+        hint = "" if "/" in auth_key_file else " (it names a file holding the secret, not the secret)"
+        raise ConfigError(f"{name}: cannot read it: {e.strerror or type(e).__name__}{hint}") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"auth_key_file: {path} is not UTF-8 text") from None
+        raise ConfigError(f"{name}: not UTF-8 text") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         import logging
 
         logging.getLogger("s3kv.auth").warning(
-            "s3kv: auth_key_file %s is readable by other users (mode %o); chmod 600 it",
-            path,
-            st.st_mode & 0o777,
+            "s3kv: %s is readable by other users (mode %o); chmod 600 it", name, st.st_mode & 0o777
         )
-    return parse_secrets(text, f"auth_key_file {path}")
+    return parse_secrets(text, name)
+
+
+def key_file_name(value: str) -> str:
+    """How messages name an ``auth_key_file``: by its path, unless the value
+    has no "/" and so may be the secret itself, pasted there by mistake."""
+    return f"auth_key_file {value}" if "/" in value else "auth_key_file (value not shown)"

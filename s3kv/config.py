@@ -8,6 +8,7 @@ standard AWS chain (environment, shared profile, instance or pod role).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from s3kv.errors import ConfigError
-from s3kv.units import parse_duration, parse_size
+from s3kv.units import parse_duration, parse_size, value_text
 
 Codec = Literal["zstd", "none"]
 CODECS: tuple[str, ...] = ("zstd", "none")
@@ -134,15 +135,16 @@ def field_docs() -> dict[str, str]:
 
 
 def _int(key: str, value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            value = int(value)
-        else:
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
+    n = value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        with contextlib.suppress(ValueError):  # int() refuses over 4300 digits, isdigit() passes "²"
+            n = int(value)
+    if n is None:
+        raise ConfigError(f"{key}: expected an integer, got {value_text(value)}")
+    if n < lo or (hi is not None and n > hi):
         rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise ConfigError(f"{key}: must be {rng}, got {value}")
-    return value
+        raise ConfigError(f"{key}: must be {rng}, got {value_text(n)}")
+    return n
 
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -180,6 +182,8 @@ def _not_a_count(value: Any) -> bool:
     ``Infinity`` are read as floats) or a negative one."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
+    if isinstance(value, int):  # math.isfinite would overflow converting 10**400 to a float
+        return value < 0
     return not (math.isfinite(value) and value >= 0)
 
 
@@ -187,7 +191,7 @@ def _duration(key: str, value: Any, lo: float, hi: float = DAY_S) -> float:
     """Seconds in ``[lo, hi]``; ``lo=0`` means more than zero (a zero timeout
     or interval means nothing)."""
     low = "more than 0 s" if lo == 0 else f"at least {_seconds_text(lo)}"
-    allowed = f"{key}: must be {low} and at most {_seconds_text(hi)}, got {value!r}"
+    allowed = f"{key}: must be {low} and at most {_seconds_text(hi)}, got {value_text(value)}"
     if _not_a_count(value):
         raise ConfigError(allowed)
     seconds = parse_duration(value, name=key)
@@ -200,7 +204,7 @@ def _size(key: str, value: Any, lo: int, hi: int, *, zero_turns_off: bool = Fals
     """Bytes in ``[lo, hi]``, or 0 where that turns the feature off."""
     low = "more than 0" if lo == 1 else f"at least {_bytes_text(lo)}"
     off = " (or 0 to turn it off)" if zero_turns_off else ""
-    allowed = f"{key}: must be {low} and at most {_bytes_text(hi)}{off}, got {value!r}"
+    allowed = f"{key}: must be {low} and at most {_bytes_text(hi)}{off}, got {value_text(value)}"
     if _not_a_count(value):
         raise ConfigError(allowed)
     n = parse_size(value, name=key)
@@ -252,6 +256,14 @@ def _str(key: str, value: Any) -> str:
     return value
 
 
+def _key_file(value: Any) -> str:
+    if not isinstance(value, str) or not value:  # not echoed: it may be the secret, pasted by mistake
+        raise ConfigError(
+            "auth_key_file: expected the path of a file holding the fleet secret (value not shown)"
+        )
+    return value
+
+
 def _digest(value: Any) -> str:
     if not isinstance(value, str) or not _DIGEST_RE.match(value):
         raise ConfigError(
@@ -297,7 +309,7 @@ _PARSERS = {
     "manifest_max_bytes": lambda v: _size("manifest_max_bytes", v, MiB, 64 * GiB),
     "model_digest": _digest,
     "namespace_salt": _salt,
-    "auth_key_file": lambda v: _str("auth_key_file", v),
+    "auth_key_file": _key_file,
 }
 assert set(_PARSERS) == set(KNOWN_KEYS), set(_PARSERS) ^ set(KNOWN_KEYS)
 

@@ -6,8 +6,9 @@ configuration files, not its path: replicas that mount the same weights at
 different paths share a cache, and two fine-tunes that differ anywhere (a
 merged LoRA, the last layers trained) never do. Hashing is xxh3_128 over
 the whole file; each file's digest is cached by (device, inode, size,
-mtime_ns) in a small file under the user's cache directory, so a restart
-does not read 16 GB again, and a changed file is hashed again.
+mtime_ns, ctime_ns) in a small file under the user's cache directory, so a
+restart does not read 16 GB again, and a changed file is hashed again (a
+tool may set mtime back after a rewrite; nothing can set ctime).
 
 For a hub model the identity is the resolved snapshot commit (the sha the
 local hub cache holds for the revision), never a mutable name such as
@@ -64,8 +65,10 @@ def default_cache_path() -> Path:
 
 
 def stat_key(st: os.stat_result) -> str:
-    """What names one version of a file: a changed file gets another key."""
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    """What names one version of a file: a changed file gets another key.
+    ctime is in it because mtime can be set back (``touch -d``, ``rsync -t``,
+    ``cp -p``) and ctime cannot; keys of older caches, without it, simply miss."""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 class DigestCache:

@@ -93,6 +93,11 @@ FAMILIES: tuple[Family, ...] = (
         "Corrupt chunk objects this replica could not delete, reported to the fleet as bad (gc removes them)",
     ),
     _c(
+        "key_mismatch",
+        "Worker ranks whose fleet secret (S3KV_AUTH_KEY, auth_key_file) is not the scheduler side's: "
+        "each refuses every load and store (see its log)",
+    ),
+    _c(
         "unkeyed_requests",
         "Requests served without the cache while the model's (or a LoRA adapter's) content digest was "
         "being computed: no hits offered, nothing stored",

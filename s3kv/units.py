@@ -32,6 +32,16 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 8640
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+def value_text(value: object) -> str:
+    """``repr(value)`` for a message, cut short; a number too long to read
+    (or even to print: Python refuses ints of over 4300 digits) is named by
+    its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"a {'negative ' if value < 0 else ''}{value.bit_length()}-bit number"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
 def parse_size(value: object, *, name: str = "size") -> int:
     """Bytes from an int or a string such as "8GiB", "512 MiB", "1.5GB" or "4096".
 
@@ -64,9 +74,11 @@ def parse_size(value: object, *, name: str = "size") -> int:
     else:
         raise ConfigError(f"{name}: expected a size such as 8GiB, got {value!r}")
     if n < 0:
-        raise ConfigError(f"{name}: a size cannot be negative, got {value!r}")
+        raise ConfigError(f"{name}: a size cannot be negative, got {value_text(value)}")
     if n > MAX_SIZE:
-        raise ConfigError(f"{name}: {value!r} is more bytes than any store holds (at most 2**63 - 1)")
+        raise ConfigError(
+            f"{name}: {value_text(value)} is more bytes than any store holds (at most 2**63 - 1)"
+        )
     return n
 
 
@@ -78,7 +90,12 @@ def parse_duration(value: object, *, name: str = "duration") -> float:
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected a duration such as 30s, got {value!r}")
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond any float
+            raise ConfigError(
+                f"{name}: a duration must be a finite number of seconds, got {value_text(value)}"
+            ) from None
     elif isinstance(value, str):
         m = _DURATION_RE.match(value) if len(value) <= _MAX_TEXT else None
         unit = m.group(2).lower() if m else None

@@ -28,6 +28,10 @@ class S3KVMetadata(KVConnectorMetadata):
     namespace: str | None = None
     """The namespace the plans are in; None (and no plans) until the
     scheduler side knows the model's identity."""
+    signing_kid: bytes | None = None
+    """The id of the fleet key the scheduler side signs with (never the key
+    itself); None without a fleet secret. Each process reads the secret on
+    its own: a worker whose key differs refuses every transfer."""
 
 
 @dataclass

@@ -343,8 +343,9 @@ class SchedulerSide:
 
     def build_meta(self, out: SchedulerOutput) -> S3KVMetadata:
         planner = self.planner
+        kid = self.keys.signing_kid if self.keys is not None else None
         if planner is None:
-            return S3KVMetadata()
+            return S3KVMetadata(signing_kid=kid)
         if self._cleaner is not None:
             planner.on_deleted(self._cleaner.take_done())
         scheduled: list[ScheduledRequest] = []
@@ -378,6 +379,7 @@ class SchedulerSide:
             held=plan.held,
             preempted=bool(out.preempted_req_ids),
             namespace=planner.namespace.id,
+            signing_kid=kid,
         )
 
     def on_output(self, output: KVConnectorOutput) -> None:

@@ -25,7 +25,7 @@ from s3kv.stores.factory import make_store
 from s3kv.tiering.chunks import PageFormat
 from s3kv.tiering.hostpool import HostPool, slots_for
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.planner import LoadChunk, StoreChunk
+from s3kv.tiering.planner import LoadChunk, LoadPlan, StoreChunk
 from s3kv.tiering.transfer import EngineSettings, StoreJob, TransferEngine
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ class WorkerSide:
         self.layout = layout
         self.rank = rank
         self.num_blocks = num_blocks
+        self.keys = keys
         self.counters = Counters(f"rank{rank}")
         self.engine = TransferEngine(
             make_store(config, self.counters) if config.uses_s3 else None,
@@ -112,6 +113,11 @@ class WorkerSide:
         """Held requests whose copies are done, to report as finished sending."""
         self._finished = RecentSet(4096)
         self._report = S3KVWorkerMetadata()
+        self.refusal: str | None = None
+        """Why this rank refuses every transfer (its fleet key is not the
+        scheduler side's), or None."""
+        self._refused_loads: set[str] = set()
+        """Asynchronous loads refused, to report as finished (failed)."""
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = PageIO(kv_caches, self.layout.layer_names, self.num_blocks)
@@ -145,13 +151,79 @@ class WorkerSide:
 
     def bind(self, meta: S3KVMetadata) -> None:
         """A step's plans: the first that names the namespace sets it (the
-        scheduler side plans nothing before it knows the model's identity)."""
+        scheduler side plans nothing before it knows the model's identity),
+        and checks that this rank holds the scheduler side's fleet key."""
         if meta.namespace is not None and meta.namespace != self.engine.namespace:
+            self._check_key(meta.signing_kid)
             self.engine.set_namespace(meta.namespace)
+
+    def _check_key(self, scheduler_kid: bytes | None) -> None:
+        """Each process reads the fleet secret on its own (a Ray worker does
+        not inherit the environment unless told to): a rank without the
+        scheduler side's key would write unsigned objects into a signed
+        namespace and refuse every signed one, and one with another key
+        would write what the fleet refuses. Such a rank refuses every
+        transfer instead: loads fail (vLLM recomputes), stores are dropped."""
+        own = self.keys.signing_kid if self.keys is not None else None
+        if own == scheduler_kid:
+            return
+
+        def kid(k: bytes | None) -> str:
+            return k.hex() if k is not None else "none"
+
+        self.refusal = f"fleet key id {kid(own)} here, {kid(scheduler_kid)} on the scheduler side"
+        self.counters.add("key_mismatch")
+        log.error(
+            "s3kv: rank %d's fleet secret (key id %s) is not the scheduler side's (key id %s): this "
+            "rank refuses every load and store, so the replica serves without the KV cache. Give "
+            "every vLLM process the same S3KV_AUTH_KEY or auth_key_file (under Ray, list "
+            "S3KV_AUTH_KEY in VLLM_RAY_EXTRA_ENV_VARS_TO_COPY) and restart.",
+            self.rank,
+            kid(own),
+            kid(scheduler_kid),
+        )
+
+    def _refuse_loads(self, loads: list[LoadPlan]) -> None:
+        """Refused loads fail as a failed load does: their blocks are
+        recomputed, their promotions freed, and each is over (a synchronous
+        one at the end of the step, an asynchronous one at the next poll)."""
+        for plan in loads:
+            self._report.load_failed.add(plan.req_id)
+            if plan.sync:
+                self._sync_reqs.append(plan.req_id)
+            else:
+                self._refused_loads.add(plan.req_id)
+            for c in plan.chunks:
+                self._load_errors.update(c.write_ids)
+                if c.promote_slot is not None:
+                    self._write_failed(Tier.CPU, c.key)
+                if c.promote_disk:
+                    self._write_failed(Tier.DISK, c.key)
+
+    def _refuse_stores(self, stores: list[StoreChunk]) -> None:
+        """Refused stores are dropped, uncopied: every tier they were meant
+        for hears of a failed write, and their CPU slots are free again."""
+        r = self._report
+        for s in stores:
+            if s.cpu_slot is not None:
+                self._write_failed(Tier.CPU, s.key)
+                if s.disk or s.s3:  # the write-through would have read the slot
+                    r.released[s.key] = r.released.get(s.key, 0) + 1
+            if s.disk:
+                self._write_failed(Tier.DISK, s.key)
+            if s.s3:
+                self._write_failed(Tier.S3, s.key)
+
+    def _write_failed(self, tier: Tier, key: bytes) -> None:
+        self._report.failed[(tier, key)] = self._report.failed.get((tier, key), 0) + 1
 
     # -- loads ---------------------------------------------------------------------
     def start_load(self, meta: S3KVMetadata) -> None:
         assert self.pages is not None
+        if self.refusal is not None:
+            self._sync_chunks, self._sync_reqs = [], []
+            self._refuse_loads(meta.loads)
+            return
         pages = self.pages
         # Async writes wait for the forward's use of the blocks (a device event: only when needed).
         after = pages.forward_mark() if any(not plan.sync for plan in meta.loads) else None
@@ -218,7 +290,7 @@ class WorkerSide:
         if self._stores is not None and self._stores.meta is meta:
             return self._stores
         self._stores = None
-        if not meta.stores or self.pages is None:
+        if not meta.stores or self.pages is None or self.refusal is not None:
             return None
         n_layers = len(self.pages.layers)
         buffers = []
@@ -257,6 +329,10 @@ class WorkerSide:
         forward saves none), then hand the stores to the background."""
         self._finish_sync_load()
         if self.pages is None:
+            return
+        if self.refusal is not None:
+            self._refuse_stores(meta.stores)
+            self._sent.update(meta.held)  # nothing was copied out of their blocks
             return
         step = self._step_stores(meta)
         if step is not None:
@@ -313,7 +389,8 @@ class WorkerSide:
         self._sent -= sent
         for req_id in sent:
             self._finished.discard(req_id)
-        return sent or None, set(result.finished_loads) or None
+        refused, self._refused_loads = self._refused_loads, set()
+        return sent or None, (set(result.finished_loads) | refused) or None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from s3kv.auth import FleetKeys
-from s3kv.errors import AlreadyExists, NotFound, PermissionDenied, S3KVError
+from s3kv.errors import AlreadyExists, NotFound, PermissionDenied, RangeNotSatisfiable, S3KVError
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import Manifest, as_sorted_unique
 from s3kv.stats import Counters
@@ -115,6 +115,9 @@ class ManifestSync:
         self._to_publish: list[int] = []
         self._bad: list[tuple[int, str, str | None]] = []
         """Bad chunk objects to report: (fingerprint, object name, ETag)."""
+        self._bad_seen: set[tuple[str, str | None]] = set()
+        """(object name, ETag) of every bad object reported so far: one
+        object that many loads (or ranks) found bad is recorded once."""
         self._used: set[int] = set()
         self._used_published: set[int] = set()
         self._used_hour = ""
@@ -150,6 +153,9 @@ class ManifestSync:
 
     def bad(self, fp: int, name: str, etag: str | None) -> None:
         with self._lock:
+            if (name, etag) in self._bad_seen:
+                return
+            self._bad_seen.add((name, etag))
             self._bad.append((fp, name, etag))
 
     # -- reading -----------------------------------------------------------------
@@ -236,7 +242,7 @@ class ManifestSync:
                 raise mf.CorruptManifest(f"{name}: a {obj.kind}, not a {kind}")
         except mf.UnsignedManifest as e:
             self._skip(name, "unsigned", e)
-        except (mf.CorruptManifest, ValueError) as e:  # ValueError: emptied since it was listed (a 416)
+        except (mf.CorruptManifest, RangeNotSatisfiable) as e:  # a 416: emptied since it was listed
             self._skip(name, "garbage", e)
         except PermissionDenied as e:
             self._skip(name, "denied", e)

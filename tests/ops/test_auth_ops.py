@@ -376,3 +376,85 @@ def test_verify_delete_corrupt_without_the_secret_refuses(fleet, s3_server, caps
     rc, rep, err = cli(capsys, s3_server, bucket, "verify", "--all", "--delete-corrupt")
     assert rc == 1, err
     assert names[5] in rep["deleted"] and names[5] not in listing() and names[1] in listing()
+
+
+def test_gc_reads_the_heads_of_reported_objects_and_whole_only_those_whose_head_is_sound():
+    import asyncio
+
+    from s3kv.ops.gc import find_bad
+    from s3kv.ops.inventory import scan
+    from s3kv.stores.memory import MemoryStore
+
+    class Recording(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.whole: list[str] = []
+
+        async def get(self, key, range=None):
+            if range is None:
+                self.whole.append(key)
+            return await super().get(key, range)
+
+    keys = FleetKeys([SECRET])
+    names = {i: object_key(PREFIX, NS, key(i), 0) for i in range(1, 8)}
+    frame = bytearray(chunk(4, keys))
+    frame[codec.parse_header(bytes(frame)).frames[0].offset] ^= 1
+    bodies = {
+        1: chunk(1, FleetKeys(["forger-secret-0123456789abcdef0123"])),  # signed, not by the fleet
+        2: chunk(6, keys),  # another chunk's object, under this name
+        3: chunk(3, keys)[:-100],  # torn: shorter than its header says
+        4: bytes(frame),  # a frame flipped: only the whole object tells
+        5: chunk(5, keys),  # sound: a bogus record
+        6: b"",
+        7: chunk(7, None),  # unsigned
+    }
+
+    async def body():
+        store = Recording()
+        for i, data in bodies.items():
+            await store.put(names[i], data)
+        record = mf.ManifestObject(
+            "segment",
+            removed=np.array(sorted(fingerprint(key(i)) for i in names), np.uint64),
+            meta={"bad": [[n, "etag"] for n in names.values()]},
+        )
+        await store.put(mf.segment_name(BASE, int(time.time() * 1000), "replica", 1), mf.encode(record, keys))
+        inv = await scan(store, PREFIX)
+        store.whole.clear()
+        found = await find_bad(store, inv, keys=keys)
+        return store, {b.name: b for b in found}
+
+    store, bad = asyncio.run(body())
+    assert set(bad) == {names[i] for i in (1, 2, 3, 4, 6, 7)}
+    assert sorted(n for n in store.whole if not n.startswith(BASE)) == [names[4], names[5]]
+    assert "not one of the fleet's keys" in bad[names[1]].reason and "unsigned" in bad[names[7]].reason
+    assert "its header says" in bad[names[3]].reason and "frame 0" in bad[names[4]].reason
+    assert all(b.etag is not None for b in bad.values())  # each deleted by the version read
+
+
+def test_a_chunk_head_longer_than_one_ranged_get_is_read_in_two():
+    import asyncio
+
+    from s3kv.ops.gc import check_chunk_head, read_chunk_head
+    from s3kv.ops.inventory import HEAD_BYTES
+    from s3kv.stores.memory import MemoryStore
+
+    keys = FleetKeys([SECRET])
+    data = codec.encode_chunk(
+        namespace=NS,
+        key=key(1).hex(),
+        rank=0,
+        tokens=32,
+        layers=[np.full(64, i % 251, np.uint8) for i in range(1500)],  # a frame table of ~150 KiB
+        dtype="uint8",
+        itemsize=1,
+        page_shape=(1, 64),
+        keys=keys,
+    )
+    assert codec.header_length(data) > HEAD_BYTES
+    store = MemoryStore()
+    name = object_key(PREFIX, NS, key(1), 0)
+    asyncio.run(store.put(name, data))
+    head = asyncio.run(read_chunk_head(store, name))
+    assert head.data == data[: codec.header_length(data)] and head.size == len(data)
+    check_chunk_head(name, head.data, head.size, keys)

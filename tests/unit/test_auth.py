@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from s3kv.auth import ENV_VAR, FleetKeys, load_keys
+from s3kv.config import parse_config
 from s3kv.errors import ConfigError
 from s3kv.keys import Namespace, chain_keys, fingerprint
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
@@ -56,8 +57,30 @@ def test_bad_secrets_fail_naming_the_problem_not_the_value(value, message):
 
 
 def test_an_unreadable_key_file_fails_naming_the_file(tmp_path):
-    with pytest.raises(ConfigError, match="auth_key_file: cannot read .*nope"):
+    with pytest.raises(ConfigError, match="auth_key_file .*/nope: cannot read it: No such file"):
         load_keys(str(tmp_path / "nope"), {})
+
+
+def test_a_key_file_value_that_is_no_path_is_never_shown(tmp_path, monkeypatch, caplog):
+    """A value without a "/" may be the secret itself, pasted in place of its file's path."""
+    with pytest.raises(ConfigError) as info:
+        load_keys(SECRET, {})
+    assert "auth_key_file (value not shown): cannot read it" in str(info.value)
+    assert "not the secret" in str(info.value) and SECRET not in str(info.value)
+    monkeypatch.chdir(tmp_path)  # a relative name is no path either: not shown
+    (tmp_path / "shortkey").write_text("short")
+    (tmp_path / "shortkey").chmod(0o644)
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    with pytest.raises(
+        ConfigError, match=r"^auth_key_file \(value not shown\): the fleet secret has 5"
+    ) as info:
+        load_keys("shortkey", {})
+    assert "shortkey" not in str(info.value) and "shortkey" not in caplog.text
+    assert "auth_key_file (value not shown) is readable by other users" in caplog.text
+    digits = 12345678901234567890123456789012345  # a secret of digits, pasted unquoted
+    with pytest.raises(ConfigError, match=r"auth_key_file: .*\(value not shown\)") as info:
+        parse_config({"bucket": "b-x1", "auth_key_file": digits})
+    assert str(digits) not in str(info.value)
 
 
 def test_a_key_file_others_can_read_is_warned_about(tmp_path, caplog):
@@ -178,3 +201,17 @@ def test_bad_records_drop_a_key_everywhere_and_block_publishing_it_from_a_412():
     assert keys[0] not in mb
     p.on_written(Tier.S3, {keys[0]: 1})  # written anew (after gc removed the bad one)
     assert keys[0] in mb
+
+
+def test_one_bad_object_reported_by_many_loads_is_recorded_once():
+    store = MemoryStore()
+    keys = chain_keys(Namespace.from_fields({"m": "bad-once"}), list(range(64)), 64)
+    a, ma = _sync(store, writer="writera")
+    for _ in range(3):  # three loads (or ranks) found the same object bad
+        ma.quarantine(keys[0], "p/x/obj.r0", '"etag-1"')
+    ma.quarantine(keys[0], "p/x/obj.r0", '"etag-2"')  # stored again since, and bad again: a new record
+    asyncio.run(a.publish())
+    ma.quarantine(keys[0], "p/x/obj.r0", '"etag-1"')  # reported again after it was published
+    asyncio.run(a.publish())
+    records = [mf.decode(asyncio.run(store.get(n))) for n in asyncio.run(store.list_keys(BASE + "seg/"))]
+    assert [r.meta["bad"] for r in records] == [[["p/x/obj.r0", '"etag-1"'], ["p/x/obj.r0", '"etag-2"']]]

@@ -219,3 +219,42 @@ def test_units_refuse_nan_infinities_and_absurd_sizes():
     assert parse_size("1PiB") == 1 << 50 and parse_size("2PB") == 2 * 10**15
     assert parse_size(2**63 - 1) == 2**63 - 1 and parse_size("0.5KiB") == 512
     assert parse_duration(1e9) == 1e9  # large but finite: bounds are the caller's (a config key's)
+
+
+INT_KEYS = ("chunk_tokens", "zstd_level", "max_connections", "s3_max_attempts")
+
+
+@pytest.mark.parametrize("key", DURATION_KEYS + SIZE_KEYS + INT_KEYS)
+@pytest.mark.parametrize(
+    "huge",
+    [10**400, -(10**400), 10**5000, json.loads("1e400"), -json.loads("1e400")],
+    ids=["1e400-int", "minus-1e400-int", "1e5000-int", "json-1e400", "json-minus-1e400"],
+)
+def test_numbers_too_large_for_a_float_fail_naming_the_key(key, huge):
+    """10**400 overflows a float (OverflowError) and 1e400 is read as inf;
+    either is a config error naming the key, its value shown short (Python
+    cannot even print an int of over 4300 digits)."""
+    with pytest.raises(ConfigError) as info:
+        parse_config({"bucket": "ok-bucket", key: huge})
+    msg = str(info.value)
+    assert msg.startswith(f"{key}: ") and len(msg) < 300, msg
+    if isinstance(huge, int):
+        assert f"{huge.bit_length()}-bit number" in msg
+
+
+@pytest.mark.parametrize("bad", ["9" * 5000, "²", "-" + "9" * 4400])
+def test_integer_strings_int_cannot_read_fail_naming_the_key(bad):
+    with pytest.raises(ConfigError, match=r"^chunk_tokens: expected an integer, got ") as info:
+        parse_config({"bucket": "ok-bucket", "chunk_tokens": bad})
+    assert len(str(info.value)) < 300
+
+
+def test_units_refuse_ints_beyond_any_float():
+    with pytest.raises(
+        ConfigError, match="^wait: a duration must be a finite number of seconds, got a 1329-bit"
+    ):
+        parse_duration(10**400, name="wait")
+    with pytest.raises(ConfigError, match="^max: a 1329-bit number is more bytes than any store holds"):
+        parse_size(10**400, name="max")
+    with pytest.raises(ConfigError, match="^max: a size cannot be negative, got a negative 16610-bit number"):
+        parse_size(-(10**5000), name="max")

@@ -1,6 +1,7 @@
 import json
 import os
 import shutil
+import time
 
 import pytest
 
@@ -160,3 +161,38 @@ def test_hub_models_use_the_resolved_snapshot_commit(tmp_path, monkeypatch):
 def test_download_dir_is_searched_first(tmp_path):
     _hub_cache(tmp_path / "dl", "org/model", {"main": "d" * 40})
     assert identity.hub_commit("org/model", None, identity.hub_cache_dirs(str(tmp_path / "dl"))) == "d" * 40
+
+
+def test_a_file_rewritten_with_its_mtime_set_back_is_hashed_again(tmp_path, hashed):
+    """mtime can be set back (``touch -d``, ``cp -p``, ``rsync -t``); ctime cannot."""
+    cache_path = tmp_path / "digests.json"
+    a = _model(tmp_path / "a", b"w" * 4096)
+    first = _ident(a, DigestCache(cache_path))
+    weights = a / "model.safetensors"
+    before = weights.stat()
+    time.sleep(0.01)  # a later ctime, even on coarse clocks
+    weights.write_bytes(b"W" * 4096)  # same size, other weights
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+    hashed.clear()
+    assert _ident(a, DigestCache(cache_path)) != first and hashed == ["model.safetensors"]
+
+
+def test_a_cache_file_without_ctimes_still_loads(tmp_path, hashed):
+    """Entries an older s3kv wrote (device:inode:size:mtime) are simply missed."""
+    cache_path = tmp_path / "digests.json"
+    a = _model(tmp_path / "a", b"w" * 4096)
+    st = (a / "model.safetensors").stat()
+    old_key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    cache_path.write_text(json.dumps({"xxh3_128": {old_key: "0" * 32}}))
+    cache = DigestCache(cache_path)
+    assert cache.get(st) is None
+    first = _ident(a, cache)
+    assert "model.safetensors" in hashed
+    hashed.clear()
+    assert _ident(a, DigestCache(cache_path)) == first and hashed == []  # cached anew, with its ctime

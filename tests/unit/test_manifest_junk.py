@@ -331,3 +331,35 @@ def test_gc_compaction_keeps_future_stamps_out_of_its_snapshot():
     run(b.load())
     assert all(key(i) in b.manifest for i in (1, 2, 3)) and key(99) not in b.manifest
     assert b.counters.totals().get("manifest_segments_loaded", 0) == 0  # the snapshot covered them
+
+
+class _FailingGets(MemoryStore):
+    """GETs of the named objects raise the given error."""
+
+    def __init__(self, errors: dict[str, Exception]) -> None:
+        super().__init__()
+        self.errors = errors
+
+    async def get(self, key, range=None):
+        if key in self.errors:
+            raise self.errors[key]
+        return await super().get(key, range)
+
+
+def test_an_object_emptied_since_it_was_listed_is_garbage_but_a_bug_is_not(caplog):
+    from s3kv.errors import RangeNotSatisfiable
+
+    clock = [T]
+    emptied = mf.segment_name(BASE, int(T * 1000) - 2000, "gone", 1)
+    buggy = mf.segment_name(BASE, int(T * 1000) - 1000, "bug", 1)
+    store = _FailingGets({emptied: RangeNotSatisfiable("range not satisfiable"), buggy: ValueError("a bug")})
+    for name in (emptied, buggy):
+        run(store.put(name, segment(key(1))))
+    b = replica(store, clock, "bbbb")
+    run(b.load())
+    assert skipped(b) == {"garbage": 1} and emptied in b._skipped
+    # A ValueError from a bug is no "object shrank": it is an error, retried, then given up on.
+    assert buggy not in b._skipped and buggy in b._retry and "a bug" in caplog.text
+    for _ in range(2):
+        run(b.refresh())
+    assert b._skipped[buggy] == "failed" and skipped(b) == {"garbage": 1}

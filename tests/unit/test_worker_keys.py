@@ -1,0 +1,169 @@
+"""Fleet key agreement between the scheduler side and each worker rank:
+every process reads the fleet secret on its own (a Ray worker does not
+inherit the environment unless told to), so the scheduler side sends the id
+of the key it signs with, and a rank whose own differs refuses every
+transfer (loads fail and are recomputed, stores are dropped), saying so
+once. With vLLM's CPU build and host tensors; no S3."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from s3kv.auth import FleetKeys  # noqa: E402
+from s3kv.config import parse_config  # noqa: E402
+from s3kv.connector.layout import EngineLayout  # noqa: E402
+from s3kv.connector.metadata import S3KVMetadata  # noqa: E402
+from s3kv.connector.scheduler import SchedulerSide  # noqa: E402
+from s3kv.connector.worker import WorkerSide  # noqa: E402
+from s3kv.identity import ModelSource  # noqa: E402
+from s3kv.tiering.placement import Tier  # noqa: E402
+from s3kv.tiering.planner import LoadChunk, LoadPlan, StoreChunk  # noqa: E402
+
+SECRET = "s3kv-worker-key-test-0123456789abcdef"
+OTHER = "s3kv-worker-key-test-fedcba9876543210"
+BLOCKS, BLOCK_SIZE, CHUNK_TOKENS = 12, 16, 32
+PAGE_SHAPE = (2, BLOCK_SIZE, 4)  # K/V, tokens, head dim: 128 bytes of bfloat16 a block
+LAYOUT = EngineLayout(
+    {"model": "unit"},
+    ModelSource("unit", digest="unit-test-weights"),
+    block_size=BLOCK_SIZE,
+    layer_names=("l0", "l1"),
+    tp_size=1,
+    world_size=1,
+    page_size_bytes=2 * BLOCK_SIZE * 4 * 2,
+)
+CONFIG = parse_config(
+    {"write_policy": "local_only", "cpu_bytes": "64KiB", "chunk_tokens": CHUNK_TOKENS, "promote": True}
+)
+K = [bytes([i]) * 16 for i in range(6)]
+
+
+def worker(keys: FleetKeys | None) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    w = WorkerSide(CONFIG, LAYOUT, 0, BLOCKS, keys)
+    caches = {name: torch.zeros((BLOCKS, *PAGE_SHAPE), dtype=torch.bfloat16) for name in LAYOUT.layer_names}
+    w.register(caches)
+    return w, caches
+
+
+def step(namespace: str, kid: bytes | None) -> S3KVMetadata:
+    """A step with a load of each kind and a store of each kind."""
+    return S3KVMetadata(
+        loads=[
+            LoadPlan("async", (LoadChunk(K[0], (0, 1), 0, 2, (Tier.DISK,), promote_slot=3),), sync=False),
+            LoadPlan("sync", (LoadChunk(K[1], (2, 3), 1, 2, (Tier.CPU,), cpu_slot=0),), sync=True),
+        ],
+        stores=[
+            StoreChunk(K[2], (4, 5), cpu_slot=1, disk=True, s3=False),
+            StoreChunk(K[3], (6, 7), cpu_slot=None, disk=True, s3=False),
+        ],
+        held=["done"],
+        namespace=namespace,
+        signing_kid=kid,
+    )
+
+
+def run_step(w: WorkerSide, meta: S3KVMetadata):
+    w.bind(meta)
+    w.start_load(meta)
+    for layer in LAYOUT.layer_names:
+        w.wait_for_layer(layer)
+        w.save_layer(meta, layer)
+    w.save(meta)
+    sent, recved = w.get_finished({"done"})
+    return sent, recved, w.take_load_errors(), w.take_report()
+
+
+@pytest.mark.parametrize(
+    ("worker_secret", "scheduler_secret"),
+    [(None, SECRET), (SECRET, None), (OTHER, SECRET)],
+    ids=["worker-without-key", "scheduler-without-key", "other-key"],
+)
+def test_a_rank_without_the_scheduler_sides_key_refuses_every_transfer(
+    worker_secret, scheduler_secret, caplog
+):
+    own = FleetKeys([worker_secret]) if worker_secret else None
+    theirs = FleetKeys([scheduler_secret]) if scheduler_secret else None
+    w, caches = worker(own)
+    caplog.set_level(logging.ERROR, logger="s3kv")
+    try:
+        sent, recved, errors, report = run_step(w, step("ns1", theirs.signing_kid if theirs else None))
+    finally:
+        w.shutdown()
+    # Loads: failed (their blocks recomputed), over, never written into the KV cache.
+    assert recved == {"async"} and errors == {0, 1, 3}
+    assert report.load_failed == {"async", "sync"} and report.sync_loaded == {"sync": 1}
+    assert all(not c.any() for c in caches.values())
+    # Stores: dropped, uncopied; every tier they were for hears of it, the CPU slots go back.
+    assert report.failed == {
+        (Tier.CPU, K[0]): 1,
+        (Tier.CPU, K[2]): 1,
+        (Tier.DISK, K[2]): 1,
+        (Tier.DISK, K[3]): 1,
+    }
+    assert report.released == {K[2]: 1} and not report.written and not report.tier_failed
+    assert sent == {"done"}  # held blocks go back to vLLM: nothing reads them
+    # Said once, naming both key ids (or "none") and the fix; never the secret.
+    errors_logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors_logged) == 1
+    msg = errors_logged[0]
+    for keys in (own, theirs):
+        assert (keys.signing_kid.hex() if keys else "key id none") in msg
+    assert "S3KV_AUTH_KEY" in msg and "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY" in msg
+    assert SECRET not in caplog.text and OTHER not in caplog.text
+    assert w.counters.totals()["key_mismatch"] == 1
+
+
+def test_a_rank_with_the_scheduler_sides_key_transfers(caplog):
+    keys = FleetKeys([SECRET])
+    w, caches = worker(FleetKeys([SECRET]))  # read on its own: another object, the same key
+    try:
+        meta = step("ns1", keys.signing_kid)
+        meta.loads.pop(0)  # no NVMe tier here to load from
+        meta.stores.pop()
+        w.pool.claim(0, K[1])  # the CPU slot the synchronous load reads
+        w.pool.layer_views(0)[0][:] = 7
+        sent, recved, errors, report = run_step(w, meta)
+        assert w.engine.drain(10)
+        w.get_finished(set())
+        report = report.aggregate(w.take_report())  # the store into the CPU slot, done in the background
+    finally:
+        w.shutdown()
+    assert w.refusal is None and "fleet secret" not in caplog.text
+    assert errors == set() and report.load_failed == set() and report.sync_loaded == {"sync": 1}
+    loaded = caches["l0"].view(torch.uint8)
+    assert (loaded[3] == 7).all() and not loaded[2].any()  # the block the load writes, only it
+    assert report.written.get((Tier.CPU, K[2])) == 1
+    assert "key_mismatch" not in w.counters.totals()
+
+
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["with-key", "without-key"])
+def test_the_scheduler_side_sends_its_signing_key_id_never_the_key(secret):
+    keys = FleetKeys([secret]) if secret else None
+    side = SchedulerSide(CONFIG, LAYOUT, failure_policy="recompute", model="unit", keys=keys)
+    try:
+        assert side.planner is not None
+        out = SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+            num_scheduled_tokens={},
+            preempted_req_ids=set(),
+        )
+        meta = side.build_meta(out)
+    finally:
+        side.shutdown()
+    assert meta.signing_kid == (keys.signing_kid if keys else None)
+    assert meta.namespace == side.namespace.id
+    if secret:
+        assert len(meta.signing_kid) == 8 and secret.encode() not in repr(meta).encode()
+    w, _ = worker(FleetKeys([secret]) if secret else None)
+    try:
+        w.bind(meta)
+    finally:
+        w.shutdown()
+    assert w.refusal is None
