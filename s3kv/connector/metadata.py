@@ -28,6 +28,12 @@ class S3KVMetadata(KVConnectorMetadata):
     namespace: str | None = None
     """The namespace the plans are in; None (and no plans) until the
     scheduler side knows the model's identity."""
+    writer: str | None = None
+    """The scheduler side's manifest writer id (None without S3): each
+    rank publishes its stores as ``{writer}r{rank}``."""
+    clock_ms: int = 0
+    """The newest manifest stamp the scheduler side has seen: ranks never
+    stamp a segment before it."""
 
 
 @dataclass
