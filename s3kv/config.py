@@ -78,6 +78,11 @@ class S3KVConfig:
         "A chunk read or write on the NVMe tier slower than this is a disk failure: a read is "
         "fetched from S3 instead, and the disk's breaker pauses the tier.",
     )
+    shutdown_flush_s: float = _key(
+        5.0,
+        "At shutdown, how long a replica may take to finish its uploads and publish them "
+        "(what is still running then is abandoned; no incomplete object is left).",
+    )
     write_policy: str = _key(
         "write_through",
         '"write_through" stores new chunks in every tier (CPU, NVMe, S3); "local_only" '
@@ -296,6 +301,7 @@ _PARSERS = {
     "s3_connect_timeout_s": lambda v: _duration("s3_connect_timeout_s", v, 0),
     "s3_read_timeout_s": lambda v: _duration("s3_read_timeout_s", v, 0),
     "disk_timeout_s": lambda v: _duration("disk_timeout_s", v, 0),
+    "shutdown_flush_s": lambda v: _duration("shutdown_flush_s", v, 0),
     "cpu_bytes": lambda v: _size("cpu_bytes", v, 1, 64 * TiB, zero_turns_off=True),
     "disk_path": lambda v: _str("disk_path", v),
     "disk_bytes": lambda v: _size("disk_bytes", v, 1, PiB),

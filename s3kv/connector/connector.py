@@ -8,6 +8,7 @@ vLLM-free core.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,10 @@ if TYPE_CHECKING:
     from s3kv.connector.worker import WorkerSide
 
 log = logging.getLogger("s3kv")
+
+_worker_stop_deadline: float | None = None
+"""When this process's worker side began to stop: the scheduler side's
+stop, which vLLM runs next in the same process, ends by the same deadline."""
 
 EVENT_MEDIUM = {
     Tier.CPU: (MEDIUM_CPU, "LOCAL"),
@@ -197,10 +202,18 @@ class S3KVConnector(KVConnectorBase_V1):
         return self.worker.take_report()
 
     def shutdown(self) -> None:
+        """Both roles' stops share one ``shutdown_flush_s``: with one rank
+        vLLM stops the worker, then the scheduler side, in one process."""
+        global _worker_stop_deadline
         if self._worker is not None:
+            _worker_stop_deadline = time.monotonic() + self._worker.config.shutdown_flush_s
             self._worker.shutdown()
         if self._scheduler is not None:
-            self._scheduler.shutdown()
+            deadline, _worker_stop_deadline = _worker_stop_deadline, None
+            budget = self._scheduler.config.shutdown_flush_s
+            if deadline is not None:  # this process's worker just stopped
+                budget = max(0.0, min(budget, deadline - time.monotonic()))
+            self._scheduler.shutdown(budget)
 
     def get_kv_connector_stats(self) -> S3KVStats | None:
         if self._worker is not None:

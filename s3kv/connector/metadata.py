@@ -32,6 +32,12 @@ class S3KVMetadata(KVConnectorMetadata):
     """The id of the fleet key the scheduler side signs with (never the key
     itself); None without a fleet secret. Each process reads the secret on
     its own: a worker whose key differs refuses every transfer."""
+    writer: str | None = None
+    """The scheduler side's manifest writer id (None without S3): each
+    rank publishes its stores as ``{writer}r{rank}``."""
+    clock_ms: int = 0
+    """The newest manifest stamp the scheduler side has seen: ranks never
+    stamp a segment before it."""
 
 
 @dataclass

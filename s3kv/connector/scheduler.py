@@ -52,7 +52,6 @@ STARTUP_WAIT_S = 5.0
 that a fresh replica's first requests already hit; what takes longer (a
 first start hashing a large model's weights) goes on in the background
 while vLLM serves without the cache."""
-MANIFEST_FLUSH_S = 5.0
 
 
 def _extras_fn(request: Request, adapter_digest: str | None) -> Any:
@@ -380,6 +379,8 @@ class SchedulerSide:
             preempted=bool(out.preempted_req_ids),
             namespace=planner.namespace.id,
             signing_kid=kid,
+            writer=self._sync.writer if self._sync is not None else None,
+            clock_ms=self._sync.clock_ms if self._sync is not None else 0,
         )
 
     def on_output(self, output: KVConnectorOutput) -> None:
@@ -454,20 +455,29 @@ class SchedulerSide:
             c.set("tier_capacity_bytes_disk", p.disk.capacity)
         return c.take()
 
-    def shutdown(self) -> None:
+    def shutdown(self, budget_s: float | None = None) -> None:
+        """Publish what only the scheduler side knows (keys found stored by
+        a 412, bad objects, uses) and let go, all within ``budget_s``
+        (``shutdown_flush_s``): the workers publish their own stores."""
+        budget = self.config.shutdown_flush_s if budget_s is None else budget_s
+        deadline = time.monotonic() + budget
+
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic())
+
         self._start_task.cancel()  # a publish it was making puts its keys back
         with contextlib.suppress(Exception):
-            concurrent.futures.wait([self._start_task], timeout=MANIFEST_FLUSH_S)
+            concurrent.futures.wait([self._start_task], timeout=left())
         self._adapters.close()
         if self._sync is not None and self._sync.loaded:
-            try:  # what this replica stored since the last publish
-                self._loop.run(self._sync.publish(), timeout=MANIFEST_FLUSH_S)
+            try:  # what this replica learnt since the last publish
+                self._loop.run(self._sync.publish(), timeout=left())
             except Exception as e:
-                log.warning("s3kv: could not publish the manifest at shutdown: %s", e)
+                log.warning("s3kv: could not publish the manifest at shutdown: %r", e)
         if self._store is not None:
             with contextlib.suppress(Exception):
-                self._loop.run(self._store.close(), timeout=5)
-        self._loop.stop()
+                self._loop.run(self._store.close(), timeout=left())
+        self._loop.stop(timeout=left())
         if self._cleaner is not None:
             self._cleaner.close()
         if self.disk is not None:

@@ -20,6 +20,9 @@ from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.connector.pages import LayerwiseLoad, PageIO
 from s3kv.errors import ConfigError
+from s3kv.keys import fingerprint
+from s3kv.manifest.format import manifest_prefix
+from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters, merge
 from s3kv.stores.factory import make_store
 from s3kv.tiering.chunks import PageFormat
@@ -33,8 +36,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("s3kv.worker")
-
-SHUTDOWN_FLUSH_S = 10.0
 
 
 class RecentSet:
@@ -118,6 +119,8 @@ class WorkerSide:
         scheduler side's), or None."""
         self._refused_loads: set[str] = set()
         """Asynchronous loads refused, to report as finished (failed)."""
+        self.publisher: ShardPublisher | None = None
+        """This rank's publisher of the chunk objects it creates (with S3)."""
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = PageIO(kv_caches, self.layout.layer_names, self.num_blocks)
@@ -152,10 +155,38 @@ class WorkerSide:
     def bind(self, meta: S3KVMetadata) -> None:
         """A step's plans: the first that names the namespace sets it (the
         scheduler side plans nothing before it knows the model's identity),
-        and checks that this rank holds the scheduler side's fleet key."""
+        and checks that this rank holds the scheduler side's fleet key; this
+        rank's publisher starts with it."""
         if meta.namespace is not None and meta.namespace != self.engine.namespace:
             self._check_key(meta.signing_kid)
             self.engine.set_namespace(meta.namespace)
+        if self.publisher is None and meta.writer is not None and meta.namespace is not None:
+            self._start_publisher(meta.namespace, meta.writer)
+        if self.publisher is not None and meta.clock_ms:
+            self.publisher.observe(meta.clock_ms)
+
+    def _start_publisher(self, namespace: str, writer: str) -> None:
+        """Publish the chunk objects this rank creates from its I/O loop, as
+        their PUTs return: whatever stops the replica later, they are in
+        the fleet's manifest within ``manifest_publish_s`` (see
+        :mod:`s3kv.manifest.publish`)."""
+        if self.engine.s3 is None:
+            return
+        c = self.config
+        publisher = ShardPublisher(
+            self.engine.s3,
+            manifest_prefix(c.prefix, namespace),
+            writer,
+            rank=self.rank,
+            ranks=self.layout.world_size,
+            keys=self.engine.s.keys,
+            publish_s=c.manifest_publish_s,
+            skew_s=c.manifest_clock_skew_s,
+            counters=self.counters,
+        )
+        self.engine.on_s3_stored = lambda key: publisher.stored(fingerprint(key))
+        self.engine.spawn(publisher.run())
+        self.publisher = publisher
 
     def _check_key(self, scheduler_kid: bytes | None) -> None:
         """Each process reads the fleet secret on its own (a Ray worker does
@@ -402,8 +433,18 @@ class WorkerSide:
         report, self._report = self._report, S3KVWorkerMetadata()
         return report
 
-    def shutdown(self) -> None:
+    def shutdown(self, budget_s: float | None = None) -> None:
+        """Stop taking stores, let the uploads under way finish and publish
+        them, within ``budget_s`` (``shutdown_flush_s``); the rest is abandoned."""
         self._finish_sync_load()
-        self.engine.close(SHUTDOWN_FLUSH_S)
+        budget = self.config.shutdown_flush_s if budget_s is None else budget_s
+        publisher = self.publisher
+        self.engine.close(budget, publisher.publish if publisher is not None else None)
+        if publisher is not None and publisher.pending:
+            self.counters.add("manifest_unpublished", publisher.pending)
+            log.warning(
+                "s3kv: %d stored chunks not published at shutdown (gc's compaction finds them)",
+                publisher.pending,
+            )
         self.pool = None
         self._pool_tensor = None

@@ -422,11 +422,12 @@ class Manifest:
     def present(self, keys: Sequence[bytes]) -> np.ndarray:
         return self.fps.present(fingerprints(keys))
 
-    def add(self, key: bytes) -> None:
-        """This replica stored ``key`` (or found it stored): the fleet learns of it."""
+    def add(self, key: bytes, *, publish: bool = True) -> None:
+        """This replica stored ``key`` (or found it stored): the fleet learns
+        of it, from here unless ``publish`` is False (its workers published it)."""
         fp = fingerprint(key)
         self.fps.add(fp)
-        if self.journal is not None:
+        if publish and self.journal is not None:
             self.journal.stored(fp)
 
     def update(self, keys: Iterable[bytes]) -> None:

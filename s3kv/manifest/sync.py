@@ -32,7 +32,6 @@ applied move the listing floor.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -44,17 +43,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from s3kv.auth import FleetKeys
-from s3kv.errors import AlreadyExists, NotFound, PermissionDenied, RangeNotSatisfiable, S3KVError
+from s3kv.errors import NotFound, PermissionDenied, RangeNotSatisfiable, S3KVError
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import Manifest, as_sorted_unique
+from s3kv.manifest.publish import (
+    PARTIAL_TTL_MS,
+    RankTally,
+    SegmentWriter,
+    rank_fields,
+    replica_of,
+)
 from s3kv.stats import Counters
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode
 
 log = logging.getLogger("s3kv.manifest")
 
 RANGE_BYTES = 8 << 20
-REPUBLISH_MAX = 2
-"""Times a segment is published again after a slow PUT, at most."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,18 @@ class ManifestSync:
         self._used: set[int] = set()
         self._used_published: set[int] = set()
         self._used_hour = ""
-        self._seq = 0
+        self._segments = SegmentWriter(
+            store,
+            base,
+            self.writer,
+            self._next_ts,
+            keys=keys,
+            skew_s=self.s.skew_s,
+            clock=clock,
+            counters=self.counters,
+        )
+        self._tally = RankTally()
+        """Chunks some ranks' segments named, waiting for the other ranks'."""
         self._seen: dict[str, int] = {}
         """Segment names applied (or written) recently, with their stamps."""
         self._retry: dict[str, int | None] = {}
@@ -141,6 +156,11 @@ class ManifestSync:
         self.refreshed_at: float | None = None
         """Wall time the manifest was last up to date with S3 (every segment listed was read)."""
         manifest.journal = self
+
+    @property
+    def clock_ms(self) -> int:
+        """The newest stamp seen (or written): the workers' segments are stamped after it."""
+        return self._max_seen_ts
 
     # -- what the scheduler side tells us (any thread) ---------------------------
     def stored(self, fp: int) -> None:
@@ -240,6 +260,8 @@ class ManifestSync:
             obj = await self._get(name, size)
             if obj.kind != kind:
                 raise mf.CorruptManifest(f"{name}: a {obj.kind}, not a {kind}")
+            if kind == "segment":
+                rank_fields(obj.meta)  # nonsense there is garbage
         except mf.UnsignedManifest as e:
             self._skip(name, "unsigned", e)
         except (mf.CorruptManifest, RangeNotSatisfiable) as e:  # a 416: emptied since it was listed
@@ -279,19 +301,26 @@ class ManifestSync:
     async def _apply(self, fetched: list[tuple[str, mf.ManifestObject]]) -> int:
         """Apply segments in name order (a later removal beats an earlier
         add), all at once and off the event loop: numpy work on millions
-        of keys."""
+        of keys. A rank segment's chunks count once every rank named them."""
         if not fetched:
             return 0
-        await asyncio.to_thread(self.manifest.fps.update_many, [(o.added, o.removed) for _, o in fetched])
-        keys = 0
+        changes = []
         for name, obj in fetched:
+            ranks = rank_fields(obj.meta)
+            added = obj.added if ranks is None else self._tally.add(name, *ranks, obj.added.tolist())
+            if len(obj.removed):
+                self._tally.discard(obj.removed.tolist())
+            changes.append((added, obj.removed))
+        await asyncio.to_thread(self.manifest.fps.update_many, changes)
+        keys = 0
+        for (name, obj), (added, _) in zip(fetched, changes):
             bad = obj.meta.get("bad")
             if bad and isinstance(bad, list) and len(obj.removed) <= len(bad):
                 self.manifest.bad.update(obj.removed.tolist())  # never republished from a 412
             ts = mf.name_ts(name) or 0
             self._seen[name] = ts
             self._max_seen_ts = max(self._max_seen_ts, ts)
-            keys += len(obj.added)
+            keys += len(added)
         self.counters.add("manifest_segments_loaded", len(fetched))
         self._since_snapshot += len(fetched)
         return keys
@@ -358,6 +387,8 @@ class ManifestSync:
             self.refreshed_at = time.time()
         floor = self._max_seen_ts - 2 * int(self.s.skew_s * 1000)
         self._seen = {n: ts for n, ts in self._seen.items() if ts >= floor}
+        if len(self._tally):
+            self._tally.expire(self.base + "seg/" + mf.stamp(max(0, self._max_seen_ts - PARTIAL_TTL_MS)))
         if self.manifest.fps.needs_merge():
             await asyncio.to_thread(self.manifest.fps.merge)
         return keys
@@ -407,24 +438,9 @@ class ManifestSync:
                 raise
 
     async def _put_segment(self, segment: mf.ManifestObject) -> None:
-        body = mf.encode(segment, self.keys)
-        for _ in range(1 + REPUBLISH_MAX):
-            ts = self._next_ts()
-            self._seq += 1
-            name = mf.segment_name(self.base, ts, self.writer, self._seq)
-            with contextlib.suppress(AlreadyExists):  # names are ours alone: a retried PUT
-                await self.store.put(name, body, mode=PutMode.CREATE)
+        for name, ts in await self._segments.put(segment):
             self._seen[name] = ts
             self._since_snapshot += 1
-            self.counters.add("manifest_segments_published")
-            # A PUT slower than half the margin may land behind other readers'
-            # floors: publish the same keys again under a fresh stamp (a
-            # couple of times at most: S3 that slow delays every replica).
-            if self._clock() * 1000 - ts <= self.s.skew_s * 500:
-                return
-        log.warning(
-            "s3kv: manifest segment PUTs keep taking over %.0f s; not publishing it again", self.s.skew_s / 2
-        )
 
     async def _publish_access(self, used: set[int]) -> None:
         ts = self._next_ts()  # the segments' clock: a late clock cannot age a use
@@ -434,8 +450,7 @@ class ManifestSync:
         new = used - self._used_published
         if not new:
             return
-        self._seq += 1
-        name = mf.access_name(self.base, ts, self.writer, self._seq)
+        name = mf.access_name(self.base, ts, self.writer, self._segments.next_seq())
         body = mf.encode(mf.ManifestObject("access", as_sorted_unique(new)), self.keys)
         await self.store.put(name, body, mode=PutMode.CREATE)
         self._used_published |= new
@@ -450,12 +465,20 @@ class ManifestSync:
             or now_ms - self._snapshot_ts < self.s.snapshot_interval_s * 1000
         ):
             return False
-        writers = {n.rsplit("/", 1)[-1].split("-")[1] for n in self._seen if n.count("-") >= 2}
+        # One writer per replica: a rank publisher counts as its replica's.
+        writers = {replica_of(n.rsplit("/", 1)[-1].split("-")[1]) for n in self._seen if n.count("-") >= 2}
         if writers and min(writers | {self.writer}) != self.writer:
             return False
-        horizon = max(self._seen) if self._seen else ""
+        # The horizon stays before any segment a chunk still waiting for
+        # other ranks depends on: a reader starting from this snapshot reads
+        # that segment again, and so completes the chunk when the rest come.
+        oldest = self._tally.oldest()
+        covered = [n for n in self._seen if oldest is None or n < oldest]
+        horizon = max(covered) if covered else ""
         horizon_ts = mf.name_ts(horizon) or 0
-        recent = sorted(n for n, ts in self._seen.items() if ts >= horizon_ts - int(self.s.skew_s * 1000))
+        recent = sorted(
+            n for n, ts in self._seen.items() if n <= horizon and ts >= horizon_ts - int(self.s.skew_s * 1000)
+        )
         meta = {"horizon": horizon, "recent": recent, "writer": self.writer}
 
         def build() -> tuple[int, bytes]:

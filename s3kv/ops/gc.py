@@ -52,6 +52,7 @@ from s3kv.errors import (
 from s3kv.keys import fingerprint, parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import as_sorted_unique
+from s3kv.manifest.publish import RankTally, rank_fields
 from s3kv.manifest.sync import new_writer_id
 from s3kv.ops.inventory import HEAD_BYTES, Chunk, Inventory, NamespaceInfo, read_head_bytes
 from s3kv.ops.lock import Lease
@@ -227,6 +228,12 @@ class Result:
     """Objects replicas reported bad, deleted."""
     unsigned: list[str] = field(default_factory=list)
     """Manifest objects gc read and ignored: with the fleet secret, not validly signed."""
+    orphans_published: int = 0
+    """Complete chunk objects no manifest object named (their writer died
+    before publishing them), checked and added to the new snapshot."""
+    orphans_refused: int = 0
+    """Objects under chunk names that no manifest object named and that do
+    not verify: left out of the snapshot."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -241,6 +248,8 @@ class Result:
             "namespaces_removed": self.namespaces_removed,
             "bad_objects_deleted": self.bad_deleted,
             "unsigned_manifest_objects_ignored": self.unsigned,
+            "orphan_chunks_published": self.orphans_published,
+            "orphan_chunks_refused": self.orphans_refused,
         }
 
 
@@ -583,6 +592,67 @@ async def read_head(
     return mf.decode_head(await read_head_bytes(store, key, mf.head_length), name=key)
 
 
+def _whole(
+    tally: RankTally, name: str, ranks: tuple[int, int], fps: list[int], by_fp: dict[int, Chunk]
+) -> list[int]:
+    """The fingerprints of a rank segment that are whole, counting the
+    ranks whose objects the listing holds as named too."""
+    for fp in fps:
+        chunk = by_fp.get(fp)
+        for o in chunk.objects if chunk is not None else ():
+            parsed = parse_object_key(o.key)
+            if parsed is not None and parsed[2] < ranks[1]:
+                tally.add("", parsed[2], ranks[1], [fp])
+    return tally.add(name, *ranks, fps).tolist()
+
+
+async def _orphans(
+    store: ObjectStore,
+    info: NamespaceInfo,
+    listed: dict[int, Chunk],
+    snapshot: ObjectMeta | None,
+    new: list[ObjectMeta],
+    keys: FleetKeys | None,
+    concurrency: int,
+) -> dict[int, bool]:
+    """Complete chunks in the listing that neither the newest snapshot nor a
+    segment after it names (a replica killed before it published them), and
+    whether every rank's object verifies (header, frames and, with the fleet
+    secret, MAC): gc's compaction adds those that do, so a bucket filled by
+    replicas that died never stays invisible."""
+    from s3kv.ops.verify import check_chunk
+
+    named: set[int] = set()
+    if snapshot is not None:
+        with contextlib.suppress(NotFound, mf.CorruptManifest):  # none that reads: every chunk is checked
+            named.update(
+                mf.decode(await store.get(snapshot.key), name=snapshot.key, keys=keys).added.tolist()
+            )
+    for m in new:
+        try:
+            named.update(mf.decode(await store.get(m.key), name=m.key, keys=keys).added.tolist())
+        except (NotFound, mf.CorruptManifest):
+            continue
+    todo = {fp: c for fp, c in listed.items() if fp not in named}
+    sem = asyncio.Semaphore(concurrency)
+
+    async def sound(chunk: Chunk) -> bool:
+        for o in chunk.objects:
+            async with sem:
+                try:
+                    data = await store.get(o.key)
+                except NotFound:
+                    return False
+            try:
+                await asyncio.to_thread(check_chunk, o.key, data, keys)
+            except CorruptChunk:
+                return False
+        return True
+
+    oks = await asyncio.gather(*(sound(c) for c in todo.values()))
+    return dict(zip(todo, oks))
+
+
 async def compact(
     store: ObjectStore,
     inv: Inventory,
@@ -624,22 +694,34 @@ async def compact(
     horizon = str((newest or {}).get("horizon", ""))
     covered = {str(n) for n in (newest or {}).get("recent", ())}
     new = [m for m in segments if m.key > horizon and m.key not in covered]
-    if new or info.id in result.deleted:
-        # The live keys: the listing (chunks with every rank), less what was
-        # deleted, plus keys in segments written since the listing began
-        # (their objects may have been stored after it), in name order.
-        tp = info.tp_size
-        live = {fingerprint(k) for k, c in info.chunks.items() if tp is None or len(c.objects) >= tp}
+    tp = info.tp_size
+    listed = {fingerprint(k): c for k, c in info.chunks.items() if tp is None or len(c.objects) >= tp}
+    orphans = await _orphans(
+        store, info, listed, snapshots[-1] if snapshots else None, new, keys, concurrency
+    )
+    result.orphans_refused += sum(not ok for ok in orphans.values())
+    if new or info.id in result.deleted or any(orphans.values()):
+        # The live keys: the listing (chunks with every rank; those no
+        # manifest object named only if they verify), less what was deleted,
+        # plus keys in segments written since the listing began (their
+        # objects may have been stored after it), in name order.
+        live = set(listed) - {fp for fp, ok in orphans.items() if not ok}
+        result.orphans_published += sum(orphans.values())
         since = min(int(inv.started_at * 1000), stamps.max_listed) - skew_ms
+        tally, by_fp = RankTally(), {fingerprint(k): c for k, c in info.chunks.items()}
         for m in [m for m in segments if (mf.name_ts(m.key) or 0) >= since]:
             try:
                 obj = mf.decode(await store.get(m.key), name=m.key, keys=keys)
+                ranks = rank_fields(obj.meta)
             except mf.UnsignedManifest:
                 result.unsigned.append(m.key)
                 continue
             except (NotFound, mf.CorruptManifest):
                 continue
-            live.update(obj.added.tolist())
+            added = obj.added.tolist()
+            if ranks is not None:  # whole once every rank is named here or listed
+                added = _whole(tally, m.key, ranks, added, by_fp)
+            live.update(added)
             live.difference_update(obj.removed.tolist())
         top = segments[-1].key if segments else ""
         top_ts = mf.name_ts(top) or 0

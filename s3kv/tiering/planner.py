@@ -671,7 +671,9 @@ class Planner:
             existing = key in self._existing
             self._existing.discard(key)
             # An object some replica reported bad is never published from a
-            # 412 (it may be that very object); one this replica wrote is.
+            # 412 (it may be that very object); one this replica wrote is,
+            # by the ranks that wrote it (manifest.publish), the moment
+            # their PUTs returned: here it only joins this replica's index.
             bad = self.s3 is not None and self.s3.is_bad(key)
             if bad and (existing or not ok):
                 # The bad object is in the way (a 412, or a store that found
@@ -681,7 +683,7 @@ class Planner:
             else:
                 self._storing.pop(key, None)
             if ok and self.s3 is not None and not (existing and bad):
-                self.s3.add(key)
+                self.s3.add(key, publish=existing)
         elif tier is Tier.CPU and self.cpu is not None:
             if ok:
                 self.cpu.commit(key)

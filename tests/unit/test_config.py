@@ -88,6 +88,7 @@ DURATION_KEYS = (
     "s3_connect_timeout_s",
     "s3_read_timeout_s",
     "disk_timeout_s",
+    "shutdown_flush_s",
     "manifest_publish_s",
     "manifest_refresh_s",
     "manifest_clock_skew_s",

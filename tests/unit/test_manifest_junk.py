@@ -15,7 +15,8 @@ import pytest
 from s3kv.errors import S3KVError
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import Manifest
-from s3kv.manifest.sync import REPUBLISH_MAX, ManifestSync, SyncSettings
+from s3kv.manifest.publish import REPUBLISH_MAX
+from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.ops.gc import Stamps, publish_tombstones
 from s3kv.ops.inventory import NamespaceInfo
 from s3kv.stores.base import ObjectMeta, PutMode
@@ -186,7 +187,7 @@ def test_failing_gets_are_retried_a_few_times_then_skipped():
     run(b.load())
     a.manifest.add(key(20))
     run(a.publish())
-    (stuck,) = [n for n in run(inner.list_keys(BASE + "seg/")) if n.endswith(f"{a._seq:06d}")]
+    (stuck,) = [n for n in run(inner.list_keys(BASE + "seg/")) if n.endswith(f"{a._segments._seq:06d}")]
     store.failing = {stuck}
     after_load = b.refreshed_at
     run(b.refresh())

@@ -3,6 +3,7 @@ async loads, stores and where they go, evictions, reports from ranks."""
 
 from s3kv.keys import Namespace, chain_keys
 from s3kv.manifest import Manifest
+from s3kv.manifest.keyset import fingerprints
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.planner import Planner, ScheduledRequest, disk_estimate
 
@@ -571,3 +572,39 @@ def test_prefix_ids_from_vllm_block_hashes():
     assert [ids(c) for c in range(3)] == ["h3", "h7", None]
     assert SchedulerSide._prefix_ids(side, SimpleNamespace(block_hashes=hashes[:5], num_tokens=160)) is None
     assert SchedulerSide._prefix_ids(side, SimpleNamespace(block_hashes=[], num_tokens=160)) is None
+
+
+class _Journal:
+    """What the scheduler side publishes (manifest.keyset.Journal)."""
+
+    def __init__(self):
+        self.published = []
+
+    def stored(self, fp):
+        self.published.append(fp)
+
+    def used(self, fps):
+        pass
+
+    def bad(self, fp, name, etag):
+        pass
+
+
+def test_the_ranks_publish_their_own_stores_the_scheduler_only_412s():
+    """A store the workers' PUTs created is published by the workers
+    (manifest.publish) the moment it completes: the scheduler side only adds
+    it to its index. One found already there (a 412) it publishes itself,
+    unless some replica reported that object bad."""
+    p, index = planner()
+    index.journal = journal = _Journal()
+    lookup(p, "a")
+    stores = p.plan_step([sched("a", 0, 3 * CT, list(range(10)))]).stores
+    k0, k1, k2 = (s.key for s in stores)
+    p.on_written(Tier.S3, {k0: 1})  # created by this replica's rank
+    p.on_existing([k1])
+    p.on_written(Tier.S3, {k1: 1})  # found there
+    index.bad.add(fingerprints([k2])[0].item())
+    p.on_existing([k2])
+    p.on_written(Tier.S3, {k2: 1})  # found there, but reported bad
+    assert k0 in index and k1 in index and k2 not in index
+    assert journal.published == [fingerprints([k1])[0].item()]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from s3kv.errors import Throttled, Transient
+from s3kv.keys import object_key
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
 from s3kv.tiering import disk as disk_mod
@@ -616,3 +617,52 @@ def test_a_read_that_waits_for_a_hung_disk_is_the_disks_failure(tmp_path, monkey
     assert acc.tier_failed == {Tier.DISK: 1} and acc.tier_ok == {Tier.S3: 1}
     hung.set()
     e.close()
+
+
+def test_created_objects_are_told_to_the_publisher_but_412s_are_not():
+    store = MemoryStore()
+    created = []
+    e1, e2 = engine(store), engine(store)
+    e1.on_s3_stored = e2.on_s3_stored = created.append
+    key = b"p" * 16
+    e1.submit_store(store_job(key, 1))
+    wait_for(e1, lambda a: key in a.written.get(Tier.S3, {}))
+    e2.submit_store(store_job(key, 2))
+    wait_for(e2, lambda a: key in a.existing)
+    assert created == [key]
+    e1.close(), e2.close()
+
+
+class _HangingPut(MemoryStore):
+    """S3 that accepts the connection and never answers a PUT."""
+
+    async def put(self, key, data, *, mode=PutMode.OVERWRITE):
+        await asyncio.Event().wait()
+
+
+def test_close_stops_taking_stores_drains_flushes_and_ends_in_time():
+    store = MemoryStore()
+    e = engine(store)
+    order = []
+    e.on_s3_stored = lambda key: order.append(("stored", key))
+
+    async def flush():
+        order.append(("flush", None))
+
+    key = b"c" * 16
+    e.submit_store(store_job(key, 1))
+    e.close(5.0, flush)
+    assert order == [("stored", key), ("flush", None)]  # drained, then published
+    assert asyncio.run(store.list_keys("p/")) == [object_key("p", "n" * 32, key, 0)]
+    assert not e.submit_store(store_job(b"d" * 16, 2))  # closed: the write-through is dropped
+    hung = engine(_HangingPut())
+    flushed = []
+
+    async def slow_flush():
+        flushed.append(True)
+        await asyncio.Event().wait()
+
+    hung.submit_store(store_job(key, 3))
+    start = time.monotonic()
+    hung.close(1.0, slow_flush)
+    assert time.monotonic() - start < 3.0 and flushed == [True]  # bounded, the flush still ran

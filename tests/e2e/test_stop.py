@@ -1,0 +1,216 @@
+"""Nothing stored is lost to the fleet when a replica stops: real ``vllm
+serve`` replicas under a concurrent load (8 requests in flight, six prefix
+families of 1000 tokens), stopped as autoscalers stop them, then a fresh
+replica on the same bucket. Its first requests must hit every chunk the
+stopped one stored: none is computed again (a re-store would get a 412),
+and its answers are the stopped replica's."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from s3kv.keys import fingerprint, parse_object_key
+from s3kv.manifest.keyset import Manifest
+from s3kv.manifest.sync import ManifestSync
+from s3kv.stores.s3 import S3Options, S3Store
+from tests.conftest import S3Server, free_port
+from tests.e2e.harness import (
+    REPLICA_ENV,
+    complete,
+    greedy_params,
+    kv_config,
+    s3kv_value,
+    start_engine,
+    start_serve,
+)
+
+pytestmark = pytest.mark.engine
+
+FAMILIES, PREFIX_TOKENS, REQUESTS, IN_FLIGHT = 6, 1000, 24, 8
+SHUTDOWN_FLUSH_S = 3.0
+VLLM_STOP_ALLOWANCE_S = 20.0
+"""What vLLM's own stop may take here (engine teardown, process joins)."""
+
+
+def family_prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 2048) for _ in range(PREFIX_TOKENS)] for _ in range(FAMILIES)]
+    return [
+        prefixes[i % FAMILIES] + [rng.randrange(3, 2048) for _ in range(rng.randint(20, 150))]
+        for i in range(REQUESTS)
+    ]
+
+
+def run_load(url: str, prompts: list[list[int]]) -> dict[int, list[int]]:
+    """The prompts, ``IN_FLIGHT`` at a time: the outputs of those that
+    completed (a stop cuts the rest off)."""
+    out: dict[int, list[int]] = {}
+    with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
+        futures = {pool.submit(complete, url, p): i for i, p in enumerate(prompts)}
+        for fut in concurrent.futures.as_completed(futures):
+            with contextlib.suppress(OSError):
+                out[futures[fut]] = fut.result()
+    return out
+
+
+def chunk_objects(client, bucket: str) -> dict[str, bytes]:
+    """Chunk object name -> chunk key, of every chunk object in the bucket."""
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for obj in page.get("Contents", ()):
+            parsed = parse_object_key(obj["Key"])
+            if parsed is not None:
+                out[obj["Key"]] = parsed[1]
+    return out
+
+
+def manifest_fps(endpoint_url: str, bucket: str, names: dict[str, bytes]) -> set[int]:
+    """What a replica starting now loads, for the namespace of ``names``."""
+    (ns,) = {parse_object_key(n)[0] for n in names}
+    base = next(iter(names)).split(ns)[0] + ns + "/manifest/"
+
+    async def load():
+        store = S3Store(bucket, S3Options(region="us-east-1", endpoint_url=endpoint_url))
+        m = Manifest()
+        try:
+            await ManifestSync(store, base, m).load()
+        finally:
+            await store.close()
+        return set(m.fps.array().tolist())
+
+    return asyncio.run(load())
+
+
+def stop(proc: subprocess.Popen, sig: int, *, group: bool = False, timeout: float = 120) -> float:
+    """Send ``sig`` (to the process group with ``group``); seconds until it exited."""
+    start = time.monotonic()
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"the replica did not stop within {timeout} s") from None
+    return time.monotonic() - start
+
+
+def check_fresh_replica(model: Path, endpoint_url: str, bucket: str, prompts, monkeypatch) -> None:
+    """A fresh replica on ``bucket`` hits every stored chunk: none of its
+    stores finds its object already there (a chunk it computed again would).
+    (That loaded KV gives the baseline's answers is test_replicas' part: the
+    stopped replica's answers came from batches of 8, whose float sums
+    differ from one request's.)"""
+    for k, v in REPLICA_ENV.items():
+        monkeypatch.setenv(k, v)
+    llm = start_engine(model, kv_config(endpoint_url, bucket), enable_prefix_caching=False)
+    try:
+        params = greedy_params()
+        for prompt in prompts:
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": [5] * 3}], params, use_tqdm=False
+        )  # a step that reports the stores
+        assert s3kv_value(llm, "hit_tokens_s3") >= FAMILIES * (PREFIX_TOKENS // 64) * 64
+        assert s3kv_value(llm, "store_chunks_existing") == 0  # no stored chunk was computed again
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_drain_stop_publishes_every_chunk_it_stored(workdir, model, s3_server, monkeypatch):
+    bucket = s3_server.new_bucket()
+    config = kv_config(s3_server.endpoint_url, bucket, shutdown_flush_s=SHUTDOWN_FLUSH_S)
+    proc, url = start_serve(model, config, workdir / "stop-drain.log", "--shutdown-timeout", "30")
+    prompts = family_prompts(1)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(run_load, url, prompts)
+            deadline = time.monotonic() + 120
+            while len(chunk_objects(s3_server.client(), bucket)) < 2 * FAMILIES:  # mid-load
+                assert time.monotonic() < deadline and not load.done(), "no stores under load"
+                time.sleep(0.2)
+            took = stop(proc, signal.SIGTERM)
+            assert load.result(), "no request completed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    names = chunk_objects(s3_server.client(), bucket)
+    assert len(names) >= FAMILIES * (PREFIX_TOKENS // 64)
+    published = manifest_fps(s3_server.endpoint_url, bucket, names)
+    unnamed = {n for n, key in names.items() if fingerprint(key) not in published}
+    assert not unnamed, f"{len(unnamed)} of {len(names)} chunk objects not in the manifest"
+    print(f"drain stop: {took:.1f} s, {len(names)} chunk objects, all published")
+    check_fresh_replica(model, s3_server.endpoint_url, bucket, prompts, monkeypatch)
+
+
+def test_killed_replica_then_gc_publishes_every_complete_chunk(workdir, model, s3_server, monkeypatch):
+    from s3kv.cli import main as s3kv_cli
+
+    bucket = s3_server.new_bucket()
+    config = kv_config(s3_server.endpoint_url, bucket, manifest_publish_s=30)  # most stores unpublished
+    proc, url = start_serve(model, config, workdir / "stop-kill.log", start_new_session=True)
+    prompts = family_prompts(2)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(run_load, url, prompts)
+            deadline = time.monotonic() + 120
+            while len(chunk_objects(s3_server.client(), bucket)) < 10 * FAMILIES:  # well into the load
+                assert time.monotonic() < deadline and not load.done(), "no stores under load"
+                time.sleep(0.2)
+            stop(proc, signal.SIGKILL, group=True)  # the whole replica: nothing can flush
+            assert load.result(), "no request completed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    names = chunk_objects(s3_server.client(), bucket)
+    before = manifest_fps(s3_server.endpoint_url, bucket, names)
+    missing = sum(fingerprint(k) not in before for k in names.values())
+    assert missing > 0  # killed between its PUTs and its segment: only gc can tell the fleet
+    args = ["--bucket", bucket, "--endpoint-url", s3_server.endpoint_url, "--region", "us-east-1"]
+    assert s3kv_cli(["gc", *args]) == 0
+    after = manifest_fps(s3_server.endpoint_url, bucket, names)
+    assert {fingerprint(k) for k in names.values()} <= after
+    print(f"SIGKILL: {missing} of {len(names)} chunk objects unpublished before gc, 0 after")
+    check_fresh_replica(model, s3_server.endpoint_url, bucket, prompts, monkeypatch)
+
+
+def test_stop_time_is_bounded_with_s3_unreachable(workdir, model):
+    server = S3Server(free_port())
+    server.start()
+    proc = None
+    try:
+        bucket = server.new_bucket()
+        config = kv_config(
+            server.endpoint_url,
+            bucket,
+            shutdown_flush_s=SHUTDOWN_FLUSH_S,
+            s3_read_timeout_s=120,  # S3 would hold a stop for minutes
+            s3_max_attempts=2,
+        )
+        proc, url = start_serve(model, config, workdir / "stop-hung.log", "--shutdown-timeout", "30")
+        rng = random.Random(3)
+        complete(url, [rng.randrange(3, 2048) for _ in range(300)])  # S3 works
+        os.kill(server.proc.pid, signal.SIGSTOP)  # S3 hangs: connections open, nothing answers
+        for _ in range(2):  # uploads that will never finish
+            complete(url, [rng.randrange(3, 2048) for _ in range(5 * 64 + 7)])
+        took = stop(proc, signal.SIGTERM)
+        print(f"stop with S3 hanging: {took:.1f} s (shutdown_flush_s={SHUTDOWN_FLUSH_S})")
+        assert took < SHUTDOWN_FLUSH_S + VLLM_STOP_ALLOWANCE_S
+        assert proc.returncode == 0
+    finally:
+        if server.proc is not None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        server.stop()

@@ -1,0 +1,190 @@
+"""Publishing from the workers (s3kv.manifest.publish): rank segments, how
+readers combine them, the hybrid clock, and the snapshot writer election
+with rank writers. The in-memory store stands in for S3 here; the
+end-to-end stop tests (tests/e2e/test_stop.py) use a real server."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from s3kv.manifest import format as mf
+from s3kv.manifest.keyset import Manifest, fingerprints
+from s3kv.manifest.publish import RankTally, ShardPublisher, rank_fields, replica_of
+from s3kv.manifest.sync import ManifestSync, SyncSettings
+from s3kv.stores.base import PutMode
+from s3kv.stores.memory import MemoryStore
+from tests.stores.wrappers import WrappedStore
+
+BASE = "pfx/" + "ab" * 16 + "/manifest/"
+T0 = 1_700_000_000.0
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def key(i):
+    return i.to_bytes(8, "big") * 2
+
+
+def fp(i):
+    return int(fingerprints([key(i)])[0])
+
+
+def reader(store, clock, writer="rdr0", **kw):
+    settings = SyncSettings(publish_s=1, refresh_s=1, skew_s=60, **kw)
+    return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=lambda: clock[0])
+
+
+def publisher(store, clock, writer="aaaa", rank=0, ranks=1):
+    return ShardPublisher(store, BASE, writer, rank=rank, ranks=ranks, publish_s=1, clock=lambda: clock[0])
+
+
+def test_one_rank_publishes_ordinary_segments_that_any_reader_applies():
+    store, clock = MemoryStore(), [T0]
+    r = reader(store, clock)
+    run(r.load())
+    p = publisher(store, clock)
+    assert run(p.publish()) == 0 and not run(store.list_keys(BASE + "seg/"))  # nothing to say: no PUT
+    p.stored(fp(1))
+    p.stored(fp(2))
+    assert run(p.publish()) == 2
+    (name,) = run(store.list_keys(BASE + "seg/"))
+    assert mf.parse_name(BASE, name).writer == "aaaar0"
+    obj = mf.decode(run(store.get(name)))
+    assert "ranks" not in obj.meta and sorted(obj.added.tolist()) == sorted([fp(1), fp(2)])
+    assert run(r.refresh()) == 2 and key(1) in r.manifest and key(2) in r.manifest
+    assert run(reader(store, clock, "new0").load()) == 2  # a new replica starts warm
+
+
+def test_a_failed_publish_keeps_its_keys_for_the_next():
+    inner = MemoryStore()
+    store, clock = WrappedStore(inner), [T0]
+    p = publisher(store, clock)
+    p.stored(fp(5))
+    store.put = _failing_put  # S3 down
+    with pytest.raises(ConnectionError):
+        run(p.publish())
+    assert p.pending == 1
+    del store.put  # back up
+    assert run(p.publish()) == 1 and p.pending == 0
+    (name,) = run(inner.list_keys(BASE + "seg/"))
+    assert mf.decode(run(inner.get(name))).added.tolist() == [fp(5)]
+
+
+async def _failing_put(*args, **kwargs):
+    raise ConnectionError("unreachable")
+
+
+def test_stamps_never_before_what_the_replica_has_seen():
+    """A worker with a late clock stamps after the newest stamp its
+    scheduler side saw, so it cannot land below other readers' floors."""
+    store, clock = MemoryStore(), [T0]
+    p = publisher(store, clock)
+    seen = int((T0 + 300) * 1000)  # another replica's clock runs 5 minutes ahead
+    p.observe(seen)
+    p.stored(fp(1))
+    run(p.publish())
+    p.stored(fp(2))
+    run(p.publish())
+    stamps = sorted(mf.name_ts(n) for n in run(store.list_keys(BASE + "seg/")))
+    assert stamps == [seen + 1, seen + 2]
+
+
+def test_a_chunk_of_several_ranks_counts_once_every_rank_named_it():
+    store, clock = MemoryStore(), [T0]
+    r = reader(store, clock)
+    run(r.load())
+    p0, p1 = publisher(store, clock, rank=0, ranks=2), publisher(store, clock, rank=1, ranks=2)
+    for i in (1, 2):
+        p0.stored(fp(i))
+    run(p0.publish())
+    assert run(r.refresh()) == 0 and key(1) not in r.manifest  # rank 1's shards may not exist
+    clock[0] += 1
+    p1.stored(fp(1))
+    run(p1.publish())
+    assert run(r.refresh()) == 1 and key(1) in r.manifest and key(2) not in r.manifest
+    fresh = reader(store, clock, "new0")
+    run(fresh.load())
+    assert key(1) in fresh.manifest and key(2) not in fresh.manifest
+
+
+def test_a_snapshot_keeps_its_horizon_before_chunks_still_waiting_for_ranks():
+    """Rank 0 named chunk 2 before the snapshot, rank 1 names it after: a
+    replica that starts from the snapshot must still see it whole."""
+    store, clock = MemoryStore(), [T0]
+    snap = reader(store, clock, "aaaa", snapshot_every=1, snapshot_interval_s=0)
+    run(snap.load())
+    p0, p1 = publisher(store, clock, "bbbb", 0, 2), publisher(store, clock, "bbbb", 1, 2)
+    p0.stored(fp(1))
+    p1.stored(fp(1))
+    run(p0.publish())
+    run(p1.publish())
+    clock[0] += 120  # well past the skew margin
+    p0.stored(fp(2))
+    run(p0.publish())
+    clock[0] += 120
+    run(snap.refresh())
+    assert key(1) in snap.manifest and key(2) not in snap.manifest
+    assert run(snap.maybe_snapshot()) is True
+    (name,) = run(store.list_keys(BASE + "snap/"))
+    horizon = mf.decode(run(store.get(name))).meta["horizon"]
+    rank0_of_2 = sorted(run(store.list_keys(BASE + "seg/")))[-1]
+    assert horizon < rank0_of_2  # the segment chunk 2 depends on is read again
+    clock[0] += 120
+    p1.stored(fp(2))
+    run(p1.publish())
+    fresh = reader(store, clock, "new0")
+    run(fresh.load())
+    assert key(1) in fresh.manifest and key(2) in fresh.manifest
+
+
+def test_rank_writers_count_as_their_replica_in_the_snapshot_election():
+    """Replica "aaaa" publishes only through its rank ("aaaar0"), which sorts
+    after replica "aaaa5": that replica must still defer to "aaaa", so that
+    one replica, not two, writes snapshots."""
+    store, clock = MemoryStore(), [T0]
+    a = reader(store, clock, "aaaa", snapshot_every=1, snapshot_interval_s=0)
+    b = reader(store, clock, "aaaa5", snapshot_every=1, snapshot_interval_s=0)
+    for r in (a, b):
+        run(r.load())
+    for writer in ("aaaa", "aaaa5"):
+        p = publisher(store, clock, writer)
+        p.stored(fp(len(writer)))
+        run(p.publish())
+    for r in (a, b):
+        run(r.refresh())
+    assert replica_of("aaaar0") == "aaaa" == replica_of("aaaa")
+    assert run(b.maybe_snapshot()) is False and run(a.maybe_snapshot()) is True
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"rank": 2, "ranks": 2},
+        {"rank": -1, "ranks": 2},
+        {"rank": "0", "ranks": 2},
+        {"rank": 0},
+        {"ranks": 999},
+    ],
+)
+def test_rank_segments_with_nonsense_ranks_are_garbage(meta):
+    with pytest.raises(mf.CorruptManifest):
+        rank_fields(meta)
+    store, clock = MemoryStore(), [T0]
+    r = reader(store, clock)
+    run(r.load())
+    bad = mf.ManifestObject("segment", np.array([fp(1)], dtype=np.uint64), meta=meta)
+    run(store.put(mf.segment_name(BASE, int(T0 * 1000), "zzzzr0", 1), mf.encode(bad), mode=PutMode.CREATE))
+    assert run(r.refresh()) == 0 and key(1) not in r.manifest
+    assert r.counters.totals()["manifest_skipped_garbage"] == 1
+
+
+def test_tally_forgets_chunks_a_rank_never_completed_and_tombstones():
+    t = RankTally()
+    assert t.add("seg/1", 0, 2, [1, 2, 3]).tolist() == []
+    t.discard([3])  # gc deleted it meanwhile
+    assert t.add("seg/2", 1, 2, [1, 3]).tolist() == [1]
+    assert t.oldest() == "seg/1" and len(t) == 2  # 2 waits for rank 1; 3 waits for rank 0 again
+    assert t.expire("seg/2") == 1 and len(t) == 1 and t.oldest() == "seg/2"
