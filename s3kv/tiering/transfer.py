@@ -39,8 +39,15 @@ from s3kv.errors import (
 )
 from s3kv.keys import object_key
 from s3kv.stats import Counters
-from s3kv.stores.base import ByteRange, ObjectStore, PutMode
-from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, PageFormat, as_corrupt, load_chunk
+from s3kv.stores.base import ObjectStore, PutMode
+from s3kv.tiering.chunks import (
+    ChunkCodec,
+    ChunkData,
+    ChunkId,
+    PageFormat,
+    load_chunk,
+    read_header,
+)
 from s3kv.tiering.disk import DiskTier
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.loop import BackgroundLoop, unbind_thread
@@ -750,32 +757,20 @@ class TransferEngine:
         if self.s.keys is None:
             return True
         assert self.s3 is not None and self.codec is not None
-        etag: str | None = None
         try:
-            got = await self.s3.get_object(cid.object_key, ByteRange(0, self.codec.max_header + 64))
-            etag, head = got.etag, got.data
-            header = self.codec.parse_header(head)
-            self.codec.check(header, cid.key_hex, cid.object_key)
-            if got.size is not None and got.size != header.object_length:
-                raise CorruptChunk(
-                    f"{cid.object_key}: {got.size} bytes, its header says {header.object_length}"
-                )
+            await read_header(self.s3, cid, chunk_codec=self.codec, prefetch=self.codec.max_header + 64)
             return True
         except NotFound:
-            pass  # deleted meanwhile: write ours
+            pass  # deleted meanwhile (or of a newer format: the create-only PUT below finds it)
         except PermissionDenied as e:
             if e.credentials:
                 raise
             log.warning("s3kv: %s exists but is not ours to read (%s): not published", cid.object_key, e)
             return False
-        except Transient:
-            raise
-        except Exception as e:
-            log.warning(
-                "s3kv: %s exists but does not verify (%s)", cid.object_key, as_corrupt(e, cid.object_key)
-            )
+        except CorruptChunk as e:  # only the object's own bytes: a network fault raises Transient
+            log.warning("s3kv: %s exists but does not verify (%s)", cid.object_key, e)
             self._missing(Tier.S3, bytes.fromhex(cid.key_hex))
-            await self._delete_corrupt(bytes.fromhex(cid.key_hex), etag)
+            await self._delete_corrupt(bytes.fromhex(cid.key_hex), e.etag)
         try:
             await self.s3.put(cid.object_key, blob, mode=PutMode.CREATE)
         except AlreadyExists:

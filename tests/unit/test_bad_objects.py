@@ -549,3 +549,35 @@ def test_read_header_reads_and_classifies_as_loads_do():
         asyncio.run(read_header(store, e.chunk_id(key), chunk_codec=e.codec, prefetch=64))
     assert raised.value.etag == asyncio.run(store.head(name)).etag
     e.close()
+
+
+class FaultyGets(MemoryStore):
+    """Every GET fails with ``fault`` (PUTs and the rest work)."""
+
+    def __init__(self, fault: BaseException) -> None:
+        super().__init__()
+        self.fault = fault
+
+    async def get_object(self, key, range=None):
+        raise self.fault
+
+    async def get(self, key, range=None):
+        raise self.fault
+
+
+@pytest.mark.parametrize("fault", _network_faults(), ids=lambda f: type(f).__name__)
+def test_a_network_fault_checking_an_object_in_the_way_never_deletes_it(fault):
+    """With the fleet secret, a store that finds an object in the way checks
+    its header: a connection dropped meanwhile fails the store (not
+    published), and the object, which may be good, stays."""
+    key = b"j" * 16
+    store = FaultyGets(fault)
+    e = engine(store, keys=keys())
+    name = e.chunk_id(key).object_key
+    good = e.codec.encode(key, layers(1))
+    put(store, name, good)
+    e.submit_store(StoreJob(key, layers(1), s3=True))
+    acc = wait_for(e, lambda a: key in a.failed.get(Tier.S3, ()) or key in a.written.get(Tier.S3, {}))
+    assert key in acc.failed[Tier.S3] and key not in acc.existing and key not in acc.missing.get(Tier.S3, ())
+    assert asyncio.run(MemoryStore.get(store, name)) == good and not acc.bad
+    e.close()
