@@ -267,6 +267,8 @@ class ManifestSync:
         except (mf.CorruptManifest, RangeNotSatisfiable) as e:  # a 416: emptied since it was listed
             self._skip(name, "garbage", e)
         except PermissionDenied as e:
+            if e.credentials:  # S3 refuses this replica, not the object: retried with the listing
+                raise
             self._skip(name, "denied", e)
         except TooLarge as e:
             self._skip(name, "oversize", e)

@@ -48,6 +48,7 @@ from s3kv.errors import (
     Precondition,
     RangeNotSatisfiable,
     S3KVError,
+    UnsupportedFormat,
 )
 from s3kv.keys import fingerprint, parse_object_key
 from s3kv.manifest import format as mf
@@ -374,6 +375,8 @@ async def find_bad(
                 if head is not None:
                     try:
                         check_chunk_head(name, head.data, head.size, keys)
+                    except UnsupportedFormat:
+                        return None  # a newer s3kv's object: not this gc's to judge, never deleted
                     except CorruptChunk as e:
                         return BadObject(ns, key, name, head.etag, str(e))
                 got = await store.get_object(name)
@@ -381,6 +384,8 @@ async def find_bad(
                 return None
         try:
             await asyncio.to_thread(check_chunk, name, got.data, keys)
+        except UnsupportedFormat:
+            return None
         except CorruptChunk as e:
             return BadObject(ns, key, name, got.etag, str(e))
         return None

@@ -23,6 +23,7 @@ locals {
     "disk_bytes",
     "disk_fsync",
     "disk_timeout_s",
+    "shutdown_flush_s",
     "write_policy",
     "promote",
     "save_generated",
