@@ -11,18 +11,22 @@ tier) and written through in the background.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from s3kv.auth import FleetKeys
-from s3kv.config import S3KVConfig
+from s3kv.config import KNOWN_KEYS, S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.connector.pages import LayerwiseLoad, PageIO
 from s3kv.errors import ConfigError
 from s3kv.keys import fingerprint
 from s3kv.manifest.format import manifest_prefix
-from s3kv.manifest.publish import ShardPublisher
+from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
+from s3kv.manifest.journal import RankJournal
+from s3kv.manifest.publish import ShardPublisher, rank_writer
 from s3kv.stats import Counters, merge
 from s3kv.stores.factory import make_store
 from s3kv.tiering.chunks import PageFormat
@@ -173,9 +177,26 @@ class WorkerSide:
         if self.engine.s3 is None:
             return
         c = self.config
+        base = manifest_prefix(c.prefix, namespace)
+        journal = None
+        directory = os.environ.get(JOURNAL_ENV)
+        if directory and os.path.isdir(directory):
+            try:
+                journal = RankJournal(
+                    Path(directory),
+                    rank_writer(writer, self.rank),
+                    {
+                        "config": {k: getattr(c, k) for k in KNOWN_KEYS},
+                        "base": base,
+                        "rank": self.rank,
+                        "ranks": self.layout.world_size,
+                    },
+                )
+            except OSError as e:
+                log.warning("s3kv: no journal of this rank's stores (%s)", e)
         publisher = ShardPublisher(
             self.engine.s3,
-            manifest_prefix(c.prefix, namespace),
+            base,
             writer,
             rank=self.rank,
             ranks=self.layout.world_size,
@@ -183,6 +204,7 @@ class WorkerSide:
             publish_s=c.manifest_publish_s,
             skew_s=c.manifest_clock_skew_s,
             counters=self.counters,
+            journal=journal,
         )
         self.engine.on_s3_stored = lambda key: publisher.stored(fingerprint(key))
         self.engine.spawn(publisher.run())
@@ -440,6 +462,8 @@ class WorkerSide:
         budget = self.config.shutdown_flush_s if budget_s is None else budget_s
         publisher = self.publisher
         self.engine.close(budget, publisher.publish if publisher is not None else None)
+        if publisher is not None and publisher.journal is not None:
+            publisher.journal.close(all_published=publisher.pending == 0)
         if publisher is not None and publisher.pending:
             self.counters.add("manifest_unpublished", publisher.pending)
             log.warning(

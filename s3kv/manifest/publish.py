@@ -37,6 +37,7 @@ import numpy as np
 from s3kv.auth import FleetKeys
 from s3kv.errors import AlreadyExists
 from s3kv.manifest import format as mf
+from s3kv.manifest.journal import RankJournal
 from s3kv.manifest.keyset import as_sorted_unique
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore, PutMode
@@ -51,12 +52,13 @@ PARTIAL_TTL_MS = 15 * 60 * 1000
 """A chunk some ranks published but the others never did after this long
 is forgotten (a rank's PUT failed: the chunk is not whole)."""
 
-_RANK_SUFFIX = re.compile(r"r\d+$")
+_RANK_SUFFIX = re.compile(r"r\d+j?$")
 
 
 def replica_of(writer: str) -> str:
     """The replica a writer id belongs to: a rank publisher's id is its
-    scheduler side's with ``r{rank}`` appended."""
+    scheduler side's with ``r{rank}`` appended (and ``j`` when its front end
+    published its journal, :mod:`s3kv.manifest.journal`)."""
     return _RANK_SUFFIX.sub("", writer)
 
 
@@ -135,8 +137,13 @@ class ShardPublisher:
         skew_s: float = 60.0,
         counters: Counters | None = None,
         clock: Callable[[], float] = time.time,
+        journal: RankJournal | None = None,
     ) -> None:
         self.rank = rank
+        self.journal = journal
+        """Where each store is noted first, for the front end to publish if
+        vLLM kills this process before a segment names it."""
+        self._stored = 0
         self.ranks = ranks
         self.publish_s = publish_s
         self.counters = counters or Counters()
@@ -161,6 +168,9 @@ class ShardPublisher:
         """This rank created a chunk object: publish its fingerprint."""
         with self._lock:
             self._pending.append(fp)
+            self._stored += 1
+            if self.journal is not None:
+                self.journal.stored(fp)
 
     def observe(self, ts_ms: int) -> None:
         """The newest stamp the replica has seen: never stamp before it."""
@@ -185,6 +195,7 @@ class ShardPublisher:
         the fingerprints published."""
         with self._lock:
             fps, self._pending = self._pending, []
+            upto = self._stored  # the pending ones are the journal's tail, in order
         if not fps:
             return 0
         meta: dict[str, object] = {"writer": self.segments.writer}
@@ -196,6 +207,8 @@ class ShardPublisher:
             with self._lock:
                 self._pending[:0] = fps
             raise
+        if self.journal is not None:
+            self.journal.published(upto, self._last_ms)
         return len(fps)
 
     async def run(self) -> None:

@@ -122,67 +122,86 @@ def check_fresh_replica(model: Path, endpoint_url: str, bucket: str, prompts, mo
         llm.generate(
             [{"prompt_token_ids": [5] * 3}], params, use_tqdm=False
         )  # a step that reports the stores
-        assert s3kv_value(llm, "hit_tokens_s3") >= FAMILIES * (PREFIX_TOKENS // 64) * 64
+        assert s3kv_value(llm, "hit_tokens_s3") >= 3 * FAMILIES * (PREFIX_TOKENS // 64) * 64
         assert s3kv_value(llm, "store_chunks_existing") == 0  # no stored chunk was computed again
     finally:
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_drain_stop_publishes_every_chunk_it_stored(workdir, model, s3_server, monkeypatch):
-    bucket = s3_server.new_bucket()
-    config = kv_config(s3_server.endpoint_url, bucket, shutdown_flush_s=SHUTDOWN_FLUSH_S)
-    proc, url = start_serve(model, config, workdir / "stop-drain.log", "--shutdown-timeout", "30")
-    prompts = family_prompts(1)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            load = pool.submit(run_load, url, prompts)
+def serve_under_load(workdir, model, config, name, prompts, until_objects, *args, **popen):
+    """A ``vllm serve`` replica under the load of ``prompts``, stopped (by
+    the returned function) once the bucket holds ``until_objects`` chunk
+    objects: mid-load."""
+    bucket = config["kv_connector_extra_config"]["bucket"]
+    endpoint = config["kv_connector_extra_config"]["endpoint_url"]
+    proc, url = start_serve(model, config, workdir / f"stop-{name}.log", *args, **popen)
+    client = S3Server(int(endpoint.rsplit(":", 1)[1])).client()
+    start = len(chunk_objects(client, bucket))
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    load = pool.submit(run_load, url, prompts)
+
+    def stop_it(sig: int, *, group: bool = False) -> float:
+        try:
             deadline = time.monotonic() + 120
-            while len(chunk_objects(s3_server.client(), bucket)) < 2 * FAMILIES:  # mid-load
+            while len(chunk_objects(client, bucket)) < start + until_objects:
                 assert time.monotonic() < deadline and not load.done(), "no stores under load"
                 time.sleep(0.2)
-            took = stop(proc, signal.SIGTERM)
+            took = stop(proc, sig, group=group)
             assert load.result(), "no request completed"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+            return took
+        finally:
+            pool.shutdown()
+            if proc.poll() is None:
+                proc.kill()
+
+    return stop_it
+
+
+def unpublished(s3_server, bucket) -> tuple[int, int]:
+    """(chunk objects no manifest object names, chunk objects)."""
     names = chunk_objects(s3_server.client(), bucket)
-    assert len(names) >= FAMILIES * (PREFIX_TOKENS // 64)
     published = manifest_fps(s3_server.endpoint_url, bucket, names)
-    unnamed = {n for n, key in names.items() if fingerprint(key) not in published}
-    assert not unnamed, f"{len(unnamed)} of {len(names)} chunk objects not in the manifest"
-    print(f"drain stop: {took:.1f} s, {len(names)} chunk objects, all published")
-    check_fresh_replica(model, s3_server.endpoint_url, bucket, prompts, monkeypatch)
+    return sum(fingerprint(k) not in published for k in names.values()), len(names)
 
 
-def test_killed_replica_then_gc_publishes_every_complete_chunk(workdir, model, s3_server, monkeypatch):
+def test_replicas_stopped_every_way_lose_no_stored_chunk(workdir, model, s3_server, monkeypatch):
+    """vLLM's default stop, its drain stop, then a SIGKILL of a replica's
+    process group (and one gc run) on one bucket: after each, a replica
+    starting would see every chunk object stored; the fresh one at the end
+    computes none of them again."""
     from s3kv.cli import main as s3kv_cli
 
     bucket = s3_server.new_bucket()
-    config = kv_config(s3_server.endpoint_url, bucket, manifest_publish_s=30)  # most stores unpublished
-    proc, url = start_serve(model, config, workdir / "stop-kill.log", start_new_session=True)
-    prompts = family_prompts(2)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            load = pool.submit(run_load, url, prompts)
-            deadline = time.monotonic() + 120
-            while len(chunk_objects(s3_server.client(), bucket)) < 10 * FAMILIES:  # well into the load
-                assert time.monotonic() < deadline and not load.done(), "no stores under load"
-                time.sleep(0.2)
-            stop(proc, signal.SIGKILL, group=True)  # the whole replica: nothing can flush
-            assert load.result(), "no request completed"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    names = chunk_objects(s3_server.client(), bucket)
-    before = manifest_fps(s3_server.endpoint_url, bucket, names)
-    missing = sum(fingerprint(k) not in before for k in names.values())
+    config = kv_config(s3_server.endpoint_url, bucket, shutdown_flush_s=SHUTDOWN_FLUSH_S)
+    prompts = [family_prompts(seed) for seed in (1, 2, 3)]
+    # vLLM's default stop kills the engine at once: the front end publishes
+    # the ranks' journals as it exits.
+    stop_it = serve_under_load(workdir, model, config, "default", prompts[0], 2 * FAMILIES)
+    took = stop_it(signal.SIGTERM)
+    missing, total = unpublished(s3_server, bucket)
+    print(f"default stop: {took:.1f} s, {missing} of {total} chunk objects unpublished")
+    assert total >= FAMILIES * (PREFIX_TOKENS // 64) and missing == 0
+    # The drain stop: the engine publishes everything itself.
+    stop_it = serve_under_load(
+        workdir, model, config, "drain", prompts[1], 2 * FAMILIES, "--shutdown-timeout", "30"
+    )
+    took = stop_it(signal.SIGTERM)
+    missing, total = unpublished(s3_server, bucket)
+    print(f"drain stop: {took:.1f} s, {missing} of {total} chunk objects unpublished")
+    assert missing == 0
+    # SIGKILL of the whole replica: nothing can publish; gc's compaction does.
+    slow = kv_config(s3_server.endpoint_url, bucket, manifest_publish_s=30)  # most stores unpublished
+    stop_it = serve_under_load(
+        workdir, model, slow, "kill", prompts[2], 10 * FAMILIES, start_new_session=True
+    )
+    stop_it(signal.SIGKILL, group=True)
+    missing, total = unpublished(s3_server, bucket)
+    print(f"SIGKILL: {missing} of {total} chunk objects unpublished before gc")
     assert missing > 0  # killed between its PUTs and its segment: only gc can tell the fleet
     args = ["--bucket", bucket, "--endpoint-url", s3_server.endpoint_url, "--region", "us-east-1"]
     assert s3kv_cli(["gc", *args]) == 0
-    after = manifest_fps(s3_server.endpoint_url, bucket, names)
-    assert {fingerprint(k) for k in names.values()} <= after
-    print(f"SIGKILL: {missing} of {len(names)} chunk objects unpublished before gc, 0 after")
-    check_fresh_replica(model, s3_server.endpoint_url, bucket, prompts, monkeypatch)
+    assert unpublished(s3_server, bucket)[0] == 0
+    check_fresh_replica(model, s3_server.endpoint_url, bucket, [p for ps in prompts for p in ps], monkeypatch)
 
 
 def test_stop_time_is_bounded_with_s3_unreachable(workdir, model):

@@ -1,0 +1,190 @@
+"""The last stores of a replica that vLLM kills: a local journal that the
+process which outlives the engine publishes.
+
+vLLM's default stop (``--shutdown-timeout 0``) sends the engine-core process
+SIGTERM and kills its whole process tree at once: no s3kv code runs in it
+after the signal, so the chunk objects it completed since its rank's last
+segment (up to ``manifest_publish_s`` of them) would be invisible to the
+fleet. The process that started the engine (``vllm serve``'s API server, or
+the program that made an ``LLM``) is not in that tree and exits normally
+after it, so:
+
+- in that *front-end* process, s3kv's vLLM plugin makes a journal directory
+  and names it in ``S3KV_JOURNAL_DIR``, which the engine's processes
+  inherit (:func:`start_front_end`);
+- each rank's publisher appends the fingerprint of every chunk object it
+  created to its journal as the PUT returns (8 bytes, no fsync: the page
+  cache outlives the process), and notes how many it has published after
+  each segment (:class:`RankJournal`);
+- when the front end exits, it publishes what the journals hold beyond what
+  was published, as segments of the rank's writer id with ``j`` appended,
+  within the rank's ``shutdown_flush_s`` (:func:`recover`).
+
+A replica that stops cleanly (the drain stop, ``LLM`` shut down) publishes
+everything itself and removes its journal, so the front end has nothing to
+do. A SIGKILL of the whole replica (its front end too, a node lost) leaves
+the journal unread: ``s3kv gc``'s compaction publishes those objects.
+
+This module imports only the standard library until :func:`recover` runs:
+the plugin imports it in every vLLM process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("s3kv.manifest")
+
+ENV_VAR = "S3KV_JOURNAL_DIR"
+_RECORD = struct.Struct("<Q")
+_started = False
+
+
+def start_front_end() -> Path | None:
+    """In the process that starts vLLM's engine (not one of its children):
+    make a journal directory for the engine's ranks and publish what they
+    leave in it when this process exits. Idempotent; None elsewhere."""
+    global _started
+    import multiprocessing
+
+    if _started or multiprocessing.parent_process() is not None:
+        return None
+    _started = True
+    directory = Path(tempfile.mkdtemp(prefix="s3kv-journal-"))
+    os.environ[ENV_VAR] = str(directory)
+    atexit.register(recover, directory)
+    return directory
+
+
+class RankJournal:
+    """One rank publisher's journal: ``{writer}.json`` (how to publish: the
+    connector config, the manifest base, rank and ranks; no secrets),
+    ``{writer}.fps`` (the fingerprints stored, appended) and ``{writer}.done``
+    (how many of them are published, and the last stamp used)."""
+
+    def __init__(self, directory: Path, writer: str, info: dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+        self._paths = [directory / f"{writer}.{ext}" for ext in ("json", "fps", "done")]
+        info_path, fps_path, self._done_path = self._paths
+        _write_atomic(info_path, json.dumps({**info, "writer": writer}, default=str).encode())
+        self._fps = open(fps_path, "ab", buffering=0)  # noqa: SIM115 (open for the publisher's life)
+        self.appended = 0
+
+    def stored(self, fp: int) -> None:
+        with self._lock:
+            self._fps.write(_RECORD.pack(fp))
+            self.appended += 1
+
+    def published(self, count: int, last_ts_ms: int) -> None:
+        """The first ``count`` fingerprints appended are in published segments."""
+        _write_atomic(self._done_path, f"{count} {last_ts_ms}".encode())
+
+    def close(self, *, all_published: bool) -> None:
+        """Done with it: removed when nothing is left for the front end."""
+        with self._lock:
+            self._fps.close()
+        if all_published:
+            for path in self._paths:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _unpublished(directory: Path, writer: str) -> tuple[list[int], int]:
+    """The fingerprints a rank stored beyond those published, and the last
+    stamp it used."""
+    data = (directory / f"{writer}.fps").read_bytes()
+    fps = [v for (v,) in _RECORD.iter_unpack(data[: len(data) - len(data) % _RECORD.size])]
+    done, last_ts = 0, 0
+    with contextlib.suppress(OSError, ValueError):
+        done_text = (directory / f"{writer}.done").read_text().split()
+        done, last_ts = int(done_text[0]), int(done_text[1])
+    return fps[done:], last_ts
+
+
+def recover(directory: Path) -> int:
+    """Publish what the ranks' journals in ``directory`` hold beyond what
+    they published, all at once, each within its rank's ``shutdown_flush_s``;
+    then remove the directory. Returns the fingerprints published. Never
+    raises."""
+    import asyncio
+
+    todo = []
+    for info_path in sorted(directory.glob("*.json")):
+        try:
+            info = json.loads(info_path.read_text())
+            fps, last_ts = _unpublished(directory, info_path.stem)
+        except (OSError, ValueError) as e:
+            log.warning("s3kv: journal %s does not read (%r)", info_path, e)
+            continue
+        if fps:
+            todo.append((info, info_path.stem, fps, last_ts))
+
+    async def one(info: dict[str, Any], writer: str, fps: list[int], last_ts: int) -> int:
+        try:
+            return await _publish(info, writer, fps, last_ts)
+        except Exception as e:
+            log.warning("s3kv: could not publish the last %d stores of %s at exit: %r", len(fps), writer, e)
+            return 0
+
+    async def all_of() -> list[int]:
+        return await asyncio.gather(*(one(*t) for t in todo))
+
+    total = sum(asyncio.run(all_of())) if todo else 0
+    shutil.rmtree(directory, ignore_errors=True)
+    return total
+
+
+async def _publish(info: dict[str, Any], writer: str, fps: list[int], last_ts: int) -> int:
+    import asyncio
+
+    from s3kv.auth import load_keys
+    from s3kv.config import parse_config
+    from s3kv.manifest import format as mf
+    from s3kv.manifest.keyset import as_sorted_unique
+    from s3kv.manifest.publish import SegmentWriter
+    from s3kv.stores.factory import make_store
+
+    config = parse_config(info["config"])
+    clock = [last_ts]
+
+    def next_ts() -> int:
+        clock[0] = max(int(time.time() * 1000), clock[0] + 1)
+        return clock[0]
+
+    meta: dict[str, Any] = {"writer": writer + "j", "recovered": True}
+    if info.get("ranks", 1) > 1:
+        meta.update(rank=info["rank"], ranks=info["ranks"])
+    segment = mf.ManifestObject("segment", as_sorted_unique(fps), meta=meta)
+    store = make_store(config)
+    try:
+        segments = SegmentWriter(
+            store,
+            info["base"],
+            writer + "j",
+            next_ts,
+            keys=load_keys(config.auth_key_file),
+            skew_s=config.manifest_clock_skew_s,
+        )
+        await asyncio.wait_for(segments.put(segment), config.shutdown_flush_s)
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(store.close(), 1.0)
+    log.info("s3kv: published %d chunks the engine had stored but not published (%s)", len(fps), writer)
+    return len(fps)

@@ -1,0 +1,128 @@
+"""The ranks' journal (s3kv.manifest.journal) against a real S3 server: what a
+rank stored but had not published when its process died is published by
+the front end at exit; a rank that stopped cleanly leaves nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+from s3kv.config import KNOWN_KEYS, parse_config
+from s3kv.manifest import format as mf
+from s3kv.manifest.journal import ENV_VAR, RankJournal, recover
+from s3kv.manifest.keyset import Manifest
+from s3kv.manifest.publish import ShardPublisher
+from s3kv.manifest.sync import ManifestSync
+from s3kv.stores.factory import make_store
+
+BASE = "jnl/" + "cd" * 16 + "/manifest/"
+
+
+def config_of(s3_server, bucket):
+    return parse_config(
+        {"bucket": bucket, "endpoint_url": s3_server.endpoint_url, "region": "us-east-1", "prefix": "jnl"}
+    )
+
+
+def journal(directory, config, writer="w0", rank=0, ranks=1):
+    info = {"config": {k: getattr(config, k) for k in KNOWN_KEYS}, "base": BASE, "rank": rank, "ranks": ranks}
+    return RankJournal(directory, f"{writer}r{rank}", info)
+
+
+def manifest(config) -> set[int]:
+    async def load():
+        store = make_store(config)
+        m = Manifest()
+        try:
+            await ManifestSync(store, BASE, m).load()
+        finally:
+            await store.close()
+        return set(m.fps.array().tolist())
+
+    return asyncio.run(load())
+
+
+def test_what_a_killed_rank_had_not_published_is_published_at_exit(s3_server, bucket, tmp_path):
+    config = config_of(s3_server, bucket)
+
+    async def rank_life():
+        store = make_store(config)
+        try:
+            p = ShardPublisher(store, BASE, "w0", rank=0, ranks=1, journal=journal(tmp_path, config))
+            for fp in (11, 12, 13):
+                p.stored(fp)
+            await p.publish()
+            for fp in (14, 15):  # stored; then vLLM kills the process before the next segment
+                p.stored(fp)
+        finally:
+            await store.close()
+
+    asyncio.run(rank_life())
+    assert manifest(config) == {11, 12, 13}
+    assert recover(tmp_path) == 2
+    assert manifest(config) == {11, 12, 13, 14, 15}
+    assert not tmp_path.exists()
+    names = asyncio.run(_names(config))
+    assert [mf.parse_name(BASE, n).writer for n in names] == ["w0r0", "w0r0j"]
+
+
+async def _names(config):
+    store = make_store(config)
+    try:
+        return sorted(await store.list_keys(BASE + "seg/"))
+    finally:
+        await store.close()
+
+
+def test_a_rank_that_published_everything_leaves_no_journal(s3_server, bucket, tmp_path):
+    config = config_of(s3_server, bucket)
+
+    async def rank_life():
+        store = make_store(config)
+        try:
+            p = ShardPublisher(store, BASE, "w1", rank=0, ranks=1, journal=journal(tmp_path, config, "w1"))
+            p.stored(21)
+            await p.publish()
+            p.journal.close(all_published=p.pending == 0)
+        finally:
+            await store.close()
+
+    asyncio.run(rank_life())
+    assert list(tmp_path.iterdir()) == []
+    assert recover(tmp_path) == 0 and manifest(config) == {21}
+
+
+def test_recovery_is_bounded_when_s3_is_gone(tmp_path):
+    from tests.conftest import free_port
+
+    gone = parse_config(
+        {
+            "bucket": "nowhere-bucket",
+            "endpoint_url": f"http://127.0.0.1:{free_port()}",
+            "region": "us-east-1",
+            "shutdown_flush_s": 1,
+            "s3_max_attempts": 10,
+        }
+    )
+    j = journal(tmp_path, gone, "w2")
+    j.stored(31)
+    start = time.monotonic()
+    assert recover(tmp_path) == 0  # nothing published, nothing raised
+    assert time.monotonic() - start < 5 and not tmp_path.exists()
+
+
+def test_only_the_front_end_makes_a_journal_directory():
+    assert multiprocessing.parent_process() is None  # this test process is a front end
+    code = (
+        "import os, s3kv.manifest.journal as j; d = j.start_front_end(); "
+        "assert d is not None and os.environ[j.ENV_VAR] == str(d) and d.is_dir(); "
+        "assert j.start_front_end() is None; print(d)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    directory = out.stdout.strip()
+    assert directory and not os.path.exists(directory)  # removed at exit, nothing to publish
