@@ -142,6 +142,11 @@ def disk_estimate(shard_bytes: int) -> int:
     return shard_bytes + shard_bytes // 64 + (16 << 10)
 
 
+BAD_KEY_RETRY_S = 10.0
+"""After a store found an object reported bad in the way, how long before
+the key is stored again (the object stays until ``s3kv gc`` deletes it)."""
+
+
 class Planner:
     def __init__(
         self,
@@ -678,8 +683,9 @@ class Planner:
             if bad and (existing or not ok):
                 # The bad object is in the way (a 412, or a store that found
                 # one it could not verify) until gc removes it: the next
-                # store waits store_retry_s instead of trying every step.
-                self._storing[key] = self._clock()
+                # store waits BAD_KEY_RETRY_S instead of trying every step
+                # (one PUT per key that often is cheap; gc may run any time).
+                self._storing[key] = self._clock() - self.store_retry_s + BAD_KEY_RETRY_S
             else:
                 self._storing.pop(key, None)
             if ok and self.s3 is not None and not (existing and bad):

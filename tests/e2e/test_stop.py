@@ -147,7 +147,7 @@ def serve_under_load(workdir, model, config, name, prompts, until_objects, *args
                 assert time.monotonic() < deadline and not load.done(), "no stores under load"
                 time.sleep(0.2)
             took = stop(proc, sig, group=group)
-            assert load.result(), "no request completed"
+            load.result()  # (vLLM's default stop aborts the requests in flight: none may complete)
             return took
         finally:
             pool.shutdown()

@@ -5,7 +5,7 @@ from s3kv.keys import Namespace, chain_keys
 from s3kv.manifest import Manifest
 from s3kv.manifest.keyset import fingerprints
 from s3kv.tiering.placement import Tier, TierIndex
-from s3kv.tiering.planner import Planner, ScheduledRequest, disk_estimate
+from s3kv.tiering.planner import BAD_KEY_RETRY_S, Planner, ScheduledRequest, disk_estimate
 
 NS = Namespace.from_fields({"model": "m"})
 CT, BS = 64, 32  # 2 blocks a chunk
@@ -384,7 +384,7 @@ def test_failures_while_open_count_one_trip():
     assert not p.paused
 
 
-def test_a_412_on_a_bad_key_is_not_stored_again_before_store_retry_s():
+def test_a_412_on_a_bad_key_is_not_stored_again_for_a_while():
     now = [0.0]
     p, index = planner(clock=lambda: now[0], store_retry_s=100.0)
     index.quarantine(KEYS[0], "p/bad-object", '"etag"')  # some replica could not delete it
@@ -402,7 +402,11 @@ def test_a_412_on_a_bad_key_is_not_stored_again_before_store_retry_s():
             lookup(p, f"again{step}")
             assert p.plan_step([sched(f"again{step}", 0, 300, list(range(10)))]).stores == []
             p.request_finished(f"again{step}", [], 0)
-        now[0] += 100.0  # store_retry_s later it is tried again (gc may have removed it)
+        now[0] += BAD_KEY_RETRY_S - 1
+        lookup(p, "soon")
+        assert p.plan_step([sched("soon", 0, 300, list(range(10)))]).stores == []
+        p.request_finished("soon", [], 0)
+        now[0] += 1  # BAD_KEY_RETRY_S later it is tried again (gc may have removed it)
         p.request_finished("w", [], 0)
 
 
