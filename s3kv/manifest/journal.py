@@ -18,7 +18,8 @@ after it, so:
   each segment (:class:`RankJournal`);
 - when the front end exits, it publishes what the journals hold beyond what
   was published, as segments of the rank's writer id with ``j`` appended,
-  within the rank's ``shutdown_flush_s`` (:func:`recover`).
+  within the rank's ``shutdown_flush_s`` (:func:`recover`, run by
+  in a fresh interpreter).
 
 A replica that stops cleanly (the drain stop, ``LLM`` shut down) publishes
 everything itself and removes its journal, so the front end has nothing to
@@ -63,8 +64,38 @@ def start_front_end() -> Path | None:
     _started = True
     directory = Path(tempfile.mkdtemp(prefix="s3kv-journal-"))
     os.environ[ENV_VAR] = str(directory)
-    atexit.register(recover, directory)
+    atexit.register(_recover_at_exit, directory)
     return directory
+
+
+def _recover_at_exit(directory: Path) -> None:
+    """At this process's exit: publish what the journals hold, in a fresh
+    interpreter (an exiting one refuses new executor work, which asyncio's
+    DNS lookups need), within the ranks' ``shutdown_flush_s``."""
+    import subprocess
+    import sys
+
+    budget = 0.0
+    for info_path in directory.glob("*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            if _unpublished(directory, info_path.stem)[0]:
+                info = json.loads(info_path.read_text())
+                budget = max(budget, float(info["config"].get("shutdown_flush_s") or 5.0))
+    if budget:
+        try:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from s3kv.manifest.journal import main; main(sys.argv[1])",
+                    str(directory),
+                ],
+                timeout=budget + 10,  # the interpreter's start, then the publish's own bound
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("s3kv: could not publish the engine's last stores at exit: %r", e)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 class RankJournal:
@@ -188,3 +219,9 @@ async def _publish(info: dict[str, Any], writer: str, fps: list[int], last_ts: i
             await asyncio.wait_for(store.close(), 1.0)
     log.info("s3kv: published %d chunks the engine had stored but not published (%s)", len(fps), writer)
     return len(fps)
+
+
+def main(directory: str) -> None:
+    """The fresh interpreter's part of :func:`_recover_at_exit`."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    recover(Path(directory))

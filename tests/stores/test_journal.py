@@ -115,14 +115,24 @@ def test_recovery_is_bounded_when_s3_is_gone(tmp_path):
     assert time.monotonic() - start < 5 and not tmp_path.exists()
 
 
-def test_only_the_front_end_makes_a_journal_directory():
-    assert multiprocessing.parent_process() is None  # this test process is a front end
-    code = (
-        "import os, s3kv.manifest.journal as j; d = j.start_front_end(); "
-        "assert d is not None and os.environ[j.ENV_VAR] == str(d) and d.is_dir(); "
-        "assert j.start_front_end() is None; print(d)"
-    )
+def test_the_front_end_publishes_the_journals_as_it_exits(s3_server, bucket):
+    """A front end (a process vLLM's engine did not start) makes the journal
+    directory; what a rank left in it is published when that process exits."""
+    assert multiprocessing.parent_process() is None  # this test process is a front end too
+    code = f"""
+import os, s3kv.manifest.journal as j
+from s3kv.config import KNOWN_KEYS, parse_config
+d = j.start_front_end()
+assert d is not None and os.environ[j.ENV_VAR] == str(d) and d.is_dir()
+assert j.start_front_end() is None
+c = parse_config({{"bucket": "{bucket}", "endpoint_url": "{s3_server.endpoint_url}", "region": "us-east-1"}})
+info = {{"config": {{k: getattr(c, k) for k in KNOWN_KEYS}}, "base": "{BASE}", "rank": 0, "ranks": 1}}
+j.RankJournal(d, "w3r0", info).stored(41)  # then the engine is killed
+print(d)
+"""
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
     directory = out.stdout.strip()
-    assert directory and not os.path.exists(directory)  # removed at exit, nothing to publish
+    assert directory and not os.path.exists(directory)  # removed at exit
+    assert manifest(config_of(s3_server, bucket)) == {41}
