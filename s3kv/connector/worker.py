@@ -188,6 +188,7 @@ class WorkerSide:
                     {
                         "config": {k: getattr(c, k) for k in KNOWN_KEYS},
                         "base": base,
+                        "namespace": namespace,
                         "rank": self.rank,
                         "ranks": self.layout.world_size,
                     },
@@ -207,6 +208,8 @@ class WorkerSide:
             journal=journal,
         )
         self.engine.on_s3_stored = lambda key: publisher.stored(fingerprint(key))
+        if journal is not None:
+            self.engine.on_s3_storing = journal.storing
         self.engine.spawn(publisher.run())
         self.publisher = publisher
 

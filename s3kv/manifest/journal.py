@@ -12,14 +12,17 @@ after it, so:
 - in that *front-end* process, s3kv's vLLM plugin makes a journal directory
   and names it in ``S3KV_JOURNAL_DIR``, which the engine's processes
   inherit (:func:`start_front_end`);
-- each rank's publisher appends the fingerprint of every chunk object it
-  created to its journal as the PUT returns (8 bytes, no fsync: the page
-  cache outlives the process), and notes how many it has published after
-  each segment (:class:`RankJournal`);
+- each rank notes in its journal every chunk PUT as it starts, and each
+  fingerprint of an object it created as the PUT returns (17 bytes a
+  record, no fsync: the page cache outlives the process), and how many of
+  those it has published after each segment (:class:`RankJournal`);
 - when the front end exits, it publishes what the journals hold beyond what
   was published, as segments of the rank's writer id with ``j`` appended,
-  within the rank's ``shutdown_flush_s`` (:func:`recover`, run by
-  in a fresh interpreter).
+  within the rank's ``shutdown_flush_s`` (:func:`recover`, run in a fresh
+  interpreter). A PUT that started but whose answer never came may have
+  created its object all the same (S3 committed it as the process died):
+  each such object is read (its header, checked like a 412's: identity,
+  length and, with the fleet secret, MAC) and published if it is sound.
 
 A replica that stops cleanly (the drain stop, ``LLM`` shut down) publishes
 everything itself and removes its journal, so the front end has nothing to
@@ -48,7 +51,9 @@ from typing import Any
 log = logging.getLogger("s3kv.manifest")
 
 ENV_VAR = "S3KV_JOURNAL_DIR"
-_RECORD = struct.Struct("<Q")
+_RECORD = struct.Struct("<c16s")
+"""b"I" + a chunk key: its PUT is starting; b"S" + a fingerprint (8 bytes,
+then 8 zero bytes): the PUT created the object."""
 _started = False
 
 
@@ -78,7 +83,8 @@ def _recover_at_exit(directory: Path) -> None:
     budget = 0.0
     for info_path in directory.glob("*.json"):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            if _unpublished(directory, info_path.stem)[0]:
+            fps, unanswered, _ = _unpublished(directory, info_path.stem)
+            if fps or unanswered:
                 info = json.loads(info_path.read_text())
                 budget = max(budget, float(info["config"].get("shutdown_flush_s") or 5.0))
     if budget:
@@ -112,9 +118,15 @@ class RankJournal:
         self._fps = open(fps_path, "ab", buffering=0)  # noqa: SIM115 (open for the publisher's life)
         self.appended = 0
 
-    def stored(self, fp: int) -> None:
+    def storing(self, key: bytes) -> None:
+        """A PUT of ``key``'s object starts."""
         with self._lock:
-            self._fps.write(_RECORD.pack(fp))
+            self._fps.write(_RECORD.pack(b"I", key))
+
+    def stored(self, fp: int) -> None:
+        """The PUT created the object of the key whose fingerprint is ``fp``."""
+        with self._lock:
+            self._fps.write(_RECORD.pack(b"S", fp.to_bytes(8, "little")))
             self.appended += 1
 
     def published(self, count: int, last_ts_ms: int) -> None:
@@ -137,16 +149,23 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _unpublished(directory: Path, writer: str) -> tuple[list[int], int]:
-    """The fingerprints a rank stored beyond those published, and the last
-    stamp it used."""
+def _unpublished(directory: Path, writer: str) -> tuple[list[int], list[bytes], int]:
+    """What a rank stored beyond what it published (fingerprints), the keys
+    whose PUTs started and never returned, and the last stamp it used."""
     data = (directory / f"{writer}.fps").read_bytes()
-    fps = [v for (v,) in _RECORD.iter_unpack(data[: len(data) - len(data) % _RECORD.size])]
+    stored: list[int] = []
+    started: dict[int, bytes] = {}
+    for kind, body in _RECORD.iter_unpack(data[: len(data) - len(data) % _RECORD.size]):
+        if kind == b"S":
+            stored.append(int.from_bytes(body[:8], "little"))
+        elif kind == b"I":
+            started[int.from_bytes(body[:8], "big")] = body  # a key's fingerprint: its first 8 bytes
     done, last_ts = 0, 0
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, IndexError):
         done_text = (directory / f"{writer}.done").read_text().split()
         done, last_ts = int(done_text[0]), int(done_text[1])
-    return fps[done:], last_ts
+    returned = set(stored)
+    return stored[done:], [k for fp, k in started.items() if fp not in returned], last_ts
 
 
 def recover(directory: Path) -> int:
@@ -160,16 +179,18 @@ def recover(directory: Path) -> int:
     for info_path in sorted(directory.glob("*.json")):
         try:
             info = json.loads(info_path.read_text())
-            fps, last_ts = _unpublished(directory, info_path.stem)
+            fps, unanswered, last_ts = _unpublished(directory, info_path.stem)
         except (OSError, ValueError) as e:
             log.warning("s3kv: journal %s does not read (%r)", info_path, e)
             continue
-        if fps:
-            todo.append((info, info_path.stem, fps, last_ts))
+        if fps or unanswered:
+            todo.append((info, info_path.stem, fps, unanswered, last_ts))
 
-    async def one(info: dict[str, Any], writer: str, fps: list[int], last_ts: int) -> int:
+    async def one(
+        info: dict[str, Any], writer: str, fps: list[int], unanswered: list[bytes], last_ts: int
+    ) -> int:
         try:
-            return await _publish(info, writer, fps, last_ts)
+            return await _publish(info, writer, fps, unanswered, last_ts)
         except Exception as e:
             log.warning("s3kv: could not publish the last %d stores of %s at exit: %r", len(fps), writer, e)
             return 0
@@ -182,14 +203,19 @@ def recover(directory: Path) -> int:
     return total
 
 
-async def _publish(info: dict[str, Any], writer: str, fps: list[int], last_ts: int) -> int:
+async def _publish(
+    info: dict[str, Any], writer: str, fps: list[int], unanswered: list[bytes], last_ts: int
+) -> int:
     import asyncio
 
     from s3kv.auth import load_keys
     from s3kv.config import parse_config
+    from s3kv.errors import CorruptChunk, NotFound
+    from s3kv.keys import fingerprint, object_key
     from s3kv.manifest import format as mf
     from s3kv.manifest.keyset import as_sorted_unique
     from s3kv.manifest.publish import SegmentWriter
+    from s3kv.ops.gc import check_chunk_head, read_chunk_head
     from s3kv.stores.factory import make_store
 
     config = parse_config(info["config"])
@@ -202,18 +228,33 @@ async def _publish(info: dict[str, Any], writer: str, fps: list[int], last_ts: i
     meta: dict[str, Any] = {"writer": writer + "j", "recovered": True}
     if info.get("ranks", 1) > 1:
         meta.update(rank=info["rank"], ranks=info["ranks"])
-    segment = mf.ManifestObject("segment", as_sorted_unique(fps), meta=meta)
+    keys = load_keys(config.auth_key_file)
     store = make_store(config)
+
+    async def created(key: bytes) -> int | None:
+        """The fingerprint of ``key`` if its unanswered PUT left a sound object."""
+        name = object_key(config.prefix, info["namespace"], key, info["rank"])
+        try:
+            head = await read_chunk_head(store, name)
+            if head is None:
+                return None
+            check_chunk_head(name, head.data, head.size, keys)
+        except (NotFound, CorruptChunk):
+            return None
+        return fingerprint(key)
+
+    async def publish() -> None:
+        found = await asyncio.gather(*(created(k) for k in unanswered))
+        fps.extend(fp for fp in found if fp is not None)
+        if fps:
+            segment = mf.ManifestObject("segment", as_sorted_unique(fps), meta=meta)
+            segments = SegmentWriter(
+                store, info["base"], writer + "j", next_ts, keys=keys, skew_s=config.manifest_clock_skew_s
+            )
+            await segments.put(segment)
+
     try:
-        segments = SegmentWriter(
-            store,
-            info["base"],
-            writer + "j",
-            next_ts,
-            keys=load_keys(config.auth_key_file),
-            skew_s=config.manifest_clock_skew_s,
-        )
-        await asyncio.wait_for(segments.put(segment), config.shutdown_flush_s)
+        await asyncio.wait_for(publish(), config.shutdown_flush_s)
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(store.close(), 1.0)

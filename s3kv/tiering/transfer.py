@@ -250,6 +250,8 @@ class TransferEngine:
         self.pool: HostPool | None = None
         self.disk: DiskTier | None = None
         self._fmt: PageFormat | None = None
+        self.on_s3_storing: Callable[[bytes], None] | None = None
+        """Told of each chunk PUT as it starts (the worker's journal)."""
         self.on_s3_stored: Callable[[bytes], None] | None = None
         """Told of each chunk object this engine created in S3 (its PUT
         returned): the worker publishes them from here (manifest.publish)."""
@@ -722,6 +724,8 @@ class TransferEngine:
         blob = chunk.blob
         try:
             try:
+                if self.on_s3_storing is not None:
+                    self.on_s3_storing(chunk.key)
                 await self.s3.put(cid.object_key, blob, mode=PutMode.CREATE)  # type: ignore[union-attr]
             except AlreadyExists:
                 self.counters.add("store_chunks_existing")

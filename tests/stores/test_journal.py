@@ -19,7 +19,8 @@ from s3kv.manifest.publish import ShardPublisher
 from s3kv.manifest.sync import ManifestSync
 from s3kv.stores.factory import make_store
 
-BASE = "jnl/" + "cd" * 16 + "/manifest/"
+NS = "cd" * 16
+BASE = f"jnl/{NS}/manifest/"
 
 
 def config_of(s3_server, bucket):
@@ -29,7 +30,13 @@ def config_of(s3_server, bucket):
 
 
 def journal(directory, config, writer="w0", rank=0, ranks=1):
-    info = {"config": {k: getattr(config, k) for k in KNOWN_KEYS}, "base": BASE, "rank": rank, "ranks": ranks}
+    info = {
+        "config": {k: getattr(config, k) for k in KNOWN_KEYS},
+        "base": BASE,
+        "namespace": NS,
+        "rank": rank,
+        "ranks": ranks,
+    }
     return RankJournal(directory, f"{writer}r{rank}", info)
 
 
@@ -136,3 +143,28 @@ print(d)
     directory = out.stdout.strip()
     assert directory and not os.path.exists(directory)  # removed at exit
     assert manifest(config_of(s3_server, bucket)) == {41}
+
+
+def test_a_put_whose_answer_never_came_is_published_if_its_object_is_sound(s3_server, bucket, tmp_path):
+    """Killed while PUTs were in flight: S3 may have committed some of them.
+    Each is read back; a sound object is published, an absent or foreign one
+    is not."""
+    import random
+
+    from s3kv.keys import fingerprint, object_key
+    from tests.ops.dataset import _blob
+
+    config = config_of(s3_server, bucket)
+    rng = random.Random(1)
+    committed, lost, forged = (bytes([i]) * 16 for i in (7, 8, 9))
+    client = s3_server.client()
+    client.put_object(
+        Bucket=bucket, Key=object_key("jnl", NS, committed, 0), Body=_blob(NS, committed, 0, rng)
+    )
+    other = _blob(NS, committed, 0, rng)  # a sound object, but of another key
+    client.put_object(Bucket=bucket, Key=object_key("jnl", NS, forged, 0), Body=other)
+    j = journal(tmp_path, config, "w4")
+    for key in (committed, lost, forged):
+        j.storing(key)  # then the process dies before any answer
+    assert recover(tmp_path) == 1
+    assert manifest(config) == {fingerprint(committed)}
