@@ -38,8 +38,16 @@ $(INFRA_STAMP): Makefile
 demo: install
 	$(VENV)/bin/s3kv demo
 
+# The engine tests (one vLLM engine at a time) and the rest run side by
+# side: most of an engine test's time is start-up and teardown, not CPU.
+# The rest's report follows the engine tests'; either failing fails the run.
 test: install infra-tools
-	$(PY) -m pytest -q
+	@log=$$(mktemp); \
+	$(PY) -m pytest -q -m "not engine" > $$log 2>&1 & rest=$$!; \
+	$(PY) -m pytest -q -m engine; engine=$$?; \
+	wait $$rest; other=$$?; \
+	echo "--- the tests that start no engine:"; cat $$log; rm -f $$log; \
+	test $$engine -eq 0 -a $$other -eq 0
 
 unit: install infra-tools
 	$(PY) -m pytest -q -m "not engine"
