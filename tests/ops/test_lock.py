@@ -173,7 +173,8 @@ async def test_two_held_gc_runs_with_skewed_clocks_take_turns(store):
     first_in = asyncio.Event()
 
     async def gc_run(name: str, skew: float, renewals: int) -> None:
-        async with held(store, "p", wait_s=30, ttl_s=2.0, poll_s=0.2, wall=skewed(skew)) as lease:
+        # A ttl that a busy machine's slow PUTs do not outlast (renewals every ttl/4).
+        async with held(store, "p", wait_s=60, ttl_s=6.0, poll_s=0.2, wall=skewed(skew)) as lease:
             events.append((f"{name} in", time.monotonic()))
             first_in.set()
             etags = {lease.etag}
