@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -617,6 +617,7 @@ async def _orphans(
     listed: dict[int, Chunk],
     snapshot: ObjectMeta | None,
     new: list[ObjectMeta],
+    segment: Callable[[str], Awaitable[mf.ManifestObject]],
     keys: FleetKeys | None,
     concurrency: int,
 ) -> dict[int, bool]:
@@ -635,7 +636,7 @@ async def _orphans(
             )
     for m in new:
         try:
-            named.update(mf.decode(await store.get(m.key), name=m.key, keys=keys).added.tolist())
+            named.update((await segment(m.key)).added.tolist())
         except (NotFound, mf.CorruptManifest):
             continue
     todo = {fp: c for fp, c in listed.items() if fp not in named}
@@ -701,8 +702,23 @@ async def compact(
     new = [m for m in segments if m.key > horizon and m.key not in covered]
     tp = info.tp_size
     listed = {fingerprint(k): c for k, c in info.chunks.items() if tp is None or len(c.objects) >= tp}
+    reads: dict[str, mf.ManifestObject | S3KVError] = {}
+
+    async def segment(name: str) -> mf.ManifestObject:
+        """A segment, read once a compaction (the orphan check and the live
+        set both need the recent ones); raises as decoding it did."""
+        if name not in reads:
+            try:
+                reads[name] = mf.decode(await store.get(name), name=name, keys=keys)
+            except (NotFound, mf.CorruptManifest) as e:
+                reads[name] = e
+        got = reads[name]
+        if isinstance(got, S3KVError):
+            raise got
+        return got
+
     orphans = await _orphans(
-        store, info, listed, snapshots[-1] if snapshots else None, new, keys, concurrency
+        store, info, listed, snapshots[-1] if snapshots else None, new, segment, keys, concurrency
     )
     result.orphans_refused += sum(not ok for ok in orphans.values())
     if new or info.id in result.deleted or any(orphans.values()):
@@ -716,7 +732,7 @@ async def compact(
         tally, by_fp = RankTally(), {fingerprint(k): c for k, c in info.chunks.items()}
         for m in [m for m in segments if (mf.name_ts(m.key) or 0) >= since]:
             try:
-                obj = mf.decode(await store.get(m.key), name=m.key, keys=keys)
+                obj = await segment(m.key)
                 ranks = rank_fields(obj.meta)
             except mf.UnsignedManifest:
                 result.unsigned.append(m.key)
