@@ -110,3 +110,24 @@ def pytest_pyfunc_call(pyfuncitem):
 
     asyncio.run(run())
     return True
+
+
+def load_manifest(endpoint_url: str, bucket: str, base: str) -> set[int]:
+    """The fingerprints a replica starting now loads from the manifest under
+    ``base`` (``{prefix}/{namespace}/manifest/``) of ``bucket``."""
+    import asyncio
+
+    from s3kv.manifest.keyset import Manifest
+    from s3kv.manifest.sync import ManifestSync
+    from s3kv.stores.s3 import S3Options, S3Store
+
+    async def load() -> set[int]:
+        store = S3Store(bucket, S3Options(region="us-east-1", endpoint_url=endpoint_url))
+        m = Manifest()
+        try:
+            await ManifestSync(store, base, m).load()
+        finally:
+            await store.close()
+        return set(m.fps.array().tolist())
+
+    return asyncio.run(load())

@@ -7,7 +7,6 @@ and its answers are the stopped replica's."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import os
@@ -20,10 +19,7 @@ from pathlib import Path
 import pytest
 
 from s3kv.keys import fingerprint, parse_object_key
-from s3kv.manifest.keyset import Manifest
-from s3kv.manifest.sync import ManifestSync
-from s3kv.stores.s3 import S3Options, S3Store
-from tests.conftest import S3Server, free_port
+from tests.conftest import S3Server, free_port, load_manifest
 from tests.e2e.harness import (
     REPLICA_ENV,
     complete,
@@ -80,18 +76,7 @@ def chunk_objects(client, bucket: str) -> dict[str, bytes]:
 def manifest_fps(endpoint_url: str, bucket: str, names: dict[str, bytes]) -> set[int]:
     """What a replica starting now loads, for the namespace of ``names``."""
     (ns,) = {parse_object_key(n)[0] for n in names}
-    base = next(iter(names)).split(ns)[0] + ns + "/manifest/"
-
-    async def load():
-        store = S3Store(bucket, S3Options(region="us-east-1", endpoint_url=endpoint_url))
-        m = Manifest()
-        try:
-            await ManifestSync(store, base, m).load()
-        finally:
-            await store.close()
-        return set(m.fps.array().tolist())
-
-    return asyncio.run(load())
+    return load_manifest(endpoint_url, bucket, next(iter(names)).split(ns)[0] + ns + "/manifest/")
 
 
 def stop(proc: subprocess.Popen, sig: int, *, group: bool = False, timeout: float = 120) -> float:

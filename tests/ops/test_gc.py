@@ -5,7 +5,6 @@ second run is a no-op; two gcs at once take turns."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -13,9 +12,7 @@ import sys
 import pytest
 
 from s3kv.keys import fingerprint, namespace_prefix
-from s3kv.manifest.keyset import Manifest
-from s3kv.manifest.sync import ManifestSync
-from s3kv.stores.s3 import S3Options, S3Store
+from tests.conftest import load_manifest
 from tests.ops import dataset
 from tests.ops.dataset import DAY, HOUR, PREFIX
 from tests.ops.helpers import run_json, store_args
@@ -60,17 +57,7 @@ def expected_lru(ds, budget: int, chunks=None) -> set[str]:
 
 def manifest_of(s3, ds, ns: str) -> set[int]:
     """The keys a replica starting now would load for ``ns``."""
-
-    async def load():
-        store = S3Store(ds.bucket, S3Options(region="us-east-1", endpoint_url=s3.endpoint_url))
-        m = Manifest()
-        try:
-            await ManifestSync(store, namespace_prefix(PREFIX, ns) + "manifest/", m).load()
-        finally:
-            await store.close()
-        return set(m.fps.array().tolist())
-
-    return asyncio.run(load())
+    return load_manifest(s3.endpoint_url, ds.bucket, namespace_prefix(PREFIX, ns) + "manifest/")
 
 
 def test_max_age_dry_run_then_delete_then_no_op(seeded_s3, ds, capsys):

@@ -14,10 +14,9 @@ import time
 from s3kv.config import KNOWN_KEYS, parse_config
 from s3kv.manifest import format as mf
 from s3kv.manifest.journal import ENV_VAR, RankJournal, recover
-from s3kv.manifest.keyset import Manifest
 from s3kv.manifest.publish import ShardPublisher
-from s3kv.manifest.sync import ManifestSync
 from s3kv.stores.factory import make_store
+from tests.conftest import load_manifest
 
 NS = "cd" * 16
 BASE = f"jnl/{NS}/manifest/"
@@ -41,16 +40,7 @@ def journal(directory, config, writer="w0", rank=0, ranks=1):
 
 
 def manifest(config) -> set[int]:
-    async def load():
-        store = make_store(config)
-        m = Manifest()
-        try:
-            await ManifestSync(store, BASE, m).load()
-        finally:
-            await store.close()
-        return set(m.fps.array().tolist())
-
-    return asyncio.run(load())
+    return load_manifest(config.endpoint_url, config.bucket, BASE)
 
 
 def test_what_a_killed_rank_had_not_published_is_published_at_exit(s3_server, bucket, tmp_path):
