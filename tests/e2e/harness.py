@@ -138,14 +138,17 @@ def metric(result: dict[str, Any], name: str) -> float:
     return result["metrics"].get(f"vllm:s3kv_{name}", 0)
 
 
-def copy_bucket(s3_server: Any, src: str, transform: Any = None) -> str:
-    """A new bucket with ``src``'s objects, chunk objects passed through ``transform``."""
+def copy_bucket(s3_server: Any, src: str, transform: Any = None, keep: Any = None) -> str:
+    """A new bucket with ``src``'s objects (those whose name ``keep`` accepts,
+    by default all), chunk objects passed through ``transform``."""
     from s3kv.keys import parse_object_key
 
     client = s3_server.client()
     dst = s3_server.new_bucket()
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=src):
         for obj in page.get("Contents", ()):
+            if keep is not None and not keep(obj["Key"]):
+                continue
             body = client.get_object(Bucket=src, Key=obj["Key"])["Body"].read()
             if transform is not None and parse_object_key(obj["Key"]) is not None:
                 body = transform(obj["Key"], body)
@@ -205,6 +208,36 @@ def s3kv_value(llm: Any, name: str) -> float:
         if m.name == f"vllm:s3kv_{family.name}"
         and (family.label is None or m.labels.get(family.label) == value)
     )
+
+
+def wait_for_value(llm: Any, name: str, done: Any, timeout_s: float = 180.0) -> float:
+    """Step an in-process engine with short prompts (under a chunk: nothing
+    to store or load) until ``done(value)`` holds for s3kv's ``name`` (the
+    scheduler side reports its gauges only as the engine steps), or the
+    deadline passes; returns the last value."""
+    import time
+
+    rng = random.Random(name)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        llm.generate(
+            [{"prompt_token_ids": [rng.randrange(3, 2048) for _ in range(8)]}],
+            greedy_params(),
+            use_tqdm=False,
+        )
+        value = s3kv_value(llm, name)
+        if done(value) or time.monotonic() > deadline:
+            return value
+
+
+def wait_until(what: str, condition: Any, timeout_s: float = 180.0, every_s: float = 0.2) -> None:
+    """Poll ``condition()`` until it holds; fail naming ``what`` after the deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every_s)
 
 
 def start_engine(model: Path, kv_transfer_config: dict[str, Any], **engine_args: Any) -> Any:

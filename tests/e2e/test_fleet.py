@@ -3,8 +3,6 @@ vLLM engine processes (CPU build) against a real S3 server on loopback."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from s3kv import codec
@@ -12,16 +10,17 @@ from s3kv.keys import Namespace, chain_keys, object_key, parse_object_key
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import (
     CHUNK_TOKENS,
-    ENGINE_ARGS,
-    MAX_TOKENS,
     REPLICA_ENV,
     chunk_objects,
     copy_bucket,
     finish_replica,
+    greedy_params,
     kv_config,
     metric,
     run_replica,
+    start_engine,
     start_replica,
+    wait_for_value,
     workload,
 )
 
@@ -68,38 +67,46 @@ def test_running_replica_sees_new_chunks_within_the_refresh_period(workdir, mode
     refresh_s = 1.0
     for k, v in REPLICA_ENV.items():
         monkeypatch.setenv(k, v)
-    from vllm import LLM, SamplingParams
-
     config = kv_config(
         s3_server.endpoint_url, bucket, manifest_refresh_s=refresh_s, manifest_publish_s=refresh_s
     )
-    llm = LLM(model=str(model), skip_tokenizer_init=True, kv_transfer_config=config, **ENGINE_ARGS)
+    llm = start_engine(model, config)
     try:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
         family = workload(seed=3)[:2]
         writer = run_replica(
             workdir, "fleet-writer", model, family, kv_config(s3_server.endpoint_url, bucket)
         )
-        time.sleep(refresh_s + 2.0)  # one refresh period, and a margin
-        (out,) = llm.generate([{"prompt_token_ids": family[0]}], params, use_tqdm=False)
+        stored = metric(writer, "store_chunks_s3")
+        assert stored >= SHARED // CHUNK_TOKENS
+        # The running replica's refreshes bring in every key the writer stored
+        # (waited for as the condition itself, not a fixed time).
+        assert wait_for_value(llm, "manifest_keys", lambda n: n >= stored) >= stored
+        (out,) = llm.generate([{"prompt_token_ids": family[0]}], greedy_params(), use_tqdm=False)
         assert out.num_cached_tokens >= SHARED
         assert list(out.outputs[0].token_ids) == writer["outputs"][0]
     finally:
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_racing_replicas_write_each_chunk_once(baseline, workdir, model, s3_server):
-    bucket = s3_server.new_bucket()
-    config = kv_config(s3_server.endpoint_url, bucket, **QUIET)  # neither learns of the other's stores
-    procs = [start_replica(workdir, f"race-{i}", model, PROMPTS, config) for i in range(2)]
-    results = [finish_replica(workdir, p) for p in procs]
-    for r in results:
-        assert r["outputs"] == baseline["outputs"]
-    objects = chunk_objects(s3_server.client(), bucket)
-    written = sum(metric(r, "store_chunks_s3") for r in results)
-    existing = sum(metric(r, "store_chunks_existing") for r in results)
-    assert written == len(objects) > 0  # each object was PUT successfully once
-    assert existing >= 1  # the loser of a race got 412 Precondition Failed and took it as success
+def test_racing_replicas_write_each_chunk_once(replica_a, baseline, workdir, model, s3_server, bucket_a):
+    """The loser of a race is a replica that stores a chunk it does not know
+    is there: here, deterministically, one that reads a bucket holding A's
+    chunk objects but no manifest (two replicas started together race only
+    when their starts happen to line up)."""
+    client = s3_server.client()
+    objects = chunk_objects(client, bucket_a)
+    assert metric(replica_a, "store_chunks_s3") == len(objects) > 0  # A PUT each object once
+    bucket = copy_bucket(s3_server, bucket_a, keep=lambda name: name in objects)  # no manifest
+    late = run_replica(
+        workdir, "race-late", model, PROMPTS, kv_config(s3_server.endpoint_url, bucket, **QUIET)
+    )
+    assert late["outputs"] == baseline["outputs"]
+    assert metric(late, "hit_tokens") == 0  # it knew of none of them
+    # Every store found the object there (412 Precondition Failed) and took it
+    # as success: nothing was PUT again, and the objects are A's, unchanged.
+    assert metric(late, "store_chunks_s3") == 0
+    assert metric(late, "store_chunks_existing") == len(objects)
+    assert chunk_objects(client, bucket) == objects
     for name, blob in objects.items():
         ns, key, rank = parse_object_key(name)
         codec.decode_chunk(blob, namespace=ns, key=key.hex(), rank=rank)

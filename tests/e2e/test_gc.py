@@ -9,12 +9,12 @@ import json
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from s3kv.connector.replica import _metrics
-from s3kv.keys import Namespace, chain_keys, object_key, parse_object_key
+from s3kv.keys import Namespace, chain_keys, fingerprint, object_key, parse_object_key
+from s3kv.manifest import format as mf
 from tests.e2e.harness import (
     CHUNK_TOKENS,
     ENGINE_ARGS,
@@ -22,6 +22,8 @@ from tests.e2e.harness import (
     REPLICA_ENV,
     kv_config,
     run_replica,
+    wait_for_value,
+    wait_until,
     workload,
 )
 
@@ -38,6 +40,16 @@ def listing(client, bucket: str) -> dict[str, int]:
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         for o in page.get("Contents", ()):
             out[o["Key"]] = o["Size"]
+    return out
+
+
+def accessed(client, bucket: str) -> set[int]:
+    """Fingerprints of the keys the bucket's access records say were used."""
+    out: set[int] = set()
+    for name in listing(client, bucket):
+        if "/access/" in name:
+            body = client.get_object(Bucket=bucket, Key=name)["Body"].read()
+            out.update(int(x) for x in mf.decode(body).added)
     return out
 
 
@@ -85,7 +97,8 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
         for i in range(3):  # the hot families are used (recorded in access records)
             tokens, cached = serve(i)
             assert tokens == expected[i] and cached >= SHARED
-        time.sleep(REFRESH_S + 1.5)  # access records published
+        used = {fingerprint(parse_object_key(k)[1]) for k in hot}
+        wait_until("access records of the hot families", lambda: used <= accessed(client, bucket))
 
         # gc to the hot families' size: least recently used first deletes the cold ones.
         budget = sum(chunks[k] for k in hot)
@@ -130,7 +143,8 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
         left = {k for k in listing(client, bucket) if parse_object_key(k)}
         assert left == hot
 
-        time.sleep(REFRESH_S + 2.0)  # the replica reads gc's tombstone segment
+        # The replica reads gc's tombstone segment: its view shrinks to the hot keys.
+        assert wait_for_value(llm, "manifest_keys", lambda n: n <= len(hot)) == len(hot)
         before = _metrics(llm)
         for i in range(3, 6):  # deleted: computed, not offered as hits
             tokens, cached = serve(i)
