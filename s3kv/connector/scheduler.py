@@ -37,7 +37,8 @@ from s3kv.stores.factory import make_store
 from s3kv.tiering.local_tiers import DiskCleaner, DiskSetup, cpu_index, open_disk, release_lock
 from s3kv.tiering.loop import BackgroundLoop
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.planner import Planner, ScheduledRequest, TierEvent
+from s3kv.tiering.plan import ScheduledRequest, TierEvent
+from s3kv.tiering.planner import Planner
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -389,6 +390,7 @@ class SchedulerSide:
         if p is None:  # nothing was planned yet, so nothing to hear of
             return
         if isinstance(meta, S3KVWorkerMetadata):
+            meta = meta.report
             if meta.existing:
                 p.on_existing(meta.existing)
             for (key, rank), etag in meta.bad.items():  # corrupt objects left in S3: tell the fleet

@@ -22,6 +22,7 @@ from s3kv.manifest.keyset import EMPTY, Manifest, fingerprints
 from s3kv.stats import Counters
 from s3kv.tiering.breaker import Breaker
 from s3kv.tiering.placement import Tier, TierIndex
+from s3kv.tiering.plan import LoadChunk, LoadPlan, ScheduledRequest, StepPlan, StoreChunk, TierEvent
 
 ExtrasFn = Callable[[int, int], Any]
 """extras(start_token, end_token) -> the extra keys of that chunk, or None."""
@@ -34,68 +35,6 @@ VERIFIED_SIZE = 1 << 16
 """Keys remembered present in the manifest (~100 bytes each)."""
 MEMO_SIZE = 1 << 16
 """Chunk keys remembered by prefix id (~200 bytes each)."""
-
-
-@dataclass(frozen=True)
-class LoadChunk:
-    key: bytes
-    block_ids: tuple[int, ...]
-    """Block ids of the whole chunk, in order."""
-    first_block: int
-    """Pages before this index are already valid locally and are not written."""
-    last_block: int
-    """Pages from this index on are computed by vLLM and are not written."""
-    sources: tuple[Tier, ...]
-    """Tiers to read from, in order: a later one is tried when an earlier one
-    does not have the chunk (a file lost or corrupt)."""
-    cpu_slot: int | None = None
-    """The CPU slot to read, when ``sources`` starts with the CPU tier."""
-    promote_slot: int | None = None
-    """Also copy the loaded pages into this CPU slot."""
-    promote_disk: bool = False
-    """Also write the fetched object to the NVMe tier."""
-
-    @property
-    def write_ids(self) -> tuple[int, ...]:
-        return self.block_ids[self.first_block : self.last_block]
-
-
-@dataclass(frozen=True)
-class LoadPlan:
-    req_id: str
-    chunks: tuple[LoadChunk, ...]
-    sync: bool
-    """Copied from the CPU tier during this step's forward, layer by layer;
-    otherwise loaded in the background while the request waits."""
-
-
-@dataclass(frozen=True)
-class StoreChunk:
-    key: bytes
-    block_ids: tuple[int, ...]
-    cpu_slot: int | None
-    """Copy the pages into this CPU slot (else into a private buffer)."""
-    disk: bool
-    s3: bool
-
-
-@dataclass(frozen=True)
-class TierEvent:
-    """A chunk entered (``stored``) or left a tier: vLLM KV events for routers."""
-
-    stored: bool
-    tier: Tier
-    key: bytes
-    parent: bytes | None = None
-    token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class StepPlan:
-    loads: list[LoadPlan] = field(default_factory=list)
-    stores: list[StoreChunk] = field(default_factory=list)
-    held: list[str] = field(default_factory=list)
-    """Finished requests whose blocks vLLM keeps until this step's copies are done."""
 
 
 @dataclass
@@ -124,16 +63,6 @@ class _Request:
     load_failed: bool = False
     """A load for this request failed: vLLM recomputes it, and asking again
     (vLLM does when nothing was computed) would only fail again."""
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    req_id: str
-    num_computed_tokens: int
-    """Tokens computed before this step."""
-    num_scheduled_tokens: int
-    block_ids: Callable[[], Sequence[int]]
-    """The request's block ids (called only when a store is planned)."""
 
 
 def disk_estimate(shard_bytes: int) -> int:

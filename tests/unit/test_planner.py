@@ -5,7 +5,8 @@ from s3kv.keys import Namespace, chain_keys
 from s3kv.manifest import Manifest
 from s3kv.manifest.keyset import fingerprints
 from s3kv.tiering.placement import Tier, TierIndex
-from s3kv.tiering.planner import BAD_KEY_RETRY_S, Planner, ScheduledRequest, disk_estimate
+from s3kv.tiering.plan import ScheduledRequest
+from s3kv.tiering.planner import BAD_KEY_RETRY_S, Planner, disk_estimate
 
 NS = Namespace.from_fields({"model": "m"})
 CT, BS = 64, 32  # 2 blocks a chunk
