@@ -8,6 +8,8 @@ from s3kv.manifest import Manifest
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import TierReport
 from s3kv.tiering.planner import Planner
+from s3kv.tiering.tiers.nvme import NvmeTierManager
+from s3kv.tiering.tiers.s3 import S3TierManager
 
 K1, K2 = b"1" * 16, b"2" * 16
 
@@ -46,10 +48,13 @@ def test_aggregate_over_ranks_then_index():
     disk = TierIndex("disk", 10_000)
     disk.reserve(K1, 5000)
     planner = Planner(
-        namespace=Namespace.from_fields({}), chunk_tokens=64, block_size=32, s3=index, disk=disk, world_size=2
+        namespace=Namespace.from_fields({}),
+        chunk_tokens=64,
+        block_size=32,
+        tiers=[NvmeTierManager(disk, world_size=2), S3TierManager(index)],
+        world_size=2,
     )
-    planner.on_written(Tier.S3, {k: n for (t, k), n in total.written.items() if t is Tier.S3})
-    planner.on_written(Tier.DISK, {K1: 2}, total.disk_sizes)
+    planner.on_report(total)  # the planner takes the whole report, summed over ranks
     assert K1 in index and K2 not in index
     assert K1 in disk and disk.get(K1).size == 220
     assert TierReport().is_empty() and not total.is_empty()
