@@ -39,15 +39,18 @@ class TierStack:
         """The tier to load each of chunks [start, end) from, the nearest that
         has it, up to the first chunk that none has. Half-open tiers it hits
         take ``owner`` as their probe; the others let a probe of it go."""
-        held = [m.lookup(keys, fps, start, end) if m.allows(owner, take=False) else None for m in self.tiers]
-        hit: list[TierManager] = []
-        for i in range(end - start):
-            for m, has in zip(self.tiers, held):
-                if has is not None and has[i]:
-                    hit.append(m)
+        asked = [m for m in self.tiers if m.allows(owner, take=False)]
+        held = [m.lookup(keys, fps, start, end) for m in asked]
+        hit: list[TierManager]
+        if len(held) == 1:  # one tier to ask (a remote-only replica): the prefix it holds
+            has = held[0]
+            hit = asked * (has.index(False) if False in has else len(has))
+        else:
+            hit = []
+            for row in zip(*held):  # chunk by chunk: the nearest tier that holds it
+                if True not in row:
                     break
-            else:
-                break
+                hit.append(asked[row.index(True)])
         for m in self.tiers:
             m.probe(owner, m in hit)
         return hit
