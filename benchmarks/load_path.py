@@ -226,7 +226,7 @@ def run(work: Path, quick: bool) -> Result:
     from s3kv.tiering.chunks import ChunkData, PageFormat
     from s3kv.tiering.disk import shard_path
     from s3kv.tiering.placement import Tier
-    from s3kv.tiering.planner import LoadChunk
+    from s3kv.tiering.plan import LoadChunk
     from s3kv.tiering.transfer import EngineSettings, TransferEngine
 
     n_chunks = 16 if quick else 64

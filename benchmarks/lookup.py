@@ -30,6 +30,7 @@ from benchmarks.common import Bar, Result, main_for, median, verdict
 from s3kv.keys import Namespace, chain_keys
 from s3kv.manifest import Manifest, fingerprints
 from s3kv.tiering.planner import Planner
+from s3kv.tiering.tiers.s3 import S3TierManager
 
 NAME = "lookup"
 TITLE = "Lookup latency vs manifest size"
@@ -63,7 +64,8 @@ def measure(n_keys: int, rounds: int) -> dict[str, float]:
     per = CHUNK // BLOCK
     out: dict[str, list[float]] = {"new": [], "known": [], "repeat": []}
     for case in ("new", "known"):
-        planner = Planner(namespace=ns, chunk_tokens=CHUNK, block_size=BLOCK, s3=manifest)
+        s3 = S3TierManager(manifest)
+        planner = Planner(namespace=ns, chunk_tokens=CHUNK, block_size=BLOCK, tiers=[s3])
         if case == "known":  # an earlier request keyed every prefix
             for i, p in enumerate(prompts):
                 planner.lookup(f"w{i}", p, TOKENS, 0, prefix_ids=lambda c, h=hashes[i]: h[(c + 1) * per - 1])
@@ -73,8 +75,8 @@ def measure(n_keys: int, rounds: int) -> dict[str, float]:
             prompt, ids = prompts[j], (lambda c, h=hashes[j]: h[(c + 1) * per - 1])
             rid = f"r{i}"
             if case == "new":  # nothing of this prefix keyed or seen in the manifest before
-                planner._memo.clear()
-                planner._verified.clear()
+                planner.chain.clear()
+                s3._verified.clear()
             t0 = time.perf_counter_ns()
             n, _ = planner.lookup(rid, prompt, TOKENS, 0, prefix_ids=ids)
             t1 = time.perf_counter_ns()

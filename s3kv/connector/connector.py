@@ -35,7 +35,7 @@ from s3kv.connector.layout import engine_layout
 from s3kv.connector.metadata import S3KVMetadata
 from s3kv.connector.stats import S3KVPromMetrics, S3KVStats
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.planner import TierEvent
+from s3kv.tiering.plan import TierEvent
 
 if TYPE_CHECKING:
     import torch

@@ -31,13 +31,18 @@ from s3kv.identity import DigestCache, content_digest, resolve_identity
 from s3kv.keys import Namespace, namespace_prefix, object_key
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest.format import manifest_prefix
-from s3kv.stats import Counters
+from s3kv.stats import SERIES, Counters
 from s3kv.stores.base import PutMode
 from s3kv.stores.factory import make_store
-from s3kv.tiering.local_tiers import DiskCleaner, DiskSetup, cpu_index, open_disk, release_lock
+from s3kv.tiering.local_tiers import DiskCleaner, DiskSetup, open_disk, release_lock
 from s3kv.tiering.loop import BackgroundLoop
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.planner import Planner, ScheduledRequest, TierEvent
+from s3kv.tiering.plan import ScheduledRequest, TierEvent
+from s3kv.tiering.planner import Planner
+from s3kv.tiering.tiers.base import TierManager
+from s3kv.tiering.tiers.cpu import CpuTierManager
+from s3kv.tiering.tiers.nvme import NvmeTierManager
+from s3kv.tiering.tiers.s3 import S3TierManager
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -126,12 +131,16 @@ class SchedulerSide:
         self._model_name = model
         self._emit_events = emit_events
         self.index = Manifest() if config.uses_s3 else None
-        self._cpu = cpu_index(config.cpu_bytes, layout.shard_bytes(config.chunk_tokens))
+        self._cpu = CpuTierManager.open(
+            config.cpu_bytes, layout.shard_bytes(config.chunk_tokens), layout.world_size
+        )
         self.namespace: Namespace | None = None
         self.planner: Planner | None = None
         """Made once the model's identity is known (:meth:`_activate`); until
         then the replica offers no hits and stores nothing."""
         self.disk: DiskSetup | None = None
+        self._nvme: NvmeTierManager | None = None
+        self._s3_tier: S3TierManager | None = None
         self._cleaner: DiskCleaner | None = None
         self._unkeyed: dict[str, None] = {}
         self._digests = digest_cache if digest_cache is not None else DigestCache()
@@ -174,8 +183,8 @@ class SchedulerSide:
             return
 
         def on_loaded() -> None:
-            if self.planner is not None:
-                self.planner.s3_down = False
+            if self._s3_tier is not None:
+                self._s3_tier.down = False
             self._ready.set()
 
         await self._sync.run(on_loaded)
@@ -210,24 +219,33 @@ class SchedulerSide:
                 keys=self.keys,
             )
             self._loop.submit(self._describe_namespace(namespace))
+        # A probe that never reports (its request gone) counts as failed once
+        # any load of it would have timed out.
+        probe_timeout_s = config.load_timeout_s + 10
+        tiers: list[TierManager] = [self._cpu] if self._cpu is not None else []  # nearest first
+        if self.disk is not None:
+            self._nvme = NvmeTierManager(
+                self.disk.index,
+                world_size=layout.world_size,
+                shard_bytes=layout.shard_bytes(config.chunk_tokens),
+                probe_timeout_s=probe_timeout_s,
+            )
+            tiers.append(self._nvme)
+        if self.index is not None:
+            self._s3_tier = S3TierManager(self.index, probe_timeout_s=probe_timeout_s)
+            self._s3_tier.down = self._s3_down
+            tiers.append(self._s3_tier)
         planner = Planner(
             namespace=namespace,
             chunk_tokens=config.chunk_tokens,
             block_size=layout.block_size,
-            s3=self.index,
-            cpu=self._cpu,
-            disk=self.disk.index if self.disk is not None else None,
+            tiers=tiers,
             world_size=layout.world_size,
-            shard_bytes=layout.shard_bytes(config.chunk_tokens),
             promote=config.promote,
             save_generated=config.save_generated,
             emit_events=self._emit_events,
             counters=self.counters,
-            # A probe that never reports (its request gone) counts as failed
-            # once any load of it would have timed out.
-            probe_timeout_s=config.load_timeout_s + 10,
         )
-        planner.s3_down = self._s3_down
         self.namespace = namespace
         self.planner = planner  # last: the scheduling loop starts using it now
         cpu = self._cpu
@@ -236,7 +254,7 @@ class SchedulerSide:
             "(chunk_tokens=%d, block_size=%d, ranks=%d)",
             namespace.id,
             identity_s,
-            f"{cpu.capacity} slots" if cpu is not None else "off",
+            f"{cpu.index.capacity} slots" if cpu is not None else "off",
             self.disk.root if self.disk is not None else "off",
             f"s3://{config.bucket}/{config.prefix}" if self._store is not None else "off",
             config.chunk_tokens,
@@ -345,8 +363,8 @@ class SchedulerSide:
         kid = self.keys.signing_kid if self.keys is not None else None
         if planner is None:
             return S3KVMetadata(signing_kid=kid)
-        if self._cleaner is not None:
-            planner.on_deleted(self._cleaner.take_done())
+        if self._cleaner is not None and self._nvme is not None:
+            self._nvme.on_deleted(self._cleaner.take_done())
         scheduled: list[ScheduledRequest] = []
         for new in out.scheduled_new_reqs:
             scheduled.append(
@@ -389,28 +407,13 @@ class SchedulerSide:
         if p is None:  # nothing was planned yet, so nothing to hear of
             return
         if isinstance(meta, S3KVWorkerMetadata):
-            if meta.existing:
-                p.on_existing(meta.existing)
-            for (key, rank), etag in meta.bad.items():  # corrupt objects left in S3: tell the fleet
+            report = meta.report
+            for (key, rank), etag in report.bad.items():  # corrupt objects left in S3: tell the fleet
                 if self.index is not None:
                     self.index.quarantine(
                         key, object_key(self.config.prefix, p.namespace.id, key, rank), etag
                     )
-            for tier in Tier:
-                written = {k: n for (t, k), n in meta.written.items() if t is tier}
-                if written:
-                    p.on_written(tier, written, meta.disk_sizes if tier is Tier.DISK else None)
-                failed = {k: n for (t, k), n in meta.failed.items() if t is tier}
-                if failed:
-                    p.on_write_failed(tier, failed)
-                missing = [k for t, k in meta.missing if t is tier]
-                if missing:
-                    p.on_missing(tier, missing)
-            p.on_released(meta.released)
-            p.on_sync_loaded(meta.sync_loaded)
-            if meta.disk_full:
-                p.on_disk_full()
-            p.on_load_results(meta.load_failed, ok=meta.tier_ok, failed=meta.tier_failed)
+            p.on_report(report)
         p.on_recved(output.finished_recving or ())
         p.on_sent(output.finished_sending or ())
         self._delete_evicted()
@@ -426,9 +429,9 @@ class SchedulerSide:
         return hold
 
     def _delete_evicted(self) -> None:
-        if self.planner is None:
+        if self._nvme is None:
             return
-        evicted = self.planner.take_disk_evictions()
+        evicted = self._nvme.take_evictions()
         if evicted and self._cleaner is not None:
             self._cleaner.delete(evicted)
 
@@ -444,15 +447,11 @@ class SchedulerSide:
             c.set("manifest_staleness_seconds", round(max(0.0, time.time() - self._sync.refreshed_at)))
         p = self.planner
         if p is not None:
-            for tier, breaker in p.breakers.items():
-                c.set(f"breaker_open_{tier.value}", 0 if breaker.closed else 1)
-        if p is not None and p.cpu is not None:
-            slot_bytes = self.layout.shard_bytes(self.config.chunk_tokens) * self.layout.world_size
-            c.set("tier_used_bytes_cpu", p.cpu.used * slot_bytes)
-            c.set("tier_capacity_bytes_cpu", p.cpu.capacity * slot_bytes)
-        if p is not None and p.disk is not None:
-            c.set("tier_used_bytes_disk", p.disk.used)
-            c.set("tier_capacity_bytes_disk", p.disk.capacity)
+            for name in SERIES:  # a tier that is off has no breaker, and it is not open
+                if name.startswith("breaker_open_"):
+                    c.set(name, 0)
+            for name, value in p.stack.gauges().items():
+                c.set(name, value)
         return c.take()
 
     def shutdown(self, budget_s: float | None = None) -> None:

@@ -32,7 +32,7 @@ from s3kv.stores.factory import make_store
 from s3kv.tiering.chunks import PageFormat
 from s3kv.tiering.hostpool import HostPool, slots_for
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.planner import LoadChunk, LoadPlan, StoreChunk
+from s3kv.tiering.plan import LoadChunk, LoadPlan, StoreChunk, TierReport
 from s3kv.tiering.transfer import EngineSettings, StoreJob, TransferEngine
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class WorkerSide:
         self._sent: set[str] = set()
         """Held requests whose copies are done, to report as finished sending."""
         self._finished = RecentSet(4096)
-        self._report = S3KVWorkerMetadata()
+        self._report = TierReport()
         self.refusal: str | None = None
         """Why this rank refuses every transfer (its fleet key is not the
         scheduler side's), or None."""
@@ -455,8 +455,8 @@ class WorkerSide:
     def take_report(self) -> S3KVWorkerMetadata | None:
         if self._report.is_empty():
             return None
-        report, self._report = self._report, S3KVWorkerMetadata()
-        return report
+        report, self._report = self._report, TierReport()
+        return S3KVWorkerMetadata(report)
 
     def shutdown(self, budget_s: float | None = None) -> None:
         """Stop taking stores, let the uploads under way finish and publish

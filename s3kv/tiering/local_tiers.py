@@ -13,9 +13,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from s3kv.errors import ConfigError
 from s3kv.tiering import disk
-from s3kv.tiering.hostpool import slots_for
 from s3kv.tiering.placement import TierIndex
 from s3kv.units import format_size
 
@@ -23,19 +21,6 @@ log = logging.getLogger("s3kv.tiers")
 
 DEFAULT_DISK_FRACTION = 0.8
 """Without disk_bytes, the NVMe tier may take this share of the free space."""
-
-
-def cpu_index(cpu_bytes: int, shard_bytes: int) -> TierIndex | None:
-    """The CPU tier's slot index, or None when ``cpu_bytes`` is 0."""
-    if not cpu_bytes:
-        return None
-    slots = slots_for(cpu_bytes, shard_bytes)
-    if slots == 0:
-        raise ConfigError(
-            f"cpu_bytes: {format_size(cpu_bytes)} holds no chunk of this model (one chunk takes "
-            f"{format_size(shard_bytes)} per worker); use at least {shard_bytes} or 0 to turn it off"
-        )
-    return TierIndex("cpu", slots, slots=True)
 
 
 @dataclass

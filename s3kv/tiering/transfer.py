@@ -52,7 +52,7 @@ from s3kv.tiering.disk import DiskTier
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.loop import BackgroundLoop, unbind_thread
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.planner import LoadChunk, StoreChunk
+from s3kv.tiering.plan import LoadChunk, StoreChunk
 
 log = logging.getLogger("s3kv.transfer")
 

@@ -19,7 +19,9 @@ from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest import format as mf
 from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.placement import Tier
+from s3kv.tiering.plan import TierReport
 from s3kv.tiering.planner import Planner
+from s3kv.tiering.tiers.s3 import S3TierManager
 
 SECRET = "s3kv-test-secret-0123456789abcdef"
 OTHER = "s3kv-test-secret-fedcba9876543210"
@@ -194,12 +196,12 @@ def test_bad_records_drop_a_key_everywhere_and_block_publishing_it_from_a_412():
     ]
     # The planner of replica b: a store of the bad key that found it there (a
     # 412) is not published; one that wrote it is.
-    p = Planner(namespace=ns, chunk_tokens=64, block_size=32, s3=mb)
-    p._storing[keys[0]] = 0.0
-    p.on_existing([keys[0]])
-    p.on_written(Tier.S3, {keys[0]: 1})
+    s3_tier = S3TierManager(mb)
+    p = Planner(namespace=ns, chunk_tokens=64, block_size=32, tiers=[s3_tier])
+    s3_tier._storing[keys[0]] = 0.0
+    p.on_report(TierReport(existing={keys[0]}, written={(Tier.S3, keys[0]): 1}))
     assert keys[0] not in mb
-    p.on_written(Tier.S3, {keys[0]: 1})  # written anew (after gc removed the bad one)
+    p.on_report(TierReport(written={(Tier.S3, keys[0]): 1}))  # written anew (after gc removed the bad one)
     assert keys[0] in mb
 
 

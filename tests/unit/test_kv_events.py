@@ -9,7 +9,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
 from s3kv.connector.connector import kv_events  # noqa: E402
 from s3kv.tiering.placement import Tier  # noqa: E402
-from s3kv.tiering.planner import TierEvent  # noqa: E402
+from s3kv.tiering.plan import TierEvent  # noqa: E402
 
 K0, K1 = b"\x01" * 16, b"\x02" * 16
 

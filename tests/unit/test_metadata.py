@@ -3,19 +3,19 @@ only when every rank reports its shard there."""
 
 import pytest
 
-pytest.importorskip("vllm")
-
-from s3kv.connector.metadata import S3KVWorkerMetadata  # noqa: E402
-from s3kv.keys import Namespace  # noqa: E402
-from s3kv.manifest import Manifest  # noqa: E402
-from s3kv.tiering.placement import Tier, TierIndex  # noqa: E402
-from s3kv.tiering.planner import Planner  # noqa: E402
+from s3kv.keys import Namespace
+from s3kv.manifest import Manifest
+from s3kv.tiering.placement import Tier, TierIndex
+from s3kv.tiering.plan import TierReport
+from s3kv.tiering.planner import Planner
+from s3kv.tiering.tiers.nvme import NvmeTierManager
+from s3kv.tiering.tiers.s3 import S3TierManager
 
 K1, K2 = b"1" * 16, b"2" * 16
 
 
 def test_aggregate_over_ranks_then_index():
-    rank0 = S3KVWorkerMetadata(
+    rank0 = TierReport(
         written={(Tier.S3, K1): 1, (Tier.S3, K2): 1, (Tier.DISK, K1): 1},
         disk_sizes={K1: 100},
         load_failed={"r"},
@@ -24,7 +24,7 @@ def test_aggregate_over_ranks_then_index():
         bad={(K2, 0): '"etag0"'},
         sync_loaded={"s": 1},
     )
-    rank1 = S3KVWorkerMetadata(
+    rank1 = TierReport(
         written={(Tier.S3, K1): 1, (Tier.DISK, K1): 1},
         disk_sizes={K1: 120},
         missing={(Tier.S3, K2)},
@@ -48,10 +48,25 @@ def test_aggregate_over_ranks_then_index():
     disk = TierIndex("disk", 10_000)
     disk.reserve(K1, 5000)
     planner = Planner(
-        namespace=Namespace.from_fields({}), chunk_tokens=64, block_size=32, s3=index, disk=disk, world_size=2
+        namespace=Namespace.from_fields({}),
+        chunk_tokens=64,
+        block_size=32,
+        tiers=[NvmeTierManager(disk, world_size=2), S3TierManager(index)],
+        world_size=2,
     )
-    planner.on_written(Tier.S3, {k: n for (t, k), n in total.written.items() if t is Tier.S3})
-    planner.on_written(Tier.DISK, {K1: 2}, total.disk_sizes)
+    planner.on_report(total)  # the planner takes the whole report, summed over ranks
     assert K1 in index and K2 not in index
     assert K1 in disk and disk.get(K1).size == 220
+    assert TierReport().is_empty() and not total.is_empty()
+
+
+def test_vllm_metadata_wraps_the_report():
+    pytest.importorskip("vllm")
+    from s3kv.connector.metadata import S3KVWorkerMetadata
+
+    a = S3KVWorkerMetadata(TierReport(written={(Tier.S3, K1): 1}))
+    b = S3KVWorkerMetadata(TierReport(written={(Tier.S3, K1): 1}, disk_full=True))
+    total = a.aggregate(b)
+    assert isinstance(total, S3KVWorkerMetadata)
+    assert total.report.written == {(Tier.S3, K1): 2} and total.report.disk_full
     assert S3KVWorkerMetadata().is_empty() and not total.is_empty()

@@ -5,7 +5,11 @@ from s3kv.keys import Namespace, chain_keys
 from s3kv.manifest import Manifest
 from s3kv.manifest.keyset import fingerprints
 from s3kv.tiering.placement import Tier, TierIndex
-from s3kv.tiering.planner import BAD_KEY_RETRY_S, Planner, ScheduledRequest, disk_estimate
+from s3kv.tiering.plan import Place, ScheduledRequest, TierReport
+from s3kv.tiering.planner import Planner
+from s3kv.tiering.tiers.cpu import CpuTierManager
+from s3kv.tiering.tiers.nvme import NvmeTierManager, disk_estimate
+from s3kv.tiering.tiers.s3 import BAD_KEY_RETRY_S, S3TierManager
 
 NS = Namespace.from_fields({"model": "m"})
 CT, BS = 64, 32  # 2 blocks a chunk
@@ -14,22 +18,99 @@ KEYS = chain_keys(NS, PROMPT, CT)
 SHARD = 1000  # raw bytes of one rank's shard of a chunk
 
 
-def planner(world_size=1, clock=None, *, cpu_slots=0, disk_bytes=0, s3=True, **kw):
+def planner(
+    world_size=1,
+    clock=None,
+    *,
+    cpu_slots=0,
+    disk_bytes=0,
+    s3=True,
+    store_retry_s=120.0,
+    backoff_s=(5.0, 60.0),
+    probe_timeout_s=60.0,
+    **kw,
+):
+    """A planner over the tiers asked for, nearest first (as the scheduler side builds it)."""
     index = Manifest() if s3 else None
-    kwargs = {"clock": clock} if clock else {}
-    p = Planner(
-        namespace=NS,
-        chunk_tokens=CT,
-        block_size=BS,
-        s3=index,
-        cpu=TierIndex("cpu", cpu_slots, slots=True) if cpu_slots else None,
-        disk=TierIndex("disk", disk_bytes) if disk_bytes else None,
-        world_size=world_size,
-        shard_bytes=SHARD,
-        **kwargs,
-        **kw,
-    )
+    breaker = {
+        "backoff_s": backoff_s,
+        "probe_timeout_s": probe_timeout_s,
+        **({"clock": clock} if clock else {}),
+    }
+    tiers = []
+    if cpu_slots:
+        tiers.append(CpuTierManager(TierIndex("cpu", cpu_slots, slots=True)))
+    if disk_bytes:
+        disk_index = TierIndex("disk", disk_bytes)
+        tiers.append(NvmeTierManager(disk_index, world_size=world_size, shard_bytes=SHARD, **breaker))
+    if index is not None:
+        tiers.append(S3TierManager(index, store_retry_s=store_retry_s, **breaker))
+    p = Planner(namespace=NS, chunk_tokens=CT, block_size=BS, tiers=tiers, world_size=world_size, **kw)
     return p, index
+
+
+def cpu(p):
+    return p.tier(Tier.CPU).index
+
+
+def disk(p):
+    return p.tier(Tier.DISK).index
+
+
+def nvme(p):
+    return p.tier(Tier.DISK)
+
+
+def s3(p):
+    return p.tier(Tier.S3)
+
+
+def tiers_of(places):
+    return tuple(place.tier for place in places)
+
+
+def goes_to(places, tier):
+    return tier in tiers_of(places)
+
+
+def cpu_slot(places):
+    """The CPU slot among ``places``, or None."""
+    return next((place.slot for place in places if place.tier is Tier.CPU), None)
+
+
+# What the workers report, one field at a time (each a TierReport of its own).
+def on_written(p, tier, counts, sizes=None):
+    p.on_report(TierReport(written={(tier, k): n for k, n in counts.items()}, disk_sizes=dict(sizes or {})))
+
+
+def on_write_failed(p, tier, counts):
+    p.on_report(TierReport(failed={(tier, k): n for k, n in counts.items()}))
+
+
+def on_missing(p, tier, keys):
+    p.on_report(TierReport(missing={(tier, k) for k in keys}))
+
+
+def on_existing(p, keys):
+    p.on_report(TierReport(existing=set(keys)))
+
+
+def on_released(p, counts):
+    p.on_report(TierReport(released=dict(counts)))
+
+
+def on_sync_loaded(p, counts):
+    p.on_report(TierReport(sync_loaded=dict(counts)))
+
+
+def on_disk_full(p):
+    p.on_report(TierReport(disk_full=True))
+
+
+def on_load_results(p, failed_req_ids, *, ok=None, failed=None):
+    p.on_report(
+        TierReport(load_failed=set(failed_req_ids), tier_ok=dict(ok or {}), tier_failed=dict(failed or {}))
+    )
 
 
 def sched(req_id, computed, scheduled, blocks):
@@ -42,8 +123,8 @@ def lookup(p, req_id="r", computed=0, tokens=PROMPT, **kw):
 
 def put_cpu(p, keys):
     for k in keys:
-        p.cpu.reserve(k)
-        p.cpu.commit(k)
+        cpu(p).reserve(k)
+        cpu(p).commit(k)
 
 
 def test_lookup_counts_hits_beyond_local():
@@ -67,14 +148,14 @@ def test_cpu_only_hits_are_sync_and_leave_the_last_block_to_vllm():
     put_cpu(p, KEYS[3:4])
     assert lookup(p, "whole", tokens=exact) == (4 * CT - BS, False)
     index.add(KEYS[3])
-    p.cpu.remove(KEYS[3])
+    cpu(p).remove(KEYS[3])
     assert lookup(p) == (4 * CT, True)  # one chunk from S3: the whole load is async
 
 
 def test_load_plan_per_tier_skips_local_blocks_and_pins_sources():
     p, index = planner(cpu_slots=4, disk_bytes=10 * disk_estimate(SHARD))
     put_cpu(p, KEYS[:1])
-    p.disk.insert_ready(KEYS[1], 900)
+    disk(p).insert_ready(KEYS[1], 900)
     index.update(KEYS[1:3])
     local = BS  # half of the first chunk is held locally
     n, is_async = lookup(p, computed=local)
@@ -84,15 +165,22 @@ def test_load_plan_per_tier_skips_local_blocks_and_pins_sources():
     assert p.hit_sources("r") == {Tier.CPU: CT - BS, Tier.DISK: CT, Tier.S3: CT}
     (load,) = p.plan_step([]).loads
     c0, c1, c2 = load.chunks
-    assert (c0.sources, c0.block_ids, c0.first_block, c0.write_ids) == ((Tier.CPU,), (100, 101), 1, (101,))
-    assert c0.cpu_slot == p.cpu.get(KEYS[0]).slot and c0.promote_slot is None
-    assert c1.sources == (Tier.DISK, Tier.S3) and c1.promote_slot is not None and not c1.promote_disk
-    assert c2.sources == (Tier.S3,) and c2.promote_slot is not None and c2.promote_disk
+    assert (tiers_of(c0.sources), c0.block_ids, c0.first_block, c0.write_ids) == (
+        (Tier.CPU,),
+        (100, 101),
+        1,
+        (101,),
+    )
+    assert c0.sources[0].slot == cpu(p).get(KEYS[0]).slot and c0.promote == ()
+    assert tiers_of(c1.sources) == (Tier.DISK, Tier.S3) and cpu_slot(c1.promote) is not None
+    assert tiers_of(c1.promote) == (Tier.CPU,)  # not to the disk it came from
+    assert tiers_of(c2.sources) == (Tier.S3,) and cpu_slot(c2.promote) is not None
+    assert tiers_of(c2.promote) == (Tier.CPU, Tier.DISK)
     assert not load.sync
     # What the load reads cannot be evicted until vLLM reports it done.
-    assert p.cpu.get(KEYS[0]).pins == 1 and p.disk.get(KEYS[1]).pins == 1
+    assert cpu(p).get(KEYS[0]).pins == 1 and disk(p).get(KEYS[1]).pins == 1
     p.on_recved(["r"])
-    assert p.cpu.get(KEYS[0]).pins == 0 and p.disk.get(KEYS[1]).pins == 0
+    assert cpu(p).get(KEYS[0]).pins == 0 and disk(p).get(KEYS[1]).pins == 0
     assert p.plan_step([]).loads == []  # handed out once
 
 
@@ -102,11 +190,11 @@ def test_sync_load_pins_until_every_rank_copied():
     n, is_async = lookup(p)
     p.on_alloc("r", list(range(10)), n)
     plan = p.plan_step([sched("other", 0, 0, [])])
-    assert plan.loads[0].sync and p.cpu.get(KEYS[0]).pins == 1
-    p.on_sync_loaded({"r": 1})
-    assert p.cpu.get(KEYS[0]).pins == 1  # one rank may still copy from the slot
-    p.on_sync_loaded({"r": 1})
-    assert p.cpu.get(KEYS[0]).pins == 0
+    assert plan.loads[0].sync and cpu(p).get(KEYS[0]).pins == 1
+    on_sync_loaded(p, {"r": 1})
+    assert cpu(p).get(KEYS[0]).pins == 1  # one rank may still copy from the slot
+    on_sync_loaded(p, {"r": 1})
+    assert cpu(p).get(KEYS[0]).pins == 0
 
 
 def test_stores_go_to_every_tier_that_lacks_them_once():
@@ -116,7 +204,8 @@ def test_stores_go_to_every_tier_that_lacks_them_once():
     lookup(p, "b")
     s1 = p.plan_step([sched("a", 0, 100, blocks)])
     (st,) = s1.stores
-    assert st.key == KEYS[0] and st.block_ids == (0, 1) and st.cpu_slot is not None and st.disk and st.s3
+    assert st.key == KEYS[0] and st.block_ids == (0, 1) and cpu_slot(st.targets) is not None
+    assert tiers_of(st.targets) == (Tier.CPU, Tier.DISK, Tier.S3)
     s2 = p.plan_step([sched("a", 100, 200, blocks), sched("b", 0, 300, list(range(20, 30)))])
     assert [s.key for s in s2.stores] == KEYS[1:4]  # b shares a's prefix: planned once
     assert p.plan_step([sched("a", 300, 1, blocks)]).stores == []
@@ -126,7 +215,7 @@ def test_stores_go_to_every_tier_that_lacks_them_once():
     index2.add(KEYS[0])
     lookup(p2, "c", computed=0)
     (only,) = p2.plan_step([sched("c", 0, 64, blocks)]).stores
-    assert (only.cpu_slot, only.disk, only.s3) == (None, True, False)
+    assert only.targets == (Place(Tier.DISK),)
 
 
 def test_chunk_is_stored_only_when_every_rank_reports():
@@ -136,25 +225,25 @@ def test_chunk_is_stored_only_when_every_rank_reports():
     assert [s.key for s in plan.stores] == KEYS
     k = KEYS[1]
     for tier in Tier:
-        p.on_written(tier, {k: 1}, {k: 500} if tier is Tier.DISK else None)
-    assert k not in p.cpu and k not in p.disk and k not in index  # one of two ranks
+        on_written(p, tier, {k: 1}, {k: 500} if tier is Tier.DISK else None)
+    assert k not in cpu(p) and k not in disk(p) and k not in index  # one of two ranks
     for tier in Tier:
-        p.on_written(tier, {k: 1}, {k: 600} if tier is Tier.DISK else None)
-    assert k in p.cpu and k in p.disk and k in index
-    assert p.disk.get(k).size == 1100  # the real size replaces the reservation
-    assert p.cpu.get(k).pins == 1  # the write-through still reads the slot
-    p.on_released({k: 2})
-    assert p.cpu.get(k).pins == 0
+        on_written(p, tier, {k: 1}, {k: 600} if tier is Tier.DISK else None)
+    assert k in cpu(p) and k in disk(p) and k in index
+    assert disk(p).get(k).size == 1100  # the real size replaces the reservation
+    assert cpu(p).get(k).pins == 1  # the write-through still reads the slot
+    on_released(p, {k: 2})
+    assert cpu(p).get(k).pins == 0
     # One rank failed its write: undone only once the other rank is done too.
     k2 = KEYS[2]
-    p.on_write_failed(Tier.DISK, {k2: 1})
-    p.on_write_failed(Tier.CPU, {k2: 1})
-    assert p.disk.has(k2) and p.cpu.has(k2) and p.take_disk_evictions() == []
-    p.on_written(Tier.DISK, {k2: 1}, {k2: 500})
-    p.on_written(Tier.CPU, {k2: 1})
-    assert not p.disk.has(k2) and not p.cpu.has(k2)
-    assert p.take_disk_evictions() == [k2]  # the file the other rank wrote goes too
-    p.on_missing(Tier.S3, [k])
+    on_write_failed(p, Tier.DISK, {k2: 1})
+    on_write_failed(p, Tier.CPU, {k2: 1})
+    assert disk(p).has(k2) and cpu(p).has(k2) and nvme(p).take_evictions() == []
+    on_written(p, Tier.DISK, {k2: 1}, {k2: 500})
+    on_written(p, Tier.CPU, {k2: 1})
+    assert not disk(p).has(k2) and not cpu(p).has(k2)
+    assert nvme(p).take_evictions() == [k2]  # the file the other rank wrote goes too
+    on_missing(p, Tier.S3, [k])
     assert k not in index
 
 
@@ -164,17 +253,17 @@ def test_lru_eviction_hands_disk_files_over_and_never_rewrites_while_deleting():
     lookup(p, "a")
     plan = p.plan_step([sched("a", 0, 2 * CT, list(range(10)))])
     for s in plan.stores:
-        p.on_written(Tier.DISK, {s.key: 1}, {s.key: est})
+        on_written(p, Tier.DISK, {s.key: 1}, {s.key: est})
     plan = p.plan_step([sched("a", 2 * CT, 2 * CT, list(range(10)))])
     assert [s.key for s in plan.stores] == KEYS[2:4]
-    assert p.take_disk_evictions() == KEYS[:2]  # oldest first
+    assert nvme(p).take_evictions() == KEYS[:2]  # oldest first
     assert p.counters.totals()["evict_chunks_disk"] == 2
     lookup(p, "b")
     assert all(s.key not in KEYS[:2] for s in p.plan_step([sched("b", 0, 300, list(range(10)))]).stores)
-    p.on_deleted(KEYS[:2])
+    nvme(p).on_deleted(KEYS[:2])
     lookup(p, "c")
     assert [s.key for s in p.plan_step([sched("c", 0, 300, list(range(10)))]).stores] == []  # full, pending
-    assert p.disk.used <= p.disk.capacity
+    assert disk(p).used <= disk(p).capacity
 
 
 def test_cpu_slots_are_reused_lru_but_never_while_pinned():
@@ -186,7 +275,7 @@ def test_cpu_slots_are_reused_lru_but_never_while_pinned():
     plan = p.plan_step([sched("w", 2 * CT, 2 * CT, list(range(10)))])
     assert plan.stores == []  # nothing could be evicted in this step
     assert p.counters.totals()["store_dropped_no_slot"] == 2
-    p.on_sync_loaded({"reader": 1})  # the copies are done: the next new chunks evict LRU
+    on_sync_loaded(p, {"reader": 1})  # the copies are done: the next new chunks evict LRU
     lookup(p, "w2", tokens=PROMPT)
     plan = p.plan_step([sched("w2", 2 * CT, 2 * CT, list(range(10)))])
     assert len(plan.stores) == 2 and p.counters.totals()["evict_chunks_cpu"] == 2
@@ -223,7 +312,7 @@ def test_failed_or_stale_stores_are_planned_again():
     for r in "abc":
         lookup(p, r)
     assert len(p.plan_step([sched("a", 0, 300, list(range(10)))]).stores) == 4
-    p.on_write_failed(Tier.S3, {KEYS[0]: 1})
+    on_write_failed(p, Tier.S3, {KEYS[0]: 1})
     assert [s.key for s in p.plan_step([sched("b", 0, 300, list(range(10)))]).stores] == [KEYS[0]]
     now[0] = 1000.0  # never reported: retried after store_retry_s
     assert len(p.plan_step([sched("c", 0, 300, list(range(10)))]).stores) == 4
@@ -241,7 +330,7 @@ def test_failed_request_gets_no_more_hits():
     p, index = planner()
     index.update(KEYS)
     assert lookup(p) == (4 * CT, True)
-    p.on_load_results({"r"})
+    on_load_results(p, {"r"})
     assert lookup(p) == (0, False)  # vLLM asks again after a failure
     assert lookup(p, "other") == (4 * CT, True)
 
@@ -251,24 +340,26 @@ def test_unreachable_s3_pauses_s3_hits_and_writes_with_growing_backoff():
     p, index = planner(clock=lambda: now[0], cpu_slots=4)
     index.update(KEYS)
     put_cpu(p, KEYS[:1])
-    p.on_load_results(set(), failed={Tier.S3: 1})
-    assert p.paused and lookup(p, "a") == (CT, False)  # the CPU tier still serves
+    on_load_results(p, set(), failed={Tier.S3: 1})
+    assert s3(p).paused and lookup(p, "a") == (CT, False)  # the CPU tier still serves
     lookup(p, "w")
-    assert all(not s.s3 for s in p.plan_step([sched("w", 0, 300, list(range(10)))]).stores)
+    assert all(
+        not goes_to(s.targets, Tier.S3) for s in p.plan_step([sched("w", 0, 300, list(range(10)))]).stores
+    )
     now[0] = 5.1
     assert lookup(p, "b") == (4 * CT, True)
-    p.on_load_results(set(), failed={Tier.S3: 1})  # still down: 10 s now
+    on_load_results(p, set(), failed={Tier.S3: 1})  # still down: 10 s now
     now[0] = 14.0
-    assert p.paused
+    assert s3(p).paused
     now[0] = 15.2
-    assert not p.paused
-    p.on_load_results(set(), ok={Tier.S3: 3})  # back: next pause is short again
-    p.on_load_results(set(), failed={Tier.S3: 1})
+    assert not s3(p).paused
+    on_load_results(p, set(), ok={Tier.S3: 3})  # back: next pause is short again
+    on_load_results(p, set(), failed={Tier.S3: 1})
     now[0] = 20.3
-    assert not p.paused
-    p.s3_down = True  # unreachable since start-up: paused until the caller says otherwise
+    assert not s3(p).paused
+    s3(p).down = True  # unreachable since start-up: paused until the caller says otherwise
     now[0] = 1e6
-    assert p.paused
+    assert s3(p).paused
 
 
 def test_hits_from_other_tiers_never_close_the_s3_breaker():
@@ -276,24 +367,24 @@ def test_hits_from_other_tiers_never_close_the_s3_breaker():
     p, index = planner(clock=lambda: now[0], cpu_slots=4)
     index.update(KEYS)
     put_cpu(p, KEYS[:1])
-    p.on_load_results(set(), failed={Tier.S3: 1})  # open for 5 s, then 10 s
+    on_load_results(p, set(), failed={Tier.S3: 1})  # open for 5 s, then 10 s
     for t in range(1, 5):
         now[0] = t
         assert lookup(p, f"cpu{t}") == (CT, False)
-        p.on_load_results(set(), ok={Tier.CPU: 1, Tier.DISK: 2})
-        assert p.paused
+        on_load_results(p, set(), ok={Tier.CPU: 1, Tier.DISK: 2})
+        assert s3(p).paused
     now[0] = 5.5
-    p.on_load_results(set(), ok={Tier.CPU: 1})
+    on_load_results(p, set(), ok={Tier.CPU: 1})
     assert lookup(p, "probe") == (4 * CT, True)  # the one probe
-    assert p.paused and lookup(p, "another") == (CT, False)  # half-open: nobody else
+    assert s3(p).paused and lookup(p, "another") == (CT, False)  # half-open: nobody else
     assert lookup(p, "probe") == (4 * CT, True)  # the probe itself, asked again
-    p.on_load_results(set(), failed={Tier.S3: 1})  # the probe failed: 10 s
+    on_load_results(p, set(), failed={Tier.S3: 1})  # the probe failed: 10 s
     now[0] = 15.0
-    assert p.paused
+    assert s3(p).paused
     now[0] = 15.6
     assert lookup(p, "probe2") == (4 * CT, True)
-    p.on_load_results(set(), ok={Tier.S3: 1})
-    assert not p.paused and lookup(p, "after") == (4 * CT, True)
+    on_load_results(p, set(), ok={Tier.S3: 1})
+    assert not s3(p).paused and lookup(p, "after") == (4 * CT, True)
     assert p.counters.totals()["breaker_trips_s3"] == 2
 
 
@@ -301,7 +392,7 @@ def test_a_probe_that_never_answers_reopens_the_breaker():
     now = [0.0]
     p, index = planner(clock=lambda: now[0], probe_timeout_s=30.0)
     index.update(KEYS)
-    p.on_load_results(set(), failed={Tier.S3: 1})
+    on_load_results(p, set(), failed={Tier.S3: 1})
     now[0] = 6.0
     assert lookup(p, "probe") == (4 * CT, True)
     assert lookup(p, "other") == (0, False)
@@ -314,15 +405,19 @@ def test_a_probe_that_never_answers_reopens_the_breaker():
 def test_a_store_can_be_the_s3_probe():
     now = [0.0]
     p, _ = planner(clock=lambda: now[0])
-    p.on_load_results(set(), failed={Tier.S3: 1})
+    on_load_results(p, set(), failed={Tier.S3: 1})
     now[0] = 6.0
     lookup(p, "w")
     stores = p.plan_step([sched("w", 0, 300, list(range(10)))]).stores
-    assert [s.s3 for s in stores] == [True]  # one probe, not a flood (the other 3 have no tier)
-    p.on_written(Tier.S3, {stores[0].key: 1})
-    p.on_load_results(set(), ok={Tier.S3: 1})
+    assert [goes_to(s.targets, Tier.S3) for s in stores] == [
+        True
+    ]  # one probe, not a flood (the other 3 have no tier)
+    on_written(p, Tier.S3, {stores[0].key: 1})
+    on_load_results(p, set(), ok={Tier.S3: 1})
     lookup(p, "w2", tokens=list(range(500, 800)))
-    assert all(s.s3 for s in p.plan_step([sched("w2", 0, 300, list(range(10, 20)))]).stores)
+    assert all(
+        goes_to(s.targets, Tier.S3) for s in p.plan_step([sched("w2", 0, 300, list(range(10, 20)))]).stores
+    )
 
 
 def half_open_s3(**kw):
@@ -330,7 +425,7 @@ def half_open_s3(**kw):
     now = [0.0]
     p, index = planner(clock=lambda: now[0], **kw)
     index.update(KEYS)
-    p.on_load_results(set(), failed={Tier.S3: 1})
+    on_load_results(p, set(), failed={Tier.S3: 1})
     now[0] = 6.0
     return p, index, now
 
@@ -338,7 +433,7 @@ def half_open_s3(**kw):
 def test_a_probe_whose_s3_part_vllm_trimmed_gives_the_slot_back():
     p, _, _ = half_open_s3(disk_bytes=100 * disk_estimate(SHARD))
     for k in KEYS[:2]:
-        p.disk.insert_ready(k, 100)
+        disk(p).insert_ready(k, 100)
     assert lookup(p, "a") == (4 * CT, True)  # the S3 probe
     assert lookup(p, "b") == (2 * CT, True)  # the disk only: S3 has its probe
     p.on_alloc("a", list(range(10)), 2 * CT)  # vLLM loads only the disk's part
@@ -358,7 +453,7 @@ def test_a_load_over_without_news_for_the_tier_gives_the_probe_slot_back():
     p, _, _ = half_open_s3()
     assert lookup(p, "a") == (4 * CT, True)
     p.on_alloc("a", list(range(10)), 4 * CT)
-    p.on_load_results({"a"})  # it failed, not for S3's sake (a chunk refused, given up)
+    on_load_results(p, {"a"})  # it failed, not for S3's sake (a chunk refused, given up)
     assert lookup(p, "b") == (0, False)
     p.on_recved(["a"])
     assert lookup(p, "b") == (4 * CT, True)
@@ -367,9 +462,11 @@ def test_a_load_over_without_news_for_the_tier_gives_the_probe_slot_back():
 def test_a_store_that_failed_gives_its_probe_slot_back():
     p, index, _ = half_open_s3()
     lookup(p, "w", tokens=list(range(500, 800)))
-    (store,) = [s for s in p.plan_step([sched("w", 0, 300, list(range(10)))]).stores if s.s3]
+    (store,) = [
+        s for s in p.plan_step([sched("w", 0, 300, list(range(10)))]).stores if goes_to(s.targets, Tier.S3)
+    ]
     assert lookup(p, "r") == (0, False)  # the store is the probe
-    p.on_write_failed(Tier.S3, {store.key: 1})  # dropped (the byte budget): S3 said nothing
+    on_write_failed(p, Tier.S3, {store.key: 1})  # dropped (the byte budget): S3 said nothing
     assert lookup(p, "r") == (4 * CT, True)
 
 
@@ -378,10 +475,10 @@ def test_failures_while_open_count_one_trip():
     p, index = planner(clock=lambda: now[0])
     for t in (0.0, 1.0, 2.0):  # loads in flight when it opened fail one by one
         now[0] = t
-        p.on_load_results(set(), failed={Tier.S3: 2})
+        on_load_results(p, set(), failed={Tier.S3: 2})
     assert p.counters.totals()["breaker_trips_s3"] == 1
     now[0] = 5.1  # and the backoff is still the first one
-    assert not p.paused
+    assert not s3(p).paused
 
 
 def test_a_412_on_a_bad_key_is_not_stored_again_for_a_while():
@@ -391,12 +488,12 @@ def test_a_412_on_a_bad_key_is_not_stored_again_for_a_while():
     for bad_outcome in ("existing", "failed"):
         lookup(p, "w")
         stores = p.plan_step([sched("w", 0, 300, list(range(10)))]).stores
-        assert [s.key for s in stores if s.s3][:1] == [KEYS[0]]
+        assert [s.key for s in stores if goes_to(s.targets, Tier.S3)][:1] == [KEYS[0]]
         if bad_outcome == "existing":  # the 412 found the bad object: not published
-            p.on_existing([KEYS[0]])
-            p.on_written(Tier.S3, {s.key: 1 for s in stores})
+            on_existing(p, [KEYS[0]])
+            on_written(p, Tier.S3, {s.key: 1 for s in stores})
         else:  # a store that found it in the way and could not verify it
-            p.on_write_failed(Tier.S3, {KEYS[0]: 1})
+            on_write_failed(p, Tier.S3, {KEYS[0]: 1})
         assert KEYS[0] not in index and all(k in index for k in KEYS[1:4])
         for step in range(3):  # not every step
             lookup(p, f"again{step}")
@@ -415,18 +512,18 @@ def test_a_failing_disk_pauses_only_the_disk():
     p, index = planner(clock=lambda: now[0], disk_bytes=100 * disk_estimate(SHARD))
     index.update(KEYS)
     for k in KEYS[:2]:
-        p.disk.insert_ready(k, 100)
+        disk(p).insert_ready(k, 100)
     assert lookup(p, "a") == (4 * CT, True)
     p.on_alloc("a", list(range(10)), 4 * CT)
     assert p.hit_sources("a") == {Tier.DISK: 2 * CT, Tier.S3: 2 * CT}
-    p.on_load_results(set(), ok={Tier.S3: 2}, failed={Tier.DISK: 1})
+    on_load_results(p, set(), ok={Tier.S3: 2}, failed={Tier.DISK: 1})
     assert lookup(p, "b") == (4 * CT, True)
     p.on_alloc("b", list(range(10, 20)), 4 * CT)
     assert p.hit_sources("b") == {Tier.S3: 4 * CT}
-    assert not p.paused  # S3 goes on
+    assert not s3(p).paused  # S3 goes on
     lookup(p, "w", tokens=list(range(500, 800)))
     stores = p.plan_step([sched("w", 0, 300, list(range(10)))]).stores
-    assert stores and all(s.s3 and not s.disk for s in stores)
+    assert stores and all(tiers_of(s.targets) == (Tier.S3,) for s in stores)
     assert p.counters.totals()["breaker_trips_disk"] == 1 and "breaker_trips_s3" not in p.counters.totals()
 
 
@@ -435,10 +532,10 @@ def test_disk_full_shrinks_the_capacity_to_what_is_held():
     p, _ = planner(disk_bytes=10 * est, s3=False)
     lookup(p, "a")
     plan = p.plan_step([sched("a", 0, 300, list(range(10)))])
-    p.on_written(Tier.DISK, {plan.stores[0].key: 1}, {plan.stores[0].key: est})
-    p.on_write_failed(Tier.DISK, {s.key: 1 for s in plan.stores[1:]})
-    p.on_disk_full()
-    assert p.disk.capacity == est
+    on_written(p, Tier.DISK, {plan.stores[0].key: 1}, {plan.stores[0].key: est})
+    on_write_failed(p, Tier.DISK, {s.key: 1 for s in plan.stores[1:]})
+    on_disk_full(p)
+    assert disk(p).capacity == est
 
 
 def test_abort_during_an_async_load_stores_nothing_and_holds_nothing():
@@ -472,8 +569,8 @@ def test_promotions_never_evict_a_later_chunk_of_the_same_hit():
     p.on_alloc("r", list(range(10)), n)
     (load,) = p.plan_step([]).loads
     c0, c1 = load.chunks
-    assert c1.sources == (Tier.CPU,) and c1.cpu_slot is not None  # still there, pinned
-    assert c0.promote_slot is not None and c0.promote_slot != c1.cpu_slot
+    assert tiers_of(c1.sources) == (Tier.CPU,) and c1.sources[0].slot is not None  # still there, pinned
+    assert cpu_slot(c0.promote) is not None and cpu_slot(c0.promote) != c1.sources[0].slot
 
 
 def test_a_hit_vllm_trims_stays_as_asynchronous_as_announced():
@@ -484,7 +581,7 @@ def test_a_hit_vllm_trims_stays_as_asynchronous_as_announced():
     assert (n, is_async) == (2 * CT, True)
     p.on_alloc("r", list(range(10)), CT)  # vLLM took only the CPU chunk
     (load,) = p.plan_step([]).loads
-    assert not load.sync and [c.sources for c in load.chunks] == [(Tier.CPU,)]
+    assert not load.sync and [tiers_of(c.sources) for c in load.chunks] == [(Tier.CPU,)]
 
 
 def test_tier_changes_become_events_with_tokens_and_parent():
@@ -492,10 +589,12 @@ def test_tier_changes_become_events_with_tokens_and_parent():
     lookup(p, "a")
     plan = p.plan_step([sched("a", 0, 2 * CT, list(range(10)))])
     k0, k1 = KEYS[0], KEYS[1]
-    assert [s.key for s in plan.stores] == [k0, k1] and plan.stores[1].cpu_slot is None  # one slot
+    assert [s.key for s in plan.stores] == [k0, k1] and not goes_to(
+        plan.stores[1].targets, Tier.CPU
+    )  # one slot
     for tier in Tier:
-        p.on_written(tier, {k0: 1}, {k0: 900} if tier is Tier.DISK else None)
-    p.on_written(Tier.S3, {k1: 1})
+        on_written(p, tier, {k0: 1}, {k0: 900} if tier is Tier.DISK else None)
+    on_written(p, Tier.S3, {k1: 1})
     events = p.take_events()
     assert [(e.stored, e.tier) for e in events] == [
         (True, Tier.CPU),
@@ -507,10 +606,10 @@ def test_tier_changes_become_events_with_tokens_and_parent():
     assert first.key == k0 and first.parent is None and first.token_ids == tuple(PROMPT[:CT])
     assert last.key == k1 and last.parent == k0 and last.token_ids == tuple(PROMPT[CT : 2 * CT])
     # The CPU slot goes to the next chunk (k0 is released): k0 leaves the CPU tier.
-    p.on_released({k0: 1})
+    on_released(p, {k0: 1})
     lookup(p, "b")
     p.plan_step([sched("b", 2 * CT, CT, list(range(10)))])
-    p.on_missing(Tier.DISK, [k0])
+    on_missing(p, Tier.DISK, [k0])
     assert [(e.stored, e.tier, e.key) for e in p.take_events()] == [
         (False, Tier.CPU, k0),
         (False, Tier.DISK, k0),
@@ -519,23 +618,23 @@ def test_tier_changes_become_events_with_tokens_and_parent():
     quiet, _ = planner(cpu_slots=1)
     lookup(quiet, "a")
     quiet.plan_step([sched("a", 0, CT, list(range(10)))])
-    quiet.on_written(Tier.S3, {k0: 1})
+    on_written(quiet, Tier.S3, {k0: 1})
     assert quiet.take_events() == []  # off unless vLLM's KV events are on
 
 
 def test_prefix_ids_key_a_known_prefix_without_hashing(monkeypatch):
     """vLLM's block hashes name prefixes: a second request with a known
     prefix takes its chunk keys from the memo, and only hashes the rest."""
-    import s3kv.tiering.planner as planner_mod
+    import s3kv.tiering.keychain as keychain_mod
 
     p, _ = planner()
     shared, tail_a, tail_b = list(range(3 * CT)), [7] * CT, [9] * CT
     a, b = shared + tail_a, shared + tail_b
     ids = {"a": [("s", 0), ("s", 1), ("s", 2), ("a", 3)], "b": [("s", 0), ("s", 1), ("s", 2), ("b", 3)]}
     hashed: list[int] = []
-    real = planner_mod.chain_keys
+    real = keychain_mod.chain_keys
     monkeypatch.setattr(
-        planner_mod,
+        keychain_mod,
         "chain_keys",
         lambda ns, toks, *a, **k: hashed.append(len(toks)) or real(ns, toks, *a, **k),
     )
@@ -604,11 +703,11 @@ def test_the_ranks_publish_their_own_stores_the_scheduler_only_412s():
     lookup(p, "a")
     stores = p.plan_step([sched("a", 0, 3 * CT, list(range(10)))]).stores
     k0, k1, k2 = (s.key for s in stores)
-    p.on_written(Tier.S3, {k0: 1})  # created by this replica's rank
-    p.on_existing([k1])
-    p.on_written(Tier.S3, {k1: 1})  # found there
+    on_written(p, Tier.S3, {k0: 1})  # created by this replica's rank
+    on_existing(p, [k1])
+    on_written(p, Tier.S3, {k1: 1})  # found there
     index.bad.add(fingerprints([k2])[0].item())
-    p.on_existing([k2])
-    p.on_written(Tier.S3, {k2: 1})  # found there, but reported bad
+    on_existing(p, [k2])
+    on_written(p, Tier.S3, {k2: 1})  # found there, but reported bad
     assert k0 in index and k1 in index and k2 not in index
     assert journal.published == [fingerprints([k1])[0].item()]

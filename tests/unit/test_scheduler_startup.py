@@ -14,6 +14,7 @@ import pytest
 from s3kv.config import parse_config
 from s3kv.errors import ConfigError
 from s3kv.identity import ModelSource, resolve_identity
+from s3kv.tiering.placement import Tier
 
 pytest.importorskip("vllm")
 
@@ -106,8 +107,11 @@ def test_local_only_needs_no_bucket_and_rebuilds_its_disk_index(tmp_path):
     try:
         assert s.namespace == namespace
         assert s.index is None and s._store is None  # S3 untouched
-        assert key in s.planner.disk and s.planner.disk.used == 1000
-        assert s.planner.cpu.capacity == (1 << 20) // (256 // 32 * (16 << 10))  # 8 blocks a chunk
+        disk = s.planner.tier(Tier.DISK).index
+        assert key in disk and disk.used == 1000
+        assert s.planner.tier(Tier.CPU).index.capacity == (1 << 20) // (
+            256 // 32 * (16 << 10)
+        )  # 8 blocks a chunk
     finally:
         s.shutdown()
 
@@ -117,7 +121,7 @@ def test_unwritable_disk_path_turns_the_tier_off_with_a_warning(tmp_path, caplog
     (tmp_path / "a-file").write_text("")
     s = side(write_policy="local_only", disk_path=str(tmp_path / "a-file" / "kv"), cpu_bytes="1MiB")
     try:
-        assert s.planner.disk is None
+        assert s.planner.tier(Tier.DISK) is None
         assert "is not writable" in caplog.text
     finally:
         s.shutdown()

@@ -16,7 +16,7 @@ from s3kv.tiering import disk as disk_mod
 from s3kv.tiering.chunks import PageFormat, plan_ranges
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.planner import LoadChunk
+from s3kv.tiering.plan import LoadChunk
 from s3kv.tiering.transfer import EngineSettings, StoreJob, TransferEngine
 
 LAYERS = 4

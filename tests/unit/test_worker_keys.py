@@ -23,7 +23,7 @@ from s3kv.connector.scheduler import SchedulerSide  # noqa: E402
 from s3kv.connector.worker import WorkerSide  # noqa: E402
 from s3kv.identity import ModelSource  # noqa: E402
 from s3kv.tiering.placement import Tier  # noqa: E402
-from s3kv.tiering.planner import LoadChunk, LoadPlan, StoreChunk  # noqa: E402
+from s3kv.tiering.plan import LoadChunk, LoadPlan, StoreChunk  # noqa: E402
 
 SECRET = "s3kv-worker-key-test-0123456789abcdef"
 OTHER = "s3kv-worker-key-test-fedcba9876543210"

@@ -1,0 +1,94 @@
+"""Chunk keys of requests, remembered by prefix so that a prefix this engine
+keyed once (a shared system prompt, a chat's next turn) is not hashed again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from s3kv.keys import Namespace, chain_keys
+from s3kv.manifest.keyset import fingerprints
+
+ExtrasFn = Callable[[int, int], Any]
+"""extras(start_token, end_token) -> the extra keys of that chunk, or None."""
+PrefixIds = Callable[[int], Hashable | None]
+"""prefix_ids(chunk) -> an id, local to this engine, of every token and extra
+key up to the end of that chunk (vLLM's block hash of its last block), or
+None. Equal ids mean equal chunk keys, so a prefix this engine has keyed
+once is not hashed again."""
+MEMO_SIZE = 1 << 16
+"""Chunk keys remembered by prefix id (~200 bytes each)."""
+
+
+class Keyed(Protocol):
+    """What a request's chain is made from, and where it is kept."""
+
+    token_ids: Sequence[int]
+    extras: ExtrasFn | None
+    prefix_ids: PrefixIds | None
+    keys: list[bytes]
+    fps: np.ndarray
+    """Fingerprints of ``keys``, for the manifest's vectorised lookup."""
+
+
+class ChainKeys:
+    """The chain keys of requests' chunks, hashed once per prefix per engine."""
+
+    def __init__(self, namespace: Namespace, chunk_tokens: int) -> None:
+        self.namespace = namespace
+        self.chunk_tokens = chunk_tokens
+        self._memo: dict[Hashable, tuple[list[bytes], np.ndarray]] = {}
+        """Prefix id of chunk c -> a chain whose first c + 1 keys (and
+        fingerprints) are that prefix's."""
+
+    def clear(self) -> None:
+        """Forget every prefix (the next request of each is hashed)."""
+        self._memo.clear()
+
+    def extend(self, req: Keyed, n_chunks: int) -> list[bytes]:
+        """``req.keys`` (and ``req.fps``) grown to at least ``n_chunks`` keys."""
+        have = len(req.keys)
+        if have < n_chunks and req.prefix_ids is not None:
+            # A prefix keyed before: no hashing. The memo points into the
+            # chains of earlier requests (lists that only grow); the longest
+            # known prefix is found by bisection.
+            memo, ids = self._memo, req.prefix_ids
+            lo, hi, found = have - 1, n_chunks, None
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                pid = ids(mid)
+                entry = memo.get(pid) if pid is not None else None
+                if entry is None:
+                    hi = mid
+                else:
+                    lo, found = mid, entry
+            if found is not None:
+                chain, fps = found
+                req.keys += chain[have : lo + 1]
+                req.fps = fps[: lo + 1]
+                have = lo + 1
+        if have < n_chunks:
+            ct = self.chunk_tokens
+            extras = None
+            if req.extras is not None:
+                extras = [req.extras(i * ct, (i + 1) * ct) for i in range(have, n_chunks)]
+            new = chain_keys(
+                self.namespace,
+                req.token_ids[have * ct : n_chunks * ct],
+                ct,
+                extras,
+                parent=req.keys[-1] if req.keys else None,
+                start_chunk=have,
+            )
+            req.keys += new
+            req.fps = np.concatenate([req.fps, fingerprints(new)])
+            if req.prefix_ids is not None:
+                for c in range(have, n_chunks):
+                    pid = req.prefix_ids(c)
+                    if pid is not None:
+                        self._memo[pid] = (req.keys, req.fps)
+                if len(self._memo) > MEMO_SIZE:  # start over rather than keep an LRU order per chunk
+                    self._memo.clear()
+        return req.keys

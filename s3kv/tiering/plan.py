@@ -1,0 +1,160 @@
+"""What the scheduler side and the workers say to each other, free of vLLM.
+
+The scheduler side decides (one :class:`StepPlan` per step, the same for
+every TP rank); each worker executes the plan over its tier handlers and
+answers with a :class:`TierReport`, which vLLM sums over ranks
+(:meth:`TierReport.aggregate`) before the scheduler side hears it. Both sides
+import this module and nothing else of each other; ``s3kv/connector/`` wraps
+these in vLLM's metadata classes.
+
+A chunk's place in a tier is a :class:`Place`: the tier, and the slot the
+scheduler side chose in it for tiers that have slots (the CPU pool). Plans
+name tiers only through places, so a new tier needs no new field here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from s3kv.stats import merge
+from s3kv.tiering.placement import Tier
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a chunk is, or goes, in one tier."""
+
+    tier: Tier
+    slot: int | None = None
+    """The slot in the tier, for tiers that have slots (the CPU pool)."""
+
+
+@dataclass(frozen=True)
+class LoadChunk:
+    key: bytes
+    block_ids: tuple[int, ...]
+    """Block ids of the whole chunk, in order."""
+    first_block: int
+    """Pages before this index are already valid locally and are not written."""
+    last_block: int
+    """Pages from this index on are computed by vLLM and are not written."""
+    sources: tuple[Place, ...]
+    """Places to read from, in order: a later one is tried when an earlier one
+    does not have the chunk (a file lost or corrupt)."""
+    promote: tuple[Place, ...] = ()
+    """Also write the loaded chunk here (nearer tiers), once it is checked."""
+
+    @property
+    def write_ids(self) -> tuple[int, ...]:
+        return self.block_ids[self.first_block : self.last_block]
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    req_id: str
+    chunks: tuple[LoadChunk, ...]
+    sync: bool
+    """Copied from the CPU tier during this step's forward, layer by layer;
+    otherwise loaded in the background while the request waits."""
+
+
+@dataclass(frozen=True)
+class StoreChunk:
+    key: bytes
+    block_ids: tuple[int, ...]
+    targets: tuple[Place, ...]
+    """Where to write the chunk, nearest first. A CPU place gets the pages
+    copied into its slot (the farther writes then read from it); without
+    one the pages go to a private buffer."""
+
+
+@dataclass(frozen=True)
+class TierEvent:
+    """A chunk entered (``stored``) or left a tier: vLLM KV events for routers."""
+
+    stored: bool
+    tier: Tier
+    key: bytes
+    parent: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class StepPlan:
+    loads: list[LoadPlan] = field(default_factory=list)
+    stores: list[StoreChunk] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    """Finished requests whose blocks vLLM keeps until this step's copies are done."""
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    req_id: str
+    num_computed_tokens: int
+    """Tokens computed before this step."""
+    num_scheduled_tokens: int
+    block_ids: Callable[[], Sequence[int]]
+    """The request's block ids (called only when a store is planned)."""
+
+
+@dataclass
+class TierReport:
+    """Workers -> scheduler side: what the transfers since the last report
+    did, counted in ranks (one rank's report counts 1 per key; vLLM sums the
+    ranks' reports with :meth:`aggregate`)."""
+
+    written: dict[tuple[Tier, bytes], int] = field(default_factory=dict)
+    """(tier, key) -> ranks that now hold their shard of key in that tier."""
+    disk_sizes: dict[bytes, int] = field(default_factory=dict)
+    """Key -> bytes of the NVMe files written, summed over ranks."""
+    failed: dict[tuple[Tier, bytes], int] = field(default_factory=dict)
+    """(tier, key) -> ranks whose write (store, promotion) was dropped or failed."""
+    missing: set[tuple[Tier, bytes]] = field(default_factory=set)
+    """Keys a tier turned out not to hold (absent or corrupt): forget them there."""
+    released: dict[bytes, int] = field(default_factory=dict)
+    """Store key -> ranks that no longer read its CPU slot."""
+    sync_loaded: dict[str, int] = field(default_factory=dict)
+    """Request -> ranks that finished its synchronous load (its CPU slots may go)."""
+    load_failed: set[str] = field(default_factory=set)
+    """Requests whose load failed in part: offer them no more hits."""
+    tier_ok: dict[Tier, int] = field(default_factory=dict)
+    """Tier -> transfers it served (for its breaker)."""
+    tier_failed: dict[Tier, int] = field(default_factory=dict)
+    """Tier -> transfers that failed for the tier's sake (for its breaker)."""
+    bad: dict[tuple[bytes, int], str | None] = field(default_factory=dict)
+    """(key, rank) -> ETag of a corrupt S3 object the rank could not delete."""
+    existing: set[bytes] = field(default_factory=set)
+    """Keys whose S3 store found the object already there."""
+    disk_full: bool = False
+
+    def aggregate(self, other: TierReport) -> TierReport:
+        return TierReport(
+            merge(self.written, other.written),
+            merge(self.disk_sizes, other.disk_sizes),
+            merge(self.failed, other.failed),
+            self.missing | other.missing,
+            merge(self.released, other.released),
+            merge(self.sync_loaded, other.sync_loaded),
+            self.load_failed | other.load_failed,
+            merge(self.tier_ok, other.tier_ok),
+            merge(self.tier_failed, other.tier_failed),
+            {**self.bad, **other.bad},
+            self.existing | other.existing,
+            self.disk_full or other.disk_full,
+        )
+
+    def is_empty(self) -> bool:
+        return not (
+            self.written
+            or self.failed
+            or self.missing
+            or self.released
+            or self.sync_loaded
+            or self.load_failed
+            or self.tier_ok
+            or self.tier_failed
+            or self.bad
+            or self.existing
+            or self.disk_full
+        )

@@ -1,0 +1,99 @@
+"""The tiers in order, nearest first: what the planner asks of all of them
+at once, without naming any (each tier's own rules are in its manager)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from s3kv.stats import Counters
+from s3kv.tiering.placement import Tier
+from s3kv.tiering.plan import Place, TierReport
+from s3kv.tiering.tiers.base import TierEvents, TierManager, store_owner
+
+
+class TierStack:
+    def __init__(self, tiers: Sequence[TierManager], counters: Counters, events: TierEvents) -> None:
+        self.tiers = tuple(tiers)
+        """The managers, nearest tier first."""
+        self._by_tier = {m.tier: m for m in self.tiers}
+        self._stage = next((m for m in self.tiers if m.stages_writes), None)
+        for m in self.tiers:
+            m.attach(counters, events)
+
+    def get(self, tier: Tier) -> TierManager | None:
+        return self._by_tier.get(tier)
+
+    def release(self, owner: Hashable, keep: Iterable[TierManager] = ()) -> None:
+        """``owner`` uses no tier but those in ``keep``: a half-open breaker's
+        probe slot it holds on another goes to the next that asks."""
+        keep = set(keep)
+        for m in self.tiers:
+            if m not in keep:
+                m.release(owner)
+
+    def hits(
+        self, owner: Hashable, keys: Sequence[bytes], fps: np.ndarray, start: int, end: int
+    ) -> list[TierManager]:
+        """The tier to load each of chunks [start, end) from, the nearest that
+        has it, up to the first chunk that none has. Half-open tiers it hits
+        take ``owner`` as their probe; the others let a probe of it go."""
+        asked = [m for m in self.tiers if m.allows(owner, take=False)]
+        held = [m.lookup(keys, fps, start, end) for m in asked]
+        hit: list[TierManager]
+        if len(held) == 1:  # one tier to ask (a remote-only replica): the prefix it holds
+            has = held[0]
+            hit = asked * (has.index(False) if False in has else len(has))
+        else:
+            hit = []
+            for row in zip(*held):  # chunk by chunk: the nearest tier that holds it
+                if True not in row:
+                    break
+                hit.append(asked[row.index(True)])
+        for m in self.tiers:
+            m.probe(owner, m in hit)
+        return hit
+
+    def load(self, key: bytes, m: TierManager, place: Place, promote: bool) -> tuple[tuple[Place, ...], ...]:
+        """(sources, promotions) of a load of ``key`` from ``m`` at ``place``:
+        farther tiers that have it back ``m`` up when ``m`` may lose it, and
+        with ``promote`` the nearer tiers take a copy."""
+        i = self.tiers.index(m)
+        sources = (place,)
+        if m.may_lose:
+            sources += tuple(p for f in self.tiers[i + 1 :] if (p := f.fallback(key)) is not None)
+        up: tuple[Place, ...] = ()
+        if promote:
+            up = tuple(p for n in self.tiers[:i] if (p := n.prepare_promotion(key)) is not None)
+        return sources, up
+
+    def store(self, key: bytes) -> tuple[Place, ...]:
+        """Where a store of ``key`` goes: every tier that lacks it and has
+        room (a tier whose breaker is half-open takes it as its probe)."""
+        targets = tuple(p for m in self.tiers if (p := m.prepare_store(key, store_owner(key))) is not None)
+        if len(targets) > 1:
+            first = self._by_tier[targets[0].tier]
+            if first.stages_writes:
+                first.pin(key)  # the farther writes read its place
+        return targets
+
+    def on_report(self, report: TierReport, decided: dict[Tier, list[tuple[bytes, bool]]]) -> None:
+        """Each tier hears its writes that every rank reported, and what it lacks."""
+        missing: dict[Tier, list[bytes]] = {}
+        for tier, key in report.missing:
+            missing.setdefault(tier, []).append(key)
+        for m in self.tiers:
+            m.on_report(report, decided.get(m.tier, ()), missing.get(m.tier, ()))
+
+    def released(self, key: bytes) -> None:
+        """Every rank is done reading the staging place of a store of ``key``."""
+        if self._stage is not None:
+            self._stage.unpin(key)
+
+    def end_report(self, report: TierReport) -> None:
+        for m in self.tiers:
+            m.end_report(report)
+
+    def gauges(self) -> dict[str, int]:
+        return {name: value for m in self.tiers for name, value in m.gauges().items()}

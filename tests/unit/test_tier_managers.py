@@ -1,0 +1,167 @@
+"""Each tier's scheduler-side manager on its own, and the pieces the planner
+composes (chain keys, rank count, the stack of tiers): what the planner tests
+cover only through the planner."""
+
+import pytest
+
+from s3kv.errors import ConfigError
+from s3kv.keys import Namespace, chain_keys
+from s3kv.manifest import Manifest
+from s3kv.manifest.keyset import fingerprints
+from s3kv.stats import Counters
+from s3kv.tiering.placement import Tier, TierIndex
+from s3kv.tiering.plan import Place, TierReport
+from s3kv.tiering.ranks import RankCount
+from s3kv.tiering.stack import TierStack
+from s3kv.tiering.tiers.base import TierEvents, store_owner
+from s3kv.tiering.tiers.cpu import CpuTierManager
+from s3kv.tiering.tiers.nvme import NvmeTierManager, disk_estimate
+from s3kv.tiering.tiers.s3 import BAD_KEY_RETRY_S, S3TierManager
+
+KEYS = chain_keys(Namespace.from_fields({"m": "tiers"}), list(range(256)), 64)
+FPS = fingerprints(KEYS)
+
+
+def stack(*tiers, events=False):
+    return TierStack(tiers, Counters(), TierEvents(events))
+
+
+def test_rank_count_waits_for_every_rank():
+    ranks = RankCount(world_size=2)
+    assert not ranks.count(("release", KEYS[0]), 1) and ranks.count(("release", KEYS[0]), 1)
+    assert not ranks.count(("release", KEYS[0]), 1)  # counted afresh after every rank reported
+    assert (
+        ranks.outcome((Tier.CPU, KEYS[0]), 1, 0) is None and ranks.outcome((Tier.CPU, KEYS[0]), 0, 1) is False
+    )
+    report = TierReport(
+        written={(Tier.S3, KEYS[1]): 2, (Tier.S3, KEYS[2]): 1}, failed={(Tier.DISK, KEYS[1]): 2}
+    )
+    assert ranks.writes(report) == {Tier.S3: [(KEYS[1], True)], Tier.DISK: [(KEYS[1], False)]}
+    assert ranks.writes(TierReport(failed={(Tier.S3, KEYS[2]): 1})) == {Tier.S3: [(KEYS[2], False)]}
+
+
+def test_cpu_tier_from_config():
+    assert CpuTierManager.open(0, 1000) is None
+    with pytest.raises(ConfigError, match="cpu_bytes: .* holds no chunk"):
+        CpuTierManager.open(999, 1000)
+    cpu = CpuTierManager.open(4000, 1000, world_size=2)
+    assert cpu.index.capacity == 4 and cpu.slot_bytes == 2000
+    with pytest.raises(ValueError, match="must count slots"):
+        CpuTierManager(TierIndex("cpu", 1000))
+    s = stack(cpu)
+    assert s.store(KEYS[0]) == (Place(Tier.CPU, cpu.index.get(KEYS[0]).slot),)
+    assert cpu.gauges() == {"tier_used_bytes_cpu": 2000, "tier_capacity_bytes_cpu": 8000}
+
+
+def test_a_store_pins_the_staging_slot_only_for_farther_writes():
+    cpu, s3 = CpuTierManager(TierIndex("cpu", 4, slots=True)), S3TierManager(Manifest())
+    s = stack(cpu, s3)
+    (slot, remote) = s.store(KEYS[0])
+    assert (slot.tier, remote) == (Tier.CPU, Place(Tier.S3)) and cpu.index.get(KEYS[0]).pins == 1
+    s3.manifest.add(KEYS[1])
+    assert [p.tier for p in s.store(KEYS[1])] == [Tier.CPU] and cpu.index.get(KEYS[1]).pins == 0
+    s.released(KEYS[0])
+    assert cpu.index.get(KEYS[0]).pins == 0
+
+
+def test_hits_come_from_the_nearest_tier_up_to_the_first_gap():
+    cpu = CpuTierManager(TierIndex("cpu", 4, slots=True))
+    disk = NvmeTierManager(TierIndex("disk", 10**6))
+    s3 = S3TierManager(Manifest())
+    s = stack(cpu, disk, s3)
+    cpu.index.insert_ready(KEYS[0])
+    disk.index.insert_ready(KEYS[0], 10)
+    disk.index.insert_ready(KEYS[1], 10)
+    s3.manifest.update([KEYS[0], KEYS[1], KEYS[3]])
+    assert s.hits("r", KEYS, FPS, 0, 4) == [cpu, disk]  # chunk 2 is nowhere
+    assert s.hits("r", KEYS, FPS, 1, 4) == [disk]
+    s3.down = True
+    assert s.hits("r", KEYS, FPS, 3, 4) == []
+
+
+def test_sources_and_promotions_follow_the_order_of_the_tiers():
+    cpu = CpuTierManager(TierIndex("cpu", 4, slots=True))
+    disk = NvmeTierManager(TierIndex("disk", 10 * disk_estimate(0)))
+    s3 = S3TierManager(Manifest())
+    s = stack(cpu, disk, s3)
+    s3.manifest.update(KEYS[:3])
+    cpu.index.insert_ready(KEYS[0])
+    disk.index.insert_ready(KEYS[0], 10)
+    disk.index.insert_ready(KEYS[1], 10)
+    # A CPU hit is never lost (its slot is pinned): no fallback, nothing nearer.
+    assert s.load(KEYS[0], cpu, cpu.prepare_load(KEYS[0]), True) == ((Place(Tier.CPU, 0),), ())
+    sources, up = s.load(KEYS[1], disk, Place(Tier.DISK), True)
+    assert sources == (Place(Tier.DISK), Place(Tier.S3)) and [p.tier for p in up] == [Tier.CPU]
+    sources, up = s.load(KEYS[2], s3, Place(Tier.S3), True)
+    assert sources == (Place(Tier.S3),) and [p.tier for p in up] == [Tier.CPU, Tier.DISK]
+    assert s.load(KEYS[2], s3, Place(Tier.S3), False) == ((Place(Tier.S3),), ())
+    assert s.load(KEYS[0], disk, Place(Tier.DISK), True)[1] == ()  # in the CPU tier already
+    s3.breaker.failure()  # S3 in trouble: no fallback to it, the disk alone serves
+    assert s.load(KEYS[0], disk, Place(Tier.DISK), False)[0] == (Place(Tier.DISK),)
+
+
+def test_s3_store_in_flight_and_bad_key_retry():
+    now = [0.0]
+    s3 = S3TierManager(Manifest(), store_retry_s=100.0, clock=lambda: now[0])
+    stack(s3)
+    assert s3.prepare_store(KEYS[0], store_owner(KEYS[0])) == Place(Tier.S3)
+    assert s3.prepare_store(KEYS[0], store_owner(KEYS[0])) is None  # in flight
+    now[0] = 100.0
+    assert s3.prepare_store(KEYS[0], store_owner(KEYS[0])) == Place(Tier.S3)  # never reported: again
+    s3.manifest.quarantine(KEYS[0], "p/bad", '"e"')
+    s3.complete_store(KEYS[0], False)  # a store that found the bad object in the way
+    now[0] += BAD_KEY_RETRY_S - 1
+    assert s3.prepare_store(KEYS[0], store_owner(KEYS[0])) is None
+    now[0] += 1
+    assert s3.prepare_store(KEYS[0], store_owner(KEYS[0])) == Place(Tier.S3)
+    s3.complete_store(KEYS[0], True)
+    assert KEYS[0] in s3.manifest
+    s3.down = True
+    assert s3.paused and not s3.allows("r", take=False)
+    s3.forget(KEYS[0])
+    assert KEYS[0] not in s3.manifest and s3.counters.totals()["manifest_dropped"] == 1
+
+
+def test_nvme_files_of_failed_or_forgotten_chunks_are_deleted_before_a_rewrite():
+    disk = NvmeTierManager(TierIndex("disk", 10 * disk_estimate(100)), shard_bytes=100)
+    stack(disk)
+    assert disk.prepare_store(KEYS[0], store_owner(KEYS[0])) == Place(Tier.DISK)
+    assert disk.prepare_store(KEYS[0], store_owner(KEYS[0])) is None  # being written
+    disk.complete_store(KEYS[0], False)
+    assert disk.take_evictions() == [KEYS[0]] and disk.take_evictions() == []
+    assert disk.prepare_store(KEYS[0], store_owner(KEYS[0])) is None  # its old files are going
+    assert disk.prepare_promotion(KEYS[0]) is None
+    disk.on_deleted([KEYS[0]])
+    assert disk.prepare_promotion(KEYS[0]) == Place(Tier.DISK)
+    disk.on_report(
+        TierReport(written={(Tier.DISK, KEYS[0]): 1}, disk_sizes={KEYS[0]: 300}), [(KEYS[0], True)], []
+    )
+    assert disk.index.get(KEYS[0]).size == 300 and KEYS[0] in disk.index
+    disk.forget(KEYS[0])
+    assert KEYS[0] not in disk.index and disk.take_evictions() == [KEYS[0]]
+    disk.end_report(TierReport(disk_full=True, tier_failed={Tier.DISK: 1}))
+    assert disk.index.capacity == disk.reserve_bytes and not disk.breaker.closed
+    assert disk.gauges()["breaker_open_disk"] == 1 and disk.counters.totals()["breaker_trips_disk"] == 1
+
+
+def test_events_of_every_tier_keep_the_order_they_happened_in():
+    cpu = CpuTierManager(TierIndex("cpu", 1, slots=True))
+    disk = NvmeTierManager(TierIndex("disk", 10**6))
+    s = stack(cpu, disk, events=True)
+    events = cpu.events
+    events.remember(KEYS[1], KEYS[0], (1, 2))
+    disk.complete_store(KEYS[1], True)
+    cpu.complete_store(KEYS[1], True)
+    disk.forget(KEYS[1])
+    assert [(e.stored, e.tier, e.parent) for e in events.take()] == [
+        (True, Tier.DISK, KEYS[0]),
+        (True, Tier.CPU, KEYS[0]),
+        (False, Tier.DISK, None),
+    ]
+    assert s.gauges().keys() == {
+        "tier_used_bytes_cpu",
+        "tier_capacity_bytes_cpu",
+        "breaker_open_disk",
+        "tier_used_bytes_disk",
+        "tier_capacity_bytes_disk",
+    }
