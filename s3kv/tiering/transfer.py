@@ -1,10 +1,8 @@
 """The worker's transfer engine: executes the scheduler's plans over this
 rank's tier handlers (:mod:`s3kv.tiering.tiers`) in the background, and
-reports what finished.
+reports what finished. It knows nothing of vLLM or torch, and no tier by
+name: each handler says what its tier's trouble is and how it runs.
 
-It knows nothing of vLLM or torch, and no tier by name: a load reads its
-sources in order and promotes through handlers, a store writes its targets
-through them; each handler says what is its tier's trouble and how it runs.
 The connector hands it host buffers to store (already filled, or with a
 ``ready`` callable that waits for the copy) and a sink that writes loaded
 pages into the KV cache; it polls :meth:`poll` once per step. Nothing here
@@ -25,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.errors import CorruptChunk, NotFound, PermissionDenied
+from s3kv.errors import NotFound
 from s3kv.keys import object_key
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
@@ -34,7 +32,15 @@ from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
-from s3kv.tiering.tiers.base import EngineSettings, GaveUp, RankReport, TierHandler, WorkerEnv, error_kind
+from s3kv.tiering.tiers.base import (
+    EngineSettings,
+    Gate,
+    GaveUp,
+    RankReport,
+    TierHandler,
+    WorkerEnv,
+    error_kind,
+)
 from s3kv.tiering.tiers.cpu import CpuHandler
 from s3kv.tiering.tiers.nvme import NvmeHandler
 from s3kv.tiering.tiers.s3 import S3Handler
@@ -70,27 +76,6 @@ class StoreJob:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.layers)
-
-
-class _Gate:
-    """One load attempt's way into the KV cache (and the slots it promotes
-    into): open until :meth:`close`, which waits for a write in progress."""
-
-    def __init__(self, chunk: LoadChunk, sink: ChunkSink, fills: list[FrameSink]) -> None:
-        self._chunk, self._sink, self._fills = chunk, sink, fills
-        self._lock = threading.Lock()
-        self._open = True
-
-    def sink(self, layer: int, data: np.ndarray) -> None:
-        with self._lock:
-            if self._open:
-                self._sink(self._chunk, layer, data)
-                for fill in self._fills:
-                    fill(layer, data)
-
-    def close(self) -> None:
-        with self._lock:
-            self._open = False
 
 
 class TransferEngine:
@@ -153,24 +138,13 @@ class TransferEngine:
 
     def chunk_id(self, key: bytes) -> ChunkId:
         assert self.namespace is not None, "no namespace yet"
-        return ChunkId(
-            object_key(self.s.prefix, self.namespace, key, self.s.rank),
-            self.namespace,
-            key.hex(),
-            self.s.rank,
-        )
+        ns, rank = self.namespace, self.s.rank
+        return ChunkId(object_key(self.s.prefix, ns, key, rank), ns, key.hex(), rank)
 
     def takes_pages(self, place: Place) -> bool:
-        """Is ``place`` in a tier that stores a chunk's pages as they are (a
-        store's pages are copied straight into it)?"""
+        """Does ``place``'s tier store a chunk's pages as they are (a store's are copied straight in)?"""
         h = self.handlers.get(place.tier)
         return h is not None and h.takes_pages
-
-    def _tier_failed(self, handler: TierHandler, *, abort_loads: bool = True) -> None:
-        """The tier failed a transfer for its own sake: the breaker hears it,
-        and the tier's other transfers in flight give up (see :meth:`TierHandler.abort`)."""
-        self.report.tier_failed(handler.tier)
-        handler.abort(loads=abort_loads)
 
     # -- loads -----------------------------------------------------------------
     def submit_load(self, job_id: str, chunks: Sequence[LoadChunk], sink: ChunkSink) -> None:
@@ -180,8 +154,8 @@ class TransferEngine:
 
     async def _load_job(self, job_id: str, chunks: list[LoadChunk], sink: ChunkSink) -> None:
         start = time.perf_counter()
-        outcomes = await asyncio.gather(*(self._load_one(c, sink) for c in chunks))
-        failed = [c for c, ok in zip(chunks, outcomes) if not ok]
+        ok = await asyncio.gather(*(self._load_one(c, sink) for c in chunks))
+        failed = [c for c, loaded in zip(chunks, ok) if not loaded]
         if not failed and self.s.rank == 0:  # one observation per request, not per rank
             self.counters.observe("request_load_seconds", time.perf_counter() - start)
         self.report.finished(job_id, failed)
@@ -193,8 +167,8 @@ class TransferEngine:
         fills = [(h, p) for h, p in promote if h is not None and h.takes_pages]  # filled as layers load
         later = [(h, p) for h, p in promote if h is None or not h.takes_pages]  # written from the object
         sinks = [h.open_fill(p, key) for h, p in fills]
-        deadline = time.monotonic() + self.s.load_timeout_s
         try:
+            deadline = time.monotonic() + self.s.load_timeout_s
             source, nbytes, blob = await self._load_from_sources(chunk, sink, sinks, bool(later), deadline)
         except Exception as e:  # every failure becomes a recompute, never an engine error
             kind = error_kind(e)
@@ -215,7 +189,7 @@ class TransferEngine:
             self.counters.add(f"promote_chunks_{p.tier.value}")
         for h, p in later:
             if blob is not None and h is not None:
-                self._loop.track(self._write(h, p, ChunkData(key, self.codec, blob=blob)))  # type: ignore[arg-type]
+                self._loop.track(h.save(p, ChunkData(key, self.codec, blob=blob)))  # type: ignore[arg-type]
             else:
                 self.report.failed(p.tier, key)
         return True
@@ -239,7 +213,7 @@ class TransferEngine:
             # it is over (done, failed, timed out, given up) no late write of
             # a decoding thread reaches blocks that are vLLM's again, or that
             # the next source is writing.
-            gate = _Gate(chunk, sink, fills)
+            gate = Gate([lambda layer, data: sink(chunk, layer, data), *fills])
             try:
                 if h is None:
                     raise NotFound(f"no {tier.value} tier here")
@@ -247,34 +221,13 @@ class TransferEngine:
                     place, chunk.key, gate.sink, deadline=deadline, keep_blob=keep_blob
                 )
                 return h, nbytes, blob
-            except (NotFound, CorruptChunk) as e:
-                kind = error_kind(e)
-                self.counters.add(f"load_errors_{kind}")
-                log.warning("s3kv: chunk %s %s in %s: %s", chunk.key.hex(), kind, tier.value, e)
-                if h is not None and h.misses_are_answers:  # the tier answered: it works
-                    self.report.tier_ok(tier)
-                self.report.missing(tier, chunk.key)
-                last = e
             except Exception as e:
-                assert h is not None
-                if isinstance(e, PermissionDenied) and not h.trouble(e):
-                    # A 403 on this object only: the tier works, the object is
-                    # not ours to read. Dropped here (not reported bad: another
-                    # replica's role may read it, and gc would delete it).
-                    self.counters.add("load_errors_denied")
-                    log.warning("s3kv: chunk %s not readable in %s: %s", chunk.key.hex(), tier.value, e)
-                    self.report.tier_ok(tier)
-                    self.report.missing(tier, chunk.key)
-                    last = e
-                    continue
-                kind = error_kind(e)
-                if h.trouble(e):
-                    self._tier_failed(h)
-                if not h.falls_through or i == len(chunk.sources) - 1:
-                    raise
-                self.counters.add(f"load_errors_{kind}")  # the tier failed us: try the next source
-                log.warning("s3kv: %s read of chunk %s failed (%s): %s", h.label, chunk.key.hex(), kind, e)
                 last = e
+                if h is None:
+                    self.counters.add("load_errors_missing")
+                    self.report.missing(tier, chunk.key)
+                elif not h.read_failed(chunk.key, e, last=i == len(chunk.sources) - 1):
+                    raise
             finally:
                 gate.close()
         raise last if last is not None else NotFound(chunk.key.hex())
@@ -298,8 +251,11 @@ class TransferEngine:
         runs in the background, or is dropped (False) past the byte budget."""
         if self.codec is None:
             raise RuntimeError("configure() must be called before storing")
-        pages = [p for p in job.targets if self.takes_pages(p)]
-        encoded = [p for p in job.targets if not self.takes_pages(p)]
+        for p in job.targets:
+            if p.tier not in self.handlers:  # not a tier of this rank's
+                self.report.failed(p.tier, job.key)
+        pages = [p for p in job.targets if p.tier in self.handlers and self.takes_pages(p)]
+        encoded = [p for p in job.targets if p.tier in self.handlers and not self.takes_pages(p)]
         through = bool(encoded)
         nbytes = job.nbytes
         with self._lock:
@@ -353,7 +309,7 @@ class TransferEngine:
                     pins = False
             self.counters.add("store_raw_bytes", chunk.raw_bytes)
             self.counters.add("store_encoded_bytes", len(chunk.blob))
-            await asyncio.gather(*(self._write(self.handlers.get(p.tier), p, chunk, start) for p in encoded))
+            await asyncio.gather(*(self.handlers[p.tier].save(p, chunk, start) for p in encoded))
         finally:
             if pins:
                 self.report.released(key)
@@ -361,28 +317,6 @@ class TransferEngine:
                 with self._lock:
                     self._inflight_bytes -= nbytes
                     self.counters.set("inflight_bytes", self._inflight_bytes)
-
-    async def _write(
-        self, h: TierHandler | None, place: Place, chunk: ChunkData, start: float | None = None
-    ) -> None:
-        """Write ``chunk`` to ``place`` (a store's write-through, or a promotion) and report it."""
-        if h is None:
-            self.report.failed(place.tier, chunk.key)
-            return
-        try:
-            n = await h.write(place, chunk, start)
-        except Exception as e:
-            self.counters.add(f"store_errors_{place.tier.value}")
-            if h.trouble(e):
-                self._tier_failed(h, abort_loads=False)
-            log.warning("s3kv: %s write of chunk %s failed: %s", h.label, chunk.key.hex(), e)
-            self.report.failed(place.tier, chunk.key)
-            return
-        if n is None:  # not stored, and the handler said why
-            self.report.failed(place.tier, chunk.key)
-            return
-        self.report.tier_ok(place.tier)
-        self.report.written(place.tier, chunk.key)
 
     # -- results and lifecycle -----------------------------------------------------
     def poll(self) -> Polled:

@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import numpy as np
 
 from s3kv.auth import FleetKeys
 from s3kv.errors import CorruptChunk, NotFound, PermissionDenied, Throttled, Transient
@@ -28,6 +31,8 @@ from s3kv.tiering.plan import LoadChunk, Place, TierReport
 
 
 # -- worker side -------------------------------------------------------------------
+
+log = logging.getLogger("s3kv.transfer")
 
 
 class GaveUp(Transient):
@@ -180,6 +185,27 @@ class Began:
         return any(now - job.at > timeout_s for job in list(self._running) if job.at is not None)
 
 
+class Gate:
+    """One load attempt's way into the KV cache (and the slots it promotes
+    into): each layer goes to every sink while it is open; :meth:`close`
+    waits for a write in progress."""
+
+    def __init__(self, sinks: list[FrameSink]) -> None:
+        self._sinks = sinks
+        self._lock = threading.Lock()
+        self._open = True
+
+    def sink(self, layer: int, data: np.ndarray) -> None:
+        with self._lock:
+            if self._open:
+                for sink in self._sinks:
+                    sink(layer, data)
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
+
+
 class TierHandler(ABC):
     """One tier's bytes in a worker, and its policy: what the transfer
     engine needs to run loads and stores over it without naming it.
@@ -247,6 +273,54 @@ class TierHandler(ABC):
     async def bytes_used(self) -> int:
         """Bytes this tier really holds (measured, not accounted)."""
 
+    def read_failed(self, key: bytes, e: Exception, *, last: bool) -> bool:
+        """Report what a failed :meth:`read` of ``key`` says (counted, logged,
+        for the breaker); True if the load goes on to its next source (the
+        tier lacks the chunk, or falls through on its own trouble and this
+        is not the ``last`` source), False if it ends with ``e``."""
+        name, kind = self.tier.value, error_kind(e)
+        if isinstance(e, (NotFound, CorruptChunk)):
+            self.counters.add(f"load_errors_{kind}")
+            log.warning("s3kv: chunk %s %s in %s: %s", key.hex(), kind, name, e)
+            if self.misses_are_answers:  # the tier answered: it works
+                self.report.tier_ok(self.tier)
+            self.report.missing(self.tier, key)
+            return True
+        if isinstance(e, PermissionDenied) and not self.trouble(e):
+            # A 403 on this object only: the tier works, the object is not
+            # ours to read. Dropped here (not reported bad: another replica's
+            # role may read it, and gc would delete it).
+            self.counters.add("load_errors_denied")
+            log.warning("s3kv: chunk %s not readable in %s: %s", key.hex(), name, e)
+            self.report.tier_ok(self.tier)
+            self.report.missing(self.tier, key)
+            return True
+        if self.trouble(e):
+            self.failing()
+        if not self.falls_through or last:
+            return False
+        self.counters.add(f"load_errors_{kind}")  # the tier failed us: try the next source
+        log.warning("s3kv: %s read of chunk %s failed (%s): %s", self.label, key.hex(), kind, e)
+        return True
+
+    async def save(self, place: Place, chunk: ChunkData, start: float | None = None) -> None:
+        """:meth:`write` ``chunk`` (a store's write-through, or a promotion)
+        and report how it went."""
+        try:
+            n = await self.write(place, chunk, start)
+        except Exception as e:
+            self.counters.add(f"store_errors_{self.tier.value}")
+            if self.trouble(e):
+                self.failing(loads=False)
+            log.warning("s3kv: %s write of chunk %s failed: %s", self.label, chunk.key.hex(), e)
+            n = None
+        else:
+            if n is not None:
+                self.report.tier_ok(self.tier)
+                self.report.written(self.tier, chunk.key)
+        if n is None:  # failed, or not stored and the handler said why
+            self.report.failed(self.tier, chunk.key)
+
     def open_fill(self, place: Place, key: bytes) -> FrameSink:
         """(``takes_pages`` tiers) Start writing ``key`` at ``place`` as its
         layers are loaded: the sink takes each one."""
@@ -264,10 +338,12 @@ class TierHandler(ABC):
             return False
         return isinstance(e, (PermissionDenied, Transient, asyncio.TimeoutError))
 
-    def abort(self, *, loads: bool = True) -> None:
-        """The tier failed a transfer for its own sake: its other writes in
-        flight give up, and its loads too unless ``loads`` is False (a write
-        failed: loads that are going fine must not fail for it)."""
+    def failing(self, *, loads: bool = True) -> None:
+        """The tier failed a transfer for its own sake: its breaker hears it,
+        its other writes in flight give up, and its loads too unless
+        ``loads`` is False (a write failed: loads that are going fine must
+        not fail for it)."""
+        self.report.tier_failed(self.tier)
         for load in (False, True) if loads else (False,):
             event = self._aborts.pop(load, None)
             if event is not None:
