@@ -3,6 +3,7 @@ and a real NVMe directory (tmp_path)."""
 
 import asyncio
 import errno
+import threading
 import time
 
 import numpy as np
@@ -145,6 +146,14 @@ def wait_for(e, pred, timeout=10):
             return acc
         time.sleep(0.01)
     raise AssertionError(f"timed out; have {vars(acc)}")
+
+
+def until(pred, timeout=30):
+    """Wait for ``pred()`` (a condition another thread makes true)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
 
 
 def stored_chunk(store, key, seed, **kw):
@@ -369,18 +378,26 @@ def test_no_write_reaches_pages_after_a_timeout():
     """A load that times out must not write into blocks vLLM got back."""
 
     class SlowSecondRange(MemoryStore):
+        slow, over = 0, 0
+
         async def get(self, key, range=None):
             if range is not None and range.start > 0:
-                await asyncio.sleep(1.0)
+                self.slow += 1
+                try:
+                    await asyncio.sleep(1.0)  # past the load's deadline: the slow S3 under test
+                finally:
+                    self.over += 1  # arrived, or cancelled with its load
             return await super().get(key, range)
 
     key = b"t" * 16
-    e = stored_chunk(SlowSecondRange(), key, 5, load_timeout_s=0.3)
+    store = SlowSecondRange()
+    e = stored_chunk(store, key, 5, load_timeout_s=0.3)
     writes = []
     e.submit_load("j", [chunk(key)], lambda c, layer, arr: writes.append(layer))
     wait_for(e, lambda a: "j" in a.finished_loads)
     seen = list(writes)
-    time.sleep(1.5)  # the slow ranges arrive now
+    until(lambda: store.slow and store.over == store.slow)  # the slow ranges are over now
+    time.sleep(0.1)  # and are decoded (or not) on the codec threads
     assert writes == seen
     e.close()
 
@@ -500,9 +517,10 @@ class SlowGets(MemoryStore):
 
     def __init__(self, delay):
         super().__init__()
-        self.delay, self.fail_puts = delay, False
+        self.delay, self.fail_puts, self.gets = delay, False, 0
 
     async def get(self, key, range=None):
+        self.gets += 1
         await asyncio.sleep(self.delay)
         return await super().get(key, range)
 
@@ -517,9 +535,9 @@ def test_a_failed_s3_store_does_not_fail_loads_in_flight():
     key = b"l" * 16
     e = stored_chunk(store, key, 4)
     store.fail_puts = True
-    got = {}
+    got, gets = {}, store.gets
     e.submit_load("j", [chunk(key)], collect(got))
-    time.sleep(0.05)  # the load is under way
+    until(lambda: store.gets > gets)  # the load is under way
     e.submit_store(store_job(b"s" * 16, 5))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [] and (got[(key, 0)] == layers(4)[0]).all()
@@ -535,8 +553,11 @@ def test_a_failed_nvme_write_does_not_fail_disk_reads_in_flight(tmp_path, monkey
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}))
     real_read = files(e).read
 
+    reading = threading.Event()
+
     def slow_read(*a, **kw):
-        time.sleep(0.3)
+        reading.set()
+        time.sleep(0.3)  # the read still under way when the write fails
         return real_read(*a, **kw)
 
     def failing_write(*a, **kw):
@@ -545,7 +566,7 @@ def test_a_failed_nvme_write_does_not_fail_disk_reads_in_flight(tmp_path, monkey
     monkeypatch.setattr(files(e), "read", slow_read)
     monkeypatch.setattr(files(e), "write", failing_write)
     e.submit_load("j", [chunk(key, Tier.DISK)], lambda *a: None)
-    time.sleep(0.05)
+    assert reading.wait(30)
     e.submit_store(job(b"x" * 16, layers(7), disk=True))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == []
@@ -561,16 +582,22 @@ def test_a_load_out_of_time_gives_up_without_blaming_a_tier(tmp_path, monkeypatc
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
     real_read = files(e).read
 
+    read_done = threading.Event()
+
     def slow_read(*a, **kw):
         time.sleep(0.6)  # slow, but well within the disk's own bound
-        return real_read(*a, **kw)
+        try:
+            return real_read(*a, **kw)
+        finally:
+            read_done.set()
 
     monkeypatch.setattr(files(e), "read", slow_read)
     c = chunk(key, Tier.DISK, Tier.S3)
     e.submit_load("j", [c], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [c]
-    time.sleep(0.5)
+    assert read_done.wait(30)  # the slow read is over: nothing more to hear of it
+    time.sleep(0.05)
     acc.add(e.poll())
     assert acc.tier_failed == {}  # neither the disk nor S3 (which had no time left) failed
     totals = e.counters.totals()
@@ -595,7 +622,10 @@ def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_pat
         time.sleep(0.7)  # within the bound, but two in a row are not
         return real_read(*a, **kw)
 
+    hung = []
+
     def hung_write(*a, **kw):
+        hung.append(1)
         stuck.wait(30)
         raise Transient("EIO")
 
@@ -603,7 +633,7 @@ def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_pat
     monkeypatch.setattr(files(e), "write", hung_write)
     for i in range(DISK_THREADS + 1):  # every write thread hung, one more write queued
         e.submit_store(job(bytes([0xE0 + i]) * 16, layers(9), disk=True))
-    time.sleep(0.05)
+    until(lambda: len(hung) == DISK_THREADS)  # every write thread is hung
     # Twice as many reads as threads: half of them wait for a thread first.
     e.submit_load("j", [chunk(k, Tier.DISK) for k in keys], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
