@@ -135,7 +135,8 @@ def test_a_rank_with_the_scheduler_sides_key_transfers(caplog):
         sent, recved, errors, report = run_step(w, meta)
         assert w.engine.drain(10)
         w.get_finished(set())
-        report = report.aggregate(w.take_report().report)  # the store into the CPU slot, done in the background
+        # the store into the CPU slot, done in the background
+        report = report.aggregate(w.take_report().report)
     finally:
         w.shutdown()
     assert w.refusal is None and "fleet secret" not in caplog.text
