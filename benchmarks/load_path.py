@@ -201,7 +201,9 @@ def _drop_cached(paths: list[str]) -> None:
 def _s3kv_load(case: Case, tier: Any, sink: Any, job: str) -> None:
     import dataclasses
 
-    chunks = [dataclasses.replace(c, sources=(tier,)) for c in case.chunks]
+    from s3kv.tiering.plan import Place
+
+    chunks = [dataclasses.replace(c, sources=(Place(tier),)) for c in case.chunks]
     case.engine.submit_load(job, chunks, sink)
     while True:
         r = case.engine.poll()
@@ -226,7 +228,7 @@ def run(work: Path, quick: bool) -> Result:
     from s3kv.tiering.chunks import ChunkData, PageFormat
     from s3kv.tiering.disk import shard_path
     from s3kv.tiering.placement import Tier
-    from s3kv.tiering.plan import LoadChunk
+    from s3kv.tiering.plan import LoadChunk, Place
     from s3kv.tiering.transfer import EngineSettings, TransferEngine
 
     n_chunks = 16 if quick else 64
@@ -311,10 +313,11 @@ def run(work: Path, quick: bool) -> Result:
                 data = ChunkData(key, engine.codec, layers=layers)
                 blob = data.blob
                 put.put_object(Bucket=BUCKET, Key=engine.chunk_id(key).object_key, Body=blob)
-                engine.disk.write(key, data)  # type: ignore[union-attr]
-                _fsync(engine.disk.path(key))  # type: ignore[union-attr]
+                files = engine.handlers[Tier.DISK].files  # type: ignore[attr-defined]
+                files.write(key, data)
+                _fsync(files.path(key))
                 blobs.append(blob)
-                chunks.append(LoadChunk(key, ids, 0, BLOCKS_PER_CHUNK, (Tier.S3,)))
+                chunks.append(LoadChunk(key, ids, 0, BLOCKS_PER_CHUNK, (Place(Tier.S3),)))
             cases.append(Case(codec_name, engine, chunks, blobs))
             del blobs
 

@@ -27,7 +27,7 @@ from s3kv.manifest.format import manifest_prefix
 from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
 from s3kv.manifest.journal import RankJournal
 from s3kv.manifest.publish import ShardPublisher, rank_writer
-from s3kv.stats import Counters, merge
+from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
 from s3kv.tiering.chunks import PageFormat
 from s3kv.tiering.hostpool import HostPool, slots_for
@@ -251,24 +251,19 @@ class WorkerSide:
                 self._refused_loads.add(plan.req_id)
             for c in plan.chunks:
                 self._load_errors.update(c.write_ids)
-                if c.promote_slot is not None:
-                    self._write_failed(Tier.CPU, c.key)
-                if c.promote_disk:
-                    self._write_failed(Tier.DISK, c.key)
+                for place in c.promote:
+                    self._write_failed(place.tier, c.key)
 
     def _refuse_stores(self, stores: list[StoreChunk]) -> None:
         """Refused stores are dropped, uncopied: every tier they were meant
         for hears of a failed write, and their CPU slots are free again."""
         r = self._report
         for s in stores:
-            if s.cpu_slot is not None:
-                self._write_failed(Tier.CPU, s.key)
-                if s.disk or s.s3:  # the write-through would have read the slot
-                    r.released[s.key] = r.released.get(s.key, 0) + 1
-            if s.disk:
-                self._write_failed(Tier.DISK, s.key)
-            if s.s3:
-                self._write_failed(Tier.S3, s.key)
+            for place in s.targets:
+                self._write_failed(place.tier, s.key)
+            pages = [p for p in s.targets if self.engine.takes_pages(p)]
+            if pages and len(pages) < len(s.targets):  # the write-through would have read the slot
+                r.released[s.key] = r.released.get(s.key, 0) + 1
 
     def _write_failed(self, tier: Tier, key: bytes) -> None:
         self._report.failed[(tier, key)] = self._report.failed.get((tier, key), 0) + 1
@@ -295,12 +290,13 @@ class WorkerSide:
                 continue
             self._sync_reqs.append(plan.req_id)
             for c in plan.chunks:
-                if self.pool is None or c.cpu_slot is None or not self.pool.holds(c.cpu_slot, c.key):
-                    log.warning("s3kv: CPU slot %s does not hold chunk %s", c.cpu_slot, c.key.hex())
+                src = c.sources[0]  # a synchronous load reads a CPU slot
+                if self.pool is None or src.slot is None or not self.pool.holds(src.slot, c.key):
+                    log.warning("s3kv: CPU slot %s does not hold chunk %s", src.slot, c.key.hex())
                     self._load_errors.update(c.write_ids)
-                    self._report.missing.add((Tier.CPU, c.key))
+                    self._report.missing.add((src.tier, c.key))
                     continue
-                sync.append((self.pool.layer_views(c.cpu_slot), c.block_ids, c.first_block, c.last_block))
+                sync.append((self.pool.layer_views(src.slot), c.block_ids, c.first_block, c.last_block))
                 self._sync_chunks.append(c)
         if sync:
             self._sync = pages.layerwise_load(sync)
@@ -338,7 +334,9 @@ class WorkerSide:
             if self.rank == 0:  # one observation per request, not per rank
                 for _ in reqs:
                     self.counters.observe("request_load_seconds", elapsed)
-        self._report.tier_ok[Tier.CPU] = self._report.tier_ok.get(Tier.CPU, 0) + len(chunks)
+        ok = self._report.tier_ok
+        for c in chunks:
+            ok[c.sources[0].tier] = ok.get(c.sources[0].tier, 0) + 1
 
     # -- stores --------------------------------------------------------------------
     def _step_stores(self, meta: S3KVMetadata) -> _StepStores | None:
@@ -351,9 +349,10 @@ class WorkerSide:
         n_layers = len(self.pages.layers)
         buffers = []
         for s in meta.stores:
-            if s.cpu_slot is not None and self.pool is not None:
-                self.pool.claim(s.cpu_slot, None)  # being overwritten
-                buffers.append((s, self.pool.layer_views(s.cpu_slot)))
+            slot = next((p.slot for p in s.targets if self.engine.takes_pages(p)), None)
+            if slot is not None and self.pool is not None:  # copied into its CPU slot
+                self.pool.claim(slot, None)  # being overwritten
+                buffers.append((s, self.pool.layer_views(slot)))
                 continue
             nbytes = len(s.block_ids) * self.pages.layers[0].page_bytes
             if not self.engine.accepts(nbytes * n_layers):
@@ -397,7 +396,7 @@ class WorkerSide:
             ready = self.pages.fence()
             for s, bufs in step.buffers:
                 self.engine.submit_store(
-                    StoreJob(s.key, bufs, s.cpu_slot, s.disk, s.s3, ready if self.pages.on_device else None)
+                    StoreJob(s.key, bufs, s.targets, ready if self.pages.on_device else None)
                 )
             if meta.held:
                 ready()  # the blocks of finished requests go back to vLLM next
@@ -412,32 +411,13 @@ class WorkerSide:
 
     # -- reports -------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        result = self.engine.poll()
-        if result.finished_loads and self.pages is not None:
+        polled = self.engine.poll()
+        if polled.finished_loads and self.pages is not None:
             self.pages.synchronize()
-        for req_id, failed in result.finished_loads.items():
-            if failed:
-                self._report.load_failed.add(req_id)
+        for failed in polled.finished_loads.values():
             for chunk in failed:
                 self._load_errors.update(chunk.write_ids)
-        r = self._report
-        r.tier_ok = merge(r.tier_ok, result.tier_ok)
-        r.tier_failed = merge(r.tier_failed, result.tier_failed)
-        r.bad.update({(key, self.rank): etag for key, etag in result.bad.items()})
-        r.existing |= result.existing
-        r.disk_full = r.disk_full or result.disk_full
-        for tier, keys in result.written.items():
-            for key, nbytes in keys.items():
-                r.written[(tier, key)] = r.written.get((tier, key), 0) + 1
-                if tier is Tier.DISK:
-                    r.disk_sizes[key] = r.disk_sizes.get(key, 0) + nbytes
-        for tier, keys in result.failed.items():
-            for key in keys:
-                r.failed[(tier, key)] = r.failed.get((tier, key), 0) + 1
-        for tier, keys in result.missing.items():
-            r.missing.update((tier, k) for k in keys)
-        for key in result.released:
-            r.released[key] = r.released.get(key, 0) + 1
+        self._report = self._report.aggregate(polled.report)
         # vLLM accepts only ids it has passed here as finished: held requests
         # are, in the same step that asks for their copies.
         self._finished.update(finished_req_ids or ())
@@ -446,7 +426,7 @@ class WorkerSide:
         for req_id in sent:
             self._finished.discard(req_id)
         refused, self._refused_loads = self._refused_loads, set()
-        return sent or None, (set(result.finished_loads) | refused) or None
+        return sent or None, (set(polled.finished_loads) | refused) or None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

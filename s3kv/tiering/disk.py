@@ -33,8 +33,6 @@ from s3kv.errors import CorruptChunk
 from s3kv.keys import KEY_BYTES
 from s3kv.stores.local import PARTIAL_SUFFIX, atomic_write, is_stale_partial, map_os_error
 from s3kv.tiering.chunks import ChunkCodec, ChunkData, FrameSink
-from s3kv.tiering.placement import Tier
-from s3kv.tiering.tier import TierStorage
 
 log = logging.getLogger("s3kv.disk")
 
@@ -47,8 +45,10 @@ def shard_path(root: Path, namespace: str, key: bytes, rank: int) -> Path:
     return root / namespace / hexkey[:2] / f"{hexkey}.r{rank}"
 
 
-class DiskTier(TierStorage):
-    tier = Tier.DISK
+class DiskTier:
+    """The directory's chunk files, read and written synchronously (the
+    NVMe tier's handler, :class:`~s3kv.tiering.tiers.nvme.NvmeHandler`,
+    calls these on threads of its own)."""
 
     def __init__(self, root: str | os.PathLike[str], chunk_codec: ChunkCodec, *, fsync: bool = False) -> None:
         self.root = Path(root)
@@ -58,7 +58,7 @@ class DiskTier(TierStorage):
     def path(self, key: bytes) -> Path:
         return shard_path(self.root, self.codec.namespace, key, self.codec.rank)
 
-    def write(self, key: bytes, chunk: ChunkData, slot: int | None = None) -> int:
+    def write(self, key: bytes, chunk: ChunkData) -> int:
         blob = chunk.blob
         path = self.path(key)
         try:
@@ -99,7 +99,7 @@ class DiskTier(TierStorage):
             raise CorruptChunk(f"{path}: {max(size, len(data))} bytes, more than a chunk's {limit}")
         return data
 
-    def read(self, key: bytes, sink: FrameSink, slot: int | None = None) -> int:
+    def read(self, key: bytes, sink: FrameSink) -> int:
         """Check and decode the file; one that fails (a newer format's
         included: this s3kv cannot use it) is deleted, so that a bad copy
         costs one failed load."""
@@ -111,7 +111,7 @@ class DiskTier(TierStorage):
             raise
         return len(blob)
 
-    def delete(self, key: bytes, slot: int | None = None) -> None:
+    def delete(self, key: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(key))
 

@@ -4,7 +4,9 @@ A slot holds every layer's pages of one chunk, layer after layer, in the byte
 order of the KV cache (copied whole, never reinterpreted). The buffer comes
 from the caller: on a CUDA/XPU engine the connector allocates it pinned, so
 copies to and from the device run asynchronously; on the CPU platform plain
-memory. The scheduler decides which chunk goes into which slot.
+memory. The scheduler decides which chunk goes into which slot; the CPU
+tier's handler (:class:`~s3kv.tiering.tiers.cpu.CpuHandler`) reads and
+writes slots for the transfer engine.
 """
 
 from __future__ import annotations
@@ -13,20 +15,13 @@ import threading
 
 import numpy as np
 
-from s3kv.errors import NotFound
-from s3kv.tiering.chunks import ChunkData, FrameSink
-from s3kv.tiering.placement import Tier
-from s3kv.tiering.tier import TierStorage
-
 
 def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
     """How many chunk slots fit in ``capacity_bytes`` (both sides compute it)."""
     return capacity_bytes // slot_bytes if slot_bytes > 0 else 0
 
 
-class HostPool(TierStorage):
-    tier = Tier.CPU
-
+class HostPool:
     def __init__(
         self, num_slots: int, layer_bytes: int, num_layers: int, buffer: np.ndarray | None = None
     ) -> None:
@@ -45,7 +40,7 @@ class HostPool(TierStorage):
         self._keys: list[bytes | None] = [None] * num_slots
         self._lock = threading.Lock()
 
-    def _check_slot(self, slot: int | None) -> int:
+    def check_slot(self, slot: int | None) -> int:
         if slot is None or not 0 <= slot < self.num_slots:
             raise ValueError(f"host pool: slot {slot} out of range 0..{self.num_slots - 1}")
         return slot
@@ -53,7 +48,7 @@ class HostPool(TierStorage):
     def layer_view(self, slot: int, layer: int) -> np.ndarray:
         """Layer ``layer``'s pages in slot ``slot`` (a writable view)."""
         start = layer * self.layer_bytes
-        return self.buffer[self._check_slot(slot), start : start + self.layer_bytes]
+        return self.buffer[self.check_slot(slot), start : start + self.layer_bytes]
 
     def layer_views(self, slot: int) -> list[np.ndarray]:
         return [self.layer_view(slot, i) for i in range(self.num_layers)]
@@ -61,40 +56,14 @@ class HostPool(TierStorage):
     def claim(self, slot: int, key: bytes | None) -> None:
         """Say which chunk slot ``slot`` holds (None: being overwritten)."""
         with self._lock:
-            self._keys[self._check_slot(slot)] = key
+            self._keys[self.check_slot(slot)] = key
 
     def holds(self, slot: int, key: bytes) -> bool:
         with self._lock:
-            return self._keys[self._check_slot(slot)] == key
+            return self._keys[self.check_slot(slot)] == key
 
-    # -- TierStorage -----------------------------------------------------------
-    def write(self, key: bytes, chunk: ChunkData, slot: int | None = None) -> int:
-        slot = self._check_slot(slot)
-        layers = chunk.layers
-        if len(layers) != self.num_layers:
-            raise ValueError(f"host pool: chunk has {len(layers)} layers, slots hold {self.num_layers}")
-        self.claim(slot, None)
-        for i, data in enumerate(layers):
-            flat = np.asarray(data).reshape(-1).view(np.uint8)
-            if flat.size != self.layer_bytes:
-                raise ValueError(f"host pool: layer {i} is {flat.size} bytes, slots hold {self.layer_bytes}")
-            np.copyto(self.layer_view(slot, i), flat)
-        self.claim(slot, key)
-        return self.slot_bytes
-
-    def read(self, key: bytes, sink: FrameSink, slot: int | None = None) -> int:
-        slot = self._check_slot(slot)
-        if not self.holds(slot, key):
-            raise NotFound(f"{key.hex()} (host pool slot {slot})")
-        for i in range(self.num_layers):
-            sink(i, self.layer_view(slot, i))
-        return self.slot_bytes
-
-    def delete(self, key: bytes, slot: int | None = None) -> None:
-        slot = self._check_slot(slot)
+    def release(self, slot: int, key: bytes) -> None:
+        """Slot ``slot`` no longer holds ``key`` (if it did)."""
         with self._lock:
-            if self._keys[slot] == key:
+            if self._keys[self.check_slot(slot)] == key:
                 self._keys[slot] = None
-
-    def bytes_used(self) -> int:
-        return self.buffer.nbytes

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("s3kv.transfer")
 
 try:
     _ALLOWED_CPUS = os.sched_getaffinity(0)
@@ -70,3 +73,97 @@ class BackgroundLoop:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+STORE_NICE = 10
+"""Niceness of the write-through threads (Linux: per thread)."""
+
+
+def _background_priority() -> None:
+    unbind_thread()
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICE)
+
+
+class JobLoop(BackgroundLoop):
+    """A background loop that keeps track of the jobs it runs (:meth:`drain`
+    waits for them), with threads for blocking work: ``threads`` for
+    decoding and copies, half as many at a lower CPU priority
+    (:data:`STORE_NICE`) for write-through (encoding), so that it never
+    slows a forward or a load."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        super().__init__(name)
+        self.threads = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="s3kv-codec", initializer=unbind_thread
+        )
+        self.background_threads = concurrent.futures.ThreadPoolExecutor(
+            max(1, threads // 2), thread_name_prefix="s3kv-store", initializer=_background_priority
+        )
+        self._lock = threading.Lock()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+
+    def track(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` as a job :meth:`drain` waits for; its failure is logged."""
+        fut = self.submit(coro)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._untrack)
+
+    def _untrack(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("s3kv: background task failed: %r", fut.exception())
+
+    async def in_threads(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
+
+    async def in_background(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.background_threads, fn, *args)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the jobs; True if all of them finished."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            concurrent.futures.wait(pending, timeout=left)
+
+    def close(
+        self,
+        timeout_s: float,
+        flush: Callable[[], Coroutine[Any, Any, Any]] | None = None,
+        last: Callable[[], Coroutine[Any, Any, Any]] | None = None,
+    ) -> None:
+        """Let the jobs under way finish, then ``flush``, all within
+        ``timeout_s``; what is still running then is cancelled (each task's
+        handlers run), ``last`` runs, and the loop and threads stop."""
+        deadline = time.monotonic() + timeout_s
+        reserve = min(1.0, timeout_s / 4) if flush is not None else 0.0
+        if not self.drain(max(0.0, timeout_s - reserve)):
+            log.warning("s3kv: abandoning unfinished transfers at shutdown")
+        if flush is not None:
+            try:
+                self.run(flush(), timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:
+                log.warning("s3kv: publishing the last stores at shutdown failed: %r", e)
+
+        async def abandon() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # aborts run in their handlers
+            if last is not None:
+                await last()
+
+        with contextlib.suppress(Exception):
+            self.run(abandon(), timeout=max(0.1, deadline - time.monotonic()))
+        self.stop(timeout=max(0.1, deadline - time.monotonic()))
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        self.background_threads.shutdown(wait=False, cancel_futures=True)

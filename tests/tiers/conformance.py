@@ -1,11 +1,13 @@
-"""The behaviour every local tier must share, placement and bytes together.
+"""The behaviour every tier must share, placement and bytes together.
 
-A local tier is split across vLLM's processes: the scheduler's
+A tier is split across vLLM's processes: the scheduler's
 :class:`~s3kv.tiering.placement.TierIndex` decides where a chunk goes and what
-is evicted, a worker's :class:`~s3kv.tiering.tier.TierStorage` holds the
+is evicted, a worker's :class:`~s3kv.tiering.tiers.base.TierHandler` holds the
 bytes. :class:`LocalTier` joins them the way the scheduler and a worker do,
-and :class:`TierConformance` is the suite: a backend's test class subclasses
-it and provides the ``make_tier`` fixture (capacity in chunks -> LocalTier).
+and :class:`TierConformance` is the suite: each handler's test class
+subclasses it and provides the ``make_tier`` fixture (capacity in chunks ->
+LocalTier). The handlers run on one event loop, as in a worker; the suite
+calls them from threads through :class:`Calls`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import pytest
 
 from s3kv.errors import CorruptChunk, NotFound
 from s3kv.tiering.chunks import ChunkCodec, ChunkData, PageFormat
+from s3kv.tiering.loop import BackgroundLoop
 from s3kv.tiering.placement import TierIndex
-from s3kv.tiering.tier import TierStorage
+from s3kv.tiering.plan import Place
+from s3kv.tiering.tiers.base import TierHandler
 
 NAMESPACE = "5e" * 16
 LAYERS = 4
@@ -63,13 +67,49 @@ def make_chunk(chunk_codec: ChunkCodec, key: bytes, version: int = 0) -> ChunkDa
     return ChunkData(key, chunk_codec, layers=layers_for(key, version, chunk_codec.num_layers))
 
 
+_LOOP: BackgroundLoop | None = None
+
+
+def _loop() -> BackgroundLoop:
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = BackgroundLoop("s3kv-conformance")
+    return _LOOP
+
+
+class Calls:
+    """A handler's methods, called and waited for (from any thread) on the
+    suite's event loop; ``slot``: the place's slot."""
+
+    def __init__(self, handler: TierHandler) -> None:
+        self.handler = handler
+
+    def _place(self, slot: int | None) -> Place:
+        return Place(self.handler.tier, slot)
+
+    def write(self, key: bytes, chunk: ChunkData, slot: int | None = None) -> int:
+        assert chunk.key == key
+        size = _loop().run(self.handler.write(self._place(slot), chunk), timeout=60)
+        assert size is not None
+        return size
+
+    def read(self, key: bytes, sink, slot: int | None = None) -> int:
+        return _loop().run(self.handler.read(self._place(slot), key, sink), timeout=60)[0]
+
+    def delete(self, key: bytes, slot: int | None = None) -> None:
+        _loop().run(self.handler.delete(self._place(slot), key), timeout=60)
+
+    def bytes_used(self) -> int:
+        return _loop().run(self.handler.bytes_used(), timeout=60)
+
+
 class LocalTier:
     """An index and a storage, joined as the scheduler and a worker join them.
     Index operations are serialized under one lock (the scheduler thread)."""
 
-    def __init__(self, index: TierIndex, storage: TierStorage, size_of: Callable[[ChunkData], int]) -> None:
+    def __init__(self, index: TierIndex, handler: TierHandler, size_of: Callable[[ChunkData], int]) -> None:
         self.index = index
-        self.storage = storage
+        self.storage = Calls(handler)
         self.size_of = size_of
         self.lock = threading.Lock()
         self.written: dict[bytes, int] = {}
@@ -133,7 +173,7 @@ def expected(key: bytes, version: int = 0) -> list[bytes]:
     return [a.tobytes() for a in layers_for(key, version)]
 
 
-def read_raw(storage: TierStorage, key: bytes, slot: int | None) -> list[bytes]:
+def read_raw(storage: Calls, key: bytes, slot: int | None) -> list[bytes]:
     layers: dict[int, bytes] = {}
     storage.read(key, lambda i, a: layers.__setitem__(i, a.tobytes()), slot=slot)
     return [layers[i] for i in sorted(layers)]

@@ -23,8 +23,18 @@ from s3kv.stores.base import GetResult
 from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.chunks import ChunkCodec
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.transfer import StoreJob
-from tests.unit.test_transfer import FMT, LAYERS, PAGE, chunk, engine, layers, stored_chunk, wait_for
+from tests.unit.test_transfer import (
+    FMT,
+    LAYERS,
+    PAGE,
+    chunk,
+    engine,
+    files,
+    job,
+    layers,
+    stored_chunk,
+    wait_for,
+)
 
 SECRET = "a-fleet-secret-of-at-least-32-chars!"
 OTHER = "another-fleet-secret-32-characters-long"
@@ -158,9 +168,9 @@ def test_a_bad_disk_copy_falls_back_to_s3(tmp_path):
     key = b"d" * 16
     store = MemoryStore()
     e = engine(store, disk_path=tmp_path)
-    e.submit_store(StoreJob(key, layers(7), disk=True, s3=True))
+    e.submit_store(job(key, layers(7), disk=True, s3=True))
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
-    path = e.disk.path(key)
+    path = files(e).path(key)
     for damage in (
         lambda b: _truncated_at_a_frame_boundary(b, 2),
         lambda b: rewrite_header(b, shuffle=3),
@@ -299,7 +309,7 @@ def test_a_forged_object_in_the_way_of_a_store_is_replaced_not_published():
     forger = engine(MemoryStore())  # valid checksums, no secret, other KV
     put(store, name, forger.codec.encode(key, layers(99)))
     forger.close()
-    e.submit_store(StoreJob(key, layers(1), s3=True))
+    e.submit_store(job(key, layers(1), s3=True))
     acc = wait_for(e, lambda a: key in a.written.get(Tier.S3, {}) or key in a.failed.get(Tier.S3, ()))
     assert key in acc.written[Tier.S3]
     assert codec.parse_header(get(store, name), keys()).signed  # ours now
@@ -312,7 +322,7 @@ def test_a_forged_object_that_cannot_be_deleted_is_never_published():
     e = engine(store, keys=keys())
     name = e.chunk_id(key).object_key
     put(store, name, ChunkCodec("n" * 32, 0, LAYERS, FMT).encode(key, layers(99)))
-    e.submit_store(StoreJob(key, layers(1), s3=True))
+    e.submit_store(job(key, layers(1), s3=True))
     acc = wait_for(e, lambda a: key in a.failed.get(Tier.S3, ()) or key in a.written.get(Tier.S3, {}))
     assert key in acc.failed[Tier.S3] and key not in acc.written.get(Tier.S3, {})
     assert key in acc.bad and key not in acc.existing
@@ -324,7 +334,7 @@ def test_a_good_signed_object_in_the_way_counts_as_stored():
     store = MemoryStore()
     a = stored_chunk(store, key, 1, keys=keys())
     b = engine(store, keys=keys())
-    b.submit_store(StoreJob(key, layers(2), s3=True))
+    b.submit_store(job(key, layers(2), s3=True))
     acc = wait_for(b, lambda r: key in r.written.get(Tier.S3, {}))
     assert acc.existing == {key} and b.counters.totals()["store_chunks_existing"] == 1
     a.close()
@@ -340,16 +350,16 @@ def test_a_slow_disk_read_falls_back_to_s3_and_blames_only_the_disk(tmp_path, mo
     key = b"w" * 16
     store = MemoryStore()
     e = engine(store, disk_path=tmp_path, disk_timeout_s=0.2)
-    e.submit_store(StoreJob(key, layers(3), disk=True, s3=True))
+    e.submit_store(job(key, layers(3), disk=True, s3=True))
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
     stuck = threading.Event()
-    real_read = e.disk.read
+    real_read = files(e).read
 
     def hung_read(*a, **kw):
         stuck.wait(30)  # a disk that stopped answering
         return real_read(*a, **kw)
 
-    monkeypatch.setattr(e.disk, "read", hung_read)
+    monkeypatch.setattr(files(e), "read", hung_read)
     got = {}
     e.submit_load(
         "j", [chunk(key, Tier.DISK, Tier.S3)], lambda c, layer, arr: got.__setitem__(layer, arr.copy())
@@ -576,7 +586,7 @@ def test_a_network_fault_checking_an_object_in_the_way_never_deletes_it(fault):
     name = e.chunk_id(key).object_key
     good = e.codec.encode(key, layers(1))
     put(store, name, good)
-    e.submit_store(StoreJob(key, layers(1), s3=True))
+    e.submit_store(job(key, layers(1), s3=True))
     acc = wait_for(e, lambda a: key in a.failed.get(Tier.S3, ()) or key in a.written.get(Tier.S3, {}))
     assert key in acc.failed[Tier.S3] and key not in acc.existing and key not in acc.missing.get(Tier.S3, ())
     assert asyncio.run(MemoryStore.get(store, name)) == good and not acc.bad

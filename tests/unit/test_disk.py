@@ -31,9 +31,15 @@ from s3kv.tiering import disk
 from s3kv.tiering.chunks import ChunkData, PageFormat
 from s3kv.tiering.disk import DiskTier
 from s3kv.tiering.local_tiers import open_disk, release_lock
-from tests.tiers.conformance import NAMESPACE, key_of, make_chunk, make_codec, read_raw
+from s3kv.tiering.tiers.nvme import NvmeHandler
+from tests.tiers.conformance import NAMESPACE, Calls, key_of, make_chunk, make_codec, read_raw
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def through_handler(files: DiskTier) -> Calls:
+    """``files`` read as a worker reads them: through the NVMe tier's handler."""
+    return Calls(NvmeHandler(files, timeout_s=60, write_queue_s=60))
 
 
 def write_shard(root: Path, key: bytes, rank: int, mtime: float, namespace: str = NAMESPACE) -> int:
@@ -560,7 +566,7 @@ def test_writer_killed_mid_write_leaves_no_file_loaded_as_valid(tmp_path):
         key = bytes.fromhex(path.name.removesuffix(".r0"))
         assert key in {key_of(i) for i in range(CRASH_KEYS)}
         try:
-            got = read_raw(tier, key, None)
+            got = read_raw(through_handler(tier), key, None)
         except CorruptChunk:
             corrupt.append(key)
             continue
@@ -590,7 +596,7 @@ def test_a_disk_read_never_follows_a_symlink(tmp_path):
     path.unlink()
     path.symlink_to(target)
     with pytest.raises(CorruptChunk, match="symlink"):
-        read_raw(tier, key, None)
+        read_raw(through_handler(tier), key, None)
     assert path.is_symlink() and target.read_bytes() == good  # left alone, as the scan leaves it
 
 
@@ -611,7 +617,7 @@ def test_a_disk_read_refuses_what_is_not_a_regular_file_without_blocking(tmp_pat
     try:
         started = time.monotonic()
         with pytest.raises(CorruptChunk, match="not a regular file"):
-            read_raw(tier, key, None)
+            read_raw(through_handler(tier), key, None)
         assert time.monotonic() - started < 5 and path.exists()
     finally:
         if sock is not None:
@@ -628,7 +634,7 @@ def test_a_disk_file_larger_than_a_chunk_is_deleted_unread(tmp_path, monkeypatch
     real_read = os.read
     monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
     with pytest.raises(CorruptChunk, match=f"{limit + 1} bytes, more than a chunk's {limit}"):
-        read_raw(tier, key, None)
+        read_raw(through_handler(tier), key, None)
     assert reads == [] and not path.exists()
 
 
@@ -639,9 +645,11 @@ def test_a_corrupt_disk_file_is_deleted_after_the_failed_read(tmp_path):
     bad[-10] ^= 1
     path.write_bytes(bytes(bad))
     with pytest.raises(CorruptChunk, match="checksum mismatch"):
-        read_raw(tier, key, None)
+        read_raw(through_handler(tier), key, None)
     assert not path.exists()
     with pytest.raises(NotFound):  # the next read is a plain miss
-        read_raw(tier, key, None)
+        read_raw(through_handler(tier), key, None)
     tier.write(key, make_chunk(tier.codec, key))
-    assert read_raw(tier, key, None) == [a.tobytes() for a in make_chunk(tier.codec, key).layers]
+    assert read_raw(through_handler(tier), key, None) == [
+        a.tobytes() for a in make_chunk(tier.codec, key).layers
+    ]

@@ -3,6 +3,7 @@ and a real NVMe directory (tmp_path)."""
 
 import asyncio
 import errno
+import threading
 import time
 
 import numpy as np
@@ -16,7 +17,7 @@ from s3kv.tiering import disk as disk_mod
 from s3kv.tiering.chunks import PageFormat, plan_ranges
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.plan import LoadChunk
+from s3kv.tiering.plan import LoadChunk, Place, TierReport
 from s3kv.tiering.transfer import EngineSettings, StoreJob, TransferEngine
 
 LAYERS = 4
@@ -44,39 +45,96 @@ def engine(store, *, pool_slots=0, disk_path=None, **kw):
     return e
 
 
-def chunk(key, *sources, **kw):
-    return LoadChunk(key, (0, 1), 0, 2, sources or (Tier.S3,), **kw)
+def chunk(key, *sources, cpu_slot=None, promote_slot=None, promote_disk=False):
+    """A load of ``key`` from ``sources`` (tiers, S3 by default), promoted to
+    CPU slot ``promote_slot`` and/or the NVMe tier."""
+    places = tuple(Place(t, cpu_slot if t is Tier.CPU else None) for t in sources or (Tier.S3,))
+    promote = (Place(Tier.CPU, promote_slot),) if promote_slot is not None else ()
+    return LoadChunk(key, (0, 1), 0, 2, places, promote + ((Place(Tier.DISK),) if promote_disk else ()))
+
+
+def job(key, pages, slot=None, disk=False, s3=False, ready=None):
+    """A store of ``pages`` into CPU slot ``slot`` and/or the NVMe tier and S3."""
+    targets = ((Place(Tier.CPU, slot),) if slot is not None else ()) + tuple(
+        Place(t) for t, wanted in ((Tier.DISK, disk), (Tier.S3, s3)) if wanted
+    )
+    return StoreJob(key, pages, targets, ready)
 
 
 def store_job(key, seed, **kw):
     kw.setdefault("s3", True)
-    return StoreJob(key, layers(seed), **kw)
+    return job(key, layers(seed), **kw)
+
+
+def files(e):
+    """The engine's NVMe directory (the files under its handler)."""
+    return e.handlers[Tier.DISK].files
+
+
+def pool(e):
+    return e.handlers[Tier.CPU].pool
 
 
 class Results:
-    """Everything polled from an engine, accumulated."""
+    """Every report polled from an engine, aggregated as vLLM aggregates
+    ranks' reports, with per-tier views of it."""
 
     def __init__(self):
-        self.finished_loads, self.written, self.failed, self.missing = {}, {}, {}, {}
-        self.released, self.unavailable, self.disk_full = [], 0, False
-        self.tier_ok, self.tier_failed, self.bad, self.existing = {}, {}, {}, set()
+        self.report, self.finished_loads = TierReport(), {}
 
-    def add(self, r):
-        self.finished_loads.update(r.finished_loads)
-        for mine, theirs in ((self.written, r.written), (self.failed, r.failed), (self.missing, r.missing)):
-            for tier, keys in theirs.items():
-                if isinstance(keys, dict):
-                    mine.setdefault(tier, {}).update(keys)
-                else:
-                    mine.setdefault(tier, set()).update(keys)
-        self.released += r.released
-        self.unavailable += r.tier_failed.get(Tier.S3, 0)  # S3 did not answer
-        for mine, theirs in ((self.tier_ok, r.tier_ok), (self.tier_failed, r.tier_failed)):
-            for tier, n in theirs.items():
-                mine[tier] = mine.get(tier, 0) + n
-        self.bad.update(r.bad)
-        self.existing |= r.existing
-        self.disk_full |= r.disk_full
+    def add(self, polled):
+        self.finished_loads.update(polled.finished_loads)
+        self.report = self.report.aggregate(polled.report)
+
+    def _by_tier(self, pairs):
+        out = {}
+        for tier, key in pairs:
+            out.setdefault(tier, set()).add(key)
+        return out
+
+    @property
+    def written(self):
+        """Tier -> key -> ranks (the NVMe tier: bytes of its files)."""
+        out = {}
+        for (tier, key), n in self.report.written.items():
+            out.setdefault(tier, {})[key] = self.report.disk_sizes[key] if tier is Tier.DISK else n
+        return out
+
+    @property
+    def failed(self):
+        return self._by_tier(self.report.failed)
+
+    @property
+    def missing(self):
+        return self._by_tier(self.report.missing)
+
+    @property
+    def released(self):
+        return [key for key, n in self.report.released.items() for _ in range(n)]
+
+    @property
+    def unavailable(self):
+        return self.report.tier_failed.get(Tier.S3, 0)  # S3 did not answer
+
+    @property
+    def tier_ok(self):
+        return self.report.tier_ok
+
+    @property
+    def tier_failed(self):
+        return self.report.tier_failed
+
+    @property
+    def bad(self):
+        return {key: etag for (key, _rank), etag in self.report.bad.items()}
+
+    @property
+    def existing(self):
+        return self.report.existing
+
+    @property
+    def disk_full(self):
+        return self.report.disk_full
 
 
 def wait_for(e, pred, timeout=10):
@@ -88,6 +146,14 @@ def wait_for(e, pred, timeout=10):
             return acc
         time.sleep(0.01)
     raise AssertionError(f"timed out; have {vars(acc)}")
+
+
+def until(pred, timeout=30):
+    """Wait for ``pred()`` (a condition another thread makes true)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
 
 
 def stored_chunk(store, key, seed, **kw):
@@ -107,7 +173,7 @@ def test_store_then_load_roundtrip():
     e = engine(store)
     data = {bytes([i]) * 16: layers(i) for i in range(3)}
     for key, ls in data.items():
-        assert e.submit_store(StoreJob(key, ls, s3=True))
+        assert e.submit_store(job(key, ls, s3=True))
     wait_for(e, lambda a: len(a.written.get(Tier.S3, {})) == 3)
     got = {}
     e.submit_load("job", [chunk(k) for k in data], collect(got))
@@ -126,14 +192,14 @@ def test_write_through_to_every_tier_then_load_from_each(tmp_path):
     e = engine(store, pool_slots=2, disk_path=tmp_path)
     key = b"w" * 16
     data = layers(7)
-    slot_views = e.pool.layer_views(1)
+    slot_views = pool(e).layer_views(1)
     for view, layer in zip(slot_views, data):
         view[:] = layer  # the connector's copy out of the KV cache
-    e.submit_store(StoreJob(key, slot_views, slot=1, disk=True, s3=True))
+    e.submit_store(job(key, slot_views, slot=1, disk=True, s3=True))
     acc = wait_for(e, lambda a: all(key in a.written.get(t, {}) for t in Tier) and a.released)
     assert acc.released == [key]  # the slot may be reused once encoded
-    assert e.disk.path(key).is_file() and asyncio.run(store.exists(e.chunk_id(key).object_key))
-    assert acc.written[Tier.DISK][key] == e.disk.path(key).stat().st_size
+    assert files(e).path(key).is_file() and asyncio.run(store.exists(e.chunk_id(key).object_key))
+    assert acc.written[Tier.DISK][key] == files(e).path(key).stat().st_size
     for tier, kw in ((Tier.CPU, {"cpu_slot": 1}), (Tier.DISK, {}), (Tier.S3, {})):
         got = {}
         e.submit_load(tier.value, [chunk(key, tier, **kw)], collect(got))
@@ -152,10 +218,10 @@ def test_s3_load_promotes_to_cpu_slot_and_disk(tmp_path):
     e.submit_load("j", [chunk(key, Tier.S3, promote_slot=0, promote_disk=True)], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads and key in a.written.get(Tier.DISK, {}))
     assert acc.finished_loads["j"] == [] and key in acc.written[Tier.CPU]
-    assert e.pool.holds(0, key)
-    assert all((v == d).all() for v, d in zip(e.pool.layer_views(0), layers(8)))
+    assert pool(e).holds(0, key)
+    assert all((v == d).all() for v, d in zip(pool(e).layer_views(0), layers(8)))
     # The promoted file is the S3 object, byte for byte.
-    assert e.disk.read_blob(key) == asyncio.run(store.get(e.chunk_id(key).object_key))
+    assert files(e).read_blob(key) == asyncio.run(store.get(e.chunk_id(key).object_key))
     e.close()
 
 
@@ -176,9 +242,9 @@ def test_disk_miss_falls_back_to_s3_and_reports_the_disk(tmp_path):
 def test_corrupt_disk_file_is_removed_and_reported(tmp_path):
     e = engine(MemoryStore(), disk_path=tmp_path)
     key = b"d" * 16
-    e.submit_store(StoreJob(key, layers(3), disk=True))
+    e.submit_store(job(key, layers(3), disk=True))
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}))
-    path = e.disk.path(key)
+    path = files(e).path(key)
     blob = bytearray(path.read_bytes())
     blob[-5] ^= 0x01
     path.write_bytes(bytes(blob))
@@ -220,7 +286,7 @@ class SlowPutStore(MemoryStore):
 
 def test_backpressure_drops_write_through_but_keeps_the_cpu_copy():
     e = engine(SlowPutStore(), pool_slots=5, max_inflight_bytes=2 * LAYERS * PAGE)  # room for two
-    jobs = [StoreJob(bytes([i]) * 16, e.pool.layer_views(i), slot=i, s3=True) for i in range(5)]
+    jobs = [job(bytes([i]) * 16, pool(e).layer_views(i), slot=i, s3=True) for i in range(5)]
     accepted = [e.submit_store(j) for j in jobs]
     assert accepted == [True, True, False, False, False]
     acc = wait_for(e, lambda a: len(a.written.get(Tier.S3, {})) + len(a.failed.get(Tier.S3, ())) == 5)
@@ -239,7 +305,7 @@ def test_disk_full_drops_the_store_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(disk_mod, "atomic_write", full)
     e = engine(MemoryStore(), disk_path=tmp_path)
     key = b"e" * 16
-    e.submit_store(StoreJob(key, layers(1), disk=True, s3=True))
+    e.submit_store(job(key, layers(1), disk=True, s3=True))
     acc = wait_for(e, lambda a: key in a.failed.get(Tier.DISK, ()) and key in a.written.get(Tier.S3, {}))
     assert acc.disk_full
     assert e.counters.totals()["store_dropped_disk_full"] == 1
@@ -312,18 +378,26 @@ def test_no_write_reaches_pages_after_a_timeout():
     """A load that times out must not write into blocks vLLM got back."""
 
     class SlowSecondRange(MemoryStore):
+        slow, over = 0, 0
+
         async def get(self, key, range=None):
             if range is not None and range.start > 0:
-                await asyncio.sleep(1.0)
+                self.slow += 1
+                try:
+                    await asyncio.sleep(1.0)  # past the load's deadline: the slow S3 under test
+                finally:
+                    self.over += 1  # arrived, or cancelled with its load
             return await super().get(key, range)
 
     key = b"t" * 16
-    e = stored_chunk(SlowSecondRange(), key, 5, load_timeout_s=0.3)
+    store = SlowSecondRange()
+    e = stored_chunk(store, key, 5, load_timeout_s=0.3)
     writes = []
     e.submit_load("j", [chunk(key)], lambda c, layer, arr: writes.append(layer))
     wait_for(e, lambda a: "j" in a.finished_loads)
     seen = list(writes)
-    time.sleep(1.5)  # the slow ranges arrive now
+    until(lambda: store.slow and store.over == store.slow)  # the slow ranges are over now
+    time.sleep(0.1)  # and are decoded (or not) on the codec threads
     assert writes == seen
     e.close()
 
@@ -333,19 +407,19 @@ def test_write_through_runs_at_background_priority():
     import os
     import threading
 
-    from s3kv.tiering.transfer import STORE_NICE
+    from s3kv.tiering.loop import STORE_NICE
 
     if os.nice(0) >= STORE_NICE:
         pytest.skip("the tests already run at a lower priority than s3kv's store threads")
     e = engine(FlakyStore())
     nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
-    background = e._loop.run(e._run_background(nice), timeout=5)
-    foreground = e._loop.run(e._run(nice), timeout=5)
+    background = e._loop.run(e._loop.in_background(nice), timeout=5)
+    foreground = e._loop.run(e._loop.in_threads(nice), timeout=5)
     assert background > foreground
     e.close(0.1)
 
 
-def test_s3kv_threads_escape_the_forwards_core_binding():
+def test_s3kv_threads_escape_the_forwards_core_binding(tmp_path):
     """vLLM's CPU worker binds its threads to its OpenMP cores and new threads
     inherit that; s3kv's threads must be free to use the other cores."""
     import os
@@ -360,12 +434,12 @@ def test_s3kv_threads_escape_the_forwards_core_binding():
 
     def start_bound():
         os.sched_setaffinity(0, {min(allowed)})  # as vLLM's binding leaves the thread
-        e = engine(FlakyStore())
+        e = engine(FlakyStore(), disk_path=tmp_path)
         aff = lambda: os.sched_getaffinity(0)  # noqa: E731
-        seen["codec"] = e._loop.run(e._run(aff), timeout=5)
-        seen["store"] = e._loop.run(e._run_background(aff), timeout=5)
-        seen["disk"] = e._loop.run(e._run_disk(aff), timeout=5)
-        seen["disk-write"] = e._loop.run(e._run_disk(aff, write=True), timeout=5)
+        seen["codec"] = e._loop.run(e._loop.in_threads(aff), timeout=5)
+        seen["store"] = e._loop.run(e._loop.in_background(aff), timeout=5)
+        seen["disk"] = e._loop.run(e.handlers[Tier.DISK].run(aff), timeout=5)
+        seen["disk-write"] = e._loop.run(e.handlers[Tier.DISK].run(aff, write=True), timeout=5)
 
         async def on_loop():
             return os.sched_getaffinity(0)
@@ -426,9 +500,9 @@ def test_absent_or_corrupt_is_an_answer_from_a_working_tier(tmp_path):
     acc = wait_for(e, lambda a: "absent" in a.finished_loads)
     assert acc.missing == {Tier.DISK: {key}, Tier.S3: {key}}
     assert acc.tier_ok == {Tier.DISK: 1, Tier.S3: 1} and acc.tier_failed == {}
-    e.submit_store(StoreJob(key, layers(3), disk=True))
+    e.submit_store(job(key, layers(3), disk=True))
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}))
-    path = e.disk.path(key)
+    path = files(e).path(key)
     blob = bytearray(path.read_bytes())
     blob[-5] ^= 0x01
     path.write_bytes(bytes(blob))
@@ -443,9 +517,10 @@ class SlowGets(MemoryStore):
 
     def __init__(self, delay):
         super().__init__()
-        self.delay, self.fail_puts = delay, False
+        self.delay, self.fail_puts, self.gets = delay, False, 0
 
     async def get(self, key, range=None):
+        self.gets += 1
         await asyncio.sleep(self.delay)
         return await super().get(key, range)
 
@@ -460,9 +535,9 @@ def test_a_failed_s3_store_does_not_fail_loads_in_flight():
     key = b"l" * 16
     e = stored_chunk(store, key, 4)
     store.fail_puts = True
-    got = {}
+    got, gets = {}, store.gets
     e.submit_load("j", [chunk(key)], collect(got))
-    time.sleep(0.05)  # the load is under way
+    until(lambda: store.gets > gets)  # the load is under way
     e.submit_store(store_job(b"s" * 16, 5))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [] and (got[(key, 0)] == layers(4)[0]).all()
@@ -474,22 +549,25 @@ def test_a_failed_s3_store_does_not_fail_loads_in_flight():
 def test_a_failed_nvme_write_does_not_fail_disk_reads_in_flight(tmp_path, monkeypatch):
     key = b"r" * 16
     e = engine(MemoryStore(), disk_path=tmp_path)
-    e.submit_store(StoreJob(key, layers(6), disk=True))
+    e.submit_store(job(key, layers(6), disk=True))
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}))
-    real_read = e.disk.read
+    real_read = files(e).read
+
+    reading = threading.Event()
 
     def slow_read(*a, **kw):
-        time.sleep(0.3)
+        reading.set()
+        time.sleep(0.3)  # the read still under way when the write fails
         return real_read(*a, **kw)
 
     def failing_write(*a, **kw):
         raise Transient("EIO")
 
-    monkeypatch.setattr(e.disk, "read", slow_read)
-    monkeypatch.setattr(e.disk, "write", failing_write)
+    monkeypatch.setattr(files(e), "read", slow_read)
+    monkeypatch.setattr(files(e), "write", failing_write)
     e.submit_load("j", [chunk(key, Tier.DISK)], lambda *a: None)
-    time.sleep(0.05)
-    e.submit_store(StoreJob(b"x" * 16, layers(7), disk=True))
+    assert reading.wait(30)
+    e.submit_store(job(b"x" * 16, layers(7), disk=True))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == []
     acc.add(e.poll())
@@ -500,20 +578,26 @@ def test_a_failed_nvme_write_does_not_fail_disk_reads_in_flight(tmp_path, monkey
 def test_a_load_out_of_time_gives_up_without_blaming_a_tier(tmp_path, monkeypatch):
     key = b"o" * 16
     e = engine(MemoryStore(), disk_path=tmp_path, load_timeout_s=0.3, disk_timeout_s=5.0)
-    e.submit_store(StoreJob(key, layers(2), disk=True, s3=True))
+    e.submit_store(job(key, layers(2), disk=True, s3=True))
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
-    real_read = e.disk.read
+    real_read = files(e).read
+
+    read_done = threading.Event()
 
     def slow_read(*a, **kw):
         time.sleep(0.6)  # slow, but well within the disk's own bound
-        return real_read(*a, **kw)
+        try:
+            return real_read(*a, **kw)
+        finally:
+            read_done.set()
 
-    monkeypatch.setattr(e.disk, "read", slow_read)
+    monkeypatch.setattr(files(e), "read", slow_read)
     c = chunk(key, Tier.DISK, Tier.S3)
     e.submit_load("j", [c], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [c]
-    time.sleep(0.5)
+    assert read_done.wait(30)  # the slow read is over: nothing more to hear of it
+    time.sleep(0.05)
     acc.add(e.poll())
     assert acc.tier_failed == {}  # neither the disk nor S3 (which had no time left) failed
     totals = e.counters.totals()
@@ -524,29 +608,32 @@ def test_a_load_out_of_time_gives_up_without_blaming_a_tier(tmp_path, monkeypatc
 def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_path, monkeypatch):
     import threading
 
-    from s3kv.tiering.transfer import DISK_THREADS
+    from s3kv.tiering.tiers.nvme import DISK_THREADS
 
     keys = [bytes([0xD0 + i]) * 16 for i in range(2 * DISK_THREADS)]
     e = engine(MemoryStore(), disk_path=tmp_path, disk_timeout_s=1.0)
     for i, key in enumerate(keys):
-        e.submit_store(StoreJob(key, layers(i), disk=True))
+        e.submit_store(job(key, layers(i), disk=True))
     wait_for(e, lambda a: len(a.written.get(Tier.DISK, {})) == len(keys))
-    real_read = e.disk.read
+    real_read = files(e).read
     stuck = threading.Event()
 
     def slow_read(*a, **kw):
         time.sleep(0.7)  # within the bound, but two in a row are not
         return real_read(*a, **kw)
 
+    hung = []
+
     def hung_write(*a, **kw):
+        hung.append(1)
         stuck.wait(30)
         raise Transient("EIO")
 
-    monkeypatch.setattr(e.disk, "read", slow_read)
-    monkeypatch.setattr(e.disk, "write", hung_write)
+    monkeypatch.setattr(files(e), "read", slow_read)
+    monkeypatch.setattr(files(e), "write", hung_write)
     for i in range(DISK_THREADS + 1):  # every write thread hung, one more write queued
-        e.submit_store(StoreJob(bytes([0xE0 + i]) * 16, layers(9), disk=True))
-    time.sleep(0.05)
+        e.submit_store(job(bytes([0xE0 + i]) * 16, layers(9), disk=True))
+    until(lambda: len(hung) == DISK_THREADS)  # every write thread is hung
     # Twice as many reads as threads: half of them wait for a thread first.
     e.submit_load("j", [chunk(k, Tier.DISK) for k in keys], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
@@ -567,7 +654,7 @@ def disk_and_s3_engine(tmp_path, n, **kw):
     keys = [bytes([0xA0 + i]) * 16 for i in range(n)]
     e = engine(MemoryStore(), disk_path=tmp_path, **kw)
     for i, key in enumerate(keys):
-        e.submit_store(StoreJob(key, layers(i), disk=True, s3=True))
+        e.submit_store(job(key, layers(i), disk=True, s3=True))
     wait_for(
         e, lambda a: all(k in a.written.get(Tier.DISK, {}) and k in a.written.get(Tier.S3, {}) for k in keys)
     )
@@ -575,16 +662,16 @@ def disk_and_s3_engine(tmp_path, n, **kw):
 
 
 def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(tmp_path, monkeypatch):
-    from s3kv.tiering.transfer import DISK_THREADS
+    from s3kv.tiering.tiers.nvme import DISK_THREADS
 
     e, keys = disk_and_s3_engine(tmp_path, 3 * DISK_THREADS, disk_timeout_s=0.5)
-    real_read = e.disk.read
+    real_read = files(e).read
 
     def busy_read(*a, **kw):
         time.sleep(0.4)  # each read in time, but the third in a row waits too long
         return real_read(*a, **kw)
 
-    monkeypatch.setattr(e.disk, "read", busy_read)
+    monkeypatch.setattr(files(e), "read", busy_read)
     e.submit_load("j", [chunk(k, Tier.DISK, Tier.S3) for k in keys], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [] and acc.tier_failed == {}
@@ -596,17 +683,17 @@ def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(t
 def test_a_read_that_waits_for_a_hung_disk_is_the_disks_failure(tmp_path, monkeypatch):
     import threading
 
-    from s3kv.tiering.transfer import DISK_THREADS
+    from s3kv.tiering.tiers.nvme import DISK_THREADS
 
     e, keys = disk_and_s3_engine(tmp_path, DISK_THREADS + 1, disk_timeout_s=0.3)
     hung = threading.Event()
-    real_read = e.disk.read
+    real_read = files(e).read
 
     def hung_read(*a, **kw):
         hung.wait(30)
         return real_read(*a, **kw)
 
-    monkeypatch.setattr(e.disk, "read", hung_read)
+    monkeypatch.setattr(files(e), "read", hung_read)
     e.submit_load("first", [chunk(k, Tier.DISK) for k in keys[:DISK_THREADS]], lambda *a: None)
     wait_for(e, lambda a: "first" in a.finished_loads)  # they timed out; their threads hang on
     # The next read waits behind stuck threads: that is the disk's failure

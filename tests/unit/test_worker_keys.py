@@ -23,7 +23,7 @@ from s3kv.connector.scheduler import SchedulerSide  # noqa: E402
 from s3kv.connector.worker import WorkerSide  # noqa: E402
 from s3kv.identity import ModelSource  # noqa: E402
 from s3kv.tiering.placement import Tier  # noqa: E402
-from s3kv.tiering.plan import LoadChunk, LoadPlan, StoreChunk  # noqa: E402
+from s3kv.tiering.plan import LoadChunk, LoadPlan, Place, StoreChunk  # noqa: E402
 
 SECRET = "s3kv-worker-key-test-0123456789abcdef"
 OTHER = "s3kv-worker-key-test-fedcba9876543210"
@@ -55,12 +55,16 @@ def step(namespace: str, kid: bytes | None) -> S3KVMetadata:
     """A step with a load of each kind and a store of each kind."""
     return S3KVMetadata(
         loads=[
-            LoadPlan("async", (LoadChunk(K[0], (0, 1), 0, 2, (Tier.DISK,), promote_slot=3),), sync=False),
-            LoadPlan("sync", (LoadChunk(K[1], (2, 3), 1, 2, (Tier.CPU,), cpu_slot=0),), sync=True),
+            LoadPlan(
+                "async",
+                (LoadChunk(K[0], (0, 1), 0, 2, (Place(Tier.DISK),), (Place(Tier.CPU, 3),)),),
+                sync=False,
+            ),
+            LoadPlan("sync", (LoadChunk(K[1], (2, 3), 1, 2, (Place(Tier.CPU, 0),)),), sync=True),
         ],
         stores=[
-            StoreChunk(K[2], (4, 5), cpu_slot=1, disk=True, s3=False),
-            StoreChunk(K[3], (6, 7), cpu_slot=None, disk=True, s3=False),
+            StoreChunk(K[2], (4, 5), (Place(Tier.CPU, 1), Place(Tier.DISK))),
+            StoreChunk(K[3], (6, 7), (Place(Tier.DISK),)),
         ],
         held=["done"],
         namespace=namespace,
@@ -76,7 +80,7 @@ def run_step(w: WorkerSide, meta: S3KVMetadata):
         w.save_layer(meta, layer)
     w.save(meta)
     sent, recved = w.get_finished({"done"})
-    return sent, recved, w.take_load_errors(), w.take_report()
+    return sent, recved, w.take_load_errors(), w.take_report().report  # the TierReport vLLM's metadata wraps
 
 
 @pytest.mark.parametrize(
@@ -131,7 +135,8 @@ def test_a_rank_with_the_scheduler_sides_key_transfers(caplog):
         sent, recved, errors, report = run_step(w, meta)
         assert w.engine.drain(10)
         w.get_finished(set())
-        report = report.aggregate(w.take_report())  # the store into the CPU slot, done in the background
+        # the store into the CPU slot, done in the background
+        report = report.aggregate(w.take_report().report)
     finally:
         w.shutdown()
     assert w.refusal is None and "fleet secret" not in caplog.text

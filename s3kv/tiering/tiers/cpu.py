@@ -1,15 +1,23 @@
-"""The CPU tier: host pool slots (scheduler side: the slot index; worker side: the pinned pool).
-"""
+"""The CPU tier: host pool slots (scheduler side: the slot index; worker side: the pinned pool)."""
 
 from __future__ import annotations
 
-# -- scheduler side ---------------------------------------------------------------
-from s3kv.errors import ConfigError
-from s3kv.tiering.hostpool import slots_for
+import asyncio
+import concurrent.futures
+
+import numpy as np
+
+from s3kv.errors import ConfigError, NotFound
+from s3kv.stats import Counters
+from s3kv.tiering.chunks import ChunkData, FrameSink
+from s3kv.tiering.hostpool import HostPool, slots_for
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place
-from s3kv.tiering.tiers.base import IndexedTierManager
+from s3kv.tiering.tiers.base import IndexedTierManager, RankReport, TierHandler, WorkerEnv
 from s3kv.units import format_size
+
+
+# -- scheduler side ---------------------------------------------------------------
 
 
 class CpuTierManager(IndexedTierManager):
@@ -83,3 +91,95 @@ class CpuTierManager(IndexedTierManager):
 
 
 # -- worker side -------------------------------------------------------------------
+
+
+class CpuHandler(TierHandler):
+    """The host pool's slots, one chunk shard each (the place's slot, chosen
+    by the scheduler side). Stores arrive as pages: the connector copies
+    them out of the KV cache into the slot, and the write-through to the
+    farther tiers reads them from there; a promotion fills the slot as the
+    load's layers arrive."""
+
+    tier = Tier.CPU
+    label = "CPU"
+    takes_pages = True
+    misses_are_answers = False
+
+    def __init__(
+        self,
+        pool: HostPool,
+        executor: concurrent.futures.Executor | None = None,
+        report: RankReport | None = None,
+        counters: Counters | None = None,
+    ) -> None:
+        super().__init__(report, counters)
+        self.pool = pool
+        self._executor = executor
+        """Threads that copy slots out (the engine's codec threads)."""
+
+    @classmethod
+    def for_worker(cls, env: WorkerEnv) -> CpuHandler | None:
+        if env.pool is None:
+            return None
+        return cls(env.pool, env.threads, env.report, env.counters)
+
+    async def read(
+        self,
+        place: Place,
+        key: bytes,
+        sink: FrameSink,
+        *,
+        deadline: float | None = None,
+        keep_blob: bool = False,
+    ) -> tuple[int, bytes | None]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._read, place.slot, key, sink), None
+
+    def _read(self, slot: int | None, key: bytes, sink: FrameSink) -> int:
+        pool = self.pool
+        if not pool.holds(pool.check_slot(slot), key):
+            raise NotFound(f"{key.hex()} (host pool slot {slot})")
+        for i in range(pool.num_layers):
+            sink(i, pool.layer_view(slot, i))  # type: ignore[arg-type]
+        return pool.slot_bytes
+
+    async def write(self, place: Place, chunk: ChunkData, start: float | None = None) -> int:
+        """Claim the slot for ``chunk``; its pages are copied in first unless
+        they are the slot's own (a store the connector copied out)."""
+        pool = self.pool
+        slot = pool.check_slot(place.slot)
+        layers = chunk.layers
+        if len(layers) != pool.num_layers:
+            raise ValueError(f"host pool: chunk has {len(layers)} layers, slots hold {pool.num_layers}")
+        views = pool.layer_views(slot)
+        if not all(np.may_share_memory(v, a) for v, a in zip(views, layers)):
+            pool.claim(slot, None)
+            for i, (view, data) in enumerate(zip(views, layers)):
+                flat = np.asarray(data).reshape(-1).view(np.uint8)
+                if flat.size != pool.layer_bytes:
+                    raise ValueError(
+                        f"host pool: layer {i} is {flat.size} bytes, slots hold {pool.layer_bytes}"
+                    )
+                np.copyto(view, flat)
+        pool.claim(slot, chunk.key)
+        self.counters.add("store_chunks_cpu")
+        return pool.slot_bytes
+
+    async def delete(self, place: Place, key: bytes) -> None:
+        self.pool.release(self.pool.check_slot(place.slot), key)
+
+    async def bytes_used(self) -> int:
+        return self.pool.buffer.nbytes
+
+    def open_fill(self, place: Place, key: bytes) -> FrameSink:
+        pool, slot = self.pool, self.pool.check_slot(place.slot)
+        pool.claim(slot, None)
+
+        def fill(layer: int, data: np.ndarray) -> None:
+            np.copyto(pool.layer_view(slot, layer), data.reshape(-1))
+
+        return fill
+
+    def close_fill(self, place: Place, key: bytes) -> int:
+        self.pool.claim(self.pool.check_slot(place.slot), key)
+        return self.pool.slot_bytes

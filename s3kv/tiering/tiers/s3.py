@@ -1,18 +1,28 @@
-"""The S3 tier: the shared bucket (scheduler side: the manifest, its breaker and the stores in flight; worker side: GETs and PUTs through the store).
-"""
+"""The S3 tier: the shared bucket (scheduler side: the manifest, its breaker and the stores in flight; worker side: GETs and PUTs through the store)."""
 
 from __future__ import annotations
 
-# -- scheduler side ---------------------------------------------------------------
+import concurrent.futures
+import logging
 import time
+
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
+from s3kv.auth import FleetKeys
+from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, PermissionDenied, Precondition
+from s3kv.keys import namespace_prefix, object_key
 from s3kv.manifest.keyset import Manifest
+from s3kv.stats import Counters
+from s3kv.stores.base import ObjectStore, PutMode
+from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, FrameSink, load_chunk, read_header
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place, TierReport
-from s3kv.tiering.tiers.base import TierManager
+from s3kv.tiering.tiers.base import RankReport, TierHandler, TierManager, WorkerEnv
+
+# -- scheduler side ---------------------------------------------------------------
+
 
 VERIFIED_SIZE = 1 << 16
 """Keys remembered present in the manifest (~100 bytes each)."""
@@ -142,3 +152,200 @@ class S3TierManager(TierManager):
 
 
 # -- worker side -------------------------------------------------------------------
+
+log = logging.getLogger("s3kv.transfer")
+
+UNREADABLE_SIZE = 1 << 16
+"""Keys remembered whose S3 object this rank may not read (~100 bytes each)."""
+
+
+class S3Handler(TierHandler):
+    """This rank's chunk objects in the bucket, through ``store`` (async, on
+    the engine's loop; frames decode on ``executor``). Stores are
+    create-only (If-None-Match): an object already there (a 412) counts as
+    stored only if it is ours to publish (:meth:`_existing_is_ours`). A
+    corrupt object is deleted if it is still the version read (If-Match on
+    its ETag), else reported bad. A 403 on one object is that object's (the
+    key is dropped, S3 is not blamed); refused credentials are the tier's."""
+
+    tier = Tier.S3
+    label = "S3"
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        chunk_codec: ChunkCodec,
+        prefix: str,
+        *,
+        range_bytes: int = 8 << 20,
+        executor: concurrent.futures.Executor | None = None,
+        keys: FleetKeys | None = None,
+        storing: Callable[[bytes], None] | None = None,
+        stored: Callable[[bytes], None] | None = None,
+        report: RankReport | None = None,
+        counters: Counters | None = None,
+    ) -> None:
+        super().__init__(report, counters)
+        self.store = store
+        self.codec = chunk_codec
+        self.prefix = prefix
+        self.range_bytes = range_bytes
+        self._executor = executor
+        self.keys = keys
+        self.storing = storing
+        """Told of each chunk PUT as it starts (the worker's journal)."""
+        self.stored = stored
+        """Told of each chunk object this handler created (its PUT returned):
+        the worker publishes them from here (manifest.publish)."""
+        self._unreadable: dict[bytes, None] = {}
+        """Keys whose S3 object refused this rank (a 403 on that object): a
+        store that finds it in the way (a 412) does not publish it."""
+
+    def chunk_id(self, key: bytes) -> ChunkId:
+        c = self.codec
+        return ChunkId(object_key(self.prefix, c.namespace, key, c.rank), c.namespace, key.hex(), c.rank)
+
+    def trouble(self, e: BaseException) -> bool:
+        if isinstance(e, PermissionDenied):
+            # A 403 on one object (a bucket policy, a KMS key for its
+            # prefix) is that object's; refused credentials are the tier's.
+            return e.credentials
+        return super().trouble(e)
+
+    @classmethod
+    def for_worker(cls, env: WorkerEnv) -> S3Handler | None:
+        if env.store is None:
+            return None
+        return cls(
+            env.store,
+            env.codec,
+            env.settings.prefix,
+            range_bytes=env.settings.range_bytes,
+            executor=env.threads,
+            keys=env.settings.keys,
+            storing=env.storing,
+            stored=env.stored,
+            report=env.report,
+            counters=env.counters,
+        )
+
+    async def read(
+        self,
+        place: Place,
+        key: bytes,
+        sink: FrameSink,
+        *,
+        deadline: float | None = None,
+        keep_blob: bool = False,
+    ) -> tuple[int, bytes | None]:
+        left = deadline - time.monotonic() if deadline is not None else None
+        load = load_chunk(
+            self.store,
+            self.chunk_id(key),
+            sink,
+            chunk_codec=self.codec,
+            range_bytes=self.range_bytes,
+            executor=self._executor,
+            keep_blob=keep_blob,
+        )
+        try:
+            fetched, blob = await self.guard(load, left, load=True)
+        except PermissionDenied as e:
+            if not e.credentials:
+                self._unreadable[key] = None
+                if len(self._unreadable) > UNREADABLE_SIZE:
+                    self._unreadable.clear()
+            raise
+        except CorruptChunk as e:
+            await self._delete_corrupt(key, e.etag)
+            raise
+        self._unreadable.pop(key, None)
+        return fetched, blob
+
+    async def write(self, place: Place, chunk: ChunkData, start: float | None = None) -> int | None:
+        cid = self.chunk_id(chunk.key)
+        blob = chunk.blob
+        try:
+            if self.storing is not None:
+                self.storing(chunk.key)
+            await self.store.put(cid.object_key, blob, mode=PutMode.CREATE)
+        except AlreadyExists:
+            self.counters.add("store_chunks_existing")
+            if chunk.key in self._unreadable or not await self._existing_is_ours(cid, blob):
+                self.report.tier_ok(self.tier)  # S3 answered; the object in the way is not one to publish
+                return None
+            with self.report.edit() as r:
+                r.existing.add(chunk.key)
+        else:
+            self.counters.add("store_chunks_s3")
+            self.counters.add("store_bytes_s3", len(blob))
+            if start is not None:
+                self.counters.observe("store_seconds_s3", time.perf_counter() - start)
+            if self.stored is not None:
+                self.stored(chunk.key)
+        return len(blob)
+
+    async def delete(self, place: Place, key: bytes) -> None:
+        await self.store.delete(self.chunk_id(key).object_key)
+
+    async def bytes_used(self) -> int:
+        """This rank's objects of the namespace (listed: meant for tests and tools)."""
+        mine = f".r{self.codec.rank}"
+        listing = self.store.list(namespace_prefix(self.prefix, self.codec.namespace))
+        return sum([m.size async for m in listing if m.key.endswith(mine)])
+
+    async def _delete_corrupt(self, key: bytes, etag: str | None) -> None:
+        """The object is ours (our namespace and key) and unusable: remove it
+        so that a later store can write a good one, but only the version that
+        was read (If-Match), never a good one written since. Without the
+        permission (or a conditional delete), report it bad to the fleet."""
+        cid = self.chunk_id(key)
+        reason = "no ETag was read"
+        if etag is not None:
+            try:
+                await self.store.delete_if(cid.object_key, etag)
+                return
+            except (NotFound, Precondition):
+                return  # gone, or rewritten since: nothing of ours to remove
+            except PermissionDenied as e:
+                reason = f"no permission to delete it ({e})"
+            except NotImplementedError:
+                reason = "the store has no conditional delete"
+            except Exception as e:
+                log.warning("s3kv: could not delete corrupt %s: %s", cid.object_key, e)
+                return
+        log.warning("s3kv: corrupt %s is reported to the fleet as bad: %s", cid.object_key, reason)
+        self.counters.add("quarantined_chunks")
+        with self.report.edit() as r:
+            r.bad[(key, self.codec.rank)] = etag
+
+    async def _existing_is_ours(self, cid: ChunkId, blob: bytes) -> bool:
+        """A create-only store found ``cid`` there. Without a fleet secret any
+        object counts (its frames are checked when loaded). With one, only an
+        object whose header carries a valid MAC does: one that fails is
+        deleted (if it was not rewritten since) and ours written instead, or,
+        without the permission to delete it, reported bad. The key is never
+        published from an object that could not be verified."""
+        if self.keys is None:
+            return True
+        try:
+            await read_header(self.store, cid, chunk_codec=self.codec, prefetch=self.codec.max_header + 64)
+            return True
+        except NotFound:
+            pass  # deleted meanwhile (or of a newer format: the create-only PUT below finds it)
+        except PermissionDenied as e:
+            if e.credentials:
+                raise
+            log.warning("s3kv: %s exists but is not ours to read (%s): not published", cid.object_key, e)
+            return False
+        except CorruptChunk as e:  # only the object's own bytes: a network fault raises Transient
+            log.warning("s3kv: %s exists but does not verify (%s)", cid.object_key, e)
+            key = bytes.fromhex(cid.key_hex)
+            self.report.missing(self.tier, key)
+            await self._delete_corrupt(key, e.etag)
+        try:
+            await self.store.put(cid.object_key, blob, mode=PutMode.CREATE)
+        except AlreadyExists:
+            return False  # someone wrote it again first: not verified, not published by us
+        self.counters.add("store_chunks_s3")
+        return True
