@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from s3kv.tiering.chunks import ChunkCodec, ChunkData, FrameSink
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import LoadChunk, Place, TierEvent, TierReport
-
 
 # -- scheduler side ---------------------------------------------------------------
 

@@ -16,7 +16,6 @@ from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.base import IndexedTierManager, RankReport, TierHandler, WorkerEnv
 from s3kv.units import format_size
 
-
 # -- scheduler side ---------------------------------------------------------------
 
 

@@ -7,7 +7,6 @@ import concurrent.futures
 import functools
 import logging
 import time
-
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ from s3kv.tiering.loop import unbind_thread
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, TierReport
 from s3kv.tiering.tiers.base import Began, IndexedTierManager, RankReport, TierHandler, WorkerEnv
-
 
 # -- scheduler side ---------------------------------------------------------------
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
