@@ -30,17 +30,16 @@ class S3Server(LoopbackS3):
         return self.create_bucket(f"s3kv-test-{uuid.uuid4().hex[:12]}")
 
 
-def wait_until(condition: Callable[[], Any], timeout_s: float = 120.0, what: str = "the condition") -> Any:
-    """Poll ``condition`` until it returns something true, and return that;
-    AssertionError after ``timeout_s`` (a bound for a busy machine, not a
-    time the test expects to take)."""
+def wait_until(
+    what: str, condition: Callable[[], Any], timeout_s: float = 180.0, every_s: float = 0.02
+) -> None:
+    """Poll ``condition()`` until it holds; fail naming ``what`` after
+    ``timeout_s`` (a bound for a busy machine, not a time the test expects
+    to take)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} did not hold within {timeout_s:.0f} s"
-        time.sleep(0.02)
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every_s)
 
 
 @pytest.fixture(scope="session")

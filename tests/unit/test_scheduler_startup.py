@@ -226,7 +226,7 @@ def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path, patient_start
         req = _request("l1", lora=lora("sql", adapters["a"], 1))
         assert s.lookup(req, 0) == (0, False)  # hashing the adapter: unkeyed for now
         assert s.counters.totals()["unkeyed_requests_adapter"] == 1
-        wait_until(lambda: s._adapters.get(req.lora_request), STARTUP_BOUND_S, "hashing the adapter")
+        wait_until("the adapter's digest", lambda: s._adapters.get(req.lora_request), STARTUP_BOUND_S)
 
         def keys_of(req_id, lo):
             s.lookup(_request(req_id, lora=lo), 0)
@@ -235,7 +235,7 @@ def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path, patient_start
         ka = keys_of("a", lora("sql", adapters["a"], 1))
         for name, path, int_id in (("sql-v2", twin, 2), ("chat", adapters["b"], 3)):
             probe = lora(name, path, int_id)
-            wait_until(lambda p=probe: s._adapters.get(p), STARTUP_BOUND_S, f"hashing adapter {name}")
+            wait_until(f"adapter {name}'s digest", lambda p=probe: s._adapters.get(p), STARTUP_BOUND_S)
         assert keys_of("twin", lora("sql-v2", twin, 2)) == ka  # same content: same keys
         kb = keys_of("b", lora("chat", adapters["b"], 3))
         plain = chain_keys(s.namespace, list(range(3, 3 + 256)), 64)
