@@ -12,12 +12,14 @@ the same arguments as replica.py's.
 Step times come from the engine core's own clock: every step's outputs
 (``EngineCoreOutputs``) carry the monotonic time they were made, so the
 difference between two consecutive steps' timestamps is one step's time
-(scheduling, forward, sampling, the connector's hooks). A step is a *decode
-step of the whole batch* when it and the step before it both gave every
-request of the batch a token: no prefill is in it. RESULT has, per batch,
-those steps' times, the wall time of ``llm.generate`` and the outputs, and
-at the end s3kv's counters (metrics and the workers' drained totals, as
-replica.py reports them).
+(scheduling, forward, sampling, the connector's hooks). They are read by
+wrapping ``llm.llm_engine.engine_core.get_output``, a vLLM internal: no
+public API gives per-step times. A step is a *decode step of the whole
+batch* when it and the step before it both gave every request of the batch
+a token: no prefill is in it. RESULT has, per batch, those steps' times,
+the wall time of ``llm.generate`` and the outputs, and at the end s3kv's
+counters (metrics and the workers' drained totals, as replica.py reports
+them).
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from typing import Any
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    from s3kv.connector.replica import DRAIN_TIMEOUT_S, _metrics
+    from s3kv.connector.replica import DRAIN_TIMEOUT_S, WORKER_EXTENSION, metrics
 
     engine_args = dict(spec.get("engine_args", {}))
     if spec.get("kv_transfer_config"):
-        engine_args.setdefault("worker_extension_cls", "s3kv.connector.replica.S3KVWorkerExtension")
+        engine_args.setdefault("worker_extension_cls", WORKER_EXTENSION)
     started = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -81,7 +83,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     workers: list[dict[str, Any]] = []
     if spec.get("kv_transfer_config"):
         workers = llm.collective_rpc("s3kv_drain", args=(DRAIN_TIMEOUT_S,))
-    result = {"batches": batches, "metrics": _metrics(llm), "workers": workers, "startup_s": startup_s}
+    result = {"batches": batches, "metrics": metrics(llm), "workers": workers, "startup_s": startup_s}
     del llm
     return result
 

@@ -1,5 +1,6 @@
 """What every benchmark shares: its result type, medians, the machine, and
-the pieces that start engines and a loopback S3 server.
+the piece that starts engines (the loopback S3 server is
+s3kv.demo.loopback_s3's).
 
 A benchmark module has ``NAME``, ``TITLE``, ``GOAL`` and
 ``run(work: Path, quick: bool) -> Result``; ``python -m benchmarks`` runs
@@ -127,15 +128,9 @@ def bench_env() -> None:
 
 def run_replica(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One engine process running ``spec`` (see s3kv.connector.replica)."""
-    from s3kv.demo import _run_replica
+    from s3kv.demo import run_replica as run
 
-    return _run_replica(work, name, spec)
-
-
-def create_bucket(endpoint_url: str, bucket: str) -> None:
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return run(work, name, spec)
 
 
 def git_rev() -> str:

@@ -215,14 +215,13 @@ def _s3kv_load(case: Case, tier: Any, sink: Any, job: str) -> None:
 
 
 def run(work: Path, quick: bool) -> Result:
-    import boto3
     import torch
     from aiobotocore.config import AioConfig
     from aiobotocore.session import get_session
 
     from s3kv.config import S3KVConfig
     from s3kv.connector.pages import PageIO
-    from s3kv.demo import LoopbackS3
+    from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.keys import Namespace
     from s3kv.stores.factory import make_store
     from s3kv.tiering.chunks import ChunkData, PageFormat
@@ -275,7 +274,7 @@ def run(work: Path, quick: bool) -> Result:
         for t in target:
             t.zero_()
 
-    server = LoopbackS3()
+    server = LoopbackS3().start()
     server_pid = server.proc.pid
     cases: list[Case] = []
     server_s_per_gb: dict[str, float] = {}
@@ -284,10 +283,8 @@ def run(work: Path, quick: bool) -> Result:
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="plain-read")
     loop = asyncio.new_event_loop()
     try:
-        boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1").create_bucket(
-            Bucket=BUCKET
-        )
-        put = boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1")
+        server.create_bucket(BUCKET)
+        put = server.client()
         config = S3KVConfig(bucket=BUCKET, endpoint_url=server.endpoint_url, region="us-east-1")
         for codec_name in codecs:
             disk = work / f"disk-{codec_name}"

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, Bar, Result, create_bucket, main_for, median, verdict
-from s3kv.demo import _run_replica, _total
+from benchmarks.common import ROOT, Bar, Result, main_for, median, verdict
+from s3kv.demo import run_replica, worker_total
 
 NAME = "store_path"
 TITLE = "Store path: decode step time with s3kv storing vs without a connector"
@@ -106,11 +106,11 @@ def _kv(variant: str, endpoint: str, disk: Path) -> dict[str, Any] | None:
 
 def run_batches(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One engine process (benchmarks._batch_runner) running ``spec``."""
-    return _run_replica(work, name, spec, module="benchmarks._batch_runner", cwd=ROOT)
+    return run_replica(work, name, spec, module="benchmarks._batch_runner", cwd=ROOT)
 
 
 def run(work: Path, quick: bool) -> Result:
-    from s3kv.demo import LoopbackS3
+    from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.demo.model import DEMO_SPEC, build_model
 
     started = time.perf_counter()
@@ -127,9 +127,9 @@ def run(work: Path, quick: bool) -> Result:
     restarts = 0
 
     def start_server() -> Any:
-        server = LoopbackS3()
+        server = LoopbackS3().start()
         keep_off_forward(server.proc.pid)
-        create_bucket(server.endpoint_url, BUCKET)
+        server.create_bucket(BUCKET)
         return server
 
     server = start_server()
@@ -273,7 +273,7 @@ def run(work: Path, quick: bool) -> Result:
 
 
 def _total_all(results: list[dict[str, Any]], name: str) -> float:
-    return sum(_total(r, name) for r in results)
+    return sum(worker_total(r, name) for r in results)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Bar, Result, create_bucket, main_for, median, run_replica, verdict
+from benchmarks.common import Bar, Result, main_for, median, run_replica, verdict
 
 NAME = "ttft"
 TITLE = "TTFT of an 8k-token prompt: recompute vs s3kv's CPU, NVMe and S3 tiers vs vLLM's ExampleConnector"
@@ -136,7 +136,7 @@ def _worker_total(result: dict[str, Any], name: str) -> float:
 
 
 def run(work: Path, quick: bool) -> Result:
-    from s3kv.demo import LoopbackS3
+    from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.demo.model import DEMO_SPEC, build_model
 
     started = time.perf_counter()
@@ -163,9 +163,9 @@ def run(work: Path, quick: bool) -> Result:
 
     first, second = slice(1, 1 + n), slice(1 + n, 1 + 2 * n)
     runs: dict[str, tuple[dict[str, Any], slice]] = {}
-    server = LoopbackS3()
+    server = LoopbackS3().start()
     try:
-        create_bucket(server.endpoint_url, BUCKET)
+        server.create_bucket(BUCKET)
         ep = server.endpoint_url
         # [warm-up, prompts (computed and stored), the same prompts again (CPU-tier hits)]
         a = run_replica(

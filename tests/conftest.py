@@ -1,19 +1,18 @@
-"""Fixtures shared by the whole suite: a real S3 server on loopback."""
+"""Fixtures shared by the whole suite: a real S3 server on loopback, and a
+bounded wait for a condition."""
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from typing import Any
 
-import boto3
 import pytest
+
+from s3kv.demo.loopback_s3 import LoopbackS3, free_port  # noqa: F401 (tests import free_port from here)
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -23,61 +22,29 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="s3kv-test-cache-")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class S3Server:
-    """A moto S3 server in its own process, so a test can stop it."""
-
-    port: int
-    proc: subprocess.Popen | None = None
-
-    @property
-    def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError("moto server exited at start-up") from None
-                time.sleep(0.1)
-        raise RuntimeError("moto server did not start within 30 s")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-            self.proc = None
-
-    def client(self):
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1")
+class S3Server(LoopbackS3):
+    """The loopback S3 server, in its own process so that a test can stop it,
+    with a fresh bucket per test."""
 
     def new_bucket(self) -> str:
-        name = f"s3kv-test-{uuid.uuid4().hex[:12]}"
-        self.client().create_bucket(Bucket=name)
-        return name
+        return self.create_bucket(f"s3kv-test-{uuid.uuid4().hex[:12]}")
+
+
+def wait_until(
+    what: str, condition: Callable[[], Any], timeout_s: float = 180.0, every_s: float = 0.02
+) -> None:
+    """Poll ``condition()`` until it holds; fail naming ``what`` after
+    ``timeout_s`` (a bound for a busy machine, not a time the test expects
+    to take)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every_s)
 
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
-    server = S3Server(free_port())
+    server = S3Server()
     server.start()
     yield server
     server.stop()

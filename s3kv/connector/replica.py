@@ -1,16 +1,39 @@
-"""Run one vLLM replica on a list of token prompts and report what happened.
+"""The replica tool: one vLLM engine runs a list of token prompts and reports
+what happened, as JSON.
 
     python -m s3kv.connector.replica SPEC.json RESULT.json
 
-The demo and the end-to-end tests start each replica as a fresh process with
-this module. SPEC holds the model, the engine arguments, the
-``kv_transfer_config`` (null: no connector, the baseline) and the prompts.
-A prompt is a list of token ids, or ``{"after": i, "append": [...]}``: the
-next turn of a chat (prompt i, its answer, then new tokens). RESULT gets the
-greedy outputs, per-request TTFT and cached tokens, s3kv's counters from the
-engine's Prometheus metrics and, once pending uploads finished, the
-workers' totals. With ``flush_prompt``, that prompt runs after the drain so
-that Prometheus sees what the uploads counted.
+The demo, the end-to-end tests and the benchmarks start each replica as a
+fresh process with it (:func:`s3kv.demo.run_replica` does). Prompts run one
+at a time, greedily, so that each request's TTFT is its own and a later
+prompt may hit what an earlier one stored.
+
+SPEC, a JSON object:
+
+- ``model``: the model path or hub name (no tokenizer is loaded).
+- ``engine_args``: more keyword arguments of ``vllm.LLM`` (optional).
+- ``kv_transfer_config``: vLLM's ``--kv-transfer-config`` as an object, or
+  null: no connector (the baseline).
+- ``prompts``: each a list of token ids, or ``{"after": i, "append": [...]}``,
+  the next turn of a chat: prompt i, its output, then ``append``.
+- ``max_tokens``: tokens generated per prompt (default 16, EOS ignored).
+- ``flush_prompt``: a prompt run after the drain (optional), so that
+  Prometheus sees what the drained uploads counted.
+
+RESULT, a JSON object:
+
+- ``outputs``: each prompt's generated token ids.
+- ``ttft_s``: each prompt's time to first token (vLLM's, else the wall time).
+- ``num_cached_tokens``: each prompt's prefix-cache hit, in tokens.
+- ``metrics``: see :func:`metrics`.
+- ``workers``: with a connector, each rank's s3kv totals
+  (``Counters.totals()``) and ``drained``, after waiting up to
+  :data:`DRAIN_TIMEOUT_S` for its pending uploads; ``{}`` for a rank whose
+  connector is not s3kv's.
+- ``startup_s``: seconds to build the engine.
+
+With a connector, the engine gets ``worker_extension_cls``
+:class:`S3KVWorkerExtension` unless the spec names its own.
 """
 
 from __future__ import annotations
@@ -21,6 +44,9 @@ import time
 from typing import Any
 
 DRAIN_TIMEOUT_S = 60.0
+"""How long each rank waits for its pending uploads before it reports."""
+WORKER_EXTENSION = "s3kv.connector.replica.S3KVWorkerExtension"
+"""``worker_extension_cls`` of an engine with s3kv's connector."""
 
 
 class S3KVWorkerExtension:
@@ -28,24 +54,30 @@ class S3KVWorkerExtension:
     ``collective_rpc("s3kv_drain")`` reaches each worker's s3kv side."""
 
     def s3kv_drain(self, timeout_s: float) -> dict[str, Any]:
-        """Wait for this rank's pending uploads, then return its s3kv totals."""
+        """Wait up to ``timeout_s`` for this rank's pending uploads, then
+        return its s3kv totals and ``drained``; ``{}`` without s3kv's connector."""
+        # vLLM's per-process accessor of the connector: the only way into a
+        # worker's connector from outside it.
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        from s3kv.connector.connector import S3KVConnector
 
         if not has_kv_transfer_group():
             return {}
-        side = getattr(get_kv_transfer_group(), "_worker", None)
-        if side is None:
+        connector = get_kv_transfer_group()
+        if not isinstance(connector, S3KVConnector):
             return {}
-        drained = side.engine.drain(timeout_s)
+        side = connector.worker
+        drained = side.drain(timeout_s)
         return {"drained": drained, **side.counters.totals()}
 
 
-def _metrics(llm: Any) -> dict[str, float]:
+def metrics(llm: Any) -> dict[str, float]:
     """vLLM's prefix-cache counters (hits by tier as
     ``vllm:prompt_tokens_cached_by_source{source=host}`` etc.) and s3kv's
     metrics, summed over engines: a labelled family under its flat names
     (``vllm:s3kv_hit_tokens_cpu``) and its total (``vllm:s3kv_hit_tokens``);
-    histograms as ``..._count`` and ``..._sum``."""
+    histograms as ``..._count`` and ``..._sum``. ``llm`` is a ``vllm.LLM``."""
     from s3kv.connector.stats import PROM_PREFIX
     from s3kv.stats import FAMILIES
 
@@ -87,11 +119,12 @@ def _prompt(entry: Any, prompts: list[Any], outputs: list[list[int]]) -> list[in
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run SPEC in this process and return RESULT (both in the module docstring)."""
     from vllm import LLM, SamplingParams
 
     engine_args = dict(spec.get("engine_args", {}))
     if spec.get("kv_transfer_config"):
-        engine_args.setdefault("worker_extension_cls", f"{__name__}.S3KVWorkerExtension")
+        engine_args.setdefault("worker_extension_cls", WORKER_EXTENSION)
     started = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -104,8 +137,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(max_tokens=int(spec.get("max_tokens", 16)), temperature=0.0, ignore_eos=True)
     outputs, ttft, cached = [], [], []
     for entry in spec["prompts"]:
-        # One at a time: each request's TTFT is its own, and a later prompt
-        # may hit what an earlier one stored.
         prompt = _prompt(entry, spec["prompts"], outputs)
         t0 = time.perf_counter()
         (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
@@ -125,7 +156,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "outputs": outputs,
         "ttft_s": ttft,
         "num_cached_tokens": cached,
-        "metrics": _metrics(llm),
+        "metrics": metrics(llm),
         "workers": workers,
         "startup_s": startup_s,
     }
@@ -134,7 +165,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None, run_spec: Any = None, prog: str = "s3kv.connector.replica") -> int:
-    """``python -m PROG SPEC.json RESULT.json``: ``run_spec`` (default :func:`run`) on the spec."""
+    """``python -m PROG SPEC.json RESULT.json``: ``run_spec`` (default :func:`run`)
+    on the spec, its return value written as RESULT. Other runners with
+    their own SPEC and RESULT reuse it (benchmarks/_batch_runner.py)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         print(f"usage: python -m {prog} SPEC.json RESULT.json", file=sys.stderr)

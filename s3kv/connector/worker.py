@@ -438,6 +438,11 @@ class WorkerSide:
         report, self._report = self._report, TierReport()
         return S3KVWorkerMetadata(report)
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for this rank's queued loads and stores
+        (uploads included); True if all of them finished."""
+        return self.engine.drain(timeout_s)
+
     def shutdown(self, budget_s: float | None = None) -> None:
         """Stop taking stores, let the uploads under way finish and publish
         them, within ``budget_s`` (``shutdown_flush_s``); the rest is abandoned."""

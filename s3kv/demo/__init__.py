@@ -3,7 +3,9 @@
 Replica A serves a family of prompts that share a long prefix and stores
 their KV chunks; a fresh replica B (a new engine process, cold) serves the
 same prompts and loads those chunks instead of computing them. With no bucket
-given, an S3-compatible server (moto) is started on loopback.
+given, an S3-compatible server (moto) is started on loopback
+(:mod:`s3kv.demo.loopback_s3`). Each replica is a run of the replica tool,
+:mod:`s3kv.connector.replica`, through :func:`run_replica`.
 """
 
 from __future__ import annotations
@@ -11,15 +13,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from s3kv.demo.loopback_s3 import LoopbackS3
 from s3kv.units import format_size
 
 
@@ -38,57 +39,23 @@ class DemoOptions:
     chunk_tokens: int = 256
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LoopbackS3:
-    """moto's S3 server in a child process, on 127.0.0.1 only."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        "could not start the loopback S3 server (is moto[server] installed?)"
-                    ) from None
-                time.sleep(0.1)
-
-    @property
-    def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
 def _prompts(o: DemoOptions) -> list[list[int]]:
     rng = random.Random(7)
     shared = [rng.randrange(3, 2000) for _ in range(o.shared_tokens)]
     return [shared + [rng.randrange(3, 2000) for _ in range(o.unique_tokens)] for _ in range(o.prompts)]
 
 
-def _run_replica(
+def run_replica(
     workdir: Path,
     name: str,
     spec: dict[str, Any],
     module: str = "s3kv.connector.replica",
     cwd: Path | None = None,
 ) -> dict[str, Any]:
-    """Run ``spec`` in a fresh engine process (``python -m module SPEC RESULT``)."""
+    """Run ``spec`` in a fresh engine process (``python -m module SPEC RESULT``,
+    formats in :mod:`s3kv.connector.replica`) and return its RESULT. Its
+    spec, result and log are ``workdir/name.*``; SystemExit, with the log's
+    end, if it fails."""
     spec_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("spec.json", "result.json", "log"))
     spec_path.write_text(json.dumps(spec))
     print(f"  starting replica {name} (a new vLLM engine; log: {log_path}) ...", flush=True)
@@ -105,7 +72,8 @@ def _run_replica(
     return json.loads(out_path.read_text())
 
 
-def _total(result: dict[str, Any], name: str) -> float:
+def worker_total(result: dict[str, Any], name: str) -> float:
+    """A worker counter of a replica's RESULT, summed over its ranks."""
     return sum(w.get(name, 0) for w in result["workers"])
 
 
@@ -116,12 +84,9 @@ def run_demo(o: DemoOptions) -> int:
     if o.bucket is None:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
-        server = LoopbackS3()
-        import boto3
-
+        server = LoopbackS3(region=o.region).start()
         o.endpoint_url = server.endpoint_url
-        o.bucket = "s3kv-demo"
-        boto3.client("s3", endpoint_url=o.endpoint_url, region_name=o.region).create_bucket(Bucket=o.bucket)
+        o.bucket = server.create_bucket("s3kv-demo")
         print(f"S3: a loopback S3 server at {o.endpoint_url}, bucket {o.bucket}")
     else:
         print(f"S3: bucket {o.bucket} ({o.endpoint_url or 'AWS'}), prefix {o.prefix}")
@@ -165,8 +130,8 @@ def run_demo(o: DemoOptions) -> int:
         # (Computing a whole prompt in one prefill instead sums in another
         # order, which can flip a near-tied greedy token of a random model.)
         warm = prompts[0][: o.shared_tokens // o.chunk_tokens * o.chunk_tokens]
-        a = _run_replica(workdir, "replica-A", {**spec, "prompts": [warm, *prompts]} if warm else spec)
-        b = _run_replica(workdir, "replica-B", spec)
+        a = run_replica(workdir, "replica-A", {**spec, "prompts": [warm, *prompts]} if warm else spec)
+        b = run_replica(workdir, "replica-B", spec)
         if warm:
             a = {**a, "outputs": a["outputs"][1:]}
         print()
@@ -178,8 +143,8 @@ def run_demo(o: DemoOptions) -> int:
                     name,
                     (f"1+{len(r['outputs'])}" if r is a and warm else str(len(r["outputs"]))),
                     str(int(r["metrics"].get("vllm:s3kv_hit_tokens", 0))),
-                    format_size(_total(r, "store_bytes_s3")),
-                    format_size(_total(r, "load_bytes_s3")),
+                    format_size(worker_total(r, "store_bytes_s3")),
+                    format_size(worker_total(r, "load_bytes_s3")),
                     f"{r['ttft_s'][0] * 1000:.0f} ms",
                     f"{ttft[len(ttft) // 2] * 1000:.0f} ms",
                 )

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from s3kv.connector.replica import _metrics
+from s3kv.connector.replica import metrics as _metrics
 from s3kv.keys import Namespace, chain_keys, fingerprint, object_key, parse_object_key
 from s3kv.manifest import format as mf
 from tests.e2e.harness import (

@@ -170,10 +170,17 @@ def test_a_file_rewritten_with_its_mtime_set_back_is_hashed_again(tmp_path, hash
     first = _ident(a, DigestCache(cache_path))
     weights = a / "model.safetensors"
     before = weights.stat()
-    time.sleep(0.01)  # a later ctime, even on coarse clocks
-    weights.write_bytes(b"W" * 4096)  # same size, other weights
-    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
-    after = weights.stat()
+    # The rewrite must get a later ctime: on a coarse clock, rewrite until it
+    # does (the clock moving is what the test needs, so it waits for that).
+    deadline = time.monotonic() + 60
+    while True:
+        weights.write_bytes(b"W" * 4096)  # same size, other weights
+        os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+        after = weights.stat()
+        if after.st_ctime_ns != before.st_ctime_ns:
+            break
+        assert time.monotonic() < deadline, "the file's ctime did not move"
+        time.sleep(0.001)
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
         before.st_ino,
         before.st_size,

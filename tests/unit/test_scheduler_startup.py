@@ -18,8 +18,13 @@ from s3kv.tiering.placement import Tier
 
 pytest.importorskip("vllm")
 
+from s3kv.connector import scheduler  # noqa: E402
 from s3kv.connector.layout import EngineLayout  # noqa: E402
 from s3kv.connector.scheduler import SchedulerSide  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
+
+STARTUP_BOUND_S = 120
+"""How long a test lets start-up take: a bound for a busy machine."""
 
 LAYOUT = EngineLayout(
     {"model": "unit"},
@@ -37,12 +42,20 @@ def side(**cfg):
     return SchedulerSide(config, LAYOUT, failure_policy="recompute", model="unit")
 
 
+@pytest.fixture
+def patient_startup(monkeypatch):
+    """The constructor waits for start-up (the identity, the tiers, the
+    manifest) until it is done, not STARTUP_WAIT_S (5 s): a test that reads
+    what start-up made needs it done, however busy the machine."""
+    monkeypatch.setattr(scheduler, "STARTUP_WAIT_S", STARTUP_BOUND_S)
+
+
 def test_missing_bucket_fails_startup_naming_it(s3_server):
     with pytest.raises(ConfigError, match="bucket: s3://no-such-bucket does not exist"):
         side(bucket="no-such-bucket", endpoint_url=s3_server.endpoint_url)
 
 
-def test_existing_bucket_starts_and_lists(s3_server, bucket):
+def test_existing_bucket_starts_and_lists(s3_server, bucket, patient_startup):
     s = side(bucket=bucket, endpoint_url=s3_server.endpoint_url, chunk_tokens=64)
     try:
         assert s.planner.chunk_tokens == 64
@@ -95,7 +108,7 @@ def test_missing_credentials_fail_startup(s3_server, tmp_path):
     assert "ConfigError: no AWS credentials found" in out.stdout, out.stderr[-2000:]
 
 
-def test_local_only_needs_no_bucket_and_rebuilds_its_disk_index(tmp_path):
+def test_local_only_needs_no_bucket_and_rebuilds_its_disk_index(tmp_path, patient_startup):
     from s3kv.tiering.disk import shard_path
 
     key = b"\x07" * 16
@@ -116,7 +129,7 @@ def test_local_only_needs_no_bucket_and_rebuilds_its_disk_index(tmp_path):
         s.shutdown()
 
 
-def test_unwritable_disk_path_turns_the_tier_off_with_a_warning(tmp_path, caplog):
+def test_unwritable_disk_path_turns_the_tier_off_with_a_warning(tmp_path, caplog, patient_startup):
     caplog.set_level(logging.WARNING, logger="s3kv")
     (tmp_path / "a-file").write_text("")
     s = side(write_policy="local_only", disk_path=str(tmp_path / "a-file" / "kv"), cpu_bytes="1MiB")
@@ -152,13 +165,11 @@ def _request(req_id: str, n: int = 256, lora=None):
 def test_no_hits_and_no_stores_until_the_identity_is_known(tmp_path, monkeypatch):
     import threading
 
-    from s3kv.connector import scheduler
-
     release = threading.Event()
     real = scheduler.resolve_identity
 
     def slow(source, cache=None):
-        release.wait(60)
+        release.wait(STARTUP_BOUND_S)
         return real(source, cache)
 
     monkeypatch.setattr(scheduler, "resolve_identity", slow)
@@ -174,7 +185,7 @@ def test_no_hits_and_no_stores_until_the_identity_is_known(tmp_path, monkeypatch
         assert not s.request_finished(_request("r1"), [0, 1])
         assert s.counters.totals()["unkeyed_requests_model"] == 2
         release.set()
-        assert s._ready.wait(30)
+        assert s._ready.wait(STARTUP_BOUND_S)
         assert s.planner is not None and s.namespace == LAYOUT.namespace(real(LAYOUT.model))
         assert s.lookup(_request("r3"), 0) == (0, False)  # keyed now (an empty cache)
         assert s.planner.knows("r3") and s.counters.totals()["unkeyed_requests_model"] == 2
@@ -184,23 +195,19 @@ def test_no_hits_and_no_stores_until_the_identity_is_known(tmp_path, monkeypatch
 
 
 def test_an_unknowable_identity_leaves_the_cache_off(caplog):
-    from s3kv.connector import scheduler
-
     caplog.set_level(logging.ERROR, logger="s3kv")
     layout = EngineLayout({"m": 2}, ModelSource("s3://models/x"), 32, ("l0",), 1, 1, 16 << 10)
     config = parse_config({"write_policy": "local_only", "cpu_bytes": "4MiB", "chunk_tokens": 64})
     s = scheduler.SchedulerSide(config, layout, failure_policy="recompute", model="x")
     try:
-        s._start_task.result(30)
+        s._start_task.result(STARTUP_BOUND_S)
         assert s.planner is None and s.lookup(_request("r1"), 0) == (0, False)
         assert "set model_digest" in caplog.text
     finally:
         s.shutdown()
 
 
-def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path):
-    import time
-
+def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path, patient_startup):
     from s3kv.keys import chain_keys
 
     adapters = {}
@@ -223,10 +230,7 @@ def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path):
         req = _request("l1", lora=lora("sql", adapters["a"], 1))
         assert s.lookup(req, 0) == (0, False)  # hashing the adapter: unkeyed for now
         assert s.counters.totals()["unkeyed_requests_adapter"] == 1
-        deadline = time.monotonic() + 30
-        while s._adapters.get(req.lora_request) is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until("the adapter's digest", lambda: s._adapters.get(req.lora_request), STARTUP_BOUND_S)
 
         def keys_of(req_id, lo):
             s.lookup(_request(req_id, lora=lo), 0)
@@ -235,10 +239,7 @@ def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path):
         ka = keys_of("a", lora("sql", adapters["a"], 1))
         for name, path, int_id in (("sql-v2", twin, 2), ("chat", adapters["b"], 3)):
             probe = lora(name, path, int_id)
-            s._adapters.get(probe)
-            while s._adapters.get(probe) is None:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until(f"adapter {name}'s digest", lambda p=probe: s._adapters.get(p), STARTUP_BOUND_S)
         assert keys_of("twin", lora("sql-v2", twin, 2)) == ka  # same content: same keys
         kb = keys_of("b", lora("chat", adapters["b"], 3))
         plain = chain_keys(s.namespace, list(range(3, 3 + 256)), 64)
