@@ -230,16 +230,6 @@ def wait_for_value(llm: Any, name: str, done: Any, timeout_s: float = 180.0) -> 
             return value
 
 
-def wait_until(what: str, condition: Any, timeout_s: float = 180.0, every_s: float = 0.2) -> None:
-    """Poll ``condition()`` until it holds; fail naming ``what`` after the deadline."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(every_s)
-
-
 def start_engine(model: Path, kv_transfer_config: dict[str, Any], **engine_args: Any) -> Any:
     """A vLLM engine in this process (the caller shuts it down), with the
     replicas' engine arguments and environment (set it first, e.g. with

@@ -12,9 +12,10 @@ import threading
 
 import pytest
 
-from s3kv.connector.replica import metrics as _metrics
+from s3kv.connector.replica import metrics
 from s3kv.keys import Namespace, chain_keys, fingerprint, object_key, parse_object_key
 from s3kv.manifest import format as mf
+from tests.conftest import wait_until
 from tests.e2e.harness import (
     CHUNK_TOKENS,
     ENGINE_ARGS,
@@ -23,7 +24,6 @@ from tests.e2e.harness import (
     kv_config,
     run_replica,
     wait_for_value,
-    wait_until,
     workload,
 )
 
@@ -98,7 +98,9 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
             tokens, cached = serve(i)
             assert tokens == expected[i] and cached >= SHARED
         used = {fingerprint(parse_object_key(k)[1]) for k in hot}
-        wait_until("access records of the hot families", lambda: used <= accessed(client, bucket))
+        wait_until(
+            "access records of the hot families", lambda: used <= accessed(client, bucket), every_s=0.5
+        )
 
         # gc to the hot families' size: least recently used first deletes the cold ones.
         budget = sum(chunks[k] for k in hot)
@@ -145,13 +147,13 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
 
         # The replica reads gc's tombstone segment: its view shrinks to the hot keys.
         assert wait_for_value(llm, "manifest_keys", lambda n: n <= len(hot)) == len(hot)
-        before = _metrics(llm)
+        before = metrics(llm)
         for i in range(3, 6):  # deleted: computed, not offered as hits
             tokens, cached = serve(i)
             assert tokens == expected[i] and cached == 0
         tokens, cached = serve(0)  # control: kept chunks are still hits
         assert tokens == expected[0] and cached >= SHARED
-        after = _metrics(llm)
+        after = metrics(llm)
         assert (
             after.get("vllm:s3kv_load_errors_missing", 0)
             == before.get("vllm:s3kv_load_errors_missing", 0)
@@ -165,6 +167,6 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
         tokens, _ = serve(1)
         assert tokens == expected[1]
         serve(2)  # one more step publishes the counter
-        assert _metrics(llm).get("vllm:s3kv_load_errors_missing", 0) >= 1
+        assert metrics(llm).get("vllm:s3kv_load_errors_missing", 0) >= 1
     finally:
         llm.llm_engine.engine_core.shutdown()
