@@ -18,7 +18,8 @@ ENGINE_ARGS = {
 }
 CHUNK_TOKENS = 64
 MAX_TOKENS = 12
-REPLICA_TIMEOUT_S = 300
+REPLICA_TIMEOUT_S = 900
+"""A bound for a busy machine (a replica takes about a minute here when idle)."""
 # vLLM's CPU build reserves a core for a KV connector, so by default an engine
 # with a connector runs its worker with another OpenMP thread count than one
 # without, which changes float summation order and, for a random model with

@@ -227,7 +227,7 @@ def test_a_corrupt_object_no_replica_may_delete_costs_one_load_each(
         )
         assert gc.returncode == 0, gc.stderr
         assert json.loads(gc.stdout)["result"]["bad_objects_deleted"] == 1
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         while True:
             generate(2)  # computes the chunk again, and stores it now that its name is free
             body = None
