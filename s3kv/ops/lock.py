@@ -14,7 +14,7 @@ No wall clock decides anything, as gc hosts' clocks may disagree by hours:
   for the holder's ttl on the contender's own monotonic clock, counted from
   the first read that returned that ETag. A holder renews every ttl/4, and
   every renewal changes the ETag (each body carries a fresh nonce).
-- The holder stops (``check()`` raises :class:`LockLost`) once 3/4 of the
+- The holder stops (``check()`` raises :class:`~s3kv.errors.LockLost`) once 3/4 of the
   ttl passed on its monotonic clock since its last successful write, timed
   from before that request was sent. A write lands after it was sent and a
   contender sees it later still, so the holder always stops first.
@@ -40,7 +40,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from s3kv.errors import AlreadyExists, NotFound, Precondition, S3KVError
+from s3kv.errors import AlreadyExists, LockBusy, LockLost, NotFound, Precondition, S3KVError
 from s3kv.ops.inventory import LOCK_NAME
 from s3kv.stores.base import ObjectMeta, ObjectStore, PutMode, Update
 
@@ -51,14 +51,6 @@ RENEW_FRACTION = 0.25
 """A holder renews every ttl/4 ..."""
 STOP_FRACTION = 0.75
 """... and stops working once 3/4 of the ttl passed without a successful renewal."""
-
-
-class LockBusy(S3KVError):
-    """Another process holds the lease and did not let go in time."""
-
-
-class LockLost(S3KVError):
-    """Our lease expired and another process took it over."""
 
 
 def lock_key(prefix: str) -> str:

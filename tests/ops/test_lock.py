@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from s3kv.errors import Precondition
-from s3kv.ops.lock import Lease, LockBusy, LockLost, held, lock_key
+from s3kv.errors import LockBusy, LockLost, Precondition
+from s3kv.ops.lock import Lease, held, lock_key
 from s3kv.stores.base import PutMode, Update
 from s3kv.stores.memory import MemoryStore
 from s3kv.stores.s3 import S3Options, S3Store
