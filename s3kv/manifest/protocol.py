@@ -18,7 +18,8 @@ has seen + 1)``. Readers list segments from a :func:`segment_floor`, a
 margin (the clock skew) before the newest stamp they have seen, so writers
 whose clocks disagree by less than the margin never miss each other's
 segments. Writer ids are ``[0-9A-Za-z_]{1,64}``: a replica's
-(:func:`new_writer_id`), a rank publisher's (:func:`rank_writer`), gc's.
+(:func:`new_writer_id`), a rank publisher's (:func:`rank_writer`), gc's
+(:func:`gc_writer_id`).
 
 This module does no I/O; :mod:`s3kv.manifest.format` owns the bytes.
 """
@@ -137,6 +138,11 @@ def is_segment(base: str, key: str) -> bool:
 def new_writer_id() -> str:
     """A replica's writer id: random, with the process id's last two digits."""
     return f"{uuid.uuid4().hex[:10]}{os.getpid() % 100:02d}"
+
+
+def gc_writer_id() -> str:
+    """The writer id of an ``s3kv gc`` (or ``verify --delete``) run."""
+    return "gc" + new_writer_id()
 
 
 def rank_writer(writer: str, rank: int) -> str:

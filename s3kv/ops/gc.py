@@ -60,9 +60,9 @@ from s3kv.manifest.protocol import (
     Stamps,
     access_hour,
     access_name,
+    gc_writer_id,
     is_segment,
     name_ts,
-    new_writer_id,
     record_hour,
     snapshot_name,
 )
@@ -411,7 +411,7 @@ async def execute(
 ) -> Result:
     """Carry the plan out (and delete ``bad`` objects); with ``keys``, every
     manifest object gc writes is signed and only signed ones are read."""
-    writer = writer or "gc" + new_writer_id()
+    writer = writer or gc_writer_id()
     result = Result()
     if keys is None:
         for ns in p.scope:

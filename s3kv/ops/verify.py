@@ -38,7 +38,7 @@ from s3kv.errors import (
 )
 from s3kv.keys import parse_object_key
 from s3kv.manifest import format as mf
-from s3kv.manifest.protocol import new_writer_id
+from s3kv.manifest.protocol import gc_writer_id
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
 from s3kv.ops.inventory import Inventory, manifest_signed, read_head_bytes
 from s3kv.stores.base import ObjectMeta, ObjectStore
@@ -254,7 +254,7 @@ async def delete_corrupt(
             if info is not None and info.descriptor_meta is not None and info.descriptor_meta.key == p.key:
                 listed.append(info.descriptor_meta)
             names[p.key] = listed[0].etag if listed else None
-    writer = "gc" + new_writer_id()
+    writer = gc_writer_id()
     for ns, chunk_keys in dead.items():
         info = inv.namespaces[ns]
         await publish_tombstones(
