@@ -138,13 +138,6 @@ def test_object_format_roundtrip_and_every_corruption_is_caught():
             mf.decode(blob[:cut])
 
 
-def test_names_sort_by_time():
-    a = mp.segment_name(BASE, 1_700_000_000_000, "w1", 2)
-    b = mp.segment_name(BASE, 1_700_000_000_001, "w0", 1)
-    assert a < b and mp.name_ts(a) == 1_700_000_000_000
-    assert mp.access_name(BASE, 1_700_000_000_000, "w", 1).startswith(BASE + "access/2023111422/")
-
-
 def replica(store, clock, writer, **kw):
     settings = SyncSettings(publish_s=1, refresh_s=1, skew_s=60, **kw)
     return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=lambda: clock[0])
