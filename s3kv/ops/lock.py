@@ -219,9 +219,12 @@ class Lease:
         with contextlib.suppress(NotFound, Precondition):
             await self.store.delete_if(self.key, etag)
 
-    async def _keep_alive(self) -> None:
+    async def _keep_alive(self, stop: asyncio.Event) -> None:
+        """Renew every ttl/4 until ``stop`` is set (never inside a renewal)."""
         while True:
-            await asyncio.sleep(self.ttl_s * RENEW_FRACTION)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.ttl_s * RENEW_FRACTION)
+                return
             try:
                 await self.renew()
             except LockLost:
@@ -242,14 +245,20 @@ async def held(
     wall: Callable[[], float] = time.time,
     monotonic: Callable[[], float] = time.monotonic,
 ):
-    """Hold the gc lease of ``prefix`` for the body, renewing it in the background."""
+    """Hold the gc lease of ``prefix`` for the body, renewing it in the
+    background. On the way out a renewal in flight is let finish (for up
+    to ttl/4), so that the release deletes the version it wrote."""
     lease = Lease(store, lock_key(prefix), ttl_s, wall=wall, monotonic=monotonic)
     await lease.acquire(wait_s, poll_s)
-    keeper = asyncio.create_task(lease._keep_alive())
+    stop = asyncio.Event()
+    keeper = asyncio.create_task(lease._keep_alive(stop))
     try:
         yield lease
     finally:
-        keeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await keeper
+        stop.set()
+        _, pending = await asyncio.wait({keeper}, timeout=ttl_s * RENEW_FRACTION)
+        if pending:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
         await lease.release()
