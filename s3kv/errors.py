@@ -101,3 +101,32 @@ class UnsupportedFormat(CorruptChunk):
         super().__init__(
             f"chunk format version {version}; this s3kv reads versions {', '.join(map(str, reads))}"
         )
+
+
+class CorruptManifest(S3KVError):
+    """A manifest object failed validation."""
+
+
+class UnsignedManifest(CorruptManifest):
+    """With the fleet secret set: a manifest object without a valid MAC."""
+
+
+class UnsupportedManifestVersion(CorruptManifest):
+    """A manifest object of a newer format version than this s3kv reads:
+    skipped like a corrupt one, but never deleted as one."""
+
+
+class TooLarge(S3KVError):
+    """A manifest object is larger than ``max_object_bytes``."""
+
+
+class UnsignedWrite(ConfigError):
+    """gc has no fleet secret for a namespace whose manifest is signed."""
+
+
+class LockBusy(S3KVError):
+    """Another process holds the lease and did not let go in time."""
+
+
+class LockLost(S3KVError):
+    """Our lease expired and another process took it over."""

@@ -87,7 +87,7 @@ def _fail(message: str, code: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code instead of raising SystemExit."""
     from s3kv.cli.ops import StorageProblem
-    from s3kv.ops.lock import LockBusy, LockLost
+    from s3kv.errors import LockBusy, LockLost
 
     args = sys.argv[1:] if argv is None else argv
     if not args:

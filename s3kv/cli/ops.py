@@ -238,8 +238,7 @@ async def _find_chunk(store: ObjectStore, prefix: str, key: str, rank: str | Non
 
 async def _inspect(store: ObjectStore, name: str, check: bool, keys: FleetKeys | None) -> dict[str, Any]:
     """inspect_object, with a damaged object reported as its problem."""
-    from s3kv.errors import CorruptChunk
-    from s3kv.manifest.format import CorruptManifest
+    from s3kv.errors import CorruptChunk, CorruptManifest
 
     try:
         return await inspect_object(store, name, check_frames=check, keys=keys)

@@ -30,7 +30,7 @@ from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, 
 from s3kv.identity import DigestCache, content_digest, resolve_identity
 from s3kv.keys import Namespace, namespace_prefix, object_key
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
-from s3kv.manifest.format import manifest_prefix
+from s3kv.manifest.protocol import manifest_prefix
 from s3kv.stats import SERIES, Counters
 from s3kv.stores.base import PutMode
 from s3kv.stores.factory import make_store

@@ -23,10 +23,10 @@ from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.connector.pages import LayerwiseLoad, PageIO
 from s3kv.errors import ConfigError
 from s3kv.keys import fingerprint
-from s3kv.manifest.format import manifest_prefix
 from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
 from s3kv.manifest.journal import RankJournal
-from s3kv.manifest.publish import ShardPublisher, rank_writer
+from s3kv.manifest.protocol import manifest_prefix, rank_writer
+from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
 from s3kv.tiering.chunks import PageFormat

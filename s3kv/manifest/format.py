@@ -1,21 +1,5 @@
-"""Manifest objects in S3: what each replica publishes, and their names.
-
-Under ``{prefix}/{namespace}/manifest/``:
-
-- ``seg/{ts}-{writer}-{seq}``: a *segment*, immutable: the fingerprints a
-  replica stored since its last segment, and removals (tombstones, written by
-  ``s3kv gc`` for chunks it deleted).
-- ``snap/{ts}-{writer}``: a *snapshot*: every live fingerprint as of the
-  segments it names (``horizon`` and the recent ones it includes), so a new
-  replica loads the manifest with one listing and a few GETs.
-- ``access/{yyyymmddhh}/{ts}-{writer}-{seq}``: *access records*: fingerprints
-  of chunks used (loaded from any tier) in that hour, for gc's
-  least-recently-used policy.
-
-``ts`` is milliseconds since the epoch, zero-padded, so names sort by time.
-A writer stamps ``max(its clock, newest ts it has seen + 1)``; readers list
-from a margin before the newest name they have seen, so replicas whose
-clocks disagree by less than the margin never miss each other's segments.
+"""The bytes of one manifest object (segment, snapshot or access record;
+their names and stamps are :mod:`s3kv.manifest.protocol`'s).
 
 Each object: a 32-byte prefix (magic ``S3KM``, version, kind, flags, counts,
 xxh3 of the rest), a JSON header, then little-endian uint64 arrays, sorted;
@@ -24,7 +8,7 @@ keyed-BLAKE3 MAC of everything before it. Versions as for chunk objects
 (:mod:`s3kv.codec`): an unsigned object is version 1, exactly what s3kv
 wrote before signing existed (older readers keep reading it); a signed one
 is version 2 (older readers refuse it by its version); a higher version is
-refused as :class:`UnsupportedManifestVersion`.
+refused as :class:`~s3kv.errors.UnsupportedManifestVersion`.
 
 A segment may name *bad* chunk objects (``meta["bad"]``: object names and
 the ETags read), corrupt ones a replica could not delete: its removals drop
@@ -35,16 +19,14 @@ them from every replica's manifest, replicas then never publish them from a
 from __future__ import annotations
 
 import json
-import re
 import struct
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
-from s3kv.errors import S3KVError
+from s3kv.errors import CorruptManifest, UnsignedManifest, UnsupportedManifestVersion
 from s3kv.manifest.keyset import EMPTY, as_sorted_unique
 
 if TYPE_CHECKING:
@@ -60,22 +42,8 @@ CHECKSUM = struct.Struct("<Q")
 TRAILER = struct.Struct("<8s16s")  # key id, MAC
 KINDS = {"segment": 1, "snapshot": 2, "access": 3}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
-TS_DIGITS = 13
 MIN_BYTES = PREFIX.size + CHECKSUM.size
 """No manifest object is shorter: a smaller one is garbage without a GET."""
-
-
-class CorruptManifest(S3KVError):
-    """A manifest object failed validation."""
-
-
-class UnsignedManifest(CorruptManifest):
-    """With the fleet secret set: a manifest object without a valid MAC."""
-
-
-class UnsupportedManifestVersion(CorruptManifest):
-    """A manifest object of a newer format version than this s3kv reads:
-    skipped like a corrupt one, but never deleted as one."""
 
 
 @dataclass
@@ -188,70 +156,3 @@ def decode_head(data: bytes, *, name: str = "manifest object") -> tuple[str, int
     except ValueError as e:
         raise CorruptManifest(f"{name}: malformed header: {e}") from e
     return _KIND_NAMES[kind], n_add, n_del, meta if isinstance(meta, dict) else {}
-
-
-# -- names -----------------------------------------------------------------------
-
-
-def manifest_prefix(prefix: str, namespace: str) -> str:
-    return f"{prefix}/{namespace}/manifest/" if prefix else f"{namespace}/manifest/"
-
-
-def stamp(ts_ms: int) -> str:
-    return f"{ts_ms:0{TS_DIGITS}d}"
-
-
-def segment_name(base: str, ts_ms: int, writer: str, seq: int) -> str:
-    return f"{base}seg/{stamp(ts_ms)}-{writer}-{seq:06d}"
-
-
-def snapshot_name(base: str, ts_ms: int, writer: str) -> str:
-    return f"{base}snap/{stamp(ts_ms)}-{writer}"
-
-
-def access_name(base: str, ts_ms: int, writer: str, seq: int) -> str:
-    hour = time.strftime("%Y%m%d%H", time.gmtime(ts_ms / 1000))
-    return f"{base}access/{hour}/{stamp(ts_ms)}-{writer}-{seq:06d}"
-
-
-def name_ts(name: str) -> int | None:
-    """The millisecond stamp a segment or snapshot name starts with."""
-    leaf = name.rsplit("/", 1)[-1]
-    head = leaf.split("-", 1)[0]
-    return int(head) if len(head) == TS_DIGITS and head.isdigit() else None
-
-
-@dataclass(frozen=True)
-class ManifestName:
-    """What a manifest object's name says."""
-
-    kind: str
-    """segment, snapshot or access"""
-    ts: int
-    """Milliseconds since the epoch."""
-    writer: str
-    seq: int | None
-    """None for a snapshot."""
-
-
-_WRITER = r"([0-9A-Za-z_]{1,64})"
-_NAMES = {
-    "seg": ("segment", re.compile(rf"(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})")),
-    "snap": ("snapshot", re.compile(rf"(\d{{{TS_DIGITS}}})-{_WRITER}")),
-    "access": ("access", re.compile(rf"\d{{10}}/(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})")),
-}
-
-
-def parse_name(base: str, key: str) -> ManifestName | None:
-    """The segment, snapshot or access record ``key`` names under the
-    manifest prefix ``base``, or None: a folder marker, another directory,
-    or a name s3kv does not write (which nobody should GET)."""
-    if not key.startswith(base):
-        return None
-    directory, _, rest = key[len(base) :].partition("/")
-    kind, pattern = _NAMES.get(directory, ("", None))
-    m = pattern.fullmatch(rest) if pattern is not None else None
-    if m is None:
-        return None
-    seq = int(m.group(3)) if m.lastindex == 3 else None
-    return ManifestName(kind, int(m.group(1)), m.group(2), seq)

@@ -44,7 +44,6 @@ import shutil
 import struct
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -214,17 +213,13 @@ async def _publish(
     from s3kv.keys import fingerprint, object_key
     from s3kv.manifest import format as mf
     from s3kv.manifest.keyset import as_sorted_unique
+    from s3kv.manifest.protocol import HybridClock
     from s3kv.manifest.publish import SegmentWriter
     from s3kv.ops.gc import check_chunk_head, read_chunk_head
     from s3kv.stores.factory import make_store
 
     config = parse_config(info["config"])
-    clock = [last_ts]
-
-    def next_ts() -> int:
-        clock[0] = max(int(time.time() * 1000), clock[0] + 1)
-        return clock[0]
-
+    stamps = HybridClock(seen_ms=last_ts)  # after the rank's own last stamp
     meta: dict[str, Any] = {"writer": writer + "j", "recovered": True}
     if info.get("ranks", 1) > 1:
         meta.update(rank=info["rank"], ranks=info["ranks"])
@@ -249,7 +244,7 @@ async def _publish(
         if fps:
             segment = mf.ManifestObject("segment", as_sorted_unique(fps), meta=meta)
             segments = SegmentWriter(
-                store, info["base"], writer + "j", next_ts, keys=keys, skew_s=config.manifest_clock_skew_s
+                store, info["base"], writer + "j", stamps.next, keys=keys, skew_s=config.manifest_clock_skew_s
             )
             await segments.put(segment)
 

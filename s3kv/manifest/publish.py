@@ -14,12 +14,13 @@ an ordinary segment. With several, it says so in its header
 every rank's segment has named it (:class:`RankTally`): a chunk is usable
 only when every rank's shard is there.
 
-Stamps follow the manifest's hybrid clock: never before the newest stamp the
-replica's scheduler side has seen (it sends it with each step's plans), so a
-worker with a late clock cannot hide a segment below other readers' floors.
-The rank publisher's writer id is the scheduler side's with ``r{rank}``
-appended, so replicas still elect one snapshot writer per replica
-(:func:`replica_of`).
+Stamps follow the manifest's hybrid clock
+(:class:`~s3kv.manifest.protocol.HybridClock`): never before the newest
+stamp the replica's scheduler side has seen (it sends it with each step's
+plans), so a worker with a late clock cannot hide a segment below other
+readers' floors. The rank publisher's writer id is the scheduler side's with
+``r{rank}`` appended, so replicas still elect one snapshot writer per
+replica (:func:`~s3kv.manifest.protocol.replica_of`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,10 +35,11 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from s3kv.auth import FleetKeys
-from s3kv.errors import AlreadyExists
+from s3kv.errors import AlreadyExists, CorruptManifest
 from s3kv.manifest import format as mf
 from s3kv.manifest.journal import RankJournal
 from s3kv.manifest.keyset import as_sorted_unique
+from s3kv.manifest.protocol import HybridClock, rank_writer, segment_name
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore, PutMode
 
@@ -51,19 +52,6 @@ MAX_RANKS = 64
 PARTIAL_TTL_MS = 15 * 60 * 1000
 """A chunk some ranks published but the others never did after this long
 is forgotten (a rank's PUT failed: the chunk is not whole)."""
-
-_RANK_SUFFIX = re.compile(r"r\d+j?$")
-
-
-def replica_of(writer: str) -> str:
-    """The replica a writer id belongs to: a rank publisher's id is its
-    scheduler side's with ``r{rank}`` appended (and ``j`` when its front end
-    published its journal, :mod:`s3kv.manifest.journal`)."""
-    return _RANK_SUFFIX.sub("", writer)
-
-
-def rank_writer(writer: str, rank: int) -> str:
-    return f"{writer}r{rank}"
 
 
 class SegmentWriter:
@@ -104,7 +92,7 @@ class SegmentWriter:
         written: list[tuple[str, int]] = []
         for _ in range(1 + REPUBLISH_MAX):
             ts = self._next_ts()
-            name = mf.segment_name(self.base, ts, self.writer, self.next_seq())
+            name = segment_name(self.base, ts, self.writer, self.next_seq())
             with contextlib.suppress(AlreadyExists):  # names are ours alone: a retried PUT
                 await self.store.put(name, body, mode=PutMode.CREATE)
             written.append((name, ts))
@@ -147,16 +135,14 @@ class ShardPublisher:
         self.ranks = ranks
         self.publish_s = publish_s
         self.counters = counters or Counters()
-        self._clock = clock
         self._lock = threading.Lock()
         self._pending: list[int] = []
-        self._floor_ms = 0
-        self._last_ms = 0
+        self._stamps = HybridClock(clock)
         self.segments = SegmentWriter(
             store,
             base,
             rank_writer(writer, rank),
-            self._next_ts,
+            self._stamps.next,
             keys=keys,
             skew_s=skew_s,
             clock=clock,
@@ -174,19 +160,12 @@ class ShardPublisher:
 
     def observe(self, ts_ms: int) -> None:
         """The newest stamp the replica has seen: never stamp before it."""
-        with self._lock:
-            self._floor_ms = max(self._floor_ms, ts_ms)
+        self._stamps.observe(ts_ms)
 
     @property
     def pending(self) -> int:
         with self._lock:
             return len(self._pending)
-
-    def _next_ts(self) -> int:
-        with self._lock:
-            ts = max(int(self._clock() * 1000), self._floor_ms + 1, self._last_ms + 1)
-            self._last_ms = ts
-            return ts
 
     # -- the worker's I/O loop -------------------------------------------------------
     async def publish(self) -> int:
@@ -208,7 +187,7 @@ class ShardPublisher:
                 self._pending[:0] = fps
             raise
         if self.journal is not None:
-            self.journal.published(upto, self._last_ms)
+            self.journal.published(upto, self._stamps.last_ms)
         return len(fps)
 
     async def run(self) -> None:
@@ -237,7 +216,7 @@ def rank_fields(meta: dict[str, object]) -> tuple[int, int] | None:
         or isinstance(ranks, bool)
         or not 0 <= rank < ranks <= MAX_RANKS
     ):
-        raise mf.CorruptManifest(f"rank segment with rank {rank!r} of {ranks!r}")
+        raise CorruptManifest(f"rank segment with rank {rank!r} of {ranks!r}")
     return (rank, ranks) if ranks > 1 else None
 
 

@@ -33,26 +33,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from s3kv.auth import FleetKeys
-from s3kv.errors import NotFound, PermissionDenied, RangeNotSatisfiable, S3KVError
+from s3kv.errors import (
+    CorruptManifest,
+    NotFound,
+    PermissionDenied,
+    RangeNotSatisfiable,
+    S3KVError,
+    TooLarge,
+    UnsignedManifest,
+)
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import Manifest, as_sorted_unique
-from s3kv.manifest.publish import (
-    PARTIAL_TTL_MS,
-    RankTally,
-    SegmentWriter,
-    rank_fields,
+from s3kv.manifest.protocol import (
+    SEGMENTS,
+    SNAPSHOTS,
+    Horizon,
+    HybridClock,
+    access_hour,
+    access_name,
+    name_ts,
+    new_writer_id,
+    parse_name,
     replica_of,
+    segment_floor,
+    snapshot_name,
 )
+from s3kv.manifest.publish import PARTIAL_TTL_MS, RankTally, SegmentWriter, rank_fields
 from s3kv.stats import Counters
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode
 
@@ -82,15 +96,7 @@ class SyncSettings:
 
 SKIP_REASONS = ("marker", "foreign", "garbage", "denied", "future", "oversize", "unsigned")
 """The ``manifest_skipped`` reasons this module counts."""
-_DIRS = {"segment": "seg/", "snapshot": "snap/"}
-
-
-class TooLarge(S3KVError):
-    """A manifest object is larger than ``max_object_bytes``."""
-
-
-def new_writer_id() -> str:
-    return f"{uuid.uuid4().hex[:10]}{os.getpid() % 100:02d}"
+_DIRS = {"segment": SEGMENTS, "snapshot": SNAPSHOTS}
 
 
 class ManifestSync:
@@ -115,6 +121,8 @@ class ManifestSync:
         self.counters = counters or Counters()
         self.writer = writer or new_writer_id()
         self._clock = clock
+        self._stamps = HybridClock(clock)
+        """This replica's stamps: after every segment it applied or wrote."""
         self._lock = threading.Lock()
         self._to_publish: list[int] = []
         self._bad: list[tuple[int, str, str | None]] = []
@@ -129,7 +137,7 @@ class ManifestSync:
             store,
             base,
             self.writer,
-            self._next_ts,
+            self._stamps.next,
             keys=keys,
             skew_s=self.s.skew_s,
             clock=clock,
@@ -149,7 +157,6 @@ class ManifestSync:
         of their directory no longer shows them."""
         self._future: set[str] = set()
         """Names stamped in the future at the last listings (counted once)."""
-        self._max_seen_ts = 0
         self._since_snapshot = 0
         self._snapshot_ts = 0
         self.loaded = False
@@ -160,7 +167,7 @@ class ManifestSync:
     @property
     def clock_ms(self) -> int:
         """The newest stamp seen (or written): the workers' segments are stamped after it."""
-        return self._max_seen_ts
+        return self._stamps.seen_ms
 
     # -- what the scheduler side tells us (any thread) ---------------------------
     def stored(self, fp: int) -> None:
@@ -210,7 +217,7 @@ class ManifestSync:
             name = meta.key
             if name in self._seen or name in self._skipped or name in self._retry:
                 continue
-            parsed = mf.parse_name(self.base, name)
+            parsed = parse_name(self.base, name)
             if name.endswith("/"):
                 self._skip(name, "marker")
             elif parsed is None or parsed.kind != kind:
@@ -259,12 +266,12 @@ class ManifestSync:
         try:
             obj = await self._get(name, size)
             if obj.kind != kind:
-                raise mf.CorruptManifest(f"{name}: a {obj.kind}, not a {kind}")
+                raise CorruptManifest(f"{name}: a {obj.kind}, not a {kind}")
             if kind == "segment":
                 rank_fields(obj.meta)  # nonsense there is garbage
-        except mf.UnsignedManifest as e:
+        except UnsignedManifest as e:
             self._skip(name, "unsigned", e)
-        except (mf.CorruptManifest, RangeNotSatisfiable) as e:  # a 416: emptied since it was listed
+        except (CorruptManifest, RangeNotSatisfiable) as e:  # a 416: emptied since it was listed
             self._skip(name, "garbage", e)
         except PermissionDenied as e:
             if e.credentials:  # S3 refuses this replica, not the object: retried with the listing
@@ -319,9 +326,9 @@ class ManifestSync:
             bad = obj.meta.get("bad")
             if bad and isinstance(bad, list) and len(obj.removed) <= len(bad):
                 self.manifest.bad.update(obj.removed.tolist())  # never republished from a 412
-            ts = mf.name_ts(name) or 0
+            ts = name_ts(name) or 0
             self._seen[name] = ts
-            self._max_seen_ts = max(self._max_seen_ts, ts)
+            self._stamps.observe(ts)
             keys += len(added)
         self.counters.add("manifest_segments_loaded", len(fetched))
         self._since_snapshot += len(fetched)
@@ -333,7 +340,7 @@ class ManifestSync:
         instead."""
         now_ms = self._now_ms()
         limit = now_ms + int(self.s.skew_s * 1000)
-        listed = [m async for m in self.store.list(self.base + "snap/")]
+        listed = [m async for m in self.store.list(self.base + SNAPSHOTS)]
         for meta in sorted(self._sift(listed, "snapshot", now_ms), key=lambda m: m.key, reverse=True):
             try:
                 snap = await self._read(meta.key, meta.size, "snapshot")
@@ -343,22 +350,23 @@ class ManifestSync:
                 if self._failures.get(meta.key):
                     raise S3KVError(f"reading manifest snapshot {meta.key} failed; loading again later")
                 continue
-            horizon = str(snap.meta.get("horizon", ""))
-            parsed = mf.parse_name(self.base, horizon) if horizon else None
+            last = Horizon.last_of(snap.meta)
+            parsed = parse_name(self.base, last) if last else None
             if parsed is not None and parsed.ts > limit:
                 # Written by a replica that trusted a stamp in the future:
                 # what it covers cannot be told. An older one, then.
-                self._skip(meta.key, "future", f"its horizon {horizon} is in the future")
+                self._skip(meta.key, "future", f"its horizon {last} is in the future")
                 continue
+            horizon = Horizon.of(snap.meta)
             self.manifest.fps.replace(snap.added)
-            self._snapshot_ts = mf.name_ts(meta.key) or 0
-            for name in snap.meta.get("recent", ()):
-                n = mf.parse_name(self.base, str(name))
+            self._snapshot_ts = name_ts(meta.key) or 0
+            for name in horizon.recent:
+                n = parse_name(self.base, name)
                 if n is not None and n.kind == "segment" and n.ts <= limit:
-                    self._seen[str(name)] = n.ts
+                    self._seen[name] = n.ts
             if parsed is None or parsed.kind != "segment":
                 return len(snap.added), None
-            self._max_seen_ts = max(self._max_seen_ts, parsed.ts)
+            self._stamps.observe(parsed.ts)
             return len(snap.added), self._segment_floor()
         return 0, None
 
@@ -366,7 +374,7 @@ class ManifestSync:
         """Start-up: the newest snapshot, then every segment after it.
         Returns the fingerprints loaded."""
         keys, start_after = await self._load_snapshot()
-        listed = [m async for m in self.store.list(self.base + "seg/", start_after=start_after)]
+        listed = [m async for m in self.store.list(self.base + SEGMENTS, start_after=start_after)]
         todo = [(m.key, m.size) for m in self._sift(listed, "segment", self._now_ms())]
         self._since_snapshot = 0
         keys += await self._apply(await self._fetch_all(todo))
@@ -376,32 +384,26 @@ class ManifestSync:
         return keys
 
     def _segment_floor(self) -> str:
-        return self.base + "seg/" + mf.stamp(max(0, self._max_seen_ts - int(self.s.skew_s * 1000)))
+        return segment_floor(self.base, self.clock_ms, int(self.s.skew_s * 1000))
 
     async def refresh(self) -> int:
         """New segments of other replicas since the last look."""
-        start_after = self._segment_floor() if self._max_seen_ts else None
-        listed = [m async for m in self.store.list(self.base + "seg/", start_after=start_after)]
+        start_after = self._segment_floor() if self.clock_ms else None
+        listed = [m async for m in self.store.list(self.base + SEGMENTS, start_after=start_after)]
         todo = dict(self._retry)
         todo.update((m.key, m.size) for m in self._sift(listed, "segment", self._now_ms()))
         keys = await self._apply(await self._fetch_all(sorted(todo.items()))) if todo else 0
         if not self._retry:
             self.refreshed_at = time.time()
-        floor = self._max_seen_ts - 2 * int(self.s.skew_s * 1000)
+        floor = self.clock_ms - 2 * int(self.s.skew_s * 1000)
         self._seen = {n: ts for n, ts in self._seen.items() if ts >= floor}
         if len(self._tally):
-            self._tally.expire(self.base + "seg/" + mf.stamp(max(0, self._max_seen_ts - PARTIAL_TTL_MS)))
+            self._tally.expire(segment_floor(self.base, self.clock_ms, PARTIAL_TTL_MS))
         if self.manifest.fps.needs_merge():
             await asyncio.to_thread(self.manifest.fps.merge)
         return keys
 
     # -- writing -----------------------------------------------------------------
-    def _next_ts(self) -> int:
-        """A stamp not before anything seen: a late clock cannot hide a segment."""
-        ts = max(int(self._clock() * 1000), self._max_seen_ts + 1)
-        self._max_seen_ts = ts
-        return ts
-
     async def publish(self) -> None:
         """Write what this replica stored and used since the last call, and
         the bad objects it found. On any failure (or cancellation) they go
@@ -445,14 +447,14 @@ class ManifestSync:
             self._since_snapshot += 1
 
     async def _publish_access(self, used: set[int]) -> None:
-        ts = self._next_ts()  # the segments' clock: a late clock cannot age a use
-        hour = time.strftime("%Y%m%d%H", time.gmtime(ts / 1000))
+        ts = self._stamps.next()  # the segments' clock: a late clock cannot age a use
+        hour = access_hour(ts)
         if hour != self._used_hour:
             self._used_hour, self._used_published = hour, set()
         new = used - self._used_published
         if not new:
             return
-        name = mf.access_name(self.base, ts, self.writer, self._segments.next_seq())
+        name = access_name(self.base, ts, self.writer, self._segments.next_seq())
         body = mf.encode(mf.ManifestObject("access", as_sorted_unique(new)), self.keys)
         await self.store.put(name, body, mode=PutMode.CREATE)
         self._used_published |= new
@@ -468,28 +470,26 @@ class ManifestSync:
         ):
             return False
         # One writer per replica: a rank publisher counts as its replica's.
-        writers = {replica_of(n.rsplit("/", 1)[-1].split("-")[1]) for n in self._seen if n.count("-") >= 2}
+        names = (parse_name(self.base, n) for n in self._seen)
+        writers = {replica_of(n.writer) for n in names if n is not None}
         if writers and min(writers | {self.writer}) != self.writer:
             return False
         # The horizon stays before any segment a chunk still waiting for
         # other ranks depends on: a reader starting from this snapshot reads
         # that segment again, and so completes the chunk when the rest come.
         oldest = self._tally.oldest()
-        covered = [n for n in self._seen if oldest is None or n < oldest]
-        horizon = max(covered) if covered else ""
-        horizon_ts = mf.name_ts(horizon) or 0
-        recent = sorted(
-            n for n, ts in self._seen.items() if n <= horizon and ts >= horizon_ts - int(self.s.skew_s * 1000)
+        horizon = Horizon.over(
+            (n for n in self._seen if oldest is None or n < oldest), int(self.s.skew_s * 1000)
         )
-        meta = {"horizon": horizon, "recent": recent, "writer": self.writer}
+        meta = {**horizon.meta(), "writer": self.writer}
 
         def build() -> tuple[int, bytes]:
             fps = self.manifest.fps.array()
             return len(fps), mf.encode(mf.ManifestObject("snapshot", fps, meta=meta), self.keys)
 
         count, body = await asyncio.to_thread(build)  # off the loop: it holds millions of keys
-        ts = self._next_ts()
-        name = mf.snapshot_name(self.base, ts, self.writer)
+        ts = self._stamps.next()
+        name = snapshot_name(self.base, ts, self.writer)
         await self.store.put(name, body, mode=PutMode.CREATE)
         self._since_snapshot, self._snapshot_ts = 0, ts
         self.counters.add("manifest_snapshots_written")
@@ -498,8 +498,8 @@ class ManifestSync:
         # counted among the newest nor deleted.
         limit = self._now_ms() + int(self.s.skew_s * 1000)
         ours = []
-        async for m in self.store.list(self.base + "snap/"):
-            n = mf.parse_name(self.base, m.key)
+        async for m in self.store.list(self.base + SNAPSHOTS):
+            n = parse_name(self.base, m.key)
             if n is not None and n.kind == "snapshot" and n.ts <= limit:
                 ours.append(m.key)
         old = sorted(ours)[: -self.s.snapshots_kept]

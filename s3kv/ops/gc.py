@@ -40,36 +40,49 @@ from typing import Any
 from s3kv import codec
 from s3kv.auth import FleetKeys
 from s3kv.errors import (
-    AlreadyExists,
-    ConfigError,
     CorruptChunk,
+    CorruptManifest,
     NotFound,
     PermissionDenied,
     Precondition,
     RangeNotSatisfiable,
     S3KVError,
+    UnsignedManifest,
+    UnsignedWrite,
     UnsupportedFormat,
 )
 from s3kv.keys import fingerprint, parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import as_sorted_unique
+from s3kv.manifest.protocol import (
+    SEGMENTS,
+    Horizon,
+    Stamps,
+    access_hour,
+    access_name,
+    gc_writer_id,
+    is_segment,
+    name_ts,
+    record_hour,
+    snapshot_name,
+)
 from s3kv.manifest.publish import RankTally, rank_fields
-from s3kv.manifest.sync import new_writer_id
-from s3kv.ops.inventory import HEAD_BYTES, Chunk, Inventory, NamespaceInfo, read_head_bytes
+from s3kv.manifest.tombstones import delete_keys, publish_tombstones
+from s3kv.ops.inventory import (
+    HEAD_BYTES,
+    Chunk,
+    Inventory,
+    NamespaceInfo,
+    manifest_signed,
+    read_manifest_head,
+)
 from s3kv.ops.lock import Lease
+from s3kv.ops.verify import Unsigned, check_chunk
 from s3kv.stores.base import ByteRange, GetResult, ObjectMeta, ObjectStore, PutMode, Upload
 
-
-class UnsignedWrite(ConfigError):
-    """gc has no fleet secret for a namespace whose manifest is signed."""
-
-
-DELETE_BATCH = 1000
-"""Keys per DeleteObjects request (S3's limit)."""
 DEFAULT_PRICE_PER_GIB_MONTH = 0.023
 """S3 Standard, us-east-1, first 50 TB (USD per GiB-month)."""
 SNAPSHOTS_KEPT = 3
-HOUR_MS = 3_600_000
 
 
 @dataclass(frozen=True)
@@ -257,77 +270,6 @@ class Result:
 Progress = Callable[[int], None]
 
 
-class Stamps:
-    """Manifest names for one namespace: a stamp after everything listed
-    (a hybrid logical clock, like the replicas'), so that a slow gc clock
-    cannot hide its tombstones below the replicas' listing floors.
-
-    Names stamped beyond now + ``skew_s`` are not counted: replicas do not
-    apply them while they are in the future, and a junk name must not carry
-    gc's stamps (and tombstones) there with it."""
-
-    def __init__(
-        self,
-        info: NamespaceInfo,
-        writer: str,
-        *,
-        skew_s: float = 60.0,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.max_ts = 0
-        self.max_listed = 0
-        self.writer = writer
-        self.seq = 0
-        self.skew_s = skew_s
-        self._clock = clock
-        self.seen(o.key for o in (*info.segments, *info.snapshots))
-
-    def in_future(self, name: str) -> bool:
-        return (mf.name_ts(name) or 0) > self._clock() * 1000 + self.skew_s * 1000
-
-    def seen(self, names: Iterable[str]) -> None:
-        for name in names:
-            if self.in_future(name):
-                continue
-            ts = mf.name_ts(name) or 0
-            self.max_ts = max(self.max_ts, ts)
-            self.max_listed = max(self.max_listed, ts)
-
-    def next(self, now_ms: int) -> int:
-        self.max_ts = max(now_ms, self.max_ts + 1)
-        self.seq += 1
-        return self.max_ts
-
-
-async def delete_keys(
-    store: ObjectStore,
-    keys: list[str],
-    *,
-    concurrency: int,
-    lease: Lease | None,
-    progress: Progress | None = None,
-) -> list[str]:
-    """Delete in DeleteObjects batches, ``concurrency`` at a time; returns
-    the keys of batches that failed."""
-    sem = asyncio.Semaphore(concurrency)
-    failed: list[str] = []
-
-    async def one(batch: list[str]) -> None:
-        async with sem:
-            if lease is not None:
-                lease.check()
-            try:
-                await store.delete_many(batch)
-            except S3KVError:
-                failed.extend(batch)
-                return
-            if progress is not None:
-                progress(len(batch))
-
-    await asyncio.gather(*(one(keys[i : i + DELETE_BATCH]) for i in range(0, len(keys), DELETE_BATCH)))
-    return failed
-
-
 @dataclass(frozen=True)
 class BadObject:
     """A chunk object a replica reported bad, that gc found corrupt too."""
@@ -347,14 +289,12 @@ async def find_bad(
     lists) that are still there and still fail to verify; an object that
     reads well now (stored again since, or named by a bogus record) is not
     bad. Reads only."""
-    from s3kv.ops.verify import check_chunk
-
     named: dict[str, str] = {}
     for ns, info in inv.namespaces.items():
         for m in info.segments:
             try:
-                meta = (await read_head(store, m.key, keys))[3]
-            except (NotFound, PermissionDenied, mf.CorruptManifest):
+                meta = (await read_manifest_head(store, m.key, keys))[3]
+            except (NotFound, PermissionDenied, CorruptManifest):
                 continue
             for entry in meta.get("bad") or ():
                 if isinstance(entry, list) and entry and isinstance(entry[0], str):
@@ -420,8 +360,6 @@ def check_chunk_head(name: str, head: bytes, size: int | None, keys: FleetKeys |
     (``size`` bytes in all, where known), is a sound header for that name,
     of that length, and (with ``keys``) signed by a fleet key: what
     ``check_chunk`` finds without reading the frames."""
-    from s3kv.ops.verify import Unsigned
-
     parsed = parse_object_key(name)
     if parsed is None:
         raise CorruptChunk("not a chunk object name")
@@ -458,23 +396,6 @@ async def delete_bad(store: ObjectStore, inv: Inventory, bad: Iterable[BadObject
                 del inv.namespaces[b.ns].chunks[b.key]
 
 
-async def manifest_signed(store: ObjectStore, info: NamespaceInfo, sample: int = 8) -> bool:
-    """Whether the namespace's replicas sign their manifest: its newest
-    snapshot or one of its newest segments is signed (a forger's unsigned
-    ones beside them do not make it look unsigned)."""
-    newest = []
-    for objs, n in ((info.snapshots, 1), (info.segments, sample)):
-        named = sorted(
-            (m for m in objs if mf.parse_name(info.manifest_base, m.key) is not None), key=lambda m: m.key
-        )
-        newest += named[-n:]
-    for m in newest:
-        with contextlib.suppress(NotFound, PermissionDenied, mf.CorruptManifest):
-            if mf.is_signed(await read_head_bytes(store, m.key, mf.head_length)):
-                return True
-    return False
-
-
 async def execute(
     store: ObjectStore,
     inv: Inventory,
@@ -490,7 +411,7 @@ async def execute(
 ) -> Result:
     """Carry the plan out (and delete ``bad`` objects); with ``keys``, every
     manifest object gc writes is signed and only signed ones are read."""
-    writer = writer or "gc" + new_writer_id()
+    writer = writer or gc_writer_id()
     result = Result()
     if keys is None:
         for ns in p.scope:
@@ -501,7 +422,7 @@ async def execute(
                 )
     # 0. Bad objects replicas could not delete (their keys are tombstoned already).
     await delete_bad(store, inv, bad, result)
-    stamps = {ns: Stamps(inv.namespaces[ns], writer, skew_s=p.policy.skew_s, clock=clock) for ns in p.scope}
+    stamps = {ns: inv.namespaces[ns].stamps(writer, skew_s=p.policy.skew_s, clock=clock) for ns in p.scope}
     by_ns: dict[str, list[Deletion]] = {}
     for d in p.deletions:
         by_ns.setdefault(d.ns, []).append(d)
@@ -510,7 +431,8 @@ async def execute(
         if ns in p.retired:
             continue
         dead = [d.chunk.key for d in dels]
-        await publish_tombstones(store, inv.namespaces[ns], dead, stamps[ns], p.policy.skew_s, clock, keys)
+        base = inv.namespaces[ns].manifest_base
+        await publish_tombstones(store, base, dead, stamps[ns], p.policy.skew_s, clock, keys)
         result.tombstones += 1
     # 2. The chunks.
     names = [o.key for o in p.objects]
@@ -555,48 +477,6 @@ async def execute(
     return result
 
 
-async def publish_tombstones(
-    store: ObjectStore,
-    info: NamespaceInfo,
-    chunk_keys: Iterable[bytes],
-    stamps: Stamps,
-    skew_s: float,
-    clock: Callable[[], float] = time.time,
-    keys: FleetKeys | None = None,
-) -> str:
-    """A segment that removes ``chunk_keys`` from every replica's manifest, stamped
-    after the newest segment in the bucket (listed afresh from a skew
-    margin below the newest seen), so no replica's listing floor hides it."""
-    floor = info.manifest_base + "seg/" + mf.stamp(max(0, stamps.max_ts - int(skew_s * 1000)))
-    stamps.seen([m.key async for m in store.list(info.manifest_base + "seg/", start_after=floor)])
-    removed = as_sorted_unique([fingerprint(k) for k in chunk_keys])
-    body = mf.encode(
-        mf.ManifestObject("segment", removed=removed, meta={"writer": stamps.writer, "by": "gc"}), keys
-    )
-    ts = stamps.next(int(clock() * 1000))
-    name = mf.segment_name(info.manifest_base, ts, stamps.writer, stamps.seq)
-    with contextlib.suppress(AlreadyExists):
-        await store.put(name, body, mode=PutMode.CREATE)
-    return name
-
-
-def _is_segment(info: NamespaceInfo, key: str) -> bool:
-    name = mf.parse_name(info.manifest_base, key)
-    return name is not None and name.kind == "segment"
-
-
-async def read_head(
-    store: ObjectStore, key: str, keys: FleetKeys | None = None
-) -> tuple[str, int, int, dict[str, Any]]:
-    """A manifest object's kind, counts and header, with one or two ranged
-    GETs; with ``keys``, read whole, so that its MAC is checked before gc acts
-    on what the header says."""
-    if keys is not None:
-        obj = mf.decode(await store.get(key), name=key, keys=keys)
-        return obj.kind, len(obj.added), len(obj.removed), obj.meta
-    return mf.decode_head(await read_head_bytes(store, key, mf.head_length), name=key)
-
-
 def _whole(
     tally: RankTally, name: str, ranks: tuple[int, int], fps: list[int], by_fp: dict[int, Chunk]
 ) -> list[int]:
@@ -626,18 +506,16 @@ async def _orphans(
     whether every rank's object verifies (header, frames and, with the fleet
     secret, MAC): gc's compaction adds those that do, so a bucket filled by
     replicas that died never stays invisible."""
-    from s3kv.ops.verify import check_chunk
-
     named: set[int] = set()
     if snapshot is not None:
-        with contextlib.suppress(NotFound, mf.CorruptManifest):  # none that reads: every chunk is checked
+        with contextlib.suppress(NotFound, CorruptManifest):  # none that reads: every chunk is checked
             named.update(
                 mf.decode(await store.get(snapshot.key), name=snapshot.key, keys=keys).added.tolist()
             )
     for m in new:
         try:
             named.update((await segment(m.key)).added.tolist())
-        except (NotFound, mf.CorruptManifest):
+        except (NotFound, CorruptManifest):
             continue
     todo = {fp: c for fp, c in listed.items() if fp not in named}
     sem = asyncio.Semaphore(concurrency)
@@ -679,8 +557,8 @@ async def compact(
     segments = sorted(
         [
             m
-            async for m in store.list(info.manifest_base + "seg/")
-            if _is_segment(info, m.key) and not stamps.in_future(m.key)
+            async for m in store.list(info.manifest_base + SEGMENTS)
+            if is_segment(info.manifest_base, m.key) and not stamps.in_future(m.key)
         ],
         key=lambda m: m.key,
     )
@@ -691,15 +569,14 @@ async def compact(
     async def head(name: str) -> dict[str, Any] | None:
         if name not in heads:
             try:
-                heads[name] = (await read_head(store, name, keys))[3]
-            except (NotFound, mf.CorruptManifest, S3KVError):
+                heads[name] = (await read_manifest_head(store, name, keys))[3]
+            except (NotFound, CorruptManifest, S3KVError):
                 return None
         return heads[name]
 
     newest = await head(snapshots[-1].key) if snapshots else None
-    horizon = str((newest or {}).get("horizon", ""))
-    covered = {str(n) for n in (newest or {}).get("recent", ())}
-    new = [m for m in segments if m.key > horizon and m.key not in covered]
+    covered = Horizon.of(newest or {})
+    new = [m for m in segments if not covered.covers(m.key)]
     tp = info.tp_size
     listed = {fingerprint(k): c for k, c in info.chunks.items() if tp is None or len(c.objects) >= tp}
     reads: dict[str, mf.ManifestObject | S3KVError] = {}
@@ -710,7 +587,7 @@ async def compact(
         if name not in reads:
             try:
                 reads[name] = mf.decode(await store.get(name), name=name, keys=keys)
-            except (NotFound, mf.CorruptManifest) as e:
+            except (NotFound, CorruptManifest) as e:
                 reads[name] = e
         got = reads[name]
         if isinstance(got, S3KVError):
@@ -730,26 +607,24 @@ async def compact(
         result.orphans_published += sum(orphans.values())
         since = min(int(inv.started_at * 1000), stamps.max_listed) - skew_ms
         tally, by_fp = RankTally(), {fingerprint(k): c for k, c in info.chunks.items()}
-        for m in [m for m in segments if (mf.name_ts(m.key) or 0) >= since]:
+        for m in [m for m in segments if (name_ts(m.key) or 0) >= since]:
             try:
                 obj = await segment(m.key)
                 ranks = rank_fields(obj.meta)
-            except mf.UnsignedManifest:
+            except UnsignedManifest:
                 result.unsigned.append(m.key)
                 continue
-            except (NotFound, mf.CorruptManifest):
+            except (NotFound, CorruptManifest):
                 continue
             added = obj.added.tolist()
             if ranks is not None:  # whole once every rank is named here or listed
                 added = _whole(tally, m.key, ranks, added, by_fp)
             live.update(added)
             live.difference_update(obj.removed.tolist())
-        top = segments[-1].key if segments else ""
-        top_ts = mf.name_ts(top) or 0
-        recent = [m.key for m in segments if (mf.name_ts(m.key) or 0) >= top_ts - skew_ms]
-        meta = {"horizon": top, "recent": recent, "writer": stamps.writer, "by": "gc"}
+        horizon = Horizon.over((m.key for m in segments), skew_ms)  # up to the newest segment
+        meta = {**horizon.meta(), "writer": stamps.writer, "by": "gc"}
         body = mf.encode(mf.ManifestObject("snapshot", as_sorted_unique(list(live)), meta=meta), keys)
-        name = mf.snapshot_name(info.manifest_base, stamps.next(now_ms), stamps.writer)
+        name = snapshot_name(info.manifest_base, stamps.next(now_ms), stamps.writer)
         await store.put(name, body, mode=PutMode.CREATE)
         result.snapshots_written += 1
         snapshots.append(ObjectMeta(name, len(body), now_ms / 1000))
@@ -760,22 +635,20 @@ async def compact(
     min_age_ms = p.policy.segment_min_age_s * 1000
     cover: ObjectMeta | None = None
     for m in reversed(snapshots):
-        if now_ms - (mf.name_ts(m.key) or now_ms) >= min_age_ms:
+        if now_ms - (name_ts(m.key) or now_ms) >= min_age_ms:
             cover = m
             break
     old: list[str] = []
     if cover is not None:
         try:
             snap = mf.decode(await store.get(cover.key), name=cover.key, keys=keys)
-            cover_horizon = str(snap.meta.get("horizon", ""))
-        except (NotFound, mf.CorruptManifest):
+            cover_horizon = Horizon.last_of(snap.meta)
+        except (NotFound, CorruptManifest):
             cover_horizon = ""
         old = [
             m.key
             for m in segments
-            if cover_horizon
-            and m.key <= cover_horizon
-            and now_ms - (mf.name_ts(m.key) or now_ms) > min_age_ms
+            if cover_horizon and m.key <= cover_horizon and now_ms - (name_ts(m.key) or now_ms) > min_age_ms
         ]
     keep = {m.key for m in snapshots[-SNAPSHOTS_KEPT:]} | ({cover.key} if cover is not None else set())
     stale_snaps = [m.key for m in snapshots if m.key not in keep and (cover is None or m.key < cover.key)]
@@ -800,8 +673,8 @@ async def _merge_access(
     """One object per closed hour, holding the live keys used in it."""
     hours: dict[str, list[ObjectMeta]] = {}
     for m in info.access:
-        hours.setdefault(m.key[len(info.manifest_base) + len("access/") :].split("/", 1)[0], []).append(m)
-    current = time.strftime("%Y%m%d%H", time.gmtime(now_ms / 1000))
+        hours.setdefault(record_hour(info.manifest_base, m.key), []).append(m)
+    current = access_hour(now_ms)
     live = {fingerprint(k) for k in info.chunks}
     for hour, records in sorted(hours.items()):
         if hour >= current or len(records) < 2:
@@ -810,13 +683,12 @@ async def _merge_access(
         for m in records:
             try:
                 fps.update(mf.decode(await store.get(m.key), name=m.key, keys=keys).added.tolist())
-            except mf.UnsignedManifest:
+            except UnsignedManifest:
                 result.unsigned.append(m.key)
-            except (NotFound, mf.CorruptManifest):
+            except (NotFound, CorruptManifest):
                 pass
-        newest = max(mf.name_ts(m.key) or 0 for m in records)
-        stamps.seq += 1
-        name = mf.access_name(info.manifest_base, newest, stamps.writer, stamps.seq)
+        newest = max(name_ts(m.key) or 0 for m in records)
+        name = access_name(info.manifest_base, newest, stamps.writer, stamps.next_seq())
         body = mf.encode(
             mf.ManifestObject("access", as_sorted_unique(list(fps & live)), meta={"merged": len(records)}),
             keys,

@@ -5,12 +5,15 @@ Listing is the truth (the manifest is a hint): :func:`scan` lists a
 prefix one level at a time with a delimiter, then every namespace's shard
 directories (``{ns}/{kk}/``) in parallel, so a bucket of millions of chunks
 is listed by many concurrent paginations instead of one. Access records
-(``manifest/access/``) are read to give each chunk its last use.
+(``manifest/access/``) are read to give each chunk its last use; manifest
+objects' heads are read to tell what they say (:func:`read_manifest_head`)
+and whether the namespace's replicas sign (:func:`manifest_signed`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -20,9 +23,18 @@ from typing import Any
 import numpy as np
 
 from s3kv.auth import FleetKeys
-from s3kv.errors import NotFound
+from s3kv.errors import CorruptManifest, NotFound, PermissionDenied
 from s3kv.keys import fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import format as mf
+from s3kv.manifest.protocol import (
+    ACCESS,
+    SEGMENTS,
+    SNAPSHOTS,
+    Stamps,
+    access_hour_end,
+    name_ts,
+    parse_name,
+)
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
 
 DESCRIPTOR = "namespace.json"
@@ -118,6 +130,12 @@ class NamespaceInfo:
     def fp_index(self) -> dict[int, bytes]:
         return {fingerprint(k): k for k in self.chunks}
 
+    def stamps(self, writer: str, *, skew_s: float = 60.0, clock: Callable[[], float] = time.time) -> Stamps:
+        """Stamps for ``writer``'s manifest objects here: after every segment
+        and snapshot listed (those in the future excepted)."""
+        names = (o.key for o in (*self.segments, *self.snapshots))
+        return Stamps(writer, names, skew_s=skew_s, clock=clock)
+
 
 @dataclass
 class Inventory:
@@ -162,6 +180,35 @@ async def read_head_bytes(store: ObjectStore, key: str, length_of: Callable[[byt
     if need > len(data):
         data += await store.get(key, ByteRange(len(data), need))
     return data
+
+
+async def read_manifest_head(
+    store: ObjectStore, key: str, keys: FleetKeys | None = None
+) -> tuple[str, int, int, dict[str, Any]]:
+    """A manifest object's kind, counts and header, with one or two ranged
+    GETs; with ``keys``, read whole, so that its MAC is checked before the
+    caller acts on what the header says."""
+    if keys is not None:
+        obj = mf.decode(await store.get(key), name=key, keys=keys)
+        return obj.kind, len(obj.added), len(obj.removed), obj.meta
+    return mf.decode_head(await read_head_bytes(store, key, mf.head_length), name=key)
+
+
+async def manifest_signed(store: ObjectStore, info: NamespaceInfo, sample: int = 8) -> bool:
+    """Whether the namespace's replicas sign their manifest: its newest
+    snapshot or one of its newest segments is signed (a forger's unsigned
+    ones beside them do not make it look unsigned)."""
+    newest = []
+    for objs, n in ((info.snapshots, 1), (info.segments, sample)):
+        named = sorted(
+            (m for m in objs if parse_name(info.manifest_base, m.key) is not None), key=lambda m: m.key
+        )
+        newest += named[-n:]
+    for m in newest:
+        with contextlib.suppress(NotFound, PermissionDenied, CorruptManifest):
+            if mf.is_signed(await read_head_bytes(store, m.key, mf.head_length)):
+                return True
+    return False
 
 
 async def _list_all(store: ObjectStore, prefix: str, progress: Progress | None) -> list[ObjectMeta]:
@@ -225,9 +272,9 @@ async def scan_namespace(
 def _classify(info: NamespaceInfo, meta: ObjectMeta) -> None:
     if meta.key.startswith(info.manifest_base):
         rest = meta.key[len(info.manifest_base) :]
-        kind = rest.split("/", 1)[0]
-        target = {"seg": info.segments, "snap": info.snapshots, "access": info.access}.get(kind)
-        if target is not None and mf.name_ts(meta.key) is not None:
+        directory = rest.split("/", 1)[0] + "/"
+        target = {SEGMENTS: info.segments, SNAPSHOTS: info.snapshots, ACCESS: info.access}.get(directory)
+        if target is not None and name_ts(meta.key) is not None:
             target.append(meta)
         else:
             info.foreign.append(meta)
@@ -241,14 +288,6 @@ def _classify(info: NamespaceInfo, meta: ObjectMeta) -> None:
     if chunk is None:
         chunk = info.chunks[key] = Chunk(key)
     chunk.objects.append(meta)
-
-
-def access_hour_end(name: str, now: float) -> float:
-    """When a chunk in access record ``name`` was last used, at the latest:
-    replicas record a key once per hour, at its first use, so a record of
-    hour H stands for use until the end of H (or now)."""
-    ts = (mf.name_ts(name) or 0) / 1000.0
-    return min(now, (ts // 3600 + 1) * 3600)
 
 
 async def read_access_records(
@@ -270,7 +309,7 @@ async def read_access_records(
                 obj = mf.decode(await store.get(meta.key), name=meta.key, keys=keys)
             except NotFound:
                 return None
-            except mf.CorruptManifest:
+            except CorruptManifest:
                 bad += 1
                 return None
         return access_hour_end(meta.key, now), obj.added

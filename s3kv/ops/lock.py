@@ -14,7 +14,7 @@ No wall clock decides anything, as gc hosts' clocks may disagree by hours:
   for the holder's ttl on the contender's own monotonic clock, counted from
   the first read that returned that ETag. A holder renews every ttl/4, and
   every renewal changes the ETag (each body carries a fresh nonce).
-- The holder stops (``check()`` raises :class:`LockLost`) once 3/4 of the
+- The holder stops (``check()`` raises :class:`~s3kv.errors.LockLost`) once 3/4 of the
   ttl passed on its monotonic clock since its last successful write, timed
   from before that request was sent. A write lands after it was sent and a
   contender sees it later still, so the holder always stops first.
@@ -40,7 +40,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from s3kv.errors import AlreadyExists, NotFound, Precondition, S3KVError
+from s3kv.errors import AlreadyExists, LockBusy, LockLost, NotFound, Precondition, S3KVError
 from s3kv.ops.inventory import LOCK_NAME
 from s3kv.stores.base import ObjectMeta, ObjectStore, PutMode, Update
 
@@ -51,14 +51,6 @@ RENEW_FRACTION = 0.25
 """A holder renews every ttl/4 ..."""
 STOP_FRACTION = 0.75
 """... and stops working once 3/4 of the ttl passed without a successful renewal."""
-
-
-class LockBusy(S3KVError):
-    """Another process holds the lease and did not let go in time."""
-
-
-class LockLost(S3KVError):
-    """Our lease expired and another process took it over."""
 
 
 def lock_key(prefix: str) -> str:
@@ -227,9 +219,12 @@ class Lease:
         with contextlib.suppress(NotFound, Precondition):
             await self.store.delete_if(self.key, etag)
 
-    async def _keep_alive(self) -> None:
+    async def _keep_alive(self, stop: asyncio.Event) -> None:
+        """Renew every ttl/4 until ``stop`` is set (never inside a renewal)."""
         while True:
-            await asyncio.sleep(self.ttl_s * RENEW_FRACTION)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.ttl_s * RENEW_FRACTION)
+                return
             try:
                 await self.renew()
             except LockLost:
@@ -250,14 +245,20 @@ async def held(
     wall: Callable[[], float] = time.time,
     monotonic: Callable[[], float] = time.monotonic,
 ):
-    """Hold the gc lease of ``prefix`` for the body, renewing it in the background."""
+    """Hold the gc lease of ``prefix`` for the body, renewing it in the
+    background. On the way out a renewal in flight is let finish (for up
+    to ttl/4), so that the release deletes the version it wrote."""
     lease = Lease(store, lock_key(prefix), ttl_s, wall=wall, monotonic=monotonic)
     await lease.acquire(wait_s, poll_s)
-    keeper = asyncio.create_task(lease._keep_alive())
+    stop = asyncio.Event()
+    keeper = asyncio.create_task(lease._keep_alive(stop))
     try:
         yield lease
     finally:
-        keeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await keeper
+        stop.set()
+        _, pending = await asyncio.wait({keeper}, timeout=ttl_s * RENEW_FRACTION)
+        if pending:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
         await lease.release()

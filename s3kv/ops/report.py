@@ -8,10 +8,9 @@ import random
 from typing import Any
 
 from s3kv import codec
-from s3kv.errors import CorruptChunk, NotFound, S3KVError
-from s3kv.manifest import format as mf
-from s3kv.ops.gc import read_head
-from s3kv.ops.inventory import Inventory, NamespaceInfo, read_head_bytes
+from s3kv.errors import CorruptChunk, CorruptManifest, NotFound, S3KVError
+from s3kv.manifest.protocol import Horizon, name_ts, record_hour
+from s3kv.ops.inventory import Inventory, NamespaceInfo, read_head_bytes, read_manifest_head
 from s3kv.stores.base import ObjectStore
 
 SIZE_EDGES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -105,23 +104,21 @@ async def compression(
 async def manifest_state(store: ObjectStore, info: NamespaceInfo, now: float) -> dict[str, Any]:
     snaps = sorted(info.snapshots, key=lambda m: m.key)
     snap_rows = []
-    horizon = ""
-    covered: set[str] = set()
+    covered = Horizon()
     for m in snaps:
         row: dict[str, Any] = {
             "name": m.key.rsplit("/", 1)[-1],
             "bytes": m.size,
-            "age_s": now - (mf.name_ts(m.key) or 0) / 1000,
+            "age_s": now - (name_ts(m.key) or 0) / 1000,
         }
-        with contextlib.suppress(NotFound, mf.CorruptManifest, S3KVError):
-            _kind, n_add, _n_del, meta = await read_head(store, m.key)
+        with contextlib.suppress(NotFound, CorruptManifest, S3KVError):
+            _kind, n_add, _n_del, meta = await read_manifest_head(store, m.key)
             row["keys"] = n_add
             row["by"] = meta.get("by", "replica")
-            horizon = str(meta.get("horizon", ""))
-            covered = {str(n) for n in meta.get("recent", ())}
+            covered = Horizon.of(meta)
         snap_rows.append(row)
-    pending = [m for m in info.segments if m.key > horizon and m.key not in covered]
-    hours = {m.key[len(info.manifest_base) + len("access/") :].split("/", 1)[0] for m in info.access}
+    pending = [m for m in info.segments if not covered.covers(m.key)]
+    hours = {record_hour(info.manifest_base, m.key) for m in info.access}
     return {
         "segments": len(info.segments),
         "segment_bytes": sum(m.size for m in info.segments),

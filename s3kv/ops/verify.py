@@ -25,10 +25,22 @@ from typing import Any
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.errors import CorruptChunk, NotFound, Precondition, S3KVError, UnsupportedFormat
+from s3kv.errors import (
+    CorruptChunk,
+    CorruptManifest,
+    NotFound,
+    Precondition,
+    S3KVError,
+    UnsignedManifest,
+    UnsignedWrite,
+    UnsupportedFormat,
+    UnsupportedManifestVersion,
+)
 from s3kv.keys import parse_object_key
 from s3kv.manifest import format as mf
-from s3kv.ops.inventory import Inventory, read_head_bytes
+from s3kv.manifest.protocol import gc_writer_id
+from s3kv.manifest.tombstones import delete_keys, publish_tombstones
+from s3kv.ops.inventory import Inventory, manifest_signed, read_head_bytes
 from s3kv.stores.base import ObjectMeta, ObjectStore
 from s3kv.tiering.chunks import checking_bytes
 
@@ -178,16 +190,16 @@ async def verify(
             elif what == "manifest":
                 try:
                     mf.decode(data, name=meta.key, keys=keys)
-                except mf.UnsignedManifest as e:
+                except UnsignedManifest as e:
                     mf.decode(data, name=meta.key)  # sound otherwise? then it is "unsigned"
                     raise Unsigned(str(e)) from None
                 if mf.is_signed(data):
                     report.signed_namespaces.add(ns)
             else:
                 check_descriptor(ns, data)
-        except (UnsupportedFormat, mf.UnsupportedManifestVersion) as e:
+        except (UnsupportedFormat, UnsupportedManifestVersion) as e:
             report.problems.append(Problem(meta.key, "unsupported", str(e), ns))
-        except (CorruptChunk, mf.CorruptManifest) as e:
+        except (CorruptChunk, CorruptManifest) as e:
             kind = "unsigned" if isinstance(e, Unsigned) else "corrupt"
             report.problems.append(Problem(meta.key, kind, str(e), ns))
         report.checked += 1
@@ -219,9 +231,6 @@ async def delete_corrupt(
     Without the secret, verify cannot tell a forgery from the fleet's own
     objects, and the tombstones it would publish are unsigned, which those
     replicas ignore."""
-    from s3kv.manifest.sync import new_writer_id
-    from s3kv.ops.gc import Stamps, UnsignedWrite, delete_keys, manifest_signed, publish_tombstones
-
     if keys is None:
         for ns in sorted({p.namespace for p in report.corrupt if p.namespace is not None}):
             info = inv.namespaces.get(ns)
@@ -245,10 +254,12 @@ async def delete_corrupt(
             if info is not None and info.descriptor_meta is not None and info.descriptor_meta.key == p.key:
                 listed.append(info.descriptor_meta)
             names[p.key] = listed[0].etag if listed else None
-    writer = "gc" + new_writer_id()
+    writer = gc_writer_id()
     for ns, chunk_keys in dead.items():
         info = inv.namespaces[ns]
-        await publish_tombstones(store, info, chunk_keys, Stamps(info, writer), skew_s, keys=keys)
+        await publish_tombstones(
+            store, info.manifest_base, chunk_keys, info.stamps(writer), skew_s, keys=keys
+        )
     conditional = sorted(k for k, etag in names.items() if etag is not None)
     plain = sorted(k for k, etag in names.items() if etag is None)
     failed = set(await delete_keys(store, plain, concurrency=concurrency, lease=lease))

@@ -14,6 +14,7 @@ import numpy as np
 from s3kv import codec
 from s3kv.keys import Namespace, fingerprint, namespace_prefix, object_key
 from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
 
 HOUR, DAY = 3600, 86400
 PREFIX = "fleet"
@@ -134,17 +135,17 @@ def _seed_manifest(s3, ds: Dataset, ns: str, rng: random.Random) -> None:
         ts = ds.now - 30 * DAY + seq  # old enough to be merged into a snapshot
         fps = np.array(sorted({fingerprint(c.key) for c in group}), dtype=np.uint64)
         body = mf.encode(mf.ManifestObject("segment", fps))
-        name = mf.segment_name(base, ts * 1000, f"w{seq % 3}", seq)
+        name = mp.segment_name(base, ts * 1000, f"w{seq % 3}", seq)
         s3.seed(ds.bucket, name, body, ts)
         ds.other[name] = len(body)
     # A snapshot a replica wrote 25 days ago, covering those segments.
     snap_ts = ds.now - 25 * DAY
-    last = mf.segment_name(base, (ds.now - 30 * DAY + seq) * 1000, f"w{seq % 3}", seq)
+    last = mp.segment_name(base, (ds.now - 30 * DAY + seq) * 1000, f"w{seq % 3}", seq)
     fps = np.array(sorted({fingerprint(c.key) for c in chunks}), dtype=np.uint64)
     body = mf.encode(
         mf.ManifestObject("snapshot", fps, meta={"horizon": last, "recent": [last], "writer": "w0"})
     )
-    name = mf.snapshot_name(base, snap_ts * 1000, "w0")
+    name = mp.snapshot_name(base, snap_ts * 1000, "w0")
     s3.seed(ds.bucket, name, body, snap_ts)
     ds.other[name] = len(body)
     hours: dict[int, list[ChunkFact]] = {}
@@ -163,7 +164,7 @@ def _seed_manifest(s3, ds: Dataset, ns: str, rng: random.Random) -> None:
             for c in part:  # a record of hour H stands for use until H ends
                 c.accessed = (ts // HOUR + 1) * HOUR
             fps = np.array(sorted({fingerprint(c.key) for c in part}), dtype=np.uint64)
-            name = mf.access_name(base, ts * 1000, f"w{w}", seq)
+            name = mp.access_name(base, ts * 1000, f"w{w}", seq)
             body = mf.encode(mf.ManifestObject("access", fps))
             s3.seed(ds.bucket, name, body, ts)
             ds.other[name] = len(body)

@@ -21,6 +21,7 @@ from s3kv.cli import main
 from s3kv.errors import CorruptChunk
 from s3kv.keys import fingerprint, object_key
 from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
 
 SECRET = "ops-test-fleet-secret-0123456789abcdef"
 PREFIX = "authops"
@@ -71,8 +72,8 @@ def fleet(s3_server, monkeypatch):
     client.put_object(Bucket=bucket, Key=names[5], Body=bytes(tampered))
     now = int(time.time() * 1000) - 3_600_000
     seg = mf.ManifestObject("segment", np.array(sorted(fingerprint(key(i)) for i in (1, 2)), np.uint64))
-    client.put_object(Bucket=bucket, Key=mf.segment_name(BASE, now, "signed", 1), Body=mf.encode(seg, keys))
-    names["forged segment"] = mf.segment_name(BASE, now + 1, "forger", 1)
+    client.put_object(Bucket=bucket, Key=mp.segment_name(BASE, now, "signed", 1), Body=mf.encode(seg, keys))
+    names["forged segment"] = mp.segment_name(BASE, now + 1, "forger", 1)
     client.put_object(Bucket=bucket, Key=names["forged segment"], Body=mf.encode(seg))
     descriptor = {"namespace": NS, "model": "m", "fields": {"tp_size": 1}, "chunk_tokens": 32}
     client.put_object(
@@ -114,7 +115,7 @@ def test_gc_with_the_secret_signs_what_it_writes(fleet, s3_server, capsys, monke
     rc, _, err = cli(capsys, s3_server, bucket, "gc", "--max-bytes", "0", "--min-age", "0s")
     assert rc == 2 and "give gc the fleet secret" in err and SECRET not in err
     monkeypatch.setenv(ENV_VAR, SECRET)
-    recent = mf.segment_name(BASE, int(time.time() * 1000), "forger", 2)  # one gc's compaction reads
+    recent = mp.segment_name(BASE, int(time.time() * 1000), "forger", 2)  # one gc's compaction reads
     client.put_object(
         Bucket=bucket,
         Key=recent,
@@ -153,7 +154,7 @@ def test_gc_deletes_the_objects_replicas_reported_bad(fleet, s3_server, capsys, 
     )
     now = int(time.time() * 1000)
     client.put_object(
-        Bucket=bucket, Key=mf.segment_name(BASE, now, "replica", 9), Body=mf.encode(record, keys)
+        Bucket=bucket, Key=mp.segment_name(BASE, now, "replica", 9), Body=mf.encode(record, keys)
     )
     monkeypatch.setenv(ENV_VAR, SECRET)
     rc, dry, _ = cli(capsys, s3_server, bucket, "gc", "--dry-run")
@@ -315,7 +316,7 @@ def test_verify_reports_newer_formats_and_never_deletes_them():
         damaged[-1] ^= 1
         for i, data in ((1, chunk(1, None)), (2, _newer(chunk(2, None))), (3, bytes(damaged))):
             await store.put(names[i], data)
-        seg = mf.segment_name(BASE, int(time.time() * 1000), "newer", 1)
+        seg = mp.segment_name(BASE, int(time.time() * 1000), "newer", 1)
         await store.put(seg, _newer(mf.encode(mf.ManifestObject("segment", np.array([5], np.uint64)))))
         inv = await scan(store, PREFIX)
         rep = await verify(store, inv, sample=None)
@@ -333,7 +334,7 @@ def test_verify_reports_newer_formats_and_never_deletes_them():
 def test_delete_corrupt_without_the_secret_deletes_nothing_in_a_signed_namespace():
     import asyncio
 
-    from s3kv.ops.gc import UnsignedWrite
+    from s3kv.errors import UnsignedWrite
     from s3kv.ops.inventory import scan
     from s3kv.ops.verify import delete_corrupt, verify
     from s3kv.stores.memory import MemoryStore
@@ -348,7 +349,7 @@ def test_delete_corrupt_without_the_secret_deletes_nothing_in_a_signed_namespace
         if not signed_manifest_only:
             await store.put(names[1], chunk(1, keys))
         await store.put(names[2], bytes(damaged))
-        seg = mf.segment_name(BASE, int(time.time() * 1000), "replica", 1)
+        seg = mp.segment_name(BASE, int(time.time() * 1000), "replica", 1)
         await store.put(seg, mf.encode(mf.ManifestObject("segment", np.array([5], np.uint64)), keys))
         before = {m.key: await store.get(m.key) async for m in store.list("")}
         inv = await scan(store, PREFIX)
@@ -425,7 +426,7 @@ def test_gc_reads_the_heads_of_reported_objects_and_whole_only_those_whose_head_
             removed=np.array(sorted(fingerprint(key(i)) for i in names), np.uint64),
             meta={"bad": [[n, "etag"] for n in names.values()]},
         )
-        await store.put(mf.segment_name(BASE, int(time.time() * 1000), "replica", 1), mf.encode(record, keys))
+        await store.put(mp.segment_name(BASE, int(time.time() * 1000), "replica", 1), mf.encode(record, keys))
         inv = await scan(store, PREFIX)
         store.whole.clear()
         found = await find_bad(store, inv, keys=keys)

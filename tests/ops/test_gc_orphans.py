@@ -14,6 +14,7 @@ import numpy as np
 
 from s3kv.keys import Namespace, fingerprint, namespace_prefix, object_key
 from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
 from tests.ops.dataset import DAY, PREFIX, _blob
 from tests.ops.helpers import run_json
 from tests.ops.test_gc import manifest_of
@@ -37,7 +38,7 @@ def test_compaction_publishes_complete_unnamed_chunks_that_verify(seeded_s3, cap
     s3.seed(bucket, object_key(PREFIX, ns, half, 0), _blob(ns, half, 0, rng), now - 2 * DAY)
     segment = mf.ManifestObject("segment", np.array([fingerprint(named)], dtype=np.uint64))
     s3.seed(
-        bucket, mf.segment_name(base + "manifest/", (now - 2 * DAY) * 1000, "w0", 1), mf.encode(segment), now
+        bucket, mp.segment_name(base + "manifest/", (now - 2 * DAY) * 1000, "w0", 1), mf.encode(segment), now
     )
 
     where = SimpleNamespace(bucket=bucket)  # what manifest_of needs of a dataset

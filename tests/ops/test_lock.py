@@ -2,23 +2,53 @@
 that lost its lease finds out, and no wall clock trusted (holders an hour
 ahead or behind never overlap; staleness and a holder's own deadline are
 counted on monotonic clocks). On the in-memory store and on real S3
-(If-None-Match / If-Match on a loopback server)."""
+(If-None-Match / If-Match on a loopback server).
+
+Tests wait on the condition itself (:func:`until`), never for a fixed time
+that a busy machine may outlast."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import pytest
 
-from s3kv.errors import Precondition
-from s3kv.ops.lock import Lease, LockBusy, LockLost, held, lock_key
+from s3kv.errors import LockBusy, LockLost, Precondition
+from s3kv.ops.lock import Lease, held, lock_key
 from s3kv.stores.base import PutMode, Update
 from s3kv.stores.memory import MemoryStore
 from s3kv.stores.s3 import S3Options, S3Store
+
+BOUND_S = 60.0
+"""How long a test waits for what it waits for before it fails."""
+
+
+async def until(condition: Callable[[], bool | Awaitable[bool]], what: str, *, poll_s: float = 0.05) -> None:
+    """Wait until ``condition()`` holds, at most :data:`BOUND_S`."""
+    deadline = time.monotonic() + BOUND_S
+    while True:
+        ok = condition()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return
+        assert time.monotonic() < deadline, f"{what}: not within {BOUND_S:.0f} s"
+        await asyncio.sleep(poll_s)
+
+
+def lost(lease: Lease) -> bool:
+    """Whether the holder's check() says stop."""
+    try:
+        lease.check()
+    except LockLost:
+        return True
+    return False
 
 
 @pytest.fixture(params=["memory", "s3"])
@@ -64,10 +94,10 @@ async def test_stale_lease_is_taken_over_and_the_old_holder_finds_out(store):
     await old.acquire(wait_s=0)
     new = Lease(store, key, ttl_s=30)
     assert await new.try_acquire() is not None  # still fresh
-    await asyncio.sleep(1.8)
+    await until(lambda: lost(old), "the unrenewed holder stopping")
     with pytest.raises(LockLost):
         old.check()  # it did not renew in time: it must stop deleting
-    await new.acquire(wait_s=0)  # takes the stale lease over
+    await new.acquire(wait_s=BOUND_S, poll_s=0.05)  # takes the stale lease over, once unchanged for its ttl
     with pytest.raises(LockLost):
         await old.renew()
     await old.release()  # must not remove the new holder's lease
@@ -78,8 +108,16 @@ async def test_stale_lease_is_taken_over_and_the_old_holder_finds_out(store):
 
 
 async def test_held_renews_and_releases(store):
-    async with held(store, "p", wait_s=0, ttl_s=1.2) as lease:
-        await asyncio.sleep(2.0)  # longer than the ttl: renewals keep it
+    ttl = 3.0  # renewals every 0.75 s: a slow loopback server under load does not stall them
+    async with held(store, "p", wait_s=0, ttl_s=ttl) as lease:
+        start, etags = time.monotonic(), {lease.etag}
+
+        def renewed_past_the_ttl() -> bool:
+            lease.check()
+            etags.add(lease.etag)
+            return len(etags) >= 3 and time.monotonic() - start > ttl
+
+        await until(renewed_past_the_ttl, "two renewals and a ttl")  # renewals keep it
         lease.check()
         assert await Lease(store, lock_key("p"), ttl_s=1).try_acquire() is not None
     assert not await store.exists(lock_key("p"))
@@ -128,17 +166,20 @@ class SlowPuts:
 
 @pytest.mark.parametrize("skew", [HOUR, -HOUR], ids=["holder-an-hour-ahead", "holder-an-hour-behind"])
 async def test_skewed_clocks_never_overlap_while_the_holder_renews(store, skew):
-    ttl = 3.0  # renewals every 0.75 s: a slow loopback server under load does not stall them
+    ttl = 6.0  # renewals every 1.5 s: a loopback server slowed by a busy machine does not stall them
     contender = Lease(store, lock_key("p"), ttl_s=ttl, wall=skewed(-skew), monotonic=own_monotonic())
     async with held(store, "p", wait_s=0, ttl_s=ttl, wall=skewed(skew)) as first:
         etags, start = {first.etag}, contender.monotonic()
-        # Watch until the holder renewed five times and 1.5 ttls passed on the contender's clock.
-        while len(etags) < 6 or contender.monotonic() - start < 1.5 * ttl:
+
+        async def watched() -> bool:
             holder = await contender.try_acquire()
             assert holder is not None, "the contender took a lease that was being renewed"
             first.check()  # and the holder never had to stop
             etags.add(first.etag)
-            await asyncio.sleep(0.2)
+            return len(etags) >= 6 and contender.monotonic() - start >= 1.5 * ttl
+
+        # Watch until the holder renewed five times and 1.5 ttls passed on the contender's clock.
+        await until(watched, "five renewals and 1.5 ttls", poll_s=0.2)
         assert contender.etag is None
     await contender.acquire(wait_s=5, poll_s=0.05)  # released: the contender gets it at once
     await contender.release()
@@ -151,12 +192,7 @@ async def test_skewed_clocks_a_crashed_holder_is_taken_over_after_its_ttl_unchan
     await crashed.acquire(wait_s=0)  # and then it stops: no renewals, no release
     contender = Lease(store, lock_key("p"), ttl_s=30, wall=skewed(-skew), monotonic=own_monotonic())
     first_look = contender.monotonic()
-    while True:
-        started = contender.monotonic()
-        if await contender.try_acquire() is None:
-            break
-        assert started - first_look < 20 * ttl, "a lease nobody renews was never taken over"
-        await asyncio.sleep(0.1)
+    await until(lambda: _taken(contender), "taking over a lease nobody renews", poll_s=0.1)
     # Every call before the one that took it over found the lease held, and
     # that one returned only after a ttl of unchanged ETag on the contender's clock.
     assert contender.monotonic() - first_look >= ttl
@@ -164,6 +200,10 @@ async def test_skewed_clocks_a_crashed_holder_is_taken_over_after_its_ttl_unchan
         await crashed.renew()  # had it been alive, it would find out
     await contender.release()
     assert not await store.exists(lock_key("p"))
+
+
+async def _taken(contender: Lease) -> bool:
+    return await contender.try_acquire() is None
 
 
 async def test_two_held_gc_runs_with_skewed_clocks_take_turns(store):
@@ -178,10 +218,13 @@ async def test_two_held_gc_runs_with_skewed_clocks_take_turns(store):
             events.append((f"{name} in", time.monotonic()))
             first_in.set()
             etags = {lease.etag}
-            while len(etags) <= renewals:  # work through a few renewals
+
+            def worked() -> bool:  # through a few renewals
                 lease.check()
                 etags.add(lease.etag)
-                await asyncio.sleep(0.05)
+                return len(etags) > renewals
+
+            await until(worked, f"{renewals} renewals")
             events.append((f"{name} out", time.monotonic()))
 
     one = asyncio.create_task(gc_run("behind", -HOUR, renewals=4))
@@ -221,10 +264,15 @@ async def test_a_frozen_contender_clock_never_takes_over(store):
     await first.acquire(wait_s=0)
     contender = Lease(store, key, ttl_s=0.2, monotonic=ManualClock(7.0))
     assert await contender.try_acquire() is not None
-    deadline = time.monotonic() + 1.0  # five ttls of real time
-    while time.monotonic() < deadline:
+    start, looks = time.monotonic(), 0
+
+    async def watched_five_ttls() -> bool:
+        nonlocal looks
         assert await contender.try_acquire() is not None
-        await asyncio.sleep(0.1)
+        looks += 1
+        return looks >= 5 and time.monotonic() - start >= 1.0  # five ttls of real time, and five looks
+
+    await until(watched_five_ttls, "five looks over five ttls", poll_s=0.1)
 
 
 async def test_the_holder_stops_by_its_monotonic_clock_not_its_wall_clock(store):

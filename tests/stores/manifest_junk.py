@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
 from s3kv.manifest.keyset import fingerprints
 
 FUTURE_MS = 10 * 365 * 86_400_000
@@ -41,45 +42,45 @@ def snapshot(*keys: bytes, horizon: str = "") -> bytes:
 def junk(base: str, now_ms: int, *, markers: bool = True) -> list[Junk]:
     """Junk stamped around ``now_ms`` (newer than the real snapshot a test
     wrote before, so that a loading replica meets it first)."""
-    future_seg = mf.segment_name(base, now_ms + FUTURE_MS, "futr", 1)
+    future_seg = mp.segment_name(base, now_ms + FUTURE_MS, "futr", 1)
     big = [key(5000 + i) for i in range(MAX_BYTES // 8 + 10)]
     out = [
         Junk(base + "seg/README.txt", b"what this folder is for", "foreign"),
-        Junk(base + "seg/" + mf.stamp(now_ms - 950) + "-w0", segment(key(1001)), "foreign", (key(1001),)),
+        Junk(base + "seg/" + mp.stamp(now_ms - 950) + "-w0", segment(key(1001)), "foreign", (key(1001),)),
         Junk(
-            mf.segment_name(base, now_ms - 940, "w0", 1) + ".partial",
+            mp.segment_name(base, now_ms - 940, "w0", 1) + ".partial",
             segment(key(1002)),
             "foreign",
             (key(1002),),
         ),
         Junk(base + "snap/backup", snapshot(key(1003)), "foreign", (key(1003),)),
-        Junk(mf.segment_name(base, now_ms - 900, "junk", 1), b"", "garbage"),
-        Junk(mf.segment_name(base, now_ms - 800, "junk", 2), bytes(range(200)), "garbage"),
+        Junk(mp.segment_name(base, now_ms - 900, "junk", 1), b"", "garbage"),
+        Junk(mp.segment_name(base, now_ms - 800, "junk", 2), bytes(range(200)), "garbage"),
         Junk(
-            mf.segment_name(base, now_ms - 700, "junk", 3),
+            mp.segment_name(base, now_ms - 700, "junk", 3),
             mf.encode(mf.ManifestObject("access", fingerprints([key(1004)]))),
             "garbage",
             (key(1004),),
         ),
-        Junk(mf.snapshot_name(base, now_ms - 600, "junk"), b"", "garbage"),
-        Junk(mf.snapshot_name(base, now_ms - 550, "junkb"), b"S3KM" + bytes(96), "garbage"),
-        Junk(mf.segment_name(base, now_ms - 500, "deny", 1), segment(key(1005)), "denied", (key(1005),)),
-        Junk(mf.snapshot_name(base, now_ms - 450, "deny"), snapshot(key(1006)), "denied", (key(1006),)),
+        Junk(mp.snapshot_name(base, now_ms - 600, "junk"), b"", "garbage"),
+        Junk(mp.snapshot_name(base, now_ms - 550, "junkb"), b"S3KM" + bytes(96), "garbage"),
+        Junk(mp.segment_name(base, now_ms - 500, "deny", 1), segment(key(1005)), "denied", (key(1005),)),
+        Junk(mp.snapshot_name(base, now_ms - 450, "deny"), snapshot(key(1006)), "denied", (key(1006),)),
         Junk(future_seg, segment(key(1007)), "future", (key(1007),)),
         Junk(
-            mf.snapshot_name(base, now_ms + FUTURE_MS, "futr"),
+            mp.snapshot_name(base, now_ms + FUTURE_MS, "futr"),
             snapshot(key(1008), horizon=future_seg),
             "future",
             (key(1008),),
         ),
         # A current name, but what it covers reaches into the future.
         Junk(
-            mf.snapshot_name(base, now_ms - 350, "horz"),
+            mp.snapshot_name(base, now_ms - 350, "horz"),
             snapshot(key(1009), horizon=future_seg),
             "future",
             (key(1009),),
         ),
-        Junk(mf.segment_name(base, now_ms - 400, "big", 1), segment(*big), "oversize", tuple(big[:3])),
+        Junk(mp.segment_name(base, now_ms - 400, "big", 1), segment(*big), "oversize", tuple(big[:3])),
     ]
     if markers:
         out += [Junk(base + "seg/", b"", "marker"), Junk(base + "snap/", b"", "marker")]

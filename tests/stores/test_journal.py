@@ -12,7 +12,7 @@ import sys
 import time
 
 from s3kv.config import KNOWN_KEYS, parse_config
-from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
 from s3kv.manifest.journal import ENV_VAR, RankJournal, recover
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stores.factory import make_store
@@ -64,7 +64,7 @@ def test_what_a_killed_rank_had_not_published_is_published_at_exit(s3_server, bu
     assert manifest(config) == {11, 12, 13, 14, 15}
     assert not tmp_path.exists()
     names = asyncio.run(_names(config))
-    assert [mf.parse_name(BASE, n).writer for n in names] == ["w0r0", "w0r0j"]
+    assert [mp.parse_name(BASE, n).writer for n in names] == ["w0r0", "w0r0j"]
 
 
 async def _names(config):

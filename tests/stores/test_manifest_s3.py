@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
 from s3kv.manifest.keyset import Manifest
 from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.stores.s3 import S3Options, S3Store
@@ -96,8 +96,8 @@ async def test_junk_in_a_real_bucket_neither_stops_a_warm_start_nor_sharing(s3_s
 
         limit = int(clock[0] * 1000) + SKEW_S * 1000
         for r in (b, c):
-            assert r._max_seen_ts <= limit and mf.name_ts(r._segment_floor()) <= limit
+            assert r.clock_ms <= limit and mp.name_ts(r._segment_floor()) <= limit
         ours = [n async for n in store.inner.list(BASE + "seg/") if "-bbbb-" in n.key or "-cccc-" in n.key]
-        assert len(ours) == 2 and all(mf.name_ts(m.key) <= int(clock[0] * 1000) for m in ours)
+        assert len(ours) == 2 and all(mp.name_ts(m.key) <= int(clock[0] * 1000) for m in ours)
     finally:
         await store.close()

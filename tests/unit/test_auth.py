@@ -13,10 +13,11 @@ import pytest
 
 from s3kv.auth import ENV_VAR, FleetKeys, load_keys
 from s3kv.config import parse_config
-from s3kv.errors import ConfigError
+from s3kv.errors import ConfigError, CorruptManifest, UnsignedManifest
 from s3kv.keys import Namespace, chain_keys, fingerprint
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
 from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import TierReport
@@ -125,7 +126,7 @@ def test_signed_manifest_objects_roundtrip_and_forgeries_fail():
         (mf.encode(_segment(), FleetKeys([OTHER])), "not one of the fleet's keys"),
         (bytes(tampered), "MAC mismatch"),
     ):
-        with pytest.raises(mf.UnsignedManifest, match=why):
+        with pytest.raises(UnsignedManifest, match=why):
             mf.decode(bad, keys=keys)
     # Version 1 (what an older s3kv wrote) is read without a secret; a newer
     # version is refused by its number.
@@ -140,7 +141,7 @@ def test_signed_manifest_objects_roundtrip_and_forgeries_fail():
     assert mf.decode(bytes(v1)).added.tolist() == [7]
     v9 = bytearray(unsigned)
     v9[4:6] = (9).to_bytes(2, "little")
-    with pytest.raises(mf.CorruptManifest, match="manifest format version 9; this s3kv reads 1, 2"):
+    with pytest.raises(CorruptManifest, match="manifest format version 9; this s3kv reads 1, 2"):
         mf.decode(bytes(v9))
 
 
@@ -162,7 +163,7 @@ def test_with_a_secret_only_signed_segments_are_applied():
     asyncio.run(forger.publish())
     asyncio.run(
         store.put(
-            mf.segment_name(BASE, int(time.time() * 1000) + 1000, "forger", 7),
+            mp.segment_name(BASE, int(time.time() * 1000) + 1000, "forger", 7),
             mf.encode(_segment(added=(), removed=(11,))),
         )
     )

@@ -6,7 +6,13 @@ import xxhash
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.errors import CorruptChunk, UnsupportedFormat
+from s3kv.errors import (
+    CorruptChunk,
+    CorruptManifest,
+    UnsignedManifest,
+    UnsupportedFormat,
+    UnsupportedManifestVersion,
+)
 from s3kv.manifest import format as mf
 
 NS, KEY = "a" * 32, "b" * 32
@@ -254,14 +260,14 @@ def test_which_manifest_versions_each_reader_reads(written, reader):
         obj = mf.decode(data, keys=k)
         assert obj.added.tolist() == [1, 5, 9] and obj.removed.tolist() == [3]
         return
-    with pytest.raises(mf.CorruptManifest) as e:
+    with pytest.raises(CorruptManifest) as e:
         mf.decode(data, keys=k)
     if written == "v3":
-        assert isinstance(e.value, mf.UnsupportedManifestVersion)
+        assert isinstance(e.value, UnsupportedManifestVersion)
         assert "manifest format version 3; this s3kv reads 1, 2" in str(e.value)
         return
-    assert not isinstance(e.value, mf.UnsupportedManifestVersion)
+    assert not isinstance(e.value, UnsupportedManifestVersion)
     if written in ("v1", "v2 unsigned", "v2 signed"):  # sound, but not signed with the reader's keys
-        assert isinstance(e.value, mf.UnsignedManifest)
+        assert isinstance(e.value, UnsignedManifest)
     else:
-        assert not isinstance(e.value, mf.UnsignedManifest)
+        assert not isinstance(e.value, UnsignedManifest)

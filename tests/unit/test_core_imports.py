@@ -15,6 +15,8 @@ CORE = [
     "s3kv.manifest",
     "s3kv.manifest.keyset",
     "s3kv.manifest.format",
+    "s3kv.manifest.protocol",
+    "s3kv.manifest.tombstones",
     "s3kv.manifest.sync",
     "s3kv.identity",
     "s3kv.stats",

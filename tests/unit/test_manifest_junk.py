@@ -14,10 +14,11 @@ import pytest
 
 from s3kv.errors import S3KVError
 from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
 from s3kv.manifest.keyset import Manifest
 from s3kv.manifest.publish import REPUBLISH_MAX
 from s3kv.manifest.sync import ManifestSync, SyncSettings
-from s3kv.ops.gc import Stamps, publish_tombstones
+from s3kv.manifest.tombstones import publish_tombstones
 from s3kv.ops.inventory import NamespaceInfo
 from s3kv.stores.base import ObjectMeta, PutMode
 from s3kv.stores.memory import MemoryStore
@@ -96,12 +97,12 @@ def test_a_new_replica_starts_warm_past_every_kind_of_junk(snapshot):
     never = {
         j.name
         for j in objects
-        if j.reason in ("marker", "foreign", "oversize") or not j.body or (mf.name_ts(j.name) or 0) > future
+        if j.reason in ("marker", "foreign", "oversize") or not j.body or (mp.name_ts(j.name) or 0) > future
     }
     assert len(never) == 11
     assert not [g for g in store.gets if g.key in never]
     limit = int(clock[0] * 1000) + SKEW_S * 1000
-    assert b._max_seen_ts <= limit and mf.name_ts(b._segment_floor()) <= limit
+    assert b.clock_ms <= limit and mp.name_ts(b._segment_floor()) <= limit
 
 
 def test_junk_is_counted_once_and_denied_objects_are_not_fetched_again():
@@ -138,9 +139,9 @@ def test_replicas_go_on_sharing_and_stamp_with_their_own_clocks():
     now_ms = int(clock[0] * 1000)
     for name in run(store.list_keys(BASE + "seg/")):
         if "-bbbb-" in name or "-cccc-" in name:  # not carried ten years ahead by the junk
-            assert mf.name_ts(name) <= now_ms
+            assert mp.name_ts(name) <= now_ms
     for r in (b, c):
-        assert r._max_seen_ts <= now_ms + SKEW_S * 1000
+        assert r.clock_ms <= now_ms + SKEW_S * 1000
 
 
 def test_a_future_segment_is_applied_once_time_catches_up():
@@ -164,8 +165,8 @@ def test_objects_too_large_are_refused_unread_or_read_bounded():
     inner = MemoryStore()
     real_history(inner, clock)
     big = segment(*(key(7000 + i) for i in range(MAX_BYTES // 8)))
-    listed_big = mf.segment_name(BASE, int(clock[0] * 1000), "big", 1)
-    grown = mf.segment_name(BASE, int(clock[0] * 1000), "grow", 1)
+    listed_big = mp.segment_name(BASE, int(clock[0] * 1000), "big", 1)
+    grown = mp.segment_name(BASE, int(clock[0] * 1000), "grow", 1)
     run(inner.put(listed_big, big))
     run(inner.put(grown, big))
     store = WrappedStore(inner, listed_sizes={grown: 100})
@@ -261,7 +262,7 @@ def test_access_records_use_the_segments_clock():
     run(b.publish())
     (seg,) = run(store.list_keys(BASE + "seg/"))
     (record,) = run(store.list_keys(BASE + "access/"))
-    assert mf.name_ts(record) > mf.name_ts(seg) > int(slow[0] * 1000)
+    assert mp.name_ts(record) > mp.name_ts(seg) > int(slow[0] * 1000)
 
 
 def test_a_slow_put_is_published_again_a_bounded_number_of_times():
@@ -291,16 +292,16 @@ def test_gc_stamps_ignore_names_in_the_future():
     now = T
     base = f"pfx/{NS}/"
     info = NamespaceInfo(NS, base)
-    real = mf.segment_name(info.manifest_base, int(now * 1000) - 5000, "w0", 1)
-    future = mf.segment_name(info.manifest_base, int(now * 1000) + FUTURE_MS, "junk", 1)
+    real = mp.segment_name(info.manifest_base, int(now * 1000) - 5000, "w0", 1)
+    future = mp.segment_name(info.manifest_base, int(now * 1000) + FUTURE_MS, "junk", 1)
     info.segments = [ObjectMeta(real, 100, now), ObjectMeta(future, 100, now)]
-    stamps = Stamps(info, "gc0", skew_s=SKEW_S, clock=lambda: now)
-    assert stamps.max_ts == mf.name_ts(real)
+    stamps = info.stamps("gc0", skew_s=SKEW_S, clock=lambda: now)
+    assert stamps.seen_ms == mp.name_ts(real)
     store = MemoryStore()
     run(store.put(future, segment(key(1))))
     run(store.put(real, segment(key(2))))
-    name = run(publish_tombstones(store, info, [key(2)], stamps, SKEW_S, clock=lambda: now))
-    assert mf.name_ts(name) == int(now * 1000)
+    name = run(publish_tombstones(store, info.manifest_base, [key(2)], stamps, SKEW_S, clock=lambda: now))
+    assert mp.name_ts(name) == int(now * 1000)
     b = replica(store, [now], "bbbb")
     run(b.load())
     assert key(2) not in b.manifest  # the tombstone, applied now, beats the add before it
@@ -316,9 +317,9 @@ def test_gc_compaction_keeps_future_stamps_out_of_its_snapshot():
     clock = [T]
     inner = MemoryStore()
     real_history(inner, clock, snapshot=False)
-    future = mf.segment_name(BASE, int(clock[0] * 1000) + FUTURE_MS, "junk", 1)
+    future = mp.segment_name(BASE, int(clock[0] * 1000) + FUTURE_MS, "junk", 1)
     run(inner.put(future, segment(key(99))))
-    run(inner.put(mf.segment_name(BASE, int(clock[0] * 1000), "zz", 1) + ".partial", segment(key(98))))
+    run(inner.put(mp.segment_name(BASE, int(clock[0] * 1000), "zz", 1) + ".partial", segment(key(98))))
     store = WrappedStore(inner, markers={BASE + "seg/"})
     inv = run(scan(store, "pfx"))
     p = gc.plan(inv, gc.Policy(), clock[0])
@@ -326,8 +327,8 @@ def test_gc_compaction_keeps_future_stamps_out_of_its_snapshot():
     assert result.snapshots_written == 1
     (snap,) = run(store.list_keys(BASE + "snap/"))
     horizon = mf.decode(run(store.get(snap))).meta["horizon"]
-    assert mf.name_ts(snap) <= int(clock[0] * 1000) + 1000 and horizon < future  # not carried ahead
-    assert mf.parse_name(BASE, horizon).writer == "aaaa"
+    assert mp.name_ts(snap) <= int(clock[0] * 1000) + 1000 and horizon < future  # not carried ahead
+    assert mp.parse_name(BASE, horizon).writer == "aaaa"
     b = replica(store, clock, "bbbb")
     run(b.load())
     assert all(key(i) in b.manifest for i in (1, 2, 3)) and key(99) not in b.manifest
@@ -351,8 +352,8 @@ def test_an_object_emptied_since_it_was_listed_is_garbage_but_a_bug_is_not(caplo
     from s3kv.errors import RangeNotSatisfiable
 
     clock = [T]
-    emptied = mf.segment_name(BASE, int(T * 1000) - 2000, "gone", 1)
-    buggy = mf.segment_name(BASE, int(T * 1000) - 1000, "bug", 1)
+    emptied = mp.segment_name(BASE, int(T * 1000) - 2000, "gone", 1)
+    buggy = mp.segment_name(BASE, int(T * 1000) - 1000, "bug", 1)
     store = _FailingGets({emptied: RangeNotSatisfiable("range not satisfiable"), buggy: ValueError("a bug")})
     for name in (emptied, buggy):
         run(store.put(name, segment(key(1))))

@@ -8,9 +8,12 @@ import asyncio
 import numpy as np
 import pytest
 
+from s3kv.errors import CorruptManifest
 from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
 from s3kv.manifest.keyset import Manifest, fingerprints
-from s3kv.manifest.publish import RankTally, ShardPublisher, rank_fields, replica_of
+from s3kv.manifest.protocol import replica_of
+from s3kv.manifest.publish import RankTally, ShardPublisher, rank_fields
 from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
@@ -51,7 +54,7 @@ def test_one_rank_publishes_ordinary_segments_that_any_reader_applies():
     p.stored(fp(2))
     assert run(p.publish()) == 2
     (name,) = run(store.list_keys(BASE + "seg/"))
-    assert mf.parse_name(BASE, name).writer == "aaaar0"
+    assert mp.parse_name(BASE, name).writer == "aaaar0"
     obj = mf.decode(run(store.get(name)))
     assert "ranks" not in obj.meta and sorted(obj.added.tolist()) == sorted([fp(1), fp(2)])
     assert run(r.refresh()) == 2 and key(1) in r.manifest and key(2) in r.manifest
@@ -88,7 +91,7 @@ def test_stamps_never_before_what_the_replica_has_seen():
     run(p.publish())
     p.stored(fp(2))
     run(p.publish())
-    stamps = sorted(mf.name_ts(n) for n in run(store.list_keys(BASE + "seg/")))
+    stamps = sorted(mp.name_ts(n) for n in run(store.list_keys(BASE + "seg/")))
     assert stamps == [seen + 1, seen + 2]
 
 
@@ -170,13 +173,13 @@ def test_rank_writers_count_as_their_replica_in_the_snapshot_election():
     ],
 )
 def test_rank_segments_with_nonsense_ranks_are_garbage(meta):
-    with pytest.raises(mf.CorruptManifest):
+    with pytest.raises(CorruptManifest):
         rank_fields(meta)
     store, clock = MemoryStore(), [T0]
     r = reader(store, clock)
     run(r.load())
     bad = mf.ManifestObject("segment", np.array([fp(1)], dtype=np.uint64), meta=meta)
-    run(store.put(mf.segment_name(BASE, int(T0 * 1000), "zzzzr0", 1), mf.encode(bad), mode=PutMode.CREATE))
+    run(store.put(mp.segment_name(BASE, int(T0 * 1000), "zzzzr0", 1), mf.encode(bad), mode=PutMode.CREATE))
     assert run(r.refresh()) == 0 and key(1) not in r.manifest
     assert r.counters.totals()["manifest_skipped_garbage"] == 1
 

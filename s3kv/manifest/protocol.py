@@ -1,0 +1,281 @@
+"""The manifest protocol: how every writer (replicas, their ranks, gc,
+verify) names and stamps manifest objects, and how readers find them.
+
+Under ``{prefix}/{namespace}/manifest/`` (:func:`manifest_prefix`):
+
+- ``seg/{ts}-{writer}-{seq}``: a *segment*, immutable: the fingerprints a
+  writer stored since its last segment, and removals (tombstones).
+- ``snap/{ts}-{writer}``: a *snapshot*: every live fingerprint as of the
+  segments its :class:`Horizon` covers, so a new replica loads the manifest
+  with one listing and a few GETs.
+- ``access/{yyyymmddhh}/{ts}-{writer}-{seq}``: *access records*:
+  fingerprints of chunks used in that hour (UTC), for gc's
+  least-recently-used policy.
+
+``ts`` is milliseconds since the epoch, zero-padded, so names sort by time.
+A writer stamps with a :class:`HybridClock`: ``max(its clock, newest ts it
+has seen + 1)``. Readers list segments from a :func:`segment_floor`, a
+margin (the clock skew) before the newest stamp they have seen, so writers
+whose clocks disagree by less than the margin never miss each other's
+segments. Writer ids are ``[0-9A-Za-z_]{1,64}``: a replica's
+(:func:`new_writer_id`), a rank publisher's (:func:`rank_writer`), gc's
+(:func:`gc_writer_id`).
+
+This module does no I/O; :mod:`s3kv.manifest.format` owns the bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+TS_DIGITS = 13
+HOUR_MS = 3_600_000
+SEGMENTS = "seg/"
+SNAPSHOTS = "snap/"
+ACCESS = "access/"
+
+
+# -- names -----------------------------------------------------------------------
+
+
+def manifest_prefix(prefix: str, namespace: str) -> str:
+    return f"{prefix}/{namespace}/manifest/" if prefix else f"{namespace}/manifest/"
+
+
+def stamp(ts_ms: int) -> str:
+    return f"{ts_ms:0{TS_DIGITS}d}"
+
+
+def segment_name(base: str, ts_ms: int, writer: str, seq: int) -> str:
+    return f"{base}{SEGMENTS}{stamp(ts_ms)}-{writer}-{seq:06d}"
+
+
+def snapshot_name(base: str, ts_ms: int, writer: str) -> str:
+    return f"{base}{SNAPSHOTS}{stamp(ts_ms)}-{writer}"
+
+
+def access_hour(ts_ms: int) -> str:
+    """The hour (UTC, ``yyyymmddhh``) an access record stamped ``ts_ms`` is filed under."""
+    return time.strftime("%Y%m%d%H", time.gmtime(ts_ms / 1000))
+
+
+def access_name(base: str, ts_ms: int, writer: str, seq: int) -> str:
+    return f"{base}{ACCESS}{access_hour(ts_ms)}/{stamp(ts_ms)}-{writer}-{seq:06d}"
+
+
+def record_hour(base: str, name: str) -> str:
+    """The hour directory access record ``name`` is filed under."""
+    return name[len(base) + len(ACCESS) :].split("/", 1)[0]
+
+
+def access_hour_end(name: str, now: float) -> float:
+    """When a chunk in access record ``name`` was last used, at the latest
+    (seconds since the epoch): replicas record a key once per hour, at its
+    first use, so a record of hour H stands for use until the end of H (or
+    ``now``)."""
+    ts = (name_ts(name) or 0) / 1000.0
+    return min(now, (ts // 3600 + 1) * 3600)
+
+
+def name_ts(name: str) -> int | None:
+    """The millisecond stamp a segment, snapshot or access record name starts with."""
+    leaf = name.rsplit("/", 1)[-1]
+    head = leaf.split("-", 1)[0]
+    return int(head) if len(head) == TS_DIGITS and head.isdigit() else None
+
+
+@dataclass(frozen=True)
+class ManifestName:
+    """What a manifest object's name says."""
+
+    kind: str
+    """segment, snapshot or access"""
+    ts: int
+    """Milliseconds since the epoch."""
+    writer: str
+    seq: int | None
+    """None for a snapshot."""
+
+
+_WRITER = r"([0-9A-Za-z_]{1,64})"
+_NAMES = {
+    SEGMENTS[:-1]: ("segment", re.compile(rf"(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})")),
+    SNAPSHOTS[:-1]: ("snapshot", re.compile(rf"(\d{{{TS_DIGITS}}})-{_WRITER}")),
+    ACCESS[:-1]: ("access", re.compile(rf"\d{{10}}/(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})")),
+}
+
+
+def parse_name(base: str, key: str) -> ManifestName | None:
+    """The segment, snapshot or access record ``key`` names under the
+    manifest prefix ``base``, or None: a folder marker, another directory,
+    or a name s3kv does not write (which nobody should GET)."""
+    if not key.startswith(base):
+        return None
+    directory, _, rest = key[len(base) :].partition("/")
+    kind, pattern = _NAMES.get(directory, ("", None))
+    m = pattern.fullmatch(rest) if pattern is not None else None
+    if m is None:
+        return None
+    seq = int(m.group(3)) if m.lastindex == 3 else None
+    return ManifestName(kind, int(m.group(1)), m.group(2), seq)
+
+
+def is_segment(base: str, key: str) -> bool:
+    name = parse_name(base, key)
+    return name is not None and name.kind == "segment"
+
+
+# -- writers -----------------------------------------------------------------------
+
+
+def new_writer_id() -> str:
+    """A replica's writer id: random, with the process id's last two digits."""
+    return f"{uuid.uuid4().hex[:10]}{os.getpid() % 100:02d}"
+
+
+def gc_writer_id() -> str:
+    """The writer id of an ``s3kv gc`` (or ``verify --delete``) run."""
+    return "gc" + new_writer_id()
+
+
+def rank_writer(writer: str, rank: int) -> str:
+    """The writer id of a replica's rank publisher."""
+    return f"{writer}r{rank}"
+
+
+_RANK_SUFFIX = re.compile(r"r\d+j?$")
+
+
+def replica_of(writer: str) -> str:
+    """The replica a writer id belongs to: a rank publisher's id is its
+    scheduler side's with ``r{rank}`` appended (and ``j`` when its front end
+    published its journal, :mod:`s3kv.manifest.journal`)."""
+    return _RANK_SUFFIX.sub("", writer)
+
+
+# -- stamps ------------------------------------------------------------------------
+
+
+class HybridClock:
+    """A writer's stamps (ms): never before the newest stamp it has seen or
+    issued, so a late clock cannot hide an object below other readers'
+    listing floors. Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.time, seen_ms: int = 0) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.seen_ms = seen_ms
+        """The newest stamp seen or issued."""
+        self.last_ms = 0
+        """The last stamp issued (0: none yet)."""
+
+    def now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    def observe(self, ts_ms: int) -> None:
+        """Another writer's stamp, seen: never stamp before it."""
+        with self._lock:
+            self.seen_ms = max(self.seen_ms, ts_ms)
+
+    def next(self, now_ms: int | None = None) -> int:
+        """A new stamp: ``now_ms`` (default: the clock's now), unless that is
+        not after every stamp seen."""
+        with self._lock:
+            ts = max(self.now_ms() if now_ms is None else now_ms, self.seen_ms + 1)
+            self.seen_ms = self.last_ms = ts
+            return ts
+
+
+class Stamps(HybridClock):
+    """The stamps of a writer that lists before it writes (gc, verify):
+    after every segment and snapshot name it listed (:meth:`seen`), so that
+    a slow clock cannot hide its tombstones below the replicas' floors.
+
+    Names stamped beyond now + ``skew_s`` are not counted: replicas do not
+    apply them while they are in the future, and a junk name must not carry
+    the writer's stamps (and tombstones) there with it."""
+
+    def __init__(
+        self,
+        writer: str,
+        names: Iterable[str] = (),
+        *,
+        skew_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(clock)
+        self.writer = writer
+        self.seq = 0
+        self.skew_s = skew_s
+        self.max_listed = 0
+        """The newest stamp among the names listed (not those issued)."""
+        self.seen(names)
+
+    def in_future(self, name: str) -> bool:
+        return (name_ts(name) or 0) > self._clock() * 1000 + self.skew_s * 1000
+
+    def seen(self, names: Iterable[str]) -> None:
+        for name in names:
+            if self.in_future(name):
+                continue
+            ts = name_ts(name) or 0
+            self.observe(ts)
+            self.max_listed = max(self.max_listed, ts)
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def next(self, now_ms: int | None = None) -> int:
+        self.next_seq()
+        return super().next(now_ms)
+
+
+def segment_floor(base: str, ts_ms: int, margin_ms: int) -> str:
+    """The name to list segments after (S3's StartAfter): ``margin_ms``
+    before ``ts_ms``, the newest stamp the reader has seen."""
+    return base + SEGMENTS + stamp(max(0, ts_ms - margin_ms))
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """The segments a snapshot covers: every one named up to ``last``, and
+    ``recent`` ones stamped within the skew margin before it, which a
+    reader starting from the snapshot counts as read (it lists segments
+    from a floor that margin before ``last``). A snapshot's header holds
+    both (:meth:`meta`)."""
+
+    last: str = ""
+    """The newest segment covered; "" for none."""
+    recent: frozenset[str] = frozenset()
+
+    @classmethod
+    def over(cls, names: Iterable[str], skew_ms: int) -> Horizon:
+        """The horizon of a snapshot of the segments ``names``."""
+        names = list(names)
+        last = max(names, default="")
+        last_ts = name_ts(last) or 0
+        return cls(last, frozenset(n for n in names if n <= last and (name_ts(n) or 0) >= last_ts - skew_ms))
+
+    @staticmethod
+    def last_of(meta: dict[str, Any]) -> str:
+        """The newest segment a snapshot covers, from its header."""
+        return str(meta.get("horizon", ""))
+
+    @classmethod
+    def of(cls, meta: dict[str, Any]) -> Horizon:
+        """A snapshot's horizon, from its header."""
+        return cls(cls.last_of(meta), frozenset(str(n) for n in meta.get("recent", ())))
+
+    def meta(self) -> dict[str, Any]:
+        return {"horizon": self.last, "recent": sorted(self.recent)}
+
+    def covers(self, segment: str) -> bool:
+        return segment <= self.last or segment in self.recent
