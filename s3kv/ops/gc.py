@@ -420,7 +420,7 @@ def check_chunk_head(name: str, head: bytes, size: int | None, keys: FleetKeys |
     (``size`` bytes in all, where known), is a sound header for that name,
     of that length, and (with ``keys``) signed by a fleet key: what
     ``check_chunk`` finds without reading the frames."""
-    from s3kv.ops.verify import Unsigned
+    from s3kv.errors import Unsigned
 
     parsed = parse_object_key(name)
     if parsed is None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.errors import CorruptChunk, NotFound, Precondition, S3KVError, UnsupportedFormat
+from s3kv.errors import CorruptChunk, NotFound, Precondition, S3KVError, Unsigned, UnsupportedFormat
 from s3kv.keys import parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.ops.inventory import Inventory, read_head_bytes
@@ -84,10 +84,6 @@ class VerifyReport:
             "foreign": [p.__dict__ for p in self.foreign],
             "deleted": self.deleted,
         }
-
-
-class Unsigned(CorruptChunk):
-    """The object has no valid MAC under the fleet's keys."""
 
 
 def check_chunk(name: str, data: bytes, keys: FleetKeys | None = None) -> codec.ChunkHeader:

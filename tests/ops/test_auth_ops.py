@@ -271,7 +271,8 @@ def resigned(blob: bytes, keys: FleetKeys, frame: int) -> bytes:
 
 
 def test_verify_tells_unsigned_from_corrupt():
-    from s3kv.ops.verify import Unsigned, check_chunk
+    from s3kv.errors import Unsigned
+    from s3kv.ops.verify import check_chunk
 
     keys = FleetKeys([SECRET])
     name = object_key(PREFIX, NS, key(1), 0)
