@@ -37,8 +37,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from s3kv import codec
 from s3kv.auth import FleetKeys
+from s3kv.chunk_reader import check_chunk, check_chunk_head, read_chunk_head
 from s3kv.errors import (
     AlreadyExists,
     ConfigError,
@@ -46,7 +46,6 @@ from s3kv.errors import (
     NotFound,
     PermissionDenied,
     Precondition,
-    RangeNotSatisfiable,
     S3KVError,
     UnsupportedFormat,
 )
@@ -55,9 +54,9 @@ from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import as_sorted_unique
 from s3kv.manifest.publish import RankTally, rank_fields
 from s3kv.manifest.sync import new_writer_id
-from s3kv.ops.inventory import HEAD_BYTES, Chunk, Inventory, NamespaceInfo, read_head_bytes
+from s3kv.ops.inventory import Chunk, Inventory, NamespaceInfo, read_head_bytes
 from s3kv.ops.lock import Lease
-from s3kv.stores.base import ByteRange, GetResult, ObjectMeta, ObjectStore, PutMode, Upload
+from s3kv.stores.base import ObjectMeta, ObjectStore, PutMode, Upload
 
 
 class UnsignedWrite(ConfigError):
@@ -347,8 +346,6 @@ async def find_bad(
     lists) that are still there and still fail to verify; an object that
     reads well now (stored again since, or named by a bogus record) is not
     bad. Reads only."""
-    from s3kv.ops.verify import check_chunk
-
     named: dict[str, str] = {}
     for ns, info in inv.namespaces.items():
         for m in info.segments:
@@ -392,49 +389,6 @@ async def find_bad(
 
     found = await asyncio.gather(*(one(n, ns) for n, ns in sorted(named.items())))
     return [b for b in found if b is not None]
-
-
-async def read_chunk_head(store: ObjectStore, name: str) -> GetResult | None:
-    """A chunk object's first bytes, through the end of its header (one
-    ranged GET; two for a header over ``HEAD_BYTES``). None when it cannot
-    be told from a head (empty, a 416; rewritten between the two GETs): the
-    object is then judged whole."""
-    try:
-        got = await store.get_object(name, ByteRange(0, HEAD_BYTES))
-        try:
-            need = codec.header_length(got.data)
-        except CorruptChunk:
-            return got  # the head check says why
-        if need > len(got.data) == HEAD_BYTES:  # a long header, and the object goes on
-            rest = await store.get_object(name, ByteRange(HEAD_BYTES, need))
-            if rest.etag != got.etag:
-                return None
-            got = GetResult(got.data + rest.data, got.etag, got.size)
-    except RangeNotSatisfiable:
-        return None
-    return got
-
-
-def check_chunk_head(name: str, head: bytes, size: int | None, keys: FleetKeys | None = None) -> None:
-    """Raise CorruptChunk unless ``head``, the start of the object ``name``
-    (``size`` bytes in all, where known), is a sound header for that name,
-    of that length, and (with ``keys``) signed by a fleet key: what
-    ``check_chunk`` finds without reading the frames."""
-    from s3kv.errors import Unsigned
-
-    parsed = parse_object_key(name)
-    if parsed is None:
-        raise CorruptChunk("not a chunk object name")
-    ns, key, rank = parsed
-    header = codec.parse_header(head)
-    header.check_identity(ns, key.hex(), rank)
-    if size is not None and size != header.object_length:
-        raise CorruptChunk(f"object is {size} bytes, its header says {header.object_length}")
-    if keys is not None:
-        try:
-            codec.parse_header(head, keys)
-        except CorruptChunk as e:
-            raise Unsigned(str(e)) from None
 
 
 async def delete_bad(store: ObjectStore, inv: Inventory, bad: Iterable[BadObject], result: Result) -> None:
@@ -626,8 +580,6 @@ async def _orphans(
     whether every rank's object verifies (header, frames and, with the fleet
     secret, MAC): gc's compaction adds those that do, so a bucket filled by
     replicas that died never stays invisible."""
-    from s3kv.ops.verify import check_chunk
-
     named: set[int] = set()
     if snapshot is not None:
         with contextlib.suppress(NotFound, mf.CorruptManifest):  # none that reads: every chunk is checked
