@@ -103,7 +103,7 @@ class ChunkReader:
 
     @property
     def max_header(self) -> int:
-        """The longest header read: one of the engine's chunks can have, or MAX_HEADER_LEN."""
+        """The longest header read: what one of the engine's chunks can have; MAX_HEADER_LEN without its pages."""
         return codec.MAX_HEADER_LEN if self.num_layers is None else 4096 + 160 * self.num_layers
 
     @property
