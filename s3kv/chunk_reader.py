@@ -103,7 +103,7 @@ class ChunkReader:
 
     @property
     def max_header(self) -> int:
-        """The longest header read: what one of the engine's chunks can have; MAX_HEADER_LEN without its pages."""
+        """The longest header read: one of the engine's chunks; MAX_HEADER_LEN without its pages."""
         return codec.MAX_HEADER_LEN if self.num_layers is None else 4096 + 160 * self.num_layers
 
     @property
@@ -150,7 +150,8 @@ class ChunkReader:
                     raise CorruptChunk(
                         _at(
                             where,
-                            f"frame {i}: says it decodes to {f.raw_length} bytes, more than {codec.MAX_FRAME_RAW}",
+                            f"frame {i}: says it decodes to {f.raw_length} bytes, "
+                            f"more than {codec.MAX_FRAME_RAW}",
                         )
                     )
             return
