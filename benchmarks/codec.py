@@ -6,8 +6,9 @@ chunks through s3kv with ``codec: none`` into a disk tier; those files are
 read back and decoded into per-layer page bytes (one 256-token layer frame,
 256 KiB, is the unit s3kv compresses). Each variant is then timed on one
 thread over every frame: no codec, zstd at several levels with and without
-s3kv's byte shuffle (bf16: item size 2), and s3kv's own
-``encode_chunk``/``decode_chunk`` (checksums included).
+s3kv's byte shuffle (bf16: item size 2), and s3kv's own path, the engine's
+``ChunkCodec.encode``/``decode`` (the one chunk reader set to the pages:
+every check included).
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def run(work: Path, quick: bool) -> Result:
     import zstandard
 
     from s3kv import codec
+    from s3kv.chunk_reader import PageFormat, decode_chunk
+    from s3kv.tiering.chunks import ChunkCodec
 
     n_prompts, tokens = (1, 1536) if quick else (3, 1792)
     repeats = 3 if quick else 7
@@ -113,7 +116,7 @@ def run(work: Path, quick: bool) -> Result:
     for path in _chunk_files(pages_dir):
         blob = path.read_bytes()
         h = codec.parse_header(blob)
-        _h, layers = codec.decode_chunk(blob, namespace=h.namespace, key=h.key, rank=h.rank)
+        _h, layers = decode_chunk(blob, namespace=h.namespace, key=h.key, rank=h.rank)
         chunks.append((h, [np.array(a, copy=True) for a in layers]))
     itemsize = torch.empty(0, dtype=getattr(torch, chunks[0][0].dtype)).element_size()
     frames = [a for _h, layers in chunks for a in layers]
@@ -169,40 +172,46 @@ def run(work: Path, quick: bool) -> Result:
     fleet = FleetKeys(["benchmark-fleet-secret-0123456789abcdef"])
 
     def s3kv_rows(codec_name: str, level: int, keys: FleetKeys | None = None) -> float:
+        # One engine's codec per chunk (they are one engine's pages): what S3
+        # and disk loads decode with, and what stores encode with.
+        engines = [
+            (
+                bytes.fromhex(h.key),
+                ChunkCodec(
+                    h.namespace,
+                    h.rank,
+                    len(layers),
+                    PageFormat(h.dtype, itemsize, h.page_shape, h.tokens, layers[0].nbytes),
+                    codec=codec_name,
+                    level=level,
+                    keys=keys,
+                ),
+            )
+            for h, layers in chunks
+        ]
         blobs: list[bytes] = []
 
         def encode_all() -> None:
             blobs.clear()
-            for h, layers in chunks:
-                blobs.append(
-                    codec.encode_chunk(
-                        namespace=h.namespace,
-                        key=h.key,
-                        rank=h.rank,
-                        tokens=h.tokens,
-                        layers=layers,
-                        dtype=h.dtype,
-                        itemsize=itemsize,
-                        page_shape=h.page_shape,
-                        codec=codec_name,
-                        level=level,
-                        keys=keys,
-                    )
-                )
+            for (key, engine), (_h, layers) in zip(engines, chunks):
+                blobs.append(engine.encode(key, layers))
 
         def decode_all() -> None:
-            for (h, _layers), blob in zip(chunks, blobs):
-                codec.decode_chunk(blob, namespace=h.namespace, key=h.key, rank=h.rank, keys=keys)
+            for (key, engine), blob in zip(engines, blobs):
+                engine.decode(key, blob, lambda _i, _page: None, "chunk")
 
         enc = _per_second(encode_all, raw, repeats)
         dec = _per_second(decode_all, raw, repeats)
-        for (h, layers), blob in zip(chunks[:1], blobs):
-            _hh, got = codec.decode_chunk(blob, namespace=h.namespace, key=h.key, rank=h.rank, keys=keys)
-            if not all(np.array_equal(a, b) for a, b in zip(got, layers)):
-                raise AssertionError(f"s3kv {codec_name}: decode_chunk does not give back the pages")
+        for (key, engine), (_h, layers), blob in zip(engines[:1], chunks, blobs):
+            got: dict[int, np.ndarray] = {}
+            engine.decode(key, blob, got.__setitem__, "chunk")
+            if sorted(got) != list(range(len(layers))) or not all(
+                np.array_equal(got[i], a) for i, a in enumerate(layers)
+            ):
+                raise AssertionError(f"s3kv {codec_name}: decode does not give back the pages")
         ratio = raw / sum(len(b) for b in blobs)
         name = ("none" if codec_name == "none" else f"zstd {level} + shuffle") + (", MAC" if keys else "")
-        label = f"s3kv encode/decode_chunk, {name}"
+        label = f"s3kv encode/decode, {name}"
         rows.append([label, round(ratio, 3), round(enc), round(dec), "yes" if dec >= GOAL_MBS else "no"])
         if ratio > 1.01:
             bars.append(Bar(f"s3kv {name}", round(dec)))
@@ -233,18 +242,19 @@ def run(work: Path, quick: bool) -> Result:
         f"Pages: {len(chunks)} chunks of {CHUNK_TOKENS} tokens ({len(frames)} layer frames of "
         f"{frames[0].nbytes >> 10} KiB, {raw / 2**20:.0f} MiB) that the vLLM CPU engine computed for "
         f"{n_prompts} random {tokens}-token prompt(s) of the demo's random-weights Llama, stored by s3kv "
-        "with codec none on a disk tier and read back with s3kv.codec"
+        "with codec none on a disk tier and read back with s3kv's chunk reader"
         + (" (reused from an earlier --quick run's capture)." if reused else "."),
         "Random weights understate real compressibility: a trained model's K and V have far more "
         "regular magnitudes, so their bf16 exponent bytes (the half that byte shuffle groups and zstd "
         "squeezes) compress much better; the mantissa bytes are near-random either way.",
         f"One thread; MB/s are raw KV bytes per second (median of {repeats} passes over every frame, "
         "after a warm-up); ratio is raw / stored bytes. Encode of a shuffle variant includes the "
-        "shuffle, decode the unshuffle into a new array (as s3kv.codec does). 'none (a copy)' is a "
+        "shuffle, decode the unshuffle into a new array (as s3kv's reader does). 'none (a copy)' is a "
         "memcpy into a new buffer: the floor any decode pays.",
-        "s3kv rows run codec.encode_chunk / decode_chunk on whole chunks (8 frames): JSON header, "
-        "xxh3_64 of every frame, identity and length checks, zstd level 1 with byte shuffle (item "
-        "size 2, the bf16 KV cache's) - what every S3 and disk load decodes.",
+        "s3kv rows run the engine's ChunkCodec.encode / decode (the one chunk reader, set to the "
+        "pages) on whole chunks (8 frames): JSON header, xxh3_64 of every frame, identity, page "
+        "format and length checks, zstd level 1 with byte shuffle (item size 2, the bf16 KV "
+        "cache's) - what every S3 and disk load decodes.",
         "The plot shows the decode rate of the variants that compress (ratio > 1.01); the others "
         "(no codec, and negative levels without shuffle, which store the pages as they are) decode at "
         "memcpy speed and are in the table only.",

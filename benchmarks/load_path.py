@@ -219,12 +219,13 @@ def run(work: Path, quick: bool) -> Result:
     from aiobotocore.config import AioConfig
     from aiobotocore.session import get_session
 
+    from s3kv.chunk_reader import PageFormat
     from s3kv.config import S3KVConfig
     from s3kv.connector.pages import PageIO
     from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.keys import Namespace
     from s3kv.stores.factory import make_store
-    from s3kv.tiering.chunks import ChunkData, PageFormat
+    from s3kv.tiering.chunks import ChunkData
     from s3kv.tiering.disk import shard_path
     from s3kv.tiering.placement import Tier
     from s3kv.tiering.plan import LoadChunk, Place

@@ -13,7 +13,11 @@ One object holds one rank's shard of one chunk: every layer's KV pages for
     frames             one per layer, in layer order
 
 Per-layer frames let a reader fetch a few layers per ranged GET and decode
-them as they arrive. Every byte that reaches a KV cache passed a checksum
+them as they arrive. This module writes objects and holds the steps of
+reading one (:func:`header_length`, :func:`parse_header`,
+:func:`decode_frame`); :class:`s3kv.chunk_reader.ChunkReader` puts them
+together with the identity and size checks, and every read of a chunk
+object goes through it. Every byte that reaches a KV cache passed a checksum
 (and, with a fleet secret, a MAC): anything else (truncation, flipped bits,
 another namespace or key, a frame that would decode to another size than
 its page) raises :class:`CorruptChunk` and returns nothing.
@@ -391,17 +395,3 @@ def decode_frame(
     if raw.size != frame.raw_length:
         raise CorruptChunk(f"frame {index}: decoded {raw.size} bytes, expected {frame.raw_length}")
     return unshuffle(raw, header.shuffle, out)
-
-
-def decode_chunk(
-    data: bytes | memoryview, *, namespace: str, key: str, rank: int, keys: FleetKeys | None = None
-) -> tuple[ChunkHeader, list[np.ndarray]]:
-    """Decode a whole object, checking it is the chunk that was asked for."""
-    header = parse_header(data, keys)
-    header.check_identity(namespace, key, rank)
-    if len(data) != header.object_length:
-        raise CorruptChunk(f"object is {len(data)} bytes, its header says {header.object_length}")
-    mv = memoryview(data)
-    return header, [
-        decode_frame(header, i, mv[f.offset : f.end], keys=keys) for i, f in enumerate(header.frames)
-    ]

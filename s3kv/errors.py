@@ -16,6 +16,15 @@ class ConfigError(S3KVError, ValueError):
     """A configuration key is unknown, missing or has a bad value."""
 
 
+class IdentityError(S3KVError):
+    """The model's identity cannot be established (its files cannot be read,
+    a hub model is not in the local cache): the replica must not share KV."""
+
+
+class StorageProblem(S3KVError):
+    """The bucket cannot be used: no credentials, no bucket, no access, unreachable."""
+
+
 class NotFound(S3KVError, FileNotFoundError):
     """The object (or bucket) does not exist."""
 
@@ -83,6 +92,12 @@ class CorruptChunk(S3KVError):
     it is deleted only if it was not rewritten since."""
 
     etag: str | None = None
+
+
+class Unsigned(CorruptChunk):
+    """A chunk object, sound otherwise, without a valid MAC under the fleet's
+    keys (unsigned, signed with an unknown key, or a MAC that fails): with
+    the fleet secret set, replicas refuse it as they refuse corrupt ones."""
 
 
 class UnsupportedVersion(S3KVError, RuntimeError):

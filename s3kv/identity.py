@@ -38,7 +38,7 @@ from typing import Any
 
 import xxhash
 
-from s3kv.errors import S3KVError
+from s3kv.errors import IdentityError
 
 log = logging.getLogger("s3kv.identity")
 
@@ -49,11 +49,6 @@ configs, custom modelling code); hashed whole too, cheaply."""
 READ_BYTES = 8 << 20
 CACHE_ENTRIES = 4096
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
-
-
-class IdentityError(S3KVError):
-    """The model's identity cannot be established (its files cannot be read,
-    a hub model is not in the local cache): the replica must not share KV."""
 
 
 # -- the per-file digest cache ------------------------------------------------------

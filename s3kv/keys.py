@@ -1,4 +1,4 @@
-"""Namespaces, chained chunk keys and object names.
+"""Namespaces, chained chunk keys and the names of chunk objects.
 
 A *namespace* is a hash of everything that makes KV bytes interchangeable
 (format version, model identity, dtype, block size, page shapes, attention
@@ -7,6 +7,10 @@ extras_i)`` with ``k_{-1}`` the namespace, so a key names a whole prefix, not
 just its last chunk. Keys depend only on their inputs (never on
 ``PYTHONHASHSEED`` or vLLM's hash settings): two processes on two machines get
 the same key for the same prefix.
+
+A chunk shard's name, ``{namespace}/{kk}/{key}.r{rank}`` (:func:`chunk_path`),
+is the same in S3 (under the bucket's prefix) and on NVMe (under
+``disk_path``); this module alone builds and parses it.
 """
 
 from __future__ import annotations
@@ -152,13 +156,20 @@ def fingerprint(key: bytes) -> int:
     return int.from_bytes(key[:8], "big")
 
 
-def object_key(prefix: str, namespace_id: str, key: bytes, rank: int) -> str:
-    """``{prefix}/{namespace}/{kk}/{key}.r{rank}``: where one rank's shard of a
-    chunk lives. The two leading hash characters spread load over S3's
-    per-prefix request limits."""
+def chunk_path(namespace_id: str, key: bytes, rank: int) -> str:
+    """``{namespace}/{kk}/{key}.r{rank}``: where one rank's shard of a chunk
+    lives, the same below the bucket's prefix in S3 (:func:`object_key`) and
+    below ``disk_path`` on NVMe. The two leading hash characters (the shard
+    directory) spread load over S3's per-prefix request limits."""
     hexkey = key.hex()
-    base = f"{namespace_id}/{hexkey[:2]}/{hexkey}.r{rank}"
-    return f"{prefix}/{base}" if prefix else base
+    return f"{namespace_id}/{hexkey[:2]}/{hexkey}.r{rank}"
+
+
+def object_key(prefix: str, namespace_id: str, key: bytes, rank: int) -> str:
+    """``{prefix}/{namespace}/{kk}/{key}.r{rank}``: the S3 object of one rank's
+    shard of a chunk (:func:`chunk_path` under the prefix)."""
+    path = chunk_path(namespace_id, key, rank)
+    return f"{prefix}/{path}" if prefix else path
 
 
 def namespace_prefix(prefix: str, namespace_id: str) -> str:
@@ -166,20 +177,47 @@ def namespace_prefix(prefix: str, namespace_id: str) -> str:
     return f"{prefix}/{namespace_id}/" if prefix else f"{namespace_id}/"
 
 
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def _is_hex(text: str, length: int) -> bool:
+    """``text`` is ``length`` lower-case hex digits (as ``bytes.hex`` writes)."""
+    return len(text) == length and _HEX_DIGITS.issuperset(text)
+
+
+def is_namespace_id(name: str) -> bool:
+    """Whether ``name`` can be a namespace id (the first part of a chunk path)."""
+    return _is_hex(name, 32)
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` can be a shard directory (the second part of a chunk path)."""
+    return _is_hex(name, 2)
+
+
+def parse_chunk_name(name: str, shard: str) -> tuple[bytes, int] | None:
+    """(chunk key, rank) of a file or object named exactly as :func:`chunk_path`
+    names it in the shard directory ``shard``; None for any other name (an
+    upper-case or short key, another shard's key, a rank with a sign, a
+    leading zero or a non-ASCII digit)."""
+    hexkey, dot, rank = name.partition(".r")
+    if not dot or not _is_hex(hexkey, 2 * KEY_BYTES) or hexkey[:2] != shard:
+        return None
+    if not (rank.isascii() and rank.isdigit()) or rank != str(int(rank)):
+        return None
+    return bytes.fromhex(hexkey), int(rank)
+
+
 def parse_object_key(obj_key: str) -> tuple[str, bytes, int] | None:
-    """(namespace id, chunk key, rank) of a chunk object name; None if it is
-    not one (manifest segments, descriptors, foreign objects)."""
+    """(namespace id, chunk key, rank) of a chunk object name (any prefix,
+    then exactly :func:`chunk_path`); None if it is not one (manifest
+    segments, descriptors, foreign objects)."""
     parts = obj_key.rsplit("/", 3)
     if len(parts) < 3:
         return None
     ns, shard, name = parts[-3], parts[-2], parts[-1]
-    hexkey, dot, rank = name.partition(".r")
-    if not dot or len(ns) != 32 or len(hexkey) != 2 * KEY_BYTES or shard != hexkey[:2] or not rank.isdigit():
-        return None
-    try:
-        return ns, bytes.fromhex(hexkey), int(rank)
-    except ValueError:
-        return None
+    parsed = parse_chunk_name(name, shard) if is_namespace_id(ns) else None
+    return None if parsed is None else (ns, *parsed)
 
 
 def iter_chunk_ranges(n_tokens: int, chunk_tokens: int) -> Iterable[tuple[int, int]]:

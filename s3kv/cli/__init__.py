@@ -16,7 +16,7 @@ import click
 
 from s3kv import __version__
 from s3kv.cli.settings import EXIT_BUSY, EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_STORAGE, EXIT_USAGE
-from s3kv.errors import ConfigError, S3KVError
+from s3kv.errors import ConfigError, S3KVError, StorageProblem
 
 
 @click.group(
@@ -86,7 +86,6 @@ def _fail(message: str, code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code instead of raising SystemExit."""
-    from s3kv.cli.ops import StorageProblem
     from s3kv.errors import LockBusy, LockLost
 
     args = sys.argv[1:] if argv is None else argv

@@ -23,7 +23,7 @@ from s3kv.cli.settings import (
     Settings,
     store_options,
 )
-from s3kv.errors import ConfigError, NotFound, S3KVError
+from s3kv.errors import ConfigError, NotFound, S3KVError, StorageProblem
 from s3kv.keys import namespace_prefix
 from s3kv.ops import gc as gcmod
 from s3kv.ops import report
@@ -36,10 +36,6 @@ from s3kv.stores.factory import make_store
 from s3kv.stores.memory import MemoryStore
 
 T = TypeVar("T")
-
-
-class StorageProblem(S3KVError):
-    """The bucket cannot be used: no credentials, no bucket, no access, unreachable."""
 
 
 def run(settings: Settings, body: Callable[[ObjectStore], Awaitable[T]]) -> T:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from s3kv.auth import FleetKeys
+from s3kv.chunk_reader import PageFormat
 from s3kv.config import KNOWN_KEYS, S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
@@ -29,7 +30,6 @@ from s3kv.manifest.protocol import manifest_prefix, rank_writer
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
-from s3kv.tiering.chunks import PageFormat
 from s3kv.tiering.hostpool import HostPool, slots_for
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, LoadPlan, StoreChunk, TierReport

@@ -208,6 +208,7 @@ async def _publish(
     import asyncio
 
     from s3kv.auth import load_keys
+    from s3kv.chunk_reader import check_chunk_head, read_chunk_head
     from s3kv.config import parse_config
     from s3kv.errors import CorruptChunk, NotFound
     from s3kv.keys import fingerprint, object_key
@@ -215,7 +216,6 @@ async def _publish(
     from s3kv.manifest.keyset import as_sorted_unique
     from s3kv.manifest.protocol import HybridClock
     from s3kv.manifest.publish import SegmentWriter
-    from s3kv.ops.gc import check_chunk_head, read_chunk_head
     from s3kv.stores.factory import make_store
 
     config = parse_config(info["config"])

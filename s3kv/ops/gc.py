@@ -37,15 +37,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from s3kv import codec
 from s3kv.auth import FleetKeys
+from s3kv.chunk_reader import check_chunk, check_chunk_head, read_chunk_head
 from s3kv.errors import (
     CorruptChunk,
     CorruptManifest,
     NotFound,
     PermissionDenied,
     Precondition,
-    RangeNotSatisfiable,
     S3KVError,
     UnsignedManifest,
     UnsignedWrite,
@@ -69,7 +68,6 @@ from s3kv.manifest.protocol import (
 from s3kv.manifest.publish import RankTally, rank_fields
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
 from s3kv.ops.inventory import (
-    HEAD_BYTES,
     Chunk,
     Inventory,
     NamespaceInfo,
@@ -77,8 +75,7 @@ from s3kv.ops.inventory import (
     read_manifest_head,
 )
 from s3kv.ops.lock import Lease
-from s3kv.ops.verify import Unsigned, check_chunk
-from s3kv.stores.base import ByteRange, GetResult, ObjectMeta, ObjectStore, PutMode, Upload
+from s3kv.stores.base import ObjectMeta, ObjectStore, PutMode, Upload
 
 DEFAULT_PRICE_PER_GIB_MONTH = 0.023
 """S3 Standard, us-east-1, first 50 TB (USD per GiB-month)."""
@@ -332,47 +329,6 @@ async def find_bad(
 
     found = await asyncio.gather(*(one(n, ns) for n, ns in sorted(named.items())))
     return [b for b in found if b is not None]
-
-
-async def read_chunk_head(store: ObjectStore, name: str) -> GetResult | None:
-    """A chunk object's first bytes, through the end of its header (one
-    ranged GET; two for a header over ``HEAD_BYTES``). None when it cannot
-    be told from a head (empty, a 416; rewritten between the two GETs): the
-    object is then judged whole."""
-    try:
-        got = await store.get_object(name, ByteRange(0, HEAD_BYTES))
-        try:
-            need = codec.header_length(got.data)
-        except CorruptChunk:
-            return got  # the head check says why
-        if need > len(got.data) == HEAD_BYTES:  # a long header, and the object goes on
-            rest = await store.get_object(name, ByteRange(HEAD_BYTES, need))
-            if rest.etag != got.etag:
-                return None
-            got = GetResult(got.data + rest.data, got.etag, got.size)
-    except RangeNotSatisfiable:
-        return None
-    return got
-
-
-def check_chunk_head(name: str, head: bytes, size: int | None, keys: FleetKeys | None = None) -> None:
-    """Raise CorruptChunk unless ``head``, the start of the object ``name``
-    (``size`` bytes in all, where known), is a sound header for that name,
-    of that length, and (with ``keys``) signed by a fleet key: what
-    ``check_chunk`` finds without reading the frames."""
-    parsed = parse_object_key(name)
-    if parsed is None:
-        raise CorruptChunk("not a chunk object name")
-    ns, key, rank = parsed
-    header = codec.parse_header(head)
-    header.check_identity(ns, key.hex(), rank)
-    if size is not None and size != header.object_length:
-        raise CorruptChunk(f"object is {size} bytes, its header says {header.object_length}")
-    if keys is not None:
-        try:
-            codec.parse_header(head, keys)
-        except CorruptChunk as e:
-            raise Unsigned(str(e)) from None
 
 
 async def delete_bad(store: ObjectStore, inv: Inventory, bad: Iterable[BadObject], result: Result) -> None:

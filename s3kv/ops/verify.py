@@ -23,14 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from s3kv import codec
 from s3kv.auth import FleetKeys
+from s3kv.chunk_reader import ChunkReader, check_chunk
 from s3kv.errors import (
     CorruptChunk,
     CorruptManifest,
     NotFound,
     Precondition,
     S3KVError,
+    Unsigned,
     UnsignedManifest,
     UnsignedWrite,
     UnsupportedFormat,
@@ -42,7 +43,6 @@ from s3kv.manifest.protocol import gc_writer_id
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
 from s3kv.ops.inventory import Inventory, manifest_signed, read_head_bytes
 from s3kv.stores.base import ObjectMeta, ObjectStore
-from s3kv.tiering.chunks import checking_bytes
 
 
 @dataclass
@@ -96,44 +96,6 @@ class VerifyReport:
             "foreign": [p.__dict__ for p in self.foreign],
             "deleted": self.deleted,
         }
-
-
-class Unsigned(CorruptChunk):
-    """The object has no valid MAC under the fleet's keys."""
-
-
-def check_chunk(name: str, data: bytes, keys: FleetKeys | None = None) -> codec.ChunkHeader:
-    """Raise CorruptChunk unless ``data`` is a sound chunk object named
-    ``name``: its header, identity and length, and every frame checked and
-    decoded as a replica would (one claiming more than MAX_FRAME_RAW bytes
-    is corrupt undecoded, so that a bomb costs nothing). Then, with
-    ``keys``, Unsigned unless a fleet key signed it (header and every
-    frame). UnsupportedFormat for a newer format. Returns the header."""
-    parsed = parse_object_key(name)
-    if parsed is None:
-        raise CorruptChunk("not a chunk object name")
-    ns, key, rank = parsed
-    with checking_bytes(name):  # sound first: a damaged object is corrupt, whoever wrote it
-        header = codec.parse_header(data)
-        header.check_identity(ns, key.hex(), rank)
-        if len(data) != header.object_length:
-            raise CorruptChunk(f"object is {len(data)} bytes, its header says {header.object_length}")
-        mv = memoryview(data)
-        for i, f in enumerate(header.frames):
-            if f.raw_length > codec.MAX_FRAME_RAW:
-                raise CorruptChunk(
-                    f"frame {i}: says it decodes to {f.raw_length} bytes, more than {codec.MAX_FRAME_RAW}"
-                )
-            codec.decode_frame(header, i, mv[f.offset : f.end])
-    if keys is not None:
-        try:
-            with checking_bytes(name):
-                signed = codec.parse_header(data, keys)
-                for i, f in enumerate(signed.frames):
-                    codec.check_frame_mac(signed, i, mv[f.offset : f.end], keys)
-        except CorruptChunk as e:
-            raise Unsigned(str(e)) from None
-    return header
 
 
 def check_descriptor(ns: str, data: bytes) -> None:
@@ -296,7 +258,8 @@ async def inspect_object(
             "removed": int(obj.removed.size),
             "header": obj.meta,
         }
-    h = codec.parse_header(await read_head_bytes(store, name, codec.header_length))
+    reader = ChunkReader()
+    h = reader.parse_header(await read_head_bytes(store, name, reader.header_length))
     out: dict[str, Any] = {
         "object": name,
         "type": "chunk",
@@ -327,7 +290,7 @@ async def inspect_object(
             problems.append(str(e))
     if keys is not None and not check_frames:
         try:
-            codec.parse_header(await read_head_bytes(store, name, codec.header_length), keys)
+            ChunkReader(keys).parse_header(await read_head_bytes(store, name, reader.header_length))
         except CorruptChunk as e:
             problems.append(f"unsigned: {e}")
     if check_frames:

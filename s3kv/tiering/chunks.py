@@ -1,23 +1,25 @@
 """One chunk shard in its forms: page bytes per layer (the CPU tier, the KV
-cache) and the encoded object (NVMe, S3). :class:`ChunkCodec` turns one into
-the other with every check; :func:`load_chunk` fetches an object from a store
-with parallel ranged reads and decodes frames as they arrive. The CPU work
-(checksums, zstd, shuffling) runs in an executor so several chunks decode at
-once."""
+cache) and the encoded object (NVMe, S3). :class:`ChunkCodec` is this
+engine's way of encoding them and of reading them back, through the one
+:class:`~s3kv.chunk_reader.ChunkReader` set to its pages; :func:`load_chunk`
+fetches an object from a store with parallel ranged reads and decodes frames
+as they arrive. The CPU work (checksums, zstd, shuffling) runs in an executor
+so several chunks decode at once."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TypeVar
 
 import numpy as np
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
+from s3kv.chunk_reader import ChunkReader, FrameSink, PageFormat
 from s3kv.errors import (
     ConfigError,
     CorruptChunk,
@@ -31,9 +33,6 @@ from s3kv.stores.base import ByteRange, ObjectStore
 
 T = TypeVar("T")
 
-FrameSink = Callable[[int, np.ndarray], None]
-"""Called once per layer with that layer's decoded page bytes (uint8)."""
-
 
 @dataclass(frozen=True)
 class ChunkId:
@@ -43,18 +42,6 @@ class ChunkId:
     namespace: str
     key_hex: str
     rank: int
-
-
-@dataclass(frozen=True)
-class PageFormat:
-    """What a writer records about the pages it stores."""
-
-    dtype: str
-    itemsize: int
-    page_shape: tuple[int, ...]
-    tokens: int
-    layer_bytes: int
-    """Bytes of one layer's pages of a chunk: what every frame must decode to."""
 
 
 def plan_ranges(
@@ -80,31 +67,6 @@ def plan_ranges(
     return groups
 
 
-def zstd_bound(raw_bytes: int) -> int:
-    """The most zstd may store for ``raw_bytes`` (its ZSTD_COMPRESSBOUND, and a margin)."""
-    return raw_bytes + (raw_bytes >> 7) + (64 << 10)
-
-
-def as_corrupt(e: BaseException, where: str) -> CorruptChunk:
-    """Any failure to make sense of an object's bytes is corruption: a bad
-    size, shuffle value or header, a zstd error, even MemoryError."""
-    if isinstance(e, CorruptChunk):
-        return e
-    return CorruptChunk(f"{where}: {type(e).__name__}: {e}")
-
-
-@contextlib.contextmanager
-def checking_bytes(where: str) -> Iterator[None]:
-    """Around code that only looks at an object's bytes (parsing, checksums,
-    MACs, decompression): whatever it raises means the bytes are bad."""
-    try:
-        yield
-    except CorruptChunk:
-        raise
-    except Exception as e:
-        raise as_corrupt(e, where) from e
-
-
 @dataclass(frozen=True)
 class ChunkCodec:
     """How this engine's chunk shards are encoded, and what a decoded one
@@ -119,19 +81,22 @@ class ChunkCodec:
     level: int = 1
     keys: FleetKeys | None = None
 
+    @cached_property
+    def reader(self) -> ChunkReader:
+        """The one chunk reader, set to this engine's keys and pages."""
+        return ChunkReader(self.keys, self.num_layers, self.fmt)
+
     @property
     def max_header(self) -> int:
         """The longest header one of this engine's chunks can have."""
-        return 4096 + 160 * self.num_layers
+        return self.reader.max_header
 
     @property
     def max_object(self) -> int:
-        return (
-            codec.PREFIX_LEN
-            + self.max_header
-            + codec.TAG_BYTES
-            + self.num_layers * zstd_bound(self.fmt.layer_bytes)
-        )
+        """The most bytes one of this engine's chunks can take."""
+        bound = self.reader.max_object
+        assert bound is not None  # a reader with pages
+        return bound
 
     def encode(self, key: bytes, layers: Sequence[np.ndarray]) -> bytes:
         return codec.encode_chunk(
@@ -149,60 +114,20 @@ class ChunkCodec:
         )
 
     def header_length(self, prefix: bytes | memoryview, where: str = "chunk") -> int:
-        with checking_bytes(where):
-            return codec.header_length(prefix, self.max_header)
+        return self.reader.header_length(prefix, where)
 
     def parse_header(self, data: bytes | memoryview, where: str = "chunk") -> codec.ChunkHeader:
-        with checking_bytes(where):
-            return codec.parse_header(data, self.keys, max_header_len=self.max_header)
+        return self.reader.parse_header(data, where)
 
     def check(self, header: codec.ChunkHeader, key_hex: str, where: str) -> None:
         """Raise CorruptChunk unless ``header`` is this engine's chunk
         ``key_hex``, with frames that decode to exactly this engine's pages:
         nothing a header says is allocated before it passed."""
-        with checking_bytes(where):
-            self._check(header, key_hex, where)
-
-    def _check(self, header: codec.ChunkHeader, key_hex: str, where: str) -> None:
-        try:
-            header.check_identity(self.namespace, key_hex, self.rank)
-        except CorruptChunk as e:
-            raise CorruptChunk(f"{where}: {e}") from None
-        if len(header.frames) != self.num_layers:
-            raise CorruptChunk(f"{where}: {len(header.frames)} layers, this model has {self.num_layers}")
-        fmt = self.fmt
-        if header.dtype != fmt.dtype or header.page_shape != fmt.page_shape or header.tokens != fmt.tokens:
-            raise CorruptChunk(
-                f"{where}: pages are {header.dtype}{list(header.page_shape)} x {header.tokens} tokens, "
-                f"this engine's are {fmt.dtype}{list(fmt.page_shape)} x {fmt.tokens}"
-            )
-        if header.shuffle not in (1, fmt.itemsize):
-            raise CorruptChunk(
-                f"{where}: shuffle item size {header.shuffle}, the pages' items are {fmt.itemsize}"
-            )
-        bound = zstd_bound(fmt.layer_bytes) if header.codec == "zstd" else fmt.layer_bytes
-        for i, f in enumerate(header.frames):
-            if f.raw_length != fmt.layer_bytes or not 0 < f.length <= bound:
-                raise CorruptChunk(
-                    f"{where}: frame {i} holds {f.raw_length} bytes in {f.length}; a layer's pages "
-                    f"are {fmt.layer_bytes} bytes"
-                )
-
-    def decode_frame(
-        self, header: codec.ChunkHeader, index: int, stored: bytes | memoryview, where: str
-    ) -> np.ndarray:
-        with checking_bytes(where):
-            return codec.decode_frame(header, index, stored, keys=self.keys)
+        self.reader.check(header, self.namespace, key_hex, self.rank, where)
 
     def decode(self, key: bytes, blob: bytes | memoryview, sink: FrameSink, where: str) -> None:
         """Check a whole object and hand each decoded layer to ``sink``."""
-        header = self.parse_header(blob, where)
-        self.check(header, key.hex(), where)
-        if len(blob) != header.object_length:
-            raise CorruptChunk(f"{where}: {len(blob)} bytes, its header says {header.object_length}")
-        mv = memoryview(blob)
-        for i, f in enumerate(header.frames):
-            sink(i, self.decode_frame(header, i, mv[f.offset : f.end], where))
+        self.reader.decode(blob, sink, namespace=self.namespace, key=key.hex(), rank=self.rank, where=where)
 
 
 class ChunkData:
@@ -278,7 +203,7 @@ async def _read(where: str, body: Callable[[_Reading], Awaitable[T]]) -> T:
     """Run one read of the chunk object ``where``, and say what its failure
     means: the one place this is decided, for every read of a chunk object.
 
-    CorruptChunk only for the object's bytes (what :func:`checking_bytes`
+    CorruptChunk only for the object's bytes (what the :class:`ChunkReader`
     guards: header, MAC, checksums, sizes, frames, truncation) and a 416, with
     the ETag read so that a delete is conditional; MemoryError counts too.
     A too new format version is NotFound: this s3kv cannot use the object,
@@ -382,17 +307,14 @@ async def _fetch_frames(
     if whole is not None:
         whole[: len(first)] = first
 
+    def checked_sink(i: int, data: np.ndarray) -> None:
+        try:
+            sink(i, data)
+        except Exception as e:
+            raise _SinkFailed() from e
+
     def decode(buf: bytes, base: int, indexes: list[int]) -> None:
-        mv = memoryview(buf)
-        for i in indexes:
-            f = header.frames[i]
-            if f.end - base > len(buf):
-                raise CorruptChunk(f"{where}: truncated in frame {i}")
-            data = chunk_codec.decode_frame(header, i, mv[f.offset - base : f.end - base], where)
-            try:
-                sink(i, data)
-            except Exception as e:
-                raise _SinkFailed() from e
+        chunk_codec.reader.decode_frames(header, buf, base, indexes, checked_sink, where)
 
     have = len(first)
     ready = [i for i, f in enumerate(header.frames) if f.end <= have]

@@ -1,8 +1,9 @@
 """The NVMe tier's bytes: one file per chunk shard under ``disk_path``.
 
-``{disk_path}/{namespace}/{kk}/{key}.r{rank}`` holds exactly the bytes of the
-S3 object of that shard (so a chunk from S3 is promoted by writing what was
-fetched, and a new chunk is encoded once for both). Files are written to a
+``{disk_path}/{namespace}/{kk}/{key}.r{rank}`` (the shard's name, as
+:func:`s3kv.keys.chunk_path` builds it for S3 too) holds exactly the bytes of
+the S3 object of that shard (so a chunk from S3 is promoted by writing what
+was fetched, and a new chunk is encoded once for both). Files are written to a
 ``*.partial`` name that carries the writer's pid namespace and pid, optionally
 fsync'd, then renamed: a crash never leaves a half file under a real name, and
 a later process removes a dead writer's partials (by pid in its own pid
@@ -29,10 +30,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from s3kv.chunk_reader import FrameSink
 from s3kv.errors import CorruptChunk
-from s3kv.keys import KEY_BYTES
+from s3kv.keys import chunk_path, is_namespace_id, is_shard_name, parse_chunk_name
 from s3kv.stores.local import PARTIAL_SUFFIX, atomic_write, is_stale_partial, map_os_error
-from s3kv.tiering.chunks import ChunkCodec, ChunkData, FrameSink
+from s3kv.tiering.chunks import ChunkCodec, ChunkData
 
 log = logging.getLogger("s3kv.disk")
 
@@ -41,8 +43,8 @@ PROBE_NAME = ".s3kv-probe"
 
 
 def shard_path(root: Path, namespace: str, key: bytes, rank: int) -> Path:
-    hexkey = key.hex()
-    return root / namespace / hexkey[:2] / f"{hexkey}.r{rank}"
+    """The file of one rank's shard of a chunk under ``root``."""
+    return root / chunk_path(namespace, key, rank)
 
 
 class DiskTier:
@@ -161,8 +163,6 @@ SKIP_VANISHED = "vanished"
 SKIP_PARTIAL_KEPT = "stale partial not removable"
 """A stale partial that could not be deleted (another user's directory)."""
 
-_HEX_DIGITS = frozenset("0123456789abcdef")
-
 
 @dataclass
 class ScanResult:
@@ -210,7 +210,7 @@ def scan(root: Path, namespace: str, world_size: int) -> ScanResult:
         if not stat.S_ISDIR(st.st_mode):
             _top_level_file(ns_entry, st, now_s, result)
             continue
-        if not _is_hex(ns_entry.name, 32):
+        if not is_namespace_id(ns_entry.name):
             result.skip(SKIP_UNKNOWN_DIR)
             continue
         for shard in _entries(ns_entry.path, result):
@@ -220,7 +220,7 @@ def scan(root: Path, namespace: str, world_size: int) -> ScanResult:
             if not stat.S_ISDIR(st.st_mode):
                 result.skip(_kind_reason(st.st_mode, SKIP_STRAY_FILE))
                 continue
-            if not _is_hex(shard.name, 2):
+            if not is_shard_name(shard.name):
                 result.skip(SKIP_UNKNOWN_DIR)
                 continue
             for f in _entries(shard.path, result):
@@ -233,7 +233,7 @@ def scan(root: Path, namespace: str, world_size: int) -> ScanResult:
                 if f.name.endswith(PARTIAL_SUFFIX):
                     _clean_partial(f.path, st, now_s, result)
                     continue
-                parsed = _chunk_file_name(f.name, shard.name)
+                parsed = parse_chunk_name(f.name, shard.name)
                 if parsed is None:
                     result.skip(SKIP_NOT_CHUNK)
                     continue
@@ -316,22 +316,6 @@ def _clean_partial(path: str, st: os.stat_result, now_s: float, result: ScanResu
         result.skip(SKIP_PARTIAL_KEPT)
         return
     result.removed_partials += 1
-
-
-def _chunk_file_name(name: str, shard: str) -> tuple[bytes, int] | None:
-    """(key, rank) of a file named exactly as :func:`shard_path` names it in
-    the shard directory ``shard``; None for any other name."""
-    hexkey, dot, rank = name.partition(".r")
-    if not dot or not _is_hex(hexkey, 2 * KEY_BYTES) or hexkey[:2] != shard:
-        return None
-    if not (rank.isascii() and rank.isdigit()) or rank != str(int(rank)):
-        return None
-    return bytes.fromhex(hexkey), int(rank)
-
-
-def _is_hex(text: str, length: int) -> bool:
-    """``text`` is ``length`` lower-case hex digits (as ``bytes.hex`` writes)."""
-    return len(text) == length and _HEX_DIGITS.issuperset(text)
 
 
 def delete_chunk(root: Path, namespace: str, key: bytes, world_size: int) -> None:

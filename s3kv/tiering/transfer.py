@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from s3kv.chunk_reader import FrameSink, PageFormat
 from s3kv.errors import NotFound
 from s3kv.keys import object_key
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
-from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, FrameSink, PageFormat
+from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.placement import Tier

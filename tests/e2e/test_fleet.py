@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from s3kv import codec
+from s3kv.chunk_reader import decode_chunk
 from s3kv.keys import Namespace, chain_keys, object_key, parse_object_key
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import (
@@ -109,7 +109,7 @@ def test_racing_replicas_write_each_chunk_once(replica_a, baseline, workdir, mod
     assert chunk_objects(client, bucket) == objects
     for name, blob in objects.items():
         ns, key, rank = parse_object_key(name)
-        codec.decode_chunk(blob, namespace=ns, key=key.hex(), rank=rank)
+        decode_chunk(blob, namespace=ns, key=key.hex(), rank=rank)
 
 
 def test_deleted_object_is_recomputed_and_dropped(replica_a, baseline, workdir, model, s3_server, bucket_a):

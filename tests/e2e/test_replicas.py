@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from s3kv import codec
+from s3kv.chunk_reader import decode_chunk
 from s3kv.keys import Namespace, chain_keys, parse_object_key
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import (
@@ -35,7 +36,7 @@ def test_replica_a_stores_full_chunks(replica_a, baseline, s3_server, bucket_a):
     assert all(w["drained"] for w in replica_a["workers"])
     for key, blob in objects.items():
         ns, chunk_key, rank = parse_object_key(key)
-        header, layers = codec.decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
+        header, layers = decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
         assert header.tokens == CHUNK_TOKENS and len(layers) == 6
 
 
@@ -65,7 +66,7 @@ def _rotate_pages(objects: dict[str, bytes]):
     decoded = {}
     for key in keys:
         ns, chunk_key, rank = parse_object_key(key)
-        decoded[key] = codec.decode_chunk(objects[key], namespace=ns, key=chunk_key.hex(), rank=rank)
+        decoded[key] = decode_chunk(objects[key], namespace=ns, key=chunk_key.hex(), rank=rank)
 
     def transform(key: str, body: bytes) -> bytes:
         header, _ = decoded[key]
@@ -125,7 +126,7 @@ def test_corrupt_objects_are_recomputed_and_replaced(
         ns, chunk_key, rank = parse_object_key(key)
         looked_up = {k for p in PROMPTS for k in chain_keys(Namespace(ns, {}), p, CHUNK_TOKENS)}
         if chunk_key in looked_up:
-            codec.decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
+            decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
             checked += 1
     assert checked == len(after) - 1
 

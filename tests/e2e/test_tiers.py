@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from s3kv import codec
+from s3kv.chunk_reader import decode_chunk
 from s3kv.keys import parse_object_key
 from s3kv.tiering import disk as disk_tier
 from tests.conftest import free_port
@@ -226,4 +226,4 @@ def test_full_disk_drops_stores_and_serves_correctly(baseline_tiers, workdir, mo
         assert files and not list(root.rglob("*.partial"))
         for f in files:
             ns, key, rank = parse_object_key(str(f.relative_to(root)))
-            codec.decode_chunk(f.read_bytes(), namespace=ns, key=key.hex(), rank=rank)
+            decode_chunk(f.read_bytes(), namespace=ns, key=key.hex(), rank=rank)

@@ -19,6 +19,7 @@ import pytest
 
 from s3kv import codec
 from s3kv.auth import ENV_VAR, FleetKeys
+from s3kv.chunk_reader import decode_chunk
 from s3kv.keys import Namespace, chain_keys, parse_object_key
 from s3kv.manifest import format as mf
 from tests.conftest import S3Server, free_port
@@ -49,7 +50,7 @@ def _resign(objects: dict[str, bytes], keys: FleetKeys):
 
     def transform(name: str, body: bytes) -> bytes:
         ns, key, rank = parse_object_key(name)
-        h, layers = codec.decode_chunk(body, namespace=ns, key=key.hex(), rank=rank)
+        h, layers = decode_chunk(body, namespace=ns, key=key.hex(), rank=rank)
         return codec.encode_chunk(
             namespace=ns,
             key=h.key,
@@ -108,7 +109,7 @@ def test_forged_objects_are_never_served_with_a_fleet_secret(
     for name, body in chunk_objects(client, signed).items():
         ns_, key, rank = parse_object_key(name)
         if key in family:
-            codec.decode_chunk(body, namespace=ns_, key=key.hex(), rank=rank, keys=keys)
+            decode_chunk(body, namespace=ns_, key=key.hex(), rank=rank, keys=keys)
 
 
 # -- a role without DeleteObject ---------------------------------------------------
@@ -236,7 +237,7 @@ def test_a_corrupt_object_no_replica_may_delete_costs_one_load_each(
             if body is not None:
                 break
             assert time.monotonic() < deadline, "the chunk was never stored again"
-        codec.decode_chunk(body, namespace=ns, key=key.hex(), rank=0)
+        decode_chunk(body, namespace=ns, key=key.hex(), rank=0)
         assert np.frombuffer(body, np.uint8).size > 0
     finally:
         for engine in engines:

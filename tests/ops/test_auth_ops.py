@@ -229,7 +229,7 @@ def bomb(declared: int) -> bytes:
 
 
 def test_verify_decodes_every_frame():
-    from s3kv.ops.verify import check_chunk
+    from s3kv.chunk_reader import check_chunk
 
     good = codec.parse_header(chunk(1, None))
     blob = chunk(1, None)
@@ -272,7 +272,8 @@ def resigned(blob: bytes, keys: FleetKeys, frame: int) -> bytes:
 
 
 def test_verify_tells_unsigned_from_corrupt():
-    from s3kv.ops.verify import Unsigned, check_chunk
+    from s3kv.chunk_reader import check_chunk
+    from s3kv.errors import Unsigned
 
     keys = FleetKeys([SECRET])
     name = object_key(PREFIX, NS, key(1), 0)
@@ -443,7 +444,7 @@ def test_gc_reads_the_heads_of_reported_objects_and_whole_only_those_whose_head_
 def test_a_chunk_head_longer_than_one_ranged_get_is_read_in_two():
     import asyncio
 
-    from s3kv.ops.gc import check_chunk_head, read_chunk_head
+    from s3kv.chunk_reader import check_chunk_head, read_chunk_head
     from s3kv.ops.inventory import HEAD_BYTES
     from s3kv.stores.memory import MemoryStore
 

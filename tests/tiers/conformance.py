@@ -20,8 +20,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from s3kv.chunk_reader import PageFormat
 from s3kv.errors import CorruptChunk, NotFound
-from s3kv.tiering.chunks import ChunkCodec, ChunkData, PageFormat
+from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.loop import BackgroundLoop
 from s3kv.tiering.placement import TierIndex
 from s3kv.tiering.plan import Place

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from s3kv.chunk_reader import PageFormat
 from s3kv.errors import CorruptChunk, NotFound
 from s3kv.stores.memory import MemoryStore
-from s3kv.tiering.chunks import ChunkData, PageFormat
+from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.disk import DiskTier
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.placement import TierIndex

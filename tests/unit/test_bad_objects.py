@@ -374,16 +374,33 @@ def test_a_slow_disk_read_falls_back_to_s3_and_blames_only_the_disk(tmp_path, mo
     e.close()
 
 
+async def _until(done, timeout_s: float) -> None:
+    """Wait (on the engine's loop) until ``done()`` holds, for at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def test_an_s3_failure_makes_loads_in_flight_give_up():
+    import threading
+
     class HangsThenFails(MemoryStore):
+        """S3 hangs for every object but one, whose GET fails once another
+        load's GET is in flight."""
+
+        in_flight = threading.Event()
+        released = threading.Event()
+
         async def get_object(self, key, range=None):
             if key.endswith("a" * 32 + ".r0"):
-                await asyncio.sleep(0.2)
+                await _until(self.in_flight.is_set, 60)
                 raise Transient("connection reset")
-            await asyncio.sleep(60)  # S3 hangs for the others
+            self.in_flight.set()
+            await _until(self.released.is_set, 60)  # S3 hangs for the others
             raise AssertionError("unreachable")
 
-    e = engine(HangsThenFails(), load_timeout_s=30)
+    store = HangsThenFails()
+    e = engine(store, load_timeout_s=30)
     started = time.monotonic()
     e.submit_load("a", [chunk(b"\xaa" * 16)], lambda *a: None)
     e.submit_load("b", [chunk(b"\xbb" * 16)], lambda *a: None)
@@ -391,6 +408,7 @@ def test_an_s3_failure_makes_loads_in_flight_give_up():
     assert time.monotonic() - started < 10  # not the 30 s timeout
     assert acc.finished_loads["a"] and acc.finished_loads["b"]
     assert acc.tier_failed[Tier.S3] >= 1
+    store.released.set()
     e.close(0.1)
 
 

@@ -7,6 +7,7 @@ CORE = [
     "s3kv.config",
     "s3kv.keys",
     "s3kv.codec",
+    "s3kv.chunk_reader",
     "s3kv.stores.base",
     "s3kv.stores.memory",
     "s3kv.stores.local",

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from s3kv.chunk_reader import PageFormat
 from s3kv.errors import CorruptChunk, NotFound
 from s3kv.keys import KEY_BYTES
 from s3kv.stores.local import (
@@ -30,7 +31,7 @@ from s3kv.stores.local import (
     writer_namespace,
 )
 from s3kv.tiering import disk
-from s3kv.tiering.chunks import ChunkData, PageFormat
+from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.disk import DiskTier
 from s3kv.tiering.local_tiers import open_disk, release_lock
 from s3kv.tiering.tiers.nvme import NvmeHandler

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from s3kv import identity
-from s3kv.identity import DigestCache, IdentityError, ModelSource, resolve_identity
+from s3kv.errors import IdentityError
+from s3kv.identity import DigestCache, ModelSource, resolve_identity
 
 MIB = 1 << 20
 

@@ -8,8 +8,10 @@ from s3kv.keys import (
     Namespace,
     canonical_bytes,
     chain_keys,
+    chunk_path,
     fingerprint,
     object_key,
+    parse_chunk_name,
     parse_object_key,
 )
 
@@ -103,3 +105,21 @@ def test_object_key_layout_per_rank():
     assert parse_object_key(f"fleet/{NS.id}/namespace.json") is None
     assert parse_object_key(f"fleet/{NS.id}/zz/{key.hex()}.r0") is None  # shard must match
     assert fingerprint(key) == int.from_bytes(key[:8], "big")
+
+
+def test_one_chunk_name_in_s3_and_on_nvme(tmp_path):
+    """The S3 object key is the prefix and the NVMe file's path below
+    ``disk_path``; both parse back with the one parser, which takes exactly
+    the names s3kv builds."""
+    from s3kv.tiering.disk import shard_path
+
+    key = chain_keys(NS, TOKENS, 64)[0]
+    path = chunk_path(NS.id, key, 3)
+    assert path == f"{NS.id}/{key.hex()[:2]}/{key.hex()}.r3"
+    assert object_key("fleet", NS.id, key, 3) == f"fleet/{path}" and object_key("", NS.id, key, 3) == path
+    assert shard_path(tmp_path, NS.id, key, 3) == tmp_path / NS.id / key.hex()[:2] / f"{key.hex()}.r3"
+    assert parse_chunk_name(f"{key.hex()}.r3", key.hex()[:2]) == (key, 3)
+    for name in (f"{key.hex().upper()}.r3", f"{key.hex()}.r03", f"{key.hex()}.r+3", f"{key.hex()}.r\u0663"):
+        assert parse_chunk_name(name, key.hex()[:2]) is None
+        assert parse_object_key(f"fleet/{NS.id}/{key.hex()[:2]}/{name}") is None
+    assert parse_object_key(f"fleet/{NS.id.upper()}/{key.hex()[:2]}/{key.hex()}.r3") is None

@@ -9,12 +9,13 @@ import time
 import numpy as np
 import pytest
 
+from s3kv.chunk_reader import PageFormat
 from s3kv.errors import Throttled, Transient
 from s3kv.keys import object_key
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
 from s3kv.tiering import disk as disk_mod
-from s3kv.tiering.chunks import PageFormat, plan_ranges
+from s3kv.tiering.chunks import plan_ranges
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, TierReport

@@ -20,11 +20,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from s3kv.auth import FleetKeys
+from s3kv.chunk_reader import FrameSink
 from s3kv.errors import CorruptChunk, NotFound, PermissionDenied, Throttled, Transient
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.breaker import Breaker
-from s3kv.tiering.chunks import ChunkCodec, ChunkData, FrameSink
+from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import LoadChunk, Place, TierEvent, TierReport

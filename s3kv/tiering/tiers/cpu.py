@@ -7,9 +7,10 @@ import concurrent.futures
 
 import numpy as np
 
+from s3kv.chunk_reader import FrameSink
 from s3kv.errors import ConfigError, NotFound
 from s3kv.stats import Counters
-from s3kv.tiering.chunks import ChunkData, FrameSink
+from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.hostpool import HostPool, slots_for
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place

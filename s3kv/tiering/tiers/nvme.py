@@ -11,9 +11,10 @@ from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 from typing import Any
 
+from s3kv.chunk_reader import FrameSink
 from s3kv.errors import StorageFull
 from s3kv.stats import Counters
-from s3kv.tiering.chunks import ChunkData, FrameSink
+from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.disk import DiskTier, directory_bytes
 from s3kv.tiering.loop import unbind_thread
 from s3kv.tiering.placement import Tier, TierIndex

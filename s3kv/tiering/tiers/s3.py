@@ -10,12 +10,13 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 import numpy as np
 
 from s3kv.auth import FleetKeys
+from s3kv.chunk_reader import FrameSink
 from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, PermissionDenied, Precondition
 from s3kv.keys import namespace_prefix, object_key
 from s3kv.manifest.keyset import Manifest
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore, PutMode
-from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, FrameSink, load_chunk, read_header
+from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, load_chunk, read_header
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place, TierReport
 from s3kv.tiering.tiers.base import RankReport, TierHandler, TierManager, WorkerEnv

@@ -1,0 +1,317 @@
+"""The one chunk reader: every chunk object s3kv reads is checked here.
+
+:class:`ChunkReader` turns an object's bytes into page bytes per layer, or
+refuses them with :class:`~s3kv.errors.CorruptChunk`, in this order: the
+header parsed (within a bound on its length; with the fleet's keys, only a
+signed header whose MAC verifies), its identity (namespace, chunk key,
+rank) checked, what its frames say they hold bounded before anything is
+allocated, the object's length checked, then each frame checked (its
+checksum, or its MAC with the keys) and decoded into a sink. A reader that
+knows the engine's pages wants every frame to decode to exactly one layer's
+pages; one that does not (the ops commands, tools) refuses a frame that
+claims more than :data:`~s3kv.codec.MAX_FRAME_RAW` bytes, undecoded.
+
+Who reads through it: the engine, through
+:class:`~s3kv.tiering.chunks.ChunkCodec` (S3 loads stream ranges into
+:meth:`ChunkReader.decode_frames`, NVMe reads decode whole files); the ops
+commands through :func:`check_chunk` (``s3kv verify``, ``inspect
+--frames``, gc's check of reported objects) and :func:`read_chunk_head` with
+:func:`check_chunk_head` (gc, the journal's recovery), which judge an object
+by its name: sound first, then, with the keys, signed (else
+:class:`~s3kv.errors.Unsigned`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from s3kv import codec
+from s3kv.auth import FleetKeys
+from s3kv.errors import CorruptChunk, RangeNotSatisfiable, Unsigned
+from s3kv.keys import parse_object_key
+from s3kv.ops.inventory import HEAD_BYTES
+from s3kv.stores.base import ByteRange, GetResult, ObjectStore
+
+FrameSink = Callable[[int, np.ndarray], None]
+"""Called once per layer with that layer's decoded page bytes (uint8)."""
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """What a writer records about the pages it stores, and a reader expects."""
+
+    dtype: str
+    itemsize: int
+    page_shape: tuple[int, ...]
+    tokens: int
+    layer_bytes: int
+    """Bytes of one layer's pages of a chunk: what every frame must decode to."""
+
+
+def zstd_bound(raw_bytes: int) -> int:
+    """The most zstd may store for ``raw_bytes`` (its ZSTD_COMPRESSBOUND, and a margin)."""
+    return raw_bytes + (raw_bytes >> 7) + (64 << 10)
+
+
+def as_corrupt(e: BaseException, where: str | None) -> CorruptChunk:
+    """Any failure to make sense of an object's bytes is corruption: a bad
+    size, shuffle value or header, a zstd error, even MemoryError."""
+    if isinstance(e, CorruptChunk):
+        return e
+    return CorruptChunk(_at(where, f"{type(e).__name__}: {e}"))
+
+
+@contextlib.contextmanager
+def checking_bytes(where: str | None) -> Iterator[None]:
+    """Around code that only looks at an object's bytes (parsing, checksums,
+    MACs, decompression): whatever it raises means the bytes are bad."""
+    try:
+        yield
+    except CorruptChunk:
+        raise
+    except Exception as e:
+        raise as_corrupt(e, where) from e
+
+
+def _at(where: str | None, message: str) -> str:
+    return f"{where}: {message}" if where else message
+
+
+@dataclass(frozen=True)
+class ChunkReader:
+    """How chunk objects are read, and what a decoded one must match.
+
+    ``where`` (every method's last argument) names the object in the
+    messages of what the reader finds itself; None where the caller names
+    it (``s3kv verify`` reports the object beside the reason)."""
+
+    keys: FleetKeys | None = None
+    """The fleet's keys: only objects signed with one of them are read, and
+    their frames are checked by MAC instead of checksum."""
+    num_layers: int | None = None
+    fmt: PageFormat | None = None
+    """The engine's pages (with ``num_layers``): each frame must decode to
+    exactly one layer's. None: any pages, each frame at most MAX_FRAME_RAW."""
+
+    def __post_init__(self) -> None:
+        if (self.num_layers is None) != (self.fmt is None):
+            raise ValueError("a reader knows both the layer count and the page format, or neither")
+
+    @property
+    def max_header(self) -> int:
+        """The longest header read: one of the engine's chunks; MAX_HEADER_LEN without its pages."""
+        return codec.MAX_HEADER_LEN if self.num_layers is None else 4096 + 160 * self.num_layers
+
+    @property
+    def max_object(self) -> int | None:
+        """The most bytes one of the engine's chunks can take; None without its pages."""
+        if self.num_layers is None or self.fmt is None:
+            return None
+        return (
+            codec.PREFIX_LEN
+            + self.max_header
+            + codec.TAG_BYTES
+            + self.num_layers * zstd_bound(self.fmt.layer_bytes)
+        )
+
+    def header_length(self, prefix: bytes | memoryview, where: str | None = None) -> int:
+        """Bytes of prefix + header (+ MAC), from an object's first PREFIX_LEN bytes."""
+        with checking_bytes(where):
+            return codec.header_length(prefix, self.max_header)
+
+    def parse_header(self, data: bytes | memoryview, where: str | None = None) -> codec.ChunkHeader:
+        """The header at the start of ``data`` (at least :meth:`header_length` bytes)."""
+        with checking_bytes(where):
+            return codec.parse_header(data, self.keys, max_header_len=self.max_header)
+
+    def check(
+        self, header: codec.ChunkHeader, namespace: str, key: str, rank: int, where: str | None = None
+    ) -> None:
+        """Raise CorruptChunk unless ``header`` is chunk ``key`` (hex) of
+        ``namespace`` and ``rank``, with frames this reader decodes: nothing
+        a header says is allocated before it passed."""
+        with checking_bytes(where):
+            self._check(header, namespace, key, rank, where)
+
+    def _check(
+        self, header: codec.ChunkHeader, namespace: str, key: str, rank: int, where: str | None
+    ) -> None:
+        try:
+            header.check_identity(namespace, key, rank)
+        except CorruptChunk as e:
+            raise CorruptChunk(_at(where, str(e))) from None
+        if self.num_layers is None or self.fmt is None:
+            for i, f in enumerate(header.frames):
+                if f.raw_length > codec.MAX_FRAME_RAW:
+                    raise CorruptChunk(
+                        _at(
+                            where,
+                            f"frame {i}: says it decodes to {f.raw_length} bytes, "
+                            f"more than {codec.MAX_FRAME_RAW}",
+                        )
+                    )
+            return
+        if len(header.frames) != self.num_layers:
+            raise CorruptChunk(_at(where, f"{len(header.frames)} layers, this model has {self.num_layers}"))
+        fmt = self.fmt
+        if header.dtype != fmt.dtype or header.page_shape != fmt.page_shape or header.tokens != fmt.tokens:
+            raise CorruptChunk(
+                _at(
+                    where,
+                    f"pages are {header.dtype}{list(header.page_shape)} x {header.tokens} tokens, "
+                    f"this engine's are {fmt.dtype}{list(fmt.page_shape)} x {fmt.tokens}",
+                )
+            )
+        if header.shuffle not in (1, fmt.itemsize):
+            raise CorruptChunk(
+                _at(where, f"shuffle item size {header.shuffle}, the pages' items are {fmt.itemsize}")
+            )
+        bound = zstd_bound(fmt.layer_bytes) if header.codec == "zstd" else fmt.layer_bytes
+        for i, f in enumerate(header.frames):
+            if f.raw_length != fmt.layer_bytes or not 0 < f.length <= bound:
+                raise CorruptChunk(
+                    _at(
+                        where,
+                        f"frame {i} holds {f.raw_length} bytes in {f.length}; a layer's pages "
+                        f"are {fmt.layer_bytes} bytes",
+                    )
+                )
+
+    def decode_frames(
+        self,
+        header: codec.ChunkHeader,
+        buf: bytes | memoryview,
+        base: int,
+        indexes: Iterable[int],
+        sink: FrameSink,
+        where: str | None = None,
+    ) -> None:
+        """Check and decode frames ``indexes`` of a header that passed
+        :meth:`check`, from ``buf`` (the object's bytes from offset
+        ``base``), handing each to ``sink`` in turn. What ``sink`` raises
+        passes as it is: it is the caller's, not the object's."""
+        mv = memoryview(buf)
+        for i in indexes:
+            f = header.frames[i]
+            if f.end - base > len(buf):
+                raise CorruptChunk(_at(where, f"truncated in frame {i}"))
+            with checking_bytes(where):
+                data = codec.decode_frame(header, i, mv[f.offset - base : f.end - base], keys=self.keys)
+            sink(i, data)
+
+    def decode(
+        self,
+        data: bytes | memoryview,
+        sink: FrameSink,
+        *,
+        namespace: str,
+        key: str,
+        rank: int,
+        where: str | None = None,
+    ) -> codec.ChunkHeader:
+        """Check a whole object, chunk ``key`` (hex) of ``namespace`` and
+        ``rank``, and hand each decoded layer to ``sink``; returns its header."""
+        header = self.parse_header(data, where)
+        self.check(header, namespace, key, rank, where)
+        if len(data) != header.object_length:
+            raise CorruptChunk(
+                _at(where, f"object is {len(data)} bytes, its header says {header.object_length}")
+            )
+        self.decode_frames(header, data, 0, range(len(header.frames)), sink, where)
+        return header
+
+    def check_macs(self, data: bytes | memoryview, where: str | None = None) -> codec.ChunkHeader:
+        """With the keys: raise CorruptChunk unless a whole object, sound by
+        its checksums, carries valid MACs (header and every frame); nothing
+        is decompressed."""
+        if self.keys is None:
+            raise ValueError("a reader without keys checks no MACs")
+        header = self.parse_header(data, where)
+        mv = memoryview(data)
+        with checking_bytes(where):
+            for i, f in enumerate(header.frames):
+                codec.check_frame_mac(header, i, mv[f.offset : f.end], self.keys)
+        return header
+
+
+def decode_chunk(
+    data: bytes | memoryview, *, namespace: str, key: str, rank: int, keys: FleetKeys | None = None
+) -> tuple[codec.ChunkHeader, list[np.ndarray]]:
+    """A whole object's header and its layers' page bytes, read by a
+    :class:`ChunkReader` without an engine's pages (tools and tests)."""
+    layers: dict[int, np.ndarray] = {}
+    header = ChunkReader(keys).decode(data, layers.__setitem__, namespace=namespace, key=key, rank=rank)
+    return header, [layers[i] for i in range(len(header.frames))]
+
+
+# -- judging an object by its name (the ops commands) -----------------------------------
+
+
+def _named(name: str) -> tuple[str, str, int]:
+    """(namespace, key hex, rank) that the object ``name`` must hold."""
+    parsed = parse_object_key(name)
+    if parsed is None:
+        raise CorruptChunk("not a chunk object name")
+    ns, key, rank = parsed
+    return ns, key.hex(), rank
+
+
+def check_chunk(name: str, data: bytes, keys: FleetKeys | None = None) -> codec.ChunkHeader:
+    """Raise CorruptChunk unless ``data`` is a sound chunk object named
+    ``name``: its header, identity and length, and every frame checked and
+    decoded as a replica would (one claiming more than MAX_FRAME_RAW bytes
+    is corrupt undecoded, so that a bomb costs nothing). Then, with
+    ``keys``, Unsigned unless a fleet key signed it (header and every
+    frame). UnsupportedFormat for a newer format. Returns the header."""
+    ns, key, rank = _named(name)
+    # Sound first: a damaged object is corrupt, whoever wrote it.
+    header = ChunkReader().decode(data, lambda _i, _page: None, namespace=ns, key=key, rank=rank)
+    if keys is not None:
+        try:
+            ChunkReader(keys).check_macs(data)
+        except CorruptChunk as e:
+            raise Unsigned(str(e)) from None
+    return header
+
+
+async def read_chunk_head(store: ObjectStore, name: str) -> GetResult | None:
+    """A chunk object's first bytes, through the end of its header (one
+    ranged GET; two for a header over ``HEAD_BYTES``). None when it cannot
+    be told from a head (empty, a 416; rewritten between the two GETs): the
+    object is then judged whole."""
+    try:
+        got = await store.get_object(name, ByteRange(0, HEAD_BYTES))
+        try:
+            need = ChunkReader().header_length(got.data)
+        except CorruptChunk:
+            return got  # the head check says why
+        if need > len(got.data) == HEAD_BYTES:  # a long header, and the object goes on
+            rest = await store.get_object(name, ByteRange(HEAD_BYTES, need))
+            if rest.etag != got.etag:
+                return None
+            got = GetResult(got.data + rest.data, got.etag, got.size)
+    except RangeNotSatisfiable:
+        return None
+    return got
+
+
+def check_chunk_head(name: str, head: bytes, size: int | None, keys: FleetKeys | None = None) -> None:
+    """Raise CorruptChunk unless ``head``, the start of the object ``name``
+    (``size`` bytes in all, where known), is a sound header for that name,
+    of that length, and (with ``keys``) signed by a fleet key (else
+    Unsigned): what :func:`check_chunk` finds without reading the frames."""
+    ns, key, rank = _named(name)
+    reader = ChunkReader()
+    header = reader.parse_header(head)
+    reader.check(header, ns, key, rank)
+    if size is not None and size != header.object_length:
+        raise CorruptChunk(f"object is {size} bytes, its header says {header.object_length}")
+    if keys is not None:
+        try:
+            ChunkReader(keys).parse_header(head)
+        except CorruptChunk as e:
+            raise Unsigned(str(e)) from None

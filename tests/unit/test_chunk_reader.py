@@ -1,0 +1,148 @@
+"""The one chunk reader, as the ops commands and tools read (no engine's pages:
+``decode_chunk``) and as the engine reads (``ChunkCodec.decode``, a reader
+set to its pages)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from s3kv import codec
+from s3kv.auth import FleetKeys
+from s3kv.chunk_reader import ChunkReader, PageFormat, check_chunk_head, decode_chunk
+from s3kv.errors import CorruptChunk, UnsupportedFormat
+from s3kv.keys import object_key
+from s3kv.tiering.chunks import ChunkCodec
+from tests.unit.test_codec import KEY, NS, OTHER, SECRET, _encode, _layers, _small, _with_version
+
+READERS = ["tools", "engine"]
+FMT = PageFormat("bfloat16", 2, (2, 2, 32, 128), 64, 4096)
+"""The pages ``_encode`` writes (3 layers)."""
+SMALL_FMT = PageFormat("bfloat16", 2, (1, 4, 2), 4, 16)
+"""The pages ``_small`` writes (2 layers)."""
+
+
+def _read(pages, blob, *, namespace=NS, key=KEY, rank=0, keys=None, layers=3, fmt=FMT):
+    """(header, layers) of ``blob``, read by the ops' reader (``decode_chunk``)
+    or, through the engine's own call, by an engine of ``layers`` x ``fmt`` pages."""
+    if pages == "tools":
+        return decode_chunk(blob, namespace=namespace, key=key, rank=rank, keys=keys)
+    engine = ChunkCodec(namespace, rank, layers, fmt, keys=keys)
+    out: dict[int, np.ndarray] = {}
+    engine.decode(bytes.fromhex(key), blob, out.__setitem__, "chunk")
+    return engine.parse_header(blob), [out[i] for i in range(len(out))]
+
+
+@pytest.mark.parametrize("pages", READERS)
+@pytest.mark.parametrize("codec_name", ["zstd", "none"])
+def test_roundtrip(codec_name, pages):
+    layers = _layers()
+    blob = _encode(codec_name, layers)
+    header, out = _read(pages, blob)
+    assert header.codec == codec_name and header.tokens == 64 and header.page_shape == (2, 2, 32, 128)
+    assert len(out) == 3 and all((a == b).all() for a, b in zip(out, layers))
+    assert header.object_length == len(blob)
+
+
+@pytest.mark.parametrize("pages", READERS)
+def test_truncated_raises(pages):
+    blob = _encode()
+    for cut in (0, 10, codec.PREFIX_LEN + 5, len(blob) - 1):
+        with pytest.raises(CorruptChunk):
+            _read(pages, blob[:cut])
+
+
+@pytest.mark.parametrize("pages", READERS)
+def test_every_flipped_byte_is_caught(pages):
+    blob = _encode("none", _layers(size=256))
+    step = max(1, len(blob) // 300)
+    for at in range(0, len(blob), step):
+        bad = bytearray(blob)
+        bad[at] ^= 0x01
+        with pytest.raises(CorruptChunk):
+            _read(pages, bytes(bad), fmt=dataclasses.replace(FMT, layer_bytes=256))
+
+
+@pytest.mark.parametrize("pages", READERS)
+def test_wrong_identity_raises(pages):
+    blob = _encode()
+    with pytest.raises(CorruptChunk, match="namespace"):
+        _read(pages, blob, namespace="c" * 32)
+    with pytest.raises(CorruptChunk, match="chunk"):
+        _read(pages, blob, key="d" * 32)
+    with pytest.raises(CorruptChunk, match="rank"):
+        _read(pages, blob, rank=1)
+
+
+@pytest.mark.parametrize("pages", READERS)
+@pytest.mark.parametrize("reader", ["no secret", "the secret", "another secret"])
+@pytest.mark.parametrize("written", ["v1", "v2 signed", "v2 unsigned", "v3", "v0", "v1 flagged"])
+def test_which_chunk_versions_each_reader_reads(written, reader, pages):
+    """v1: unsigned (refused with a secret). v2: signed, read by its MACs with
+    the secret and by its checksums without one (as before this change); a v2
+    object without the flag, from the builds between, reads as unsigned.
+    Higher: UnsupportedFormat naming the version; v0 and a flagged v1: corrupt."""
+    keys = {"no secret": None, "the secret": FleetKeys([SECRET]), "another secret": FleetKeys([OTHER])}
+    blob = {
+        "v1": _small(),
+        "v2 signed": _small(FleetKeys([SECRET])),
+        "v2 unsigned": _with_version(_small(), 2),
+        "v3": _with_version(_small(FleetKeys([SECRET])), 3),
+        "v0": _with_version(_small(), 0),
+        "v1 flagged": _with_version(_small(FleetKeys([SECRET])), 1),
+    }[written]
+    k = keys[reader]
+    readable = {
+        "no secret": {"v1", "v2 signed", "v2 unsigned"},
+        "the secret": {"v2 signed"},
+        "another secret": set(),
+    }[reader]
+    if written in readable:
+        header, out = _read(pages, blob, keys=k, layers=2, fmt=SMALL_FMT)
+        assert header.signed == (written == "v2 signed")
+        assert [a.tolist() for a in out] == [list(range(i, 16 + i)) for i in range(2)]
+        return
+    with pytest.raises(CorruptChunk) as e:
+        _read(pages, blob, keys=k, layers=2, fmt=SMALL_FMT)
+    if written == "v3":
+        assert isinstance(e.value, UnsupportedFormat) and e.value.version == 3
+        assert str(e.value) == "chunk format version 3; this s3kv reads versions 1, 2"
+    else:
+        assert not isinstance(e.value, UnsupportedFormat)
+        why = {
+            "v0": "version 0",
+            "v1 flagged": "unknown flags",
+            "v1": "unsigned object",
+            "v2 unsigned": "unsigned object",
+            "v2 signed": "not one of the fleet's keys",
+        }[written]
+        assert why in str(e.value)
+
+
+def test_a_reader_knows_its_pages_whole_or_not_at_all():
+    assert ChunkReader().max_object is None and ChunkReader().max_header == codec.MAX_HEADER_LEN
+    assert ChunkReader(num_layers=3, fmt=FMT).max_object > 3 * 4096
+    with pytest.raises(ValueError):
+        ChunkReader(num_layers=3)
+    with pytest.raises(ValueError):
+        ChunkReader().check_macs(_small())
+
+
+def test_the_engine_refuses_frames_of_another_size_the_tools_bound_them():
+    """The same object: the engine wants its own layer size, the tools read
+    any size up to MAX_FRAME_RAW, and a head claiming more is refused unread."""
+    blob = _encode()
+    with pytest.raises(CorruptChunk, match="chunk: frame 0 holds 4096 bytes in"):
+        _read("engine", blob, fmt=dataclasses.replace(FMT, layer_bytes=8192))
+    assert len(_read("tools", blob)[1]) == 3
+    header = codec.parse_header(blob)
+    huge = codec.Frame(header.frames[0].offset, 10, codec.MAX_FRAME_RAW + 2, 0)
+    claims = dataclasses.replace(header, frames=(huge,))
+    with pytest.raises(CorruptChunk, match=f"frame 0: says it decodes to {codec.MAX_FRAME_RAW + 2} bytes"):
+        ChunkReader().check(claims, NS, KEY, 0)
+    name = object_key("fleet", NS, bytes.fromhex(KEY), 0)
+    check_chunk_head(name, blob, len(blob))
+    with pytest.raises(CorruptChunk, match="its header says"):
+        check_chunk_head(name, blob, len(blob) + 1)
+    with pytest.raises(CorruptChunk, match="not a chunk object name"):
+        check_chunk_head("fleet/elsewhere", blob, len(blob))
