@@ -60,6 +60,14 @@ class TestLocalStore(StoreConformance):
         await store.put("a/c", b"whole")
         assert await store.list_keys("a/") == ["a/c"]
 
+    async def test_list_dirs_skips_folders_holding_only_partials_or_nothing(self, store: LocalStore):
+        (self.root / "t" / "empty").mkdir(parents=True)  # left behind by deletes
+        (self.root / "t" / "half").mkdir()
+        partial_path(self.root / "t" / "half" / "x").write_bytes(b"half")
+        partial_path(self.root / "t" / "y").write_bytes(b"half")
+        await store.put("t/whole/z", b"whole")
+        assert await store.list_dirs("t/") == ([], ["t/whole/"])
+
 
 class TestS3Store(StoreConformance):
     # Above the (lowered) multipart threshold: exercises multipart + If-None-Match.
