@@ -117,13 +117,18 @@ class ObjectStore(ABC):
 
     async def delete_if(self, key: str, etag: str) -> None:
         """Delete ``key`` only if its ETag is still ``etag`` (S3: If-Match);
-        Precondition otherwise. Backends without conditional deletes refuse."""
+        Precondition otherwise, NotFound if it is absent (S3 answers 404 to an
+        If-Match delete of a missing key). Backends without conditional
+        deletes (no ETags) refuse with NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} has no conditional delete")
 
     async def list_dirs(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
         """One level of the tree under ``prefix`` (which ends with '/' or is
         empty): the objects directly in it, and its sub-prefixes (each ending
-        with '/'). S3 answers this with a delimiter listing."""
+        with '/', named once however many objects lie under it). Both lists
+        are whole (not paged) and in lexicographic order; a sub-prefix is
+        there only while some object lies under it (a folder emptied by
+        deletes is not). S3 answers this with a delimiter listing."""
         objects: list[ObjectMeta] = []
         dirs: list[str] = []
         async for meta in self.list(prefix):

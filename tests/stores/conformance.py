@@ -3,6 +3,9 @@
 A backend's test class subclasses :class:`StoreConformance` and provides the
 ``store`` fixture plus two backdoors, ``raw_get`` and ``raw_put``, that read
 and write what is really stored without going through the store under test.
+A backend without ETags sets ``etags = False``: the conditional-write and
+conditional-delete tests then check that it refuses them (NotImplementedError)
+and leaves the object as it was.
 """
 
 from __future__ import annotations
@@ -11,12 +14,16 @@ import asyncio
 
 import pytest
 
-from s3kv.errors import AlreadyExists, NotFound
-from s3kv.stores.base import ByteRange, ObjectStore, PutMode
+from s3kv.errors import AlreadyExists, NotFound, Precondition
+from s3kv.stores.base import ByteRange, ObjectStore, PutMode, Update
+
+NO_SUCH_ETAG = '"00000000000000000000000000000000"'
 
 
 class StoreConformance:
     large_object_bytes = 3 << 20
+    etags = True
+    """Whether the store has ETags, and so conditional updates and deletes."""
 
     def raw_get(self, key: str) -> bytes | None:
         raise NotImplementedError
@@ -136,3 +143,161 @@ class StoreConformance:
         for bad in ["", "a//b", "../x", "a/./b", "/abs"]:
             with pytest.raises(ValueError):
                 await store.put(bad, b"x")
+
+    # list_dirs: one level of the tree under a prefix.
+
+    async def _put_all(self, store: ObjectStore, keys: list[str]) -> None:
+        await asyncio.gather(*(store.put(k, k.encode()) for k in keys))
+
+    async def test_list_dirs_one_level(self, store: ObjectStore):
+        keys = ["t/a/1", "t/a/b/c/deep", "t/a-b/2", "t/ab/3", "t/ab.x", "t/z", "t/zz/4", "u/elsewhere"]
+        await self._put_all(store, keys)
+        objects, dirs = await store.list_dirs("t/")
+        # A folder is named once however deep or many its objects; names that
+        # share a prefix ("a", "a-b", "ab", "ab.x") but not a folder stay apart.
+        assert dirs == ["t/a-b/", "t/a/", "t/ab/", "t/zz/"]
+        assert [m.key for m in objects] == ["t/ab.x", "t/z"]
+        assert {m.key: m.size for m in objects} == {"t/ab.x": 6, "t/z": 3}
+        assert all(m.last_modified > 0 for m in objects)
+        # One level further down: the nested folder, the object beside it.
+        objects, dirs = await store.list_dirs("t/a/")
+        assert dirs == ["t/a/b/"] and [m.key for m in objects] == ["t/a/1"]
+        objects, dirs = await store.list_dirs("t/a/b/")
+        assert dirs == ["t/a/b/c/"] and objects == []
+        objects, dirs = await store.list_dirs("t/a/b/c/")
+        assert dirs == [] and [m.key for m in objects] == ["t/a/b/c/deep"]
+
+    async def test_list_dirs_at_the_root(self, store: ObjectStore):
+        await self._put_all(store, ["top", "t/a/1", "u/2"])
+        objects, dirs = await store.list_dirs()
+        assert dirs == ["t/", "u/"] and [m.key for m in objects] == ["top"]
+        assert await store.list_dirs("") == (objects, dirs)
+
+    async def test_list_dirs_empty(self, store: ObjectStore):
+        assert await store.list_dirs() == ([], [])
+        await self._put_all(store, ["t/a/1", "tx/2", "t-/3"])
+        # A prefix nothing lies under, and one that only shares characters
+        # with folders that exist ("t" is not "t/", "tx/" nor "t-/").
+        assert await store.list_dirs("nothing/") == ([], [])
+        assert await store.list_dirs("t/a/1/") == ([], [])
+        objects, dirs = await store.list_dirs("t/")
+        assert dirs == ["t/a/"] and objects == []
+
+    async def test_list_dirs_forgets_a_folder_whose_objects_are_deleted(self, store: ObjectStore):
+        await self._put_all(store, ["t/gone/x/1", "t/gone/2", "t/kept/3"])
+        await store.delete_many(["t/gone/x/1", "t/gone/2"])
+        assert await store.list_dirs("t/") == ([], ["t/kept/"])
+        assert await store.list_dirs("t/gone/") == ([], [])
+
+    async def test_list_dirs_many(self, store: ObjectStore):
+        # More entries than one S3 listing page (1000 keys and prefixes together).
+        folders = [f"m/d{i:04d}/" for i in range(600)]
+        direct = [f"m/o{i:04d}" for i in range(450)]
+        await self._put_all(store, [f + "x" for f in folders] + direct)
+        await store.put("m/d0000/y", b"second in a folder")
+        objects, dirs = await store.list_dirs("m/")
+        assert dirs == folders
+        assert [m.key for m in objects] == direct
+
+    # Conditional update (If-Match): a lease's write.
+
+    async def test_update_on_the_current_etag_replaces(self, store: ObjectStore):
+        first = await store.put("c/k", b"one")
+        if not self.etags:
+            assert first is None and (await store.head("c/k")).etag is None
+            with pytest.raises(NotImplementedError):
+                await store.put("c/k", b"two", mode=Update(NO_SUCH_ETAG))
+            assert self.raw_get("c/k") == b"one"
+            return
+        assert first is not None and (await store.head("c/k")).etag == first
+        assert (await store.get_object("c/k")).etag == first
+        second = await store.put("c/k", b"two", mode=Update(first))
+        assert self.raw_get("c/k") == b"two"
+        assert second is not None and second != first
+        assert (await store.head("c/k")).etag == second
+        # The ETag a head() tells works as well as the one a put() returned.
+        third = await store.put("c/k", b"three", mode=Update((await store.head("c/k")).etag))
+        assert self.raw_get("c/k") == b"three" and third not in (first, second)
+
+    async def test_update_on_a_stale_etag_raises_precondition_and_keeps_the_object(self, store: ObjectStore):
+        first = await store.put("c/k", b"one")
+        if not self.etags:
+            with pytest.raises(NotImplementedError):
+                await store.put("c/k", b"two", mode=Update(NO_SUCH_ETAG))
+            assert self.raw_get("c/k") == b"one"
+            return
+        current = await store.put("c/k", b"two")
+        for stale in (first, NO_SUCH_ETAG):
+            with pytest.raises(Precondition) as info:
+                await store.put("c/k", b"three", mode=Update(stale))
+            assert info.value.key == "c/k"
+            assert not isinstance(info.value, (NotFound, AlreadyExists))
+        assert self.raw_get("c/k") == b"two"
+        assert (await store.head("c/k")).etag == current
+
+    async def test_update_of_an_absent_object_raises_not_found(self, store: ObjectStore):
+        etag = await store.put("c/gone", b"was here")
+        await store.delete("c/gone")
+        for key, tag in (("c/gone", etag or NO_SUCH_ETAG), ("c/never", NO_SUCH_ETAG)):
+            with pytest.raises(NotImplementedError if not self.etags else NotFound):
+                await store.put(key, b"revived", mode=Update(tag))
+            assert self.raw_get(key) is None  # not created
+        assert await store.list_keys("c/") == []
+
+    async def test_update_of_a_large_object(self, store: ObjectStore):
+        # At the S3 store's multipart size: the If-Match rides on the upload's completion.
+        data = bytes(range(251)) * (self.large_object_bytes // 251 + 1)
+        first = await store.put("c/big", data)
+        if not self.etags:
+            with pytest.raises(NotImplementedError):
+                await store.put("c/big", data[::-1], mode=Update(NO_SUCH_ETAG))
+            assert self.raw_get("c/big") == data
+            return
+        with pytest.raises(Precondition):
+            await store.put("c/big", data[::-1], mode=Update(NO_SUCH_ETAG))
+        assert self.raw_get("c/big") == data
+        with pytest.raises(NotFound):
+            await store.put("c/big-absent", data, mode=Update(NO_SUCH_ETAG))
+        assert self.raw_get("c/big-absent") is None
+        second = await store.put("c/big", data[::-1], mode=Update(first))
+        assert self.raw_get("c/big") == data[::-1] and second != first
+        assert await store.list_uploads("c/") == []
+
+    # Conditional delete (If-Match): gc and the lease's release.
+
+    async def test_delete_if_on_the_current_etag_deletes(self, store: ObjectStore):
+        etag = await store.put("c/k", b"one")
+        await store.put("c/other", b"stays")
+        if not self.etags:
+            with pytest.raises(NotImplementedError):
+                await store.delete_if("c/k", NO_SUCH_ETAG)
+            assert self.raw_get("c/k") == b"one"
+            return
+        await store.delete_if("c/k", etag)
+        assert self.raw_get("c/k") is None and not await store.exists("c/k")
+        await store.delete_if("c/other", (await store.head("c/other")).etag)
+        assert await store.list_keys("c/") == []
+
+    async def test_delete_if_on_a_stale_etag_raises_precondition_and_keeps_the_object(
+        self, store: ObjectStore
+    ):
+        first = await store.put("c/k", b"one")
+        if not self.etags:
+            with pytest.raises(NotImplementedError):
+                await store.delete_if("c/k", NO_SUCH_ETAG)
+            assert self.raw_get("c/k") == b"one"
+            return
+        current = await store.put("c/k", b"rewritten")
+        for stale in (first, NO_SUCH_ETAG):
+            with pytest.raises(Precondition) as info:
+                await store.delete_if("c/k", stale)
+            assert info.value.key == "c/k"
+        assert self.raw_get("c/k") == b"rewritten"
+        assert (await store.head("c/k")).etag == current
+
+    async def test_delete_if_of_an_absent_object_raises_not_found(self, store: ObjectStore):
+        etag = await store.put("c/gone", b"was here")
+        await store.delete("c/gone")
+        for key, tag in (("c/gone", etag or NO_SUCH_ETAG), ("c/never", NO_SUCH_ETAG)):
+            with pytest.raises(NotImplementedError if not self.etags else NotFound):
+                await store.delete_if(key, tag)
