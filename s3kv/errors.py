@@ -145,3 +145,9 @@ class LockBusy(S3KVError):
 
 class LockLost(S3KVError):
     """Our lease expired and another process took it over."""
+
+
+class GaveUp(Transient):
+    """A transfer abandoned because another one on its tier failed for the
+    tier's sake, it waited too long for a thread, or its load's deadline
+    came first. Not itself news to the tier's breaker."""

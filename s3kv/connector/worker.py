@@ -261,8 +261,7 @@ class WorkerSide:
         for s in stores:
             for place in s.targets:
                 self._write_failed(place.tier, s.key)
-            pages = [p for p in s.targets if self.engine.takes_pages(p)]
-            if pages and len(pages) < len(s.targets):  # the write-through would have read the slot
+            if s.pinned:  # the write-through would have read the slot
                 r.released[s.key] = r.released.get(s.key, 0) + 1
 
     def _write_failed(self, tier: Tier, key: bytes) -> None:
@@ -396,7 +395,7 @@ class WorkerSide:
             ready = self.pages.fence()
             for s, bufs in step.buffers:
                 self.engine.submit_store(
-                    StoreJob(s.key, bufs, s.targets, ready if self.pages.on_device else None)
+                    StoreJob(s.key, bufs, s.targets, ready if self.pages.on_device else None, s.pinned)
                 )
             if meta.held:
                 ready()  # the blocks of finished requests go back to vLLM next

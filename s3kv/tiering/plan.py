@@ -67,6 +67,11 @@ class StoreChunk:
     """Where to write the chunk, nearest first. A CPU place gets the pages
     copied into its slot (the farther writes then read from it); without
     one the pages go to a private buffer."""
+    pinned: bool = False
+    """The scheduler side pinned the first target's place for the farther
+    writes to read: each rank reports it released once they no longer do
+    (whatever became of the writes, and whether or not the rank has the
+    tiers)."""
 
 
 @dataclass(frozen=True)

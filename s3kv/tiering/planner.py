@@ -239,10 +239,10 @@ class Planner:
                 break
             if c in req.loaded and not req.load_failed:
                 continue
-            targets = self.stack.store(keys[c])
+            targets, pinned = self.stack.store(keys[c])
             if targets:
                 self._remember(req, c)
-                out.append(StoreChunk(keys[c], ids, targets))
+                out.append(StoreChunk(keys[c], ids, targets, pinned))
         req.stored_until = done_chunks
         return out
 

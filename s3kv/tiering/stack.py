@@ -68,15 +68,18 @@ class TierStack:
             up = tuple(p for n in self.tiers[:i] if (p := n.prepare_promotion(key)) is not None)
         return sources, up
 
-    def store(self, key: bytes) -> tuple[Place, ...]:
+    def store(self, key: bytes) -> tuple[tuple[Place, ...], bool]:
         """Where a store of ``key`` goes: every tier that lacks it and has
-        room (a tier whose breaker is half-open takes it as its probe)."""
+        room (a tier whose breaker is half-open takes it as its probe); and
+        whether the first place is pinned for the farther writes to read."""
         targets = tuple(p for m in self.tiers if (p := m.prepare_store(key, store_owner(key))) is not None)
+        pinned = False
         if len(targets) > 1:
             first = self._by_tier[targets[0].tier]
             if first.stages_writes:
                 first.pin(key)  # the farther writes read its place
-        return targets
+                pinned = True
+        return targets, pinned
 
     def on_report(self, report: TierReport, decided: dict[Tier, list[tuple[bytes, bool]]]) -> None:
         """Each tier hears its writes that every rank reported, and what it lacks."""

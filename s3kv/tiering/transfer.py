@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from s3kv.chunk_reader import FrameSink, PageFormat
-from s3kv.errors import NotFound
+from s3kv.errors import GaveUp, NotFound
 from s3kv.keys import object_key
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
@@ -33,23 +33,17 @@ from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
+from s3kv.tiering.tiers import HANDLERS
 from s3kv.tiering.tiers.base import (
     EngineSettings,
     Gate,
-    GaveUp,
     RankReport,
     TierHandler,
     WorkerEnv,
     error_kind,
 )
-from s3kv.tiering.tiers.cpu import CpuHandler
-from s3kv.tiering.tiers.nvme import NvmeHandler
-from s3kv.tiering.tiers.s3 import S3Handler
 
 log = logging.getLogger("s3kv.transfer")
-
-HANDLERS: tuple[type[TierHandler], ...] = (CpuHandler, NvmeHandler, S3Handler)
-"""The tiers a worker may hold, nearest first: a new tier registers its handler here."""
 
 ChunkSink = Callable[[LoadChunk, int, np.ndarray], None]
 """sink(chunk, layer index, page bytes): write one layer of a loaded chunk."""
@@ -69,10 +63,11 @@ class StoreJob:
     layers: Sequence[np.ndarray]
     """Host copies of the chunk's pages, one per layer (slot views or private)."""
     targets: tuple[Place, ...] = ()
-    """Where it goes (a :class:`StoreChunk`'s targets): a tier that takes pages
-    gets ``layers`` (its slot's views), the others the encoded chunk."""
+    """Where it goes: a tier that takes pages gets ``layers``, the others the encoded chunk."""
     ready: Callable[[], None] | None = None
     """Blocks until ``layers`` hold the pages (a device copy may be in flight)."""
+    pinned: bool = False
+    """Report the first target released once the pages are read (:attr:`StoreChunk.pinned`)."""
 
     @property
     def nbytes(self) -> int:
@@ -102,8 +97,7 @@ class TransferEngine:
         self.on_s3_storing: Callable[[bytes], None] | None = None
         """Told of each chunk PUT as it starts (the worker's journal)."""
         self.on_s3_stored: Callable[[bytes], None] | None = None
-        """Told of each chunk object this engine created in S3 (its PUT
-        returned): the worker publishes them from here (manifest.publish)."""
+        """Told of each chunk object this engine created in S3 (the worker publishes it)."""
 
     def configure(self, fmt: PageFormat, pool: HostPool | None = None) -> None:
         """The KV cache is known: loads must match ``fmt``, stores record it."""
@@ -113,8 +107,7 @@ class TransferEngine:
             self.set_namespace(self.namespace)
 
     def set_namespace(self, namespace: str) -> None:
-        """The namespace every chunk shard of this engine is in (known once
-        the model's identity is): objects are named and checked by it."""
+        """The namespace of every chunk shard of this engine (known once the model's identity is)."""
         self.namespace = namespace
         if self._fmt is None:
             return
@@ -273,7 +266,7 @@ class TransferEngine:
             for p in pages:
                 self.report.failed(p.tier, job.key)
             return False
-        pins = bool(pages and encoded)  # the write-through reads the pages' slot
+        pins = job.pinned  # the write-through reads the pages' slot
         self._loop.track(self._store(job, pages, encoded if through else [], pins, nbytes))
         return through or not encoded
 
@@ -292,7 +285,12 @@ class TransferEngine:
                     return
             chunk = ChunkData(key, self.codec, layers=job.layers)  # type: ignore[arg-type]
             for p in pages:
-                await self.handlers[p.tier].write(p, chunk)
+                try:
+                    await self.handlers[p.tier].write(p, chunk)
+                except Exception as e:
+                    log.error("s3kv: copying chunk %s into the %s tier failed: %s", key.hex(), p, e)
+                    self.report.failed(p.tier, key)
+                    continue
                 self.report.written(p.tier, key)
             if not encoded:
                 return

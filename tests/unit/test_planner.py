@@ -206,6 +206,7 @@ def test_stores_go_to_every_tier_that_lacks_them_once():
     (st,) = s1.stores
     assert st.key == KEYS[0] and st.block_ids == (0, 1) and cpu_slot(st.targets) is not None
     assert tiers_of(st.targets) == (Tier.CPU, Tier.DISK, Tier.S3)
+    assert st.pinned  # the farther writes read the CPU slot
     s2 = p.plan_step([sched("a", 100, 200, blocks), sched("b", 0, 300, list(range(20, 30)))])
     assert [s.key for s in s2.stores] == KEYS[1:4]  # b shares a's prefix: planned once
     assert p.plan_step([sched("a", 300, 1, blocks)]).stores == []
@@ -215,7 +216,7 @@ def test_stores_go_to_every_tier_that_lacks_them_once():
     index2.add(KEYS[0])
     lookup(p2, "c", computed=0)
     (only,) = p2.plan_step([sched("c", 0, 64, blocks)]).stores
-    assert only.targets == (Place(Tier.DISK),)
+    assert only.targets == (Place(Tier.DISK),) and not only.pinned
 
 
 def test_chunk_is_stored_only_when_every_rank_reports():

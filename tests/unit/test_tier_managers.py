@@ -49,17 +49,19 @@ def test_cpu_tier_from_config():
     with pytest.raises(ValueError, match="must count slots"):
         CpuTierManager(TierIndex("cpu", 1000))
     s = stack(cpu)
-    assert s.store(KEYS[0]) == (Place(Tier.CPU, cpu.index.get(KEYS[0]).slot),)
+    assert s.store(KEYS[0]) == ((Place(Tier.CPU, cpu.index.get(KEYS[0]).slot),), False)
     assert cpu.gauges() == {"tier_used_bytes_cpu": 2000, "tier_capacity_bytes_cpu": 8000}
 
 
 def test_a_store_pins_the_staging_slot_only_for_farther_writes():
     cpu, s3 = CpuTierManager(TierIndex("cpu", 4, slots=True)), S3TierManager(Manifest())
     s = stack(cpu, s3)
-    (slot, remote) = s.store(KEYS[0])
+    (slot, remote), pinned = s.store(KEYS[0])
     assert (slot.tier, remote) == (Tier.CPU, Place(Tier.S3)) and cpu.index.get(KEYS[0]).pins == 1
+    assert pinned  # the plan says so: every rank reports the slot released
     s3.manifest.add(KEYS[1])
-    assert [p.tier for p in s.store(KEYS[1])] == [Tier.CPU] and cpu.index.get(KEYS[1]).pins == 0
+    targets, pinned = s.store(KEYS[1])
+    assert [p.tier for p in targets] == [Tier.CPU] and cpu.index.get(KEYS[1]).pins == 0 and not pinned
     s.released(KEYS[0])
     assert cpu.index.get(KEYS[0]).pins == 0
 

@@ -59,7 +59,8 @@ def job(key, pages, slot=None, disk=False, s3=False, ready=None):
     targets = ((Place(Tier.CPU, slot),) if slot is not None else ()) + tuple(
         Place(t) for t, wanted in ((Tier.DISK, disk), (Tier.S3, s3)) if wanted
     )
-    return StoreJob(key, pages, targets, ready)
+    # pinned as the scheduler side pins: a CPU slot that farther writes read
+    return StoreJob(key, pages, targets, ready, pinned=slot is not None and len(targets) > 1)
 
 
 def store_job(key, seed, **kw):
@@ -138,7 +139,7 @@ class Results:
         return self.report.disk_full
 
 
-def wait_for(e, pred, timeout=10):
+def wait_for(e, pred, timeout=120):
     deadline = time.monotonic() + timeout
     acc = Results()
     while time.monotonic() < deadline:
@@ -754,3 +755,37 @@ def test_close_stops_taking_stores_drains_flushes_and_ends_in_time():
     start = time.monotonic()
     hung.close(1.0, slow_flush)
     assert time.monotonic() - start < 3.0 and flushed == [True]  # bounded, the flush still ran
+
+
+def test_a_pinned_slot_is_released_on_a_rank_without_the_farther_tiers():
+    """The scheduler side pinned the slot for the NVMe and S3 writes; a rank
+    that holds neither tier still reads nothing from it and says so."""
+    e = engine(None, pool_slots=2)  # no NVMe directory, no S3 store on this rank
+    key = b"p" * 16
+    slot_views = pool(e).layer_views(0)
+    for view, layer in zip(slot_views, layers(3)):
+        view[:] = layer
+    e.submit_store(job(key, slot_views, slot=0, disk=True, s3=True))
+    acc = wait_for(e, lambda a: a.released and key in a.written.get(Tier.CPU, {}))
+    assert acc.released == [key]
+    assert acc.failed == {Tier.DISK: {key}, Tier.S3: {key}}
+    e.close()
+
+
+def test_a_failed_copy_into_the_cpu_slot_is_reported_not_left_pending():
+    store = MemoryStore()
+    e = engine(store, pool_slots=1)
+    key = b"q" * 16
+    wrong = [np.zeros(PAGE + 1, np.uint8) for _ in range(LAYERS)]  # not a slot's page size
+    e.submit_store(job(key, wrong, slot=0, s3=True))
+    # the CPU write fails, and the write-through ends one way or the other: nothing stays pending
+    acc = wait_for(
+        e,
+        lambda a: (
+            key in a.failed.get(Tier.CPU, set())
+            and a.released
+            and (key in a.written.get(Tier.S3, {}) or key in a.failed.get(Tier.S3, set()))
+        ),
+    )
+    assert key not in acc.written.get(Tier.CPU, {}) and acc.released == [key]
+    e.close()

@@ -63,7 +63,7 @@ def step(namespace: str, kid: bytes | None) -> S3KVMetadata:
             LoadPlan("sync", (LoadChunk(K[1], (2, 3), 1, 2, (Place(Tier.CPU, 0),)),), sync=True),
         ],
         stores=[
-            StoreChunk(K[2], (4, 5), (Place(Tier.CPU, 1), Place(Tier.DISK))),
+            StoreChunk(K[2], (4, 5), (Place(Tier.CPU, 1), Place(Tier.DISK)), pinned=True),
             StoreChunk(K[3], (6, 7), (Place(Tier.DISK),)),
         ],
         held=["done"],

@@ -21,7 +21,7 @@ import numpy as np
 
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import FrameSink
-from s3kv.errors import CorruptChunk, NotFound, PermissionDenied, Throttled, Transient
+from s3kv.errors import CorruptChunk, GaveUp, NotFound, PermissionDenied, Throttled, Transient
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.breaker import Breaker
@@ -237,12 +237,6 @@ class IndexedTierManager(TierManager):
 # -- worker side -------------------------------------------------------------------
 
 log = logging.getLogger("s3kv.transfer")
-
-
-class GaveUp(Transient):
-    """A transfer abandoned because another one on its tier failed for the
-    tier's sake, it waited too long for a thread, or its load's deadline
-    came first. Not itself news to the tier's breaker."""
 
 
 def error_kind(e: BaseException) -> str:
