@@ -130,6 +130,13 @@ class S3KVConfig:
             )
 
 
+DEFAULTS = S3KVConfig()
+"""Every key's default, declared once (in the fields above). The settings
+objects cut from a config (``S3Options``, ``EngineSettings``,
+``SyncSettings``, the planner's and tier managers' arguments) are built by
+their ``from_config``; where one is built by hand (tests, tools), its
+defaults are these."""
+
 _FIELDS = {f.name: f for f in dataclasses.fields(S3KVConfig)}
 KNOWN_KEYS: tuple[str, ...] = tuple(_FIELDS)
 

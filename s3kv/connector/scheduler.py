@@ -209,40 +209,30 @@ class SchedulerSide:
                 self._store,
                 manifest_prefix(config.prefix, namespace.id),
                 self.index,
-                SyncSettings(
-                    publish_s=config.manifest_publish_s,
-                    refresh_s=config.manifest_refresh_s,
-                    skew_s=config.manifest_clock_skew_s,
-                    max_object_bytes=config.manifest_max_bytes,
-                ),
+                SyncSettings.from_config(config),
                 counters=self.counters,
                 keys=self.keys,
             )
             self._loop.submit(self._describe_namespace(namespace))
-        # A probe that never reports (its request gone) counts as failed once
-        # any load of it would have timed out.
-        probe_timeout_s = config.load_timeout_s + 10
         tiers: list[TierManager] = [self._cpu] if self._cpu is not None else []  # nearest first
         if self.disk is not None:
-            self._nvme = NvmeTierManager(
+            self._nvme = NvmeTierManager.from_config(
                 self.disk.index,
+                config,
                 world_size=layout.world_size,
                 shard_bytes=layout.shard_bytes(config.chunk_tokens),
-                probe_timeout_s=probe_timeout_s,
             )
             tiers.append(self._nvme)
         if self.index is not None:
-            self._s3_tier = S3TierManager(self.index, probe_timeout_s=probe_timeout_s)
+            self._s3_tier = S3TierManager.from_config(self.index, config)
             self._s3_tier.down = self._s3_down
             tiers.append(self._s3_tier)
-        planner = Planner(
+        planner = Planner.from_config(
+            config,
             namespace=namespace,
-            chunk_tokens=config.chunk_tokens,
             block_size=layout.block_size,
             tiers=tiers,
             world_size=layout.world_size,
-            promote=config.promote,
-            save_generated=config.save_generated,
             emit_events=self._emit_events,
             counters=self.counters,
         )

@@ -89,21 +89,7 @@ class WorkerSide:
         self.counters = Counters(f"rank{rank}")
         self.engine = TransferEngine(
             make_store(config, self.counters) if config.uses_s3 else None,
-            EngineSettings(
-                namespace=None,
-                prefix=config.prefix,
-                rank=rank,
-                num_layers=len(layout.layer_names),
-                codec=config.codec,
-                zstd_level=config.zstd_level,
-                range_bytes=config.range_bytes,
-                max_inflight_bytes=config.max_inflight_bytes,
-                load_timeout_s=config.load_timeout_s,
-                disk_path=config.disk_path,
-                disk_fsync=config.disk_fsync == "always",
-                disk_timeout_s=config.disk_timeout_s,
-                keys=keys,
-            ),
+            EngineSettings.from_config(config, rank=rank, num_layers=len(layout.layer_names), keys=keys),
             self.counters,
         )
         self.pages: PageIO | None = None

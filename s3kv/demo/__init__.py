@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from s3kv.config import DEFAULTS
 from s3kv.demo.loopback_s3 import LoopbackS3
 from s3kv.units import format_size
 
@@ -36,7 +37,7 @@ class DemoOptions:
     shared_tokens: int = 1536
     unique_tokens: int = 128
     max_tokens: int = 16
-    chunk_tokens: int = 256
+    chunk_tokens: int = DEFAULTS.chunk_tokens
 
 
 def _prompts(o: DemoOptions) -> list[list[int]]:

@@ -47,6 +47,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from s3kv.config import DEFAULTS
+
 log = logging.getLogger("s3kv.manifest")
 
 ENV_VAR = "S3KV_JOURNAL_DIR"
@@ -85,7 +87,9 @@ def _recover_at_exit(directory: Path) -> None:
             fps, unanswered, _ = _unpublished(directory, info_path.stem)
             if fps or unanswered:
                 info = json.loads(info_path.read_text())
-                budget = max(budget, float(info["config"].get("shutdown_flush_s") or 5.0))
+                budget = max(
+                    budget, float(info["config"].get("shutdown_flush_s") or DEFAULTS.shutdown_flush_s)
+                )
     if budget:
         try:
             subprocess.run(

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from s3kv.config import DEFAULTS
+
 TS_DIGITS = 13
 HOUR_MS = 3_600_000
 SEGMENTS = "seg/"
@@ -207,7 +209,7 @@ class Stamps(HybridClock):
         writer: str,
         names: Iterable[str] = (),
         *,
-        skew_s: float = 60.0,
+        skew_s: float = DEFAULTS.manifest_clock_skew_s,
         clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(clock)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from s3kv.auth import FleetKeys
+from s3kv.config import DEFAULTS
 from s3kv.errors import AlreadyExists, CorruptManifest
 from s3kv.manifest import format as mf
 from s3kv.manifest.journal import RankJournal
@@ -68,7 +69,7 @@ class SegmentWriter:
         next_ts: Callable[[], int],
         *,
         keys: FleetKeys | None = None,
-        skew_s: float = 60.0,
+        skew_s: float = DEFAULTS.manifest_clock_skew_s,
         clock: Callable[[], float] = time.time,
         counters: Counters | None = None,
     ) -> None:
@@ -121,8 +122,8 @@ class ShardPublisher:
         rank: int,
         ranks: int,
         keys: FleetKeys | None = None,
-        publish_s: float = 5.0,
-        skew_s: float = 60.0,
+        publish_s: float = DEFAULTS.manifest_publish_s,
+        skew_s: float = DEFAULTS.manifest_clock_skew_s,
         counters: Counters | None = None,
         clock: Callable[[], float] = time.time,
         journal: RankJournal | None = None,

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from s3kv.auth import FleetKeys
+from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.errors import (
     CorruptManifest,
     NotFound,
@@ -72,14 +73,20 @@ from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode
 
 log = logging.getLogger("s3kv.manifest")
 
-RANGE_BYTES = 8 << 20
+RANGE_BYTES = DEFAULTS.range_bytes
+"""A manifest object larger than twice this is read in ranged GETs of this
+size: the chunks' default GET size, not the configured ``range_bytes``
+(which tunes chunk loads)."""
 
 
 @dataclass(frozen=True)
 class SyncSettings:
-    publish_s: float = 5.0
-    refresh_s: float = 5.0
-    skew_s: float = 60.0
+    """The manifest loop's settings, cut from the config by :meth:`from_config`;
+    tests may build one (the defaults are the config's, or not config keys)."""
+
+    publish_s: float = DEFAULTS.manifest_publish_s
+    refresh_s: float = DEFAULTS.manifest_refresh_s
+    skew_s: float = DEFAULTS.manifest_clock_skew_s
     """Replicas' clocks may disagree by this much without missing segments."""
     snapshot_every: int = 256
     """Segments past the newest snapshot before a replica writes a new one..."""
@@ -87,11 +94,21 @@ class SyncSettings:
     """... and no sooner than this after the newest snapshot."""
     snapshots_kept: int = 3
     fetch_concurrency: int = 16
-    max_object_bytes: int = 1 << 30
+    max_object_bytes: int = DEFAULTS.manifest_max_bytes
     """A segment or snapshot larger than this is refused unread (``manifest_max_bytes``)."""
     get_attempts: int = 3
     """GETs of one object that fail otherwise (not denied, missing or
     corrupt: throttled, reset, timed out) before it is skipped."""
+
+    @classmethod
+    def from_config(cls, config: S3KVConfig) -> SyncSettings:
+        """The ``manifest_*`` keys of ``config``; the rest are not keys."""
+        return cls(
+            publish_s=config.manifest_publish_s,
+            refresh_s=config.manifest_refresh_s,
+            skew_s=config.manifest_clock_skew_s,
+            max_object_bytes=config.manifest_max_bytes,
+        )
 
 
 SKIP_REASONS = ("marker", "foreign", "garbage", "denied", "future", "oversize", "unsigned")

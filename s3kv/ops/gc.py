@@ -39,6 +39,7 @@ from typing import Any
 
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import check_chunk, check_chunk_head, read_chunk_head
+from s3kv.config import DEFAULTS
 from s3kv.errors import (
     CorruptChunk,
     CorruptManifest,
@@ -102,7 +103,7 @@ class Policy:
     segment_min_age_s: float = 600.0
     """Segments a snapshot covers are deleted once this old (replicas poll
     every few seconds: by then every live one has read them)."""
-    skew_s: float = 60.0
+    skew_s: float = DEFAULTS.manifest_clock_skew_s
     """The replicas' ``manifest_clock_skew_s``."""
 
     def retires(self, ns: str) -> bool:

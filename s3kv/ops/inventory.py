@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from s3kv.auth import FleetKeys
+from s3kv.config import DEFAULTS
 from s3kv.errors import CorruptManifest, NotFound, PermissionDenied
 from s3kv.keys import fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import format as mf
@@ -130,7 +131,13 @@ class NamespaceInfo:
     def fp_index(self) -> dict[int, bytes]:
         return {fingerprint(k): k for k in self.chunks}
 
-    def stamps(self, writer: str, *, skew_s: float = 60.0, clock: Callable[[], float] = time.time) -> Stamps:
+    def stamps(
+        self,
+        writer: str,
+        *,
+        skew_s: float = DEFAULTS.manifest_clock_skew_s,
+        clock: Callable[[], float] = time.time,
+    ) -> Stamps:
         """Stamps for ``writer``'s manifest objects here: after every segment
         and snapshot listed (those in the future excepted)."""
         names = (o.key for o in (*self.segments, *self.snapshots))

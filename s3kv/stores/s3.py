@@ -21,6 +21,7 @@ import botocore.exceptions as bexc
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 
+from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.errors import (
     AlreadyExists,
     ConfigError,
@@ -71,20 +72,34 @@ _THROTTLED = {
 
 @dataclass(frozen=True)
 class S3Options:
-    """Connection settings; a plain value so tests and the CLI can build one."""
+    """Connection settings, cut from the config by :meth:`from_config`; a
+    plain value so tests can build one (the defaults are the config's)."""
 
-    region: str | None = None
-    endpoint_url: str | None = None
-    addressing_style: str = "auto"
-    max_attempts: int = 3
+    region: str | None = DEFAULTS.region
+    endpoint_url: str | None = DEFAULTS.endpoint_url
+    addressing_style: str = DEFAULTS.addressing_style
+    max_attempts: int = DEFAULTS.s3_max_attempts
     """Attempts per request, retried by botocore's "standard" mode: throttling
     (SlowDown, 503), 500/502/504, and connection or read errors."""
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 30.0
-    max_connections: int = 64
+    connect_timeout_s: float = DEFAULTS.s3_connect_timeout_s
+    read_timeout_s: float = DEFAULTS.s3_read_timeout_s
+    max_connections: int = DEFAULTS.max_connections
     multipart_threshold: int = 32 << 20
     part_size: int = 8 << 20
     part_concurrency: int = 8
+
+    @classmethod
+    def from_config(cls, config: S3KVConfig) -> S3Options:
+        """The store's settings in ``config`` (the multipart ones are not keys)."""
+        return cls(
+            region=config.region,
+            endpoint_url=config.endpoint_url,
+            addressing_style=config.addressing_style,
+            max_attempts=config.s3_max_attempts,
+            connect_timeout_s=config.s3_connect_timeout_s,
+            read_timeout_s=config.s3_read_timeout_s,
+            max_connections=config.max_connections,
+        )
 
 
 def _error_code(e: bexc.ClientError) -> tuple[str, int]:

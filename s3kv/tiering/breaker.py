@@ -19,13 +19,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 
+BACKOFF_S = (5.0, 60.0)
+"""The first backoff, and the longest it doubles to."""
+PROBE_TIMEOUT_S = 60.0
+"""A probe that has not answered in this long counts as failed."""
+
 
 class Breaker:
     def __init__(
         self,
-        backoff_s: tuple[float, float] = (5.0, 60.0),
+        backoff_s: tuple[float, float] = BACKOFF_S,
         *,
-        probe_timeout_s: float = 60.0,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         on_trip: Callable[[], None] | None = None,
     ) -> None:

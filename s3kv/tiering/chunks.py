@@ -20,6 +20,7 @@ import numpy as np
 from s3kv import codec
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import ChunkReader, FrameSink, PageFormat
+from s3kv.config import DEFAULTS
 from s3kv.errors import (
     ConfigError,
     CorruptChunk,
@@ -77,8 +78,8 @@ class ChunkCodec:
     rank: int
     num_layers: int
     fmt: PageFormat
-    codec: str = "zstd"
-    level: int = 1
+    codec: str = DEFAULTS.codec
+    level: int = DEFAULTS.zstd_level
     keys: FleetKeys | None = None
 
     @cached_property

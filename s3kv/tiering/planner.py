@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.keys import Namespace
 from s3kv.manifest.keyset import EMPTY
 from s3kv.stats import Counters
@@ -73,8 +74,8 @@ class Planner:
         block_size: int,
         tiers: Sequence[TierManager] = (),
         world_size: int = 1,
-        promote: bool = True,
-        save_generated: bool = True,
+        promote: bool = DEFAULTS.promote,
+        save_generated: bool = DEFAULTS.save_generated,
         emit_events: bool = False,
         counters: Counters | None = None,
     ) -> None:
@@ -99,6 +100,31 @@ class Planner:
         self._load_pins: dict[str, list[tuple[TierManager, bytes]]] = {}
         """Entries a load reads, let go when it is over on every rank."""
         self._async_loading: set[str] = set()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: S3KVConfig,
+        *,
+        namespace: Namespace,
+        block_size: int,
+        tiers: Sequence[TierManager] = (),
+        world_size: int = 1,
+        emit_events: bool = False,
+        counters: Counters | None = None,
+    ) -> Planner:
+        """The planner ``config`` asks for, over ``tiers`` (nearest first)."""
+        return cls(
+            namespace=namespace,
+            chunk_tokens=config.chunk_tokens,
+            block_size=block_size,
+            tiers=tiers,
+            world_size=world_size,
+            promote=config.promote,
+            save_generated=config.save_generated,
+            emit_events=emit_events,
+            counters=counters,
+        )
 
     @property
     def tiers(self) -> tuple[TierManager, ...]:

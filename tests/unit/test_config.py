@@ -259,3 +259,97 @@ def test_units_refuse_ints_beyond_any_float():
         parse_size(10**400, name="max")
     with pytest.raises(ConfigError, match="^max: a size cannot be negative, got a negative 16610-bit number"):
         parse_size(-(10**5000), name="max")
+
+
+def _not_defaults() -> S3KVConfig:
+    """A config where every key the settings objects carry differs from its default."""
+    return parse_config(
+        {
+            "bucket": "ok-bucket",
+            "prefix": "other",
+            "region": "eu-west-1",
+            "endpoint_url": "http://127.0.0.1:9000",
+            "addressing_style": "virtual",
+            "codec": "none",
+            "zstd_level": 3,
+            "max_inflight_bytes": "2GiB",
+            "load_timeout_s": 12,
+            "range_bytes": "1MiB",
+            "max_connections": 9,
+            "s3_max_attempts": 7,
+            "s3_connect_timeout_s": 2,
+            "s3_read_timeout_s": 11,
+            "disk_path": "/tmp/d",
+            "disk_fsync": "always",
+            "disk_timeout_s": 3,
+            "promote": False,
+            "save_generated": False,
+            "chunk_tokens": 64,
+            "manifest_publish_s": 2,
+            "manifest_refresh_s": 3,
+            "manifest_clock_skew_s": 30,
+            "manifest_max_bytes": "2MiB",
+        }
+    )
+
+
+def test_settings_objects_are_cut_from_the_config():
+    from s3kv.keys import Namespace
+    from s3kv.manifest import Manifest
+    from s3kv.manifest.sync import SyncSettings
+    from s3kv.stores.s3 import S3Options
+    from s3kv.tiering.placement import TierIndex
+    from s3kv.tiering.planner import Planner
+    from s3kv.tiering.tiers.base import EngineSettings
+    from s3kv.tiering.tiers.nvme import NvmeTierManager
+    from s3kv.tiering.tiers.s3 import S3TierManager
+
+    c = _not_defaults()
+    assert S3Options.from_config(c) == S3Options(
+        region="eu-west-1",
+        endpoint_url="http://127.0.0.1:9000",
+        addressing_style="virtual",
+        max_attempts=7,
+        connect_timeout_s=2,
+        read_timeout_s=11,
+        max_connections=9,
+    )
+    assert EngineSettings.from_config(c, rank=1, num_layers=4) == EngineSettings(
+        namespace=None,
+        prefix="other",
+        rank=1,
+        num_layers=4,
+        codec="none",
+        zstd_level=3,
+        range_bytes=1 << 20,
+        max_inflight_bytes=2 << 30,
+        load_timeout_s=12,
+        disk_path="/tmp/d",
+        disk_fsync=True,
+        disk_timeout_s=3,
+    )
+    assert SyncSettings.from_config(c) == SyncSettings(
+        publish_s=2, refresh_s=3, skew_s=30, max_object_bytes=2 << 20
+    )
+    ns = Namespace.from_fields({"model": "m"})
+    p = Planner.from_config(c, namespace=ns, block_size=16)
+    assert (p.chunk_tokens, p.promote, p.save_generated) == (64, False, False)
+    nvme = NvmeTierManager.from_config(TierIndex("disk", 1 << 20), c, world_size=1, shard_bytes=1)
+    s3 = S3TierManager.from_config(Manifest(), c)
+    for m in (nvme, s3):  # a probe never reported fails once its load would have timed out
+        assert m.breaker._probe_timeout_s == c.load_timeout_s + 10
+
+
+def test_settings_built_by_hand_default_to_the_config_defaults():
+    """Each default lives in S3KVConfig: a settings object built without a
+    value has the one a default config would give it."""
+    from s3kv.manifest.sync import SyncSettings
+    from s3kv.stores.s3 import S3Options
+    from s3kv.tiering.tiers.base import EngineSettings
+
+    defaults = S3KVConfig()
+    assert S3Options() == S3Options.from_config(defaults)
+    assert SyncSettings() == SyncSettings.from_config(defaults)
+    assert EngineSettings(None, defaults.prefix, 0, 4) == EngineSettings.from_config(
+        defaults, rank=0, num_layers=4
+    )

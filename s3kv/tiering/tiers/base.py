@@ -21,6 +21,7 @@ import numpy as np
 
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import FrameSink
+from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.errors import CorruptChunk, GaveUp, NotFound, PermissionDenied, Throttled, Transient
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
@@ -258,28 +259,62 @@ def error_kind(e: BaseException) -> str:
     return "other"
 
 
+PROBE_SLACK_S = 10.0
+
+
+def probe_timeout_s(config: S3KVConfig) -> float:
+    """A tier's probe that never reports (its request gone) counts as failed
+    once any load of it would have timed out."""
+    return config.load_timeout_s + PROBE_SLACK_S
+
+
 @dataclass(frozen=True)
 class EngineSettings:
+    """A worker's transfer settings, cut from the config by :meth:`from_config`;
+    tests and benchmarks may build one (the defaults are the config's)."""
+
     namespace: str | None
     """None until the model's identity is known (:meth:`TransferEngine.set_namespace`)."""
     prefix: str
     rank: int
     num_layers: int
-    codec: str = "zstd"
-    zstd_level: int = 1
-    range_bytes: int = 8 << 20
-    max_inflight_bytes: int = 1 << 30
-    load_timeout_s: float = 30.0
+    codec: str = DEFAULTS.codec
+    zstd_level: int = DEFAULTS.zstd_level
+    range_bytes: int = DEFAULTS.range_bytes
+    max_inflight_bytes: int = DEFAULTS.max_inflight_bytes
+    load_timeout_s: float = DEFAULTS.load_timeout_s
     threads: int = 4
-    disk_path: str | None = None
-    disk_fsync: bool = False
-    disk_timeout_s: float = 5.0
+    """The engine's codec threads (not a config key)."""
+    disk_path: str | None = DEFAULTS.disk_path
+    disk_fsync: bool = DEFAULTS.disk_fsync == "always"
+    disk_timeout_s: float = DEFAULTS.disk_timeout_s
     """A chunk read or write on the NVMe tier slower than this, from when a
     thread starts it, counts as a disk failure (a read falls back to S3). A
     read that waits this long for a thread goes to the next source, blaming
     the disk only if its threads are stuck (busy is not failing)."""
     keys: FleetKeys | None = None
     """The fleet secret: sign what is stored, read only what is signed."""
+
+    @classmethod
+    def from_config(
+        cls, config: S3KVConfig, *, rank: int, num_layers: int, keys: FleetKeys | None = None
+    ) -> EngineSettings:
+        """Rank ``rank``'s settings in ``config`` (no namespace yet)."""
+        return cls(
+            namespace=None,
+            prefix=config.prefix,
+            rank=rank,
+            num_layers=num_layers,
+            codec=config.codec,
+            zstd_level=config.zstd_level,
+            range_bytes=config.range_bytes,
+            max_inflight_bytes=config.max_inflight_bytes,
+            load_timeout_s=config.load_timeout_s,
+            disk_path=config.disk_path,
+            disk_fsync=config.disk_fsync == "always",
+            disk_timeout_s=config.disk_timeout_s,
+            keys=keys,
+        )
 
 
 @dataclass

@@ -12,14 +12,23 @@ from pathlib import Path
 from typing import Any
 
 from s3kv.chunk_reader import FrameSink
+from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.errors import StorageFull
 from s3kv.stats import Counters
+from s3kv.tiering.breaker import BACKOFF_S, PROBE_TIMEOUT_S
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.disk import DiskTier, directory_bytes
 from s3kv.tiering.loop import unbind_thread
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, TierReport
-from s3kv.tiering.tiers.base import Began, IndexedTierManager, RankReport, TierHandler, WorkerEnv
+from s3kv.tiering.tiers.base import (
+    Began,
+    IndexedTierManager,
+    RankReport,
+    TierHandler,
+    WorkerEnv,
+    probe_timeout_s,
+)
 
 # -- scheduler side ---------------------------------------------------------------
 
@@ -45,8 +54,8 @@ class NvmeTierManager(IndexedTierManager):
         *,
         world_size: int = 1,
         shard_bytes: int = 0,
-        backoff_s: tuple[float, float] = (5.0, 60.0),
-        probe_timeout_s: float = 60.0,
+        backoff_s: tuple[float, float] = BACKOFF_S,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(index)
@@ -56,6 +65,14 @@ class NvmeTierManager(IndexedTierManager):
         """Bytes the ranks reported written so far, per pending key."""
         self._deleting: set[Hashable] = set()
         self._evictions: list[Hashable] = []
+
+    @classmethod
+    def from_config(
+        cls, index: TierIndex, config: S3KVConfig, *, world_size: int, shard_bytes: int
+    ) -> NvmeTierManager:
+        return cls(
+            index, world_size=world_size, shard_bytes=shard_bytes, probe_timeout_s=probe_timeout_s(config)
+        )
 
     def _reserve(self, key: bytes) -> bool:
         if key in self._deleting:
@@ -165,8 +182,8 @@ class NvmeHandler(TierHandler):
         self,
         files: DiskTier,
         *,
-        timeout_s: float = 5.0,
-        write_queue_s: float = 30.0,
+        timeout_s: float = DEFAULTS.disk_timeout_s,
+        write_queue_s: float = DEFAULTS.load_timeout_s,
         report: RankReport | None = None,
         counters: Counters | None = None,
     ) -> None:

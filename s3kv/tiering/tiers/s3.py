@@ -11,15 +11,17 @@ import numpy as np
 
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import FrameSink
+from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, PermissionDenied, Precondition
 from s3kv.keys import namespace_prefix, object_key
 from s3kv.manifest.keyset import Manifest
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore, PutMode
+from s3kv.tiering.breaker import BACKOFF_S, PROBE_TIMEOUT_S
 from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, load_chunk, read_header
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place, TierReport
-from s3kv.tiering.tiers.base import RankReport, TierHandler, TierManager, WorkerEnv
+from s3kv.tiering.tiers.base import RankReport, TierHandler, TierManager, WorkerEnv, probe_timeout_s
 
 # -- scheduler side ---------------------------------------------------------------
 
@@ -43,8 +45,8 @@ class S3TierManager(TierManager):
         manifest: Manifest,
         *,
         store_retry_s: float = 120.0,
-        backoff_s: tuple[float, float] = (5.0, 60.0),
-        probe_timeout_s: float = 60.0,
+        backoff_s: tuple[float, float] = BACKOFF_S,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
@@ -64,6 +66,10 @@ class S3TierManager(TierManager):
         are not stored again before ``store_retry_s``."""
         self._existing: set[bytes] = set()
         """Stores that found the object there already (a 412), until decided."""
+
+    @classmethod
+    def from_config(cls, manifest: Manifest, config: S3KVConfig) -> S3TierManager:
+        return cls(manifest, probe_timeout_s=probe_timeout_s(config))
 
     @property
     def paused(self) -> bool:
@@ -177,7 +183,7 @@ class S3Handler(TierHandler):
         chunk_codec: ChunkCodec,
         prefix: str,
         *,
-        range_bytes: int = 8 << 20,
+        range_bytes: int = DEFAULTS.range_bytes,
         executor: concurrent.futures.Executor | None = None,
         keys: FleetKeys | None = None,
         storing: Callable[[bytes], None] | None = None,
