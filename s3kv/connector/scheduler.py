@@ -34,14 +34,13 @@ from s3kv.manifest.protocol import manifest_prefix
 from s3kv.stats import SERIES, Counters
 from s3kv.stores.base import PutMode
 from s3kv.stores.factory import make_store
-from s3kv.tiering.local_tiers import DiskCleaner, DiskSetup, open_disk, release_lock
 from s3kv.tiering.loop import BackgroundLoop
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import ScheduledRequest, TierEvent
 from s3kv.tiering.planner import Planner
 from s3kv.tiering.tiers.base import TierManager
 from s3kv.tiering.tiers.cpu import CpuTierManager
-from s3kv.tiering.tiers.nvme import NvmeTierManager
+from s3kv.tiering.tiers.nvme import DiskCleaner, DiskSetup, NvmeTierManager, open_disk, release_lock
 from s3kv.tiering.tiers.s3 import S3TierManager
 
 if TYPE_CHECKING:

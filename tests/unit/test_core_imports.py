@@ -31,7 +31,6 @@ CORE = [
     "s3kv.tiering.tiers.s3",
     "s3kv.tiering.hostpool",
     "s3kv.tiering.disk",
-    "s3kv.tiering.local_tiers",
     "s3kv.tiering.transfer",
     "s3kv.tiering.planner",
     "s3kv.connector",
