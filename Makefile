@@ -38,16 +38,24 @@ $(INFRA_STAMP): Makefile
 demo: install
 	$(VENV)/bin/s3kv demo
 
-# The engine tests (one vLLM engine at a time) and the rest run side by
-# side: most of an engine test's time is start-up and teardown, not CPU.
-# The rest's report follows the engine tests'; either failing fails the run.
+# Three streams side by side: two of engine tests (one vLLM engine at a
+# time each; most of an engine test's time is start-up and teardown, not
+# CPU) and the tests that start no engine. Stream A takes the tests that
+# share no session fixture with the others (stops, serve, gc, tiers);
+# stream B every other engine test, new files included. Each stream has its
+# own pytest base directory; the reports follow stream A's; any failing
+# fails the run (their directories are kept then).
+ENGINE_A := tests/e2e/test_stop.py tests/e2e/test_serve.py tests/e2e/test_gc.py tests/e2e/test_tiers.py
+
 test: install infra-tools
-	@log=$$(mktemp); \
-	$(PY) -m pytest -q -m "not engine" > $$log 2>&1 & rest=$$!; \
-	$(PY) -m pytest -q -m engine; engine=$$?; \
-	wait $$rest; other=$$?; \
-	echo "--- the tests that start no engine:"; cat $$log; rm -f $$log; \
-	test $$engine -eq 0 -a $$other -eq 0
+	@dir=$$(mktemp -d); \
+	$(PY) -m pytest -q -m "not engine" --basetemp=$$dir/rest > $$dir/rest.log 2>&1 & rest=$$!; \
+	$(PY) -m pytest -q -m engine --basetemp=$$dir/engine-b $(addprefix --ignore=,$(ENGINE_A)) > $$dir/engine-b.log 2>&1 & other=$$!; \
+	$(PY) -m pytest -q -m engine --basetemp=$$dir/engine-a $(ENGINE_A); a=$$?; \
+	wait $$other; b=$$?; wait $$rest; c=$$?; \
+	echo "--- the other engine tests:"; cat $$dir/engine-b.log; \
+	echo "--- the tests that start no engine:"; cat $$dir/rest.log; \
+	if test $$a -eq 0 -a $$b -eq 0 -a $$c -eq 0; then rm -rf $$dir; else echo "(logs and test directories in $$dir)"; exit 1; fi
 
 unit: install infra-tools
 	$(PY) -m pytest -q -m "not engine"
