@@ -20,6 +20,7 @@ from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, TierReport
 from s3kv.tiering.transfer import EngineSettings, StoreJob, TransferEngine
+from tests.conftest import wait_until
 
 LAYERS = 4
 PAGE = 2 * 2 * 32 * 16  # bytes of one layer of a chunk
@@ -148,14 +149,6 @@ def wait_for(e, pred, timeout=120):
             return acc
         time.sleep(0.01)
     raise AssertionError(f"timed out; have {vars(acc)}")
-
-
-def until(pred, timeout=30):
-    """Wait for ``pred()`` (a condition another thread makes true)."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def stored_chunk(store, key, seed, **kw):
@@ -398,7 +391,7 @@ def test_no_write_reaches_pages_after_a_timeout():
     e.submit_load("j", [chunk(key)], lambda c, layer, arr: writes.append(layer))
     wait_for(e, lambda a: "j" in a.finished_loads)
     seen = list(writes)
-    until(lambda: store.slow and store.over == store.slow)  # the slow ranges are over now
+    wait_until("the slow ranges to be over", lambda: store.slow and store.over == store.slow, every_s=0.005)
     time.sleep(0.1)  # and are decoded (or not) on the codec threads
     assert writes == seen
     e.close()
@@ -539,7 +532,7 @@ def test_a_failed_s3_store_does_not_fail_loads_in_flight():
     store.fail_puts = True
     got, gets = {}, store.gets
     e.submit_load("j", [chunk(key)], collect(got))
-    until(lambda: store.gets > gets)  # the load is under way
+    wait_until("the load to be under way", lambda: store.gets > gets, every_s=0.005)
     e.submit_store(store_job(b"s" * 16, 5))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [] and (got[(key, 0)] == layers(4)[0]).all()
@@ -635,7 +628,7 @@ def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_pat
     monkeypatch.setattr(files(e), "write", hung_write)
     for i in range(DISK_THREADS + 1):  # every write thread hung, one more write queued
         e.submit_store(job(bytes([0xE0 + i]) * 16, layers(9), disk=True))
-    until(lambda: len(hung) == DISK_THREADS)  # every write thread is hung
+    wait_until("every write thread to hang", lambda: len(hung) == DISK_THREADS, every_s=0.005)
     # Twice as many reads as threads: half of them wait for a thread first.
     e.submit_load("j", [chunk(k, Tier.DISK) for k in keys], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
