@@ -196,6 +196,7 @@ class WorkerSide:
         self.engine.on_s3_stored = lambda key: publisher.stored(fingerprint(key))
         if journal is not None:
             self.engine.on_s3_storing = journal.storing
+            self.engine.on_s3_settled = journal.settled
         self.engine.spawn(publisher.run())
         self.publisher = publisher
 

@@ -54,7 +54,9 @@ log = logging.getLogger("s3kv.manifest")
 ENV_VAR = "S3KV_JOURNAL_DIR"
 _RECORD = struct.Struct("<c16s")
 """b"I" + a chunk key: its PUT is starting; b"S" + a fingerprint (8 bytes,
-then 8 zero bytes): the PUT created the object."""
+then 8 zero bytes): the PUT created the object; b"N" + a chunk key: the PUT
+was answered without creating it (a 412: the object in the way is
+another's to publish, and may be one the fleet was told is bad)."""
 _started = False
 
 
@@ -126,6 +128,11 @@ class RankJournal:
         with self._lock:
             self._fps.write(_RECORD.pack(b"I", key))
 
+    def settled(self, key: bytes) -> None:
+        """The PUT of ``key``'s object was answered and created nothing."""
+        with self._lock:
+            self._fps.write(_RECORD.pack(b"N", key))
+
     def stored(self, fp: int) -> None:
         """The PUT created the object of the key whose fingerprint is ``fp``."""
         with self._lock:
@@ -154,7 +161,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def _unpublished(directory: Path, writer: str) -> tuple[list[int], list[bytes], int]:
     """What a rank stored beyond what it published (fingerprints), the keys
-    whose PUTs started and never returned, and the last stamp it used."""
+    whose last PUT started and never returned, and the last stamp it used."""
     data = (directory / f"{writer}.fps").read_bytes()
     stored: list[int] = []
     started: dict[int, bytes] = {}
@@ -163,6 +170,8 @@ def _unpublished(directory: Path, writer: str) -> tuple[list[int], list[bytes], 
             stored.append(int.from_bytes(body[:8], "little"))
         elif kind == b"I":
             started[int.from_bytes(body[:8], "big")] = body  # a key's fingerprint: its first 8 bytes
+        elif kind == b"N":
+            started.pop(int.from_bytes(body[:8], "big"), None)
     done, last_ts = 0, 0
     with contextlib.suppress(OSError, ValueError, IndexError):
         done_text = (directory / f"{writer}.done").read_text().split()

@@ -98,6 +98,8 @@ class TransferEngine:
         """Told of each chunk PUT as it starts (the worker's journal)."""
         self.on_s3_stored: Callable[[bytes], None] | None = None
         """Told of each chunk object this engine created in S3 (the worker publishes it)."""
+        self.on_s3_settled: Callable[[bytes], None] | None = None
+        """Told of each chunk PUT answered without creating an object (a 412: another's)."""
 
     def configure(self, fmt: PageFormat, pool: HostPool | None = None) -> None:
         """The KV cache is known: loads must match ``fmt``, stores record it."""
@@ -124,6 +126,7 @@ class TransferEngine:
             self.s3,
             storing=lambda key: self.on_s3_storing(key) if self.on_s3_storing else None,
             stored=lambda key: self.on_s3_stored(key) if self.on_s3_stored else None,
+            settled=lambda key: self.on_s3_settled(key) if self.on_s3_settled else None,
         )
         handlers = [h for cls in HANDLERS if (h := cls.for_worker(env)) is not None]
         for old in self.handlers.values():

@@ -158,3 +158,28 @@ def test_a_put_whose_answer_never_came_is_published_if_its_object_is_sound(s3_se
         j.storing(key)  # then the process dies before any answer
     assert recover(tmp_path) == 1
     assert manifest(config) == {fingerprint(committed)}
+
+
+def test_a_put_answered_by_a_412_is_not_published_by_the_journal(s3_server, bucket, tmp_path):
+    """A 412 is an answer: the object in the way is another's (maybe one a
+    replica reported bad to the fleet), so the journal of a rank killed
+    afterwards does not publish it, however sound its header; a later PUT
+    of the same key that never returned is read back as usual."""
+    import random
+
+    from s3kv.keys import fingerprint, object_key
+    from tests.ops.dataset import _blob
+
+    config = config_of(s3_server, bucket)
+    rng = random.Random(2)
+    theirs, retried = (bytes([i]) * 16 for i in (5, 6))
+    client = s3_server.client()
+    for key in (theirs, retried):
+        client.put_object(Bucket=bucket, Key=object_key("jnl", NS, key, 0), Body=_blob(NS, key, 0, rng))
+    j = journal(tmp_path, config, "w5")
+    for key in (theirs, retried):
+        j.storing(key)
+        j.settled(key)  # both 412s
+    j.storing(retried)  # tried again, then the process dies before the answer
+    assert recover(tmp_path) == 1
+    assert manifest(config) == {fingerprint(retried)}

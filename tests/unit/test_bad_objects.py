@@ -301,10 +301,22 @@ def test_rotation_reads_old_and_new_signs_with_the_first():
         old.decode(b"k" * 16, blob_new, {}.__setitem__, "x")
 
 
+def put_log(e) -> list[tuple[str, bytes]]:
+    """What the engine tells the worker's journal of its PUTs, in order:
+    ("I", key) as one starts, ("S", key) when it created the object, ("N",
+    key) when it was answered without creating one (a 412)."""
+    log: list[tuple[str, bytes]] = []
+    e.on_s3_storing = lambda key: log.append(("I", key))
+    e.on_s3_stored = lambda key: log.append(("S", key))
+    e.on_s3_settled = lambda key: log.append(("N", key))
+    return log
+
+
 def test_a_forged_object_in_the_way_of_a_store_is_replaced_not_published():
     key = b"f" * 16
     store = MemoryStore()
     e = engine(store, keys=keys())
+    log = put_log(e)
     name = e.chunk_id(key).object_key
     forger = engine(MemoryStore())  # valid checksums, no secret, other KV
     put(store, name, forger.codec.encode(key, layers(99)))
@@ -313,6 +325,7 @@ def test_a_forged_object_in_the_way_of_a_store_is_replaced_not_published():
     acc = wait_for(e, lambda a: key in a.written.get(Tier.S3, {}) or key in a.failed.get(Tier.S3, ()))
     assert key in acc.written[Tier.S3]
     assert codec.parse_header(get(store, name), keys()).signed  # ours now
+    assert log == [("I", key), ("N", key), ("I", key), ("S", key)]  # the second PUT created it
     e.close()
 
 
@@ -334,9 +347,11 @@ def test_a_good_signed_object_in_the_way_counts_as_stored():
     store = MemoryStore()
     a = stored_chunk(store, key, 1, keys=keys())
     b = engine(store, keys=keys())
+    log = put_log(b)
     b.submit_store(job(key, layers(2), s3=True))
     acc = wait_for(b, lambda r: key in r.written.get(Tier.S3, {}))
     assert acc.existing == {key} and b.counters.totals()["store_chunks_existing"] == 1
+    assert log == [("I", key), ("N", key)]  # a's object: the journal never publishes it
     a.close()
     b.close()
 

@@ -331,6 +331,7 @@ class WorkerEnv:
     store: ObjectStore | None
     storing: Callable[[bytes], None] | None = None
     stored: Callable[[bytes], None] | None = None
+    settled: Callable[[bytes], None] | None = None
 
 
 class RankReport:

@@ -188,6 +188,7 @@ class S3Handler(TierHandler):
         keys: FleetKeys | None = None,
         storing: Callable[[bytes], None] | None = None,
         stored: Callable[[bytes], None] | None = None,
+        settled: Callable[[bytes], None] | None = None,
         report: RankReport | None = None,
         counters: Counters | None = None,
     ) -> None:
@@ -203,6 +204,10 @@ class S3Handler(TierHandler):
         self.stored = stored
         """Told of each chunk object this handler created (its PUT returned):
         the worker publishes them from here (manifest.publish)."""
+        self.settled = settled
+        """Told of each chunk PUT that was answered without creating an
+        object (a 412): the journal must not publish another's object, which
+        may be one the fleet was told is bad."""
         self._unreadable: dict[bytes, None] = {}
         """Keys whose S3 object refused this rank (a 403 on that object): a
         store that finds it in the way (a 412) does not publish it."""
@@ -231,6 +236,7 @@ class S3Handler(TierHandler):
             keys=env.settings.keys,
             storing=env.storing,
             stored=env.stored,
+            settled=env.settled,
             report=env.report,
             counters=env.counters,
         )
@@ -276,6 +282,8 @@ class S3Handler(TierHandler):
                 self.storing(chunk.key)
             await self.store.put(cid.object_key, blob, mode=PutMode.CREATE)
         except AlreadyExists:
+            if self.settled is not None:
+                self.settled(chunk.key)
             self.counters.add("store_chunks_existing")
             if chunk.key in self._unreadable or not await self._existing_is_ours(cid, blob):
                 self.report.tier_ok(self.tier)  # S3 answered; the object in the way is not one to publish
@@ -334,6 +342,7 @@ class S3Handler(TierHandler):
         published from an object that could not be verified."""
         if self.keys is None:
             return True
+        key = bytes.fromhex(cid.key_hex)
         try:
             await read_header(self.store, cid, chunk_codec=self.codec, prefetch=self.codec.max_header + 64)
             return True
@@ -346,12 +355,17 @@ class S3Handler(TierHandler):
             return False
         except CorruptChunk as e:  # only the object's own bytes: a network fault raises Transient
             log.warning("s3kv: %s exists but does not verify (%s)", cid.object_key, e)
-            key = bytes.fromhex(cid.key_hex)
             self.report.missing(self.tier, key)
             await self._delete_corrupt(key, e.etag)
         try:
+            if self.storing is not None:
+                self.storing(key)
             await self.store.put(cid.object_key, blob, mode=PutMode.CREATE)
         except AlreadyExists:
+            if self.settled is not None:
+                self.settled(key)
             return False  # someone wrote it again first: not verified, not published by us
         self.counters.add("store_chunks_s3")
+        if self.stored is not None:
+            self.stored(key)
         return True
