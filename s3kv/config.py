@@ -22,6 +22,7 @@ from s3kv.units import parse_duration, parse_size, value_text
 Codec = Literal["zstd", "none"]
 CODECS: tuple[str, ...] = ("zstd", "none")
 ADDRESSING_STYLES: tuple[str, ...] = ("auto", "path", "virtual")
+S3_CLIENTS: tuple[str, ...] = ("obstore", "aiobotocore")
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "local_only")
 DISK_FSYNC: tuple[str, ...] = ("never", "always")
 
@@ -58,9 +59,16 @@ class S3KVConfig:
     load_timeout_s: float = _key(30.0, "A chunk load slower than this fails and its tokens are recomputed.")
     range_bytes: int = _key(8 << 20, "Target size of one ranged GET; layers are grouped up to this size.")
     max_connections: int = _key(64, "HTTP connections per process to the store.")
-    s3_max_attempts: int = _key(3, 'Attempts per S3 request (botocore "standard" retry mode).')
+    s3_client: str = _key(
+        "obstore",
+        'Client of chunk GETs and PUTs: "obstore" (native, off the GIL) or "aiobotocore";'
+        " listings, deletes and multipart uploads always use aiobotocore.",
+    )
+    s3_max_attempts: int = _key(3, "Attempts per S3 request (retried with backoff on 5xx and throttling).")
     s3_connect_timeout_s: float = _key(5.0, "TCP connect timeout for S3.")
-    s3_read_timeout_s: float = _key(30.0, "Socket read timeout for S3.")
+    s3_read_timeout_s: float = _key(
+        30.0, "Socket read timeout for S3 (obstore: the bound on one attempt of a request as a whole)."
+    )
     cpu_bytes: int = _key(0, "Size of the (pinned) host-memory tier per worker; 0 turns it off.")
     disk_path: str | None = _key(
         None, "Directory of the local NVMe tier (one per machine); unset turns it off."
@@ -304,6 +312,7 @@ _PARSERS = {
     "load_timeout_s": lambda v: _duration("load_timeout_s", v, 0),
     "range_bytes": lambda v: _size("range_bytes", v, 64 * KiB, GiB),
     "max_connections": lambda v: _int("max_connections", v, 1, 4096),
+    "s3_client": lambda v: _choice("s3_client", v, S3_CLIENTS),
     "s3_max_attempts": lambda v: _int("s3_max_attempts", v, 1, 20),
     "s3_connect_timeout_s": lambda v: _duration("s3_connect_timeout_s", v, 0),
     "s3_read_timeout_s": lambda v: _duration("s3_read_timeout_s", v, 0),

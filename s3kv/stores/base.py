@@ -103,6 +103,13 @@ class ObjectStore(ABC):
         backend tells them (its default tells neither)."""
         return GetResult(await self.get(key, range))
 
+    async def get_buffer(self, key: str, range: ByteRange | None = None) -> GetResult:
+        """:meth:`get_object`, whose ``data`` may be any bytes-like object
+        (``len``, slices, ``+`` and the buffer protocol, not ``bytes``'s
+        methods): a backend that holds the body in its own memory hands it
+        over without copying it into a ``bytes``. For chunk frames."""
+        return await self.get_object(key, range)
+
     @abstractmethod
     async def head(self, key: str) -> ObjectMeta:
         """Size and time of the object; NotFound if absent."""

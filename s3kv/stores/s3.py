@@ -208,7 +208,10 @@ class S3Store(ObjectStore):
                     max_pool_connections=o.max_connections,
                     connect_timeout=o.connect_timeout_s,
                     read_timeout=o.read_timeout_s,
-                    retries={"mode": "standard", "max_attempts": o.max_attempts},
+                    retries={
+                        "mode": "standard",
+                        "total_max_attempts": o.max_attempts,
+                    },  # botocore's max_attempts counts retries
                     s3={"addressing_style": style},
                     tcp_keepalive=True,
                 )

@@ -238,11 +238,11 @@ async def _read_header(
     store: ObjectStore, chunk: ChunkId, chunk_codec: ChunkCodec, prefetch: int, r: _Reading
 ) -> HeaderRead:
     where = chunk.object_key
-    got = await store.get_object(where, ByteRange(0, max(prefetch, codec.PREFIX_LEN)))
+    got = await store.get_buffer(where, ByteRange(0, max(prefetch, codec.PREFIX_LEN)))
     r.etag, first = got.etag, got.data
     need = chunk_codec.header_length(first, where)
     if need > len(first):
-        first += await store.get(where, ByteRange(len(first), need))
+        first += (await store.get_buffer(where, ByteRange(len(first), need))).data
     header = chunk_codec.parse_header(first, where)
     chunk_codec.check(header, chunk.key_hex, where)
     if len(first) > header.object_length or (got.size is not None and got.size != header.object_length):
@@ -322,7 +322,7 @@ async def _fetch_frames(
     jobs = [loop.run_in_executor(executor, decode, first, 0, ready)] if ready else []
 
     async def fetch_and_decode(start: int, end: int, indexes: list[int]) -> int:
-        buf = await store.get(where, ByteRange(start, end))
+        buf = (await store.get_buffer(where, ByteRange(start, end))).data
         if len(buf) != end - start:
             raise CorruptChunk(f"{where}: truncated (range {start}-{end} gave {len(buf)} bytes)")
         if whole is not None:

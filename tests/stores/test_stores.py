@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from s3kv.stores.base import Update
+from s3kv.stores.base import ByteRange, PutMode, Update
 from s3kv.stores.local import LocalStore, partial_path
 from s3kv.stores.memory import MemoryStore
+from s3kv.stores.native import NativeS3Store
 from s3kv.stores.s3 import S3Options, S3Store
 from tests.stores.conformance import StoreConformance
 
@@ -72,6 +73,7 @@ class TestLocalStore(StoreConformance):
 class TestS3Store(StoreConformance):
     # Above the (lowered) multipart threshold: exercises multipart + If-None-Match.
     large_object_bytes = 12 << 20
+    store_class: type[S3Store] = S3Store
 
     @pytest.fixture
     def store(self, s3_server, bucket) -> S3Store:
@@ -83,7 +85,7 @@ class TestS3Store(StoreConformance):
             multipart_threshold=6 << 20,
             part_size=5 << 20,
         )
-        return S3Store(bucket, options)
+        return self.store_class(bucket, options)
 
     def raw_get(self, key: str) -> bytes | None:
         try:
@@ -115,6 +117,23 @@ class TestS3Store(StoreConformance):
         client.meta.events.register("before-send.s3.CompleteMultipartUpload", record)
         await store.put("big", data[:-1], mode=Update(etag))
         assert sent == {"If-Match": etag}
+
+
+class TestNativeS3Store(TestS3Store):
+    """The same suite through obstore (GET, HEAD, single-part PUT); the
+    large objects still go through aiobotocore's multipart upload."""
+
+    store_class = NativeS3Store
+
+    async def test_reads_writes_and_heads_go_through_obstore(self, store: NativeS3Store):
+        sent: list[str] = []
+        client = await store._get_client()
+        client.meta.events.register("before-send.s3", lambda **kw: sent.append(kw["event_name"]))
+        await store.put("n/a", b"x" * 1000, mode=PutMode.CREATE)
+        assert await store.get("n/a", ByteRange(10, 20)) == b"x" * 10
+        assert (await store.head("n/a")).size == 1000
+        assert sent == []  # not one request through botocore
+        assert type(store._native).__module__.startswith("obstore")
 
 
 @pytest.mark.parametrize(
@@ -203,8 +222,12 @@ class FakeS3:
         self.response = response
         self.requests = 0
 
+    last: FakeS3 | None = None
+
     async def __aenter__(self) -> str:
         import asyncio
+
+        FakeS3.last = self
 
         async def serve(reader, writer):
             try:
@@ -222,8 +245,11 @@ class FakeS3:
         self._server.close()
 
 
-def fake_store(endpoint: str) -> S3Store:
-    return S3Store("b", S3Options(endpoint_url=endpoint, region="us-east-1", max_attempts=1))
+STORES = pytest.mark.parametrize("store_class", [S3Store, NativeS3Store], ids=["aiobotocore", "obstore"])
+
+
+def fake_store(endpoint: str, store_class: type[S3Store] = S3Store, attempts: int = 1) -> S3Store:
+    return store_class("b", S3Options(endpoint_url=endpoint, region="us-east-1", max_attempts=attempts))
 
 
 def error_response(status: int, reason: str, code: str) -> bytes:
@@ -232,12 +258,13 @@ def error_response(status: int, reason: str, code: str) -> bytes:
     return (head + "Connection: close\r\n\r\n" + body).encode()
 
 
-async def test_a_connection_dropped_mid_body_is_transient():
+@STORES
+async def test_a_connection_dropped_mid_body_is_transient(store_class):
     from s3kv.errors import Transient
 
     head = b'HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nETag: "e"\r\nConnection: close\r\n\r\n'
     async with FakeS3(head + b"x" * 100) as endpoint:
-        store = fake_store(endpoint)
+        store = fake_store(endpoint, store_class)
         try:
             with pytest.raises(Transient):
                 await store.get("k")
@@ -245,7 +272,8 @@ async def test_a_connection_dropped_mid_body_is_transient():
             await store.close()
 
 
-async def test_the_s3_store_tells_refused_credentials_from_a_refused_object():
+@STORES
+async def test_the_s3_store_tells_refused_credentials_from_a_refused_object(store_class):
     from s3kv.errors import PermissionDenied
 
     for status, reason, code, credentials in (
@@ -254,10 +282,59 @@ async def test_the_s3_store_tells_refused_credentials_from_a_refused_object():
         (400, "Bad Request", "ExpiredToken", True),
     ):
         async with FakeS3(error_response(status, reason, code)) as endpoint:
-            store = fake_store(endpoint)
+            store = fake_store(endpoint, store_class)
             try:
                 with pytest.raises(PermissionDenied) as err:
                     await store.get("k")
             finally:
                 await store.close()
         assert err.value.credentials is credentials, code
+
+
+@STORES
+@pytest.mark.parametrize(
+    ("status", "reason", "code", "kind"),
+    [
+        (503, "Slow Down", "SlowDown", "Throttled"),
+        (500, "Internal Server Error", "InternalError", "Transient"),
+        (416, "Range Not Satisfiable", "InvalidRange", "RangeNotSatisfiable"),
+        (404, "Not Found", "NoSuchKey", "NotFound"),
+    ],
+)
+async def test_server_errors_map_onto_s3kv_errors_and_5xx_are_retried(
+    store_class, status, reason, code, kind
+):
+    """A 5xx is retried up to the attempts configured (with backoff), then
+    raised as the s3kv error of its kind; a 4xx is not retried."""
+    async with FakeS3(error_response(status, reason, code)) as endpoint:
+        fake = FakeS3.last
+        store = fake_store(endpoint, store_class, attempts=3)
+        try:
+            with pytest.raises(Exception) as err:
+                await store.get("k", ByteRange(0, 10))
+        finally:
+            await store.close()
+    assert type(err.value).__name__ == kind, err.value
+    assert fake.requests == (3 if status >= 500 else 1), fake.requests
+
+
+@STORES
+async def test_a_server_that_never_answers_times_out_as_transient(store_class):
+    import asyncio
+
+    from s3kv.errors import Transient
+
+    async def silent(reader, writer):
+        await asyncio.sleep(30)
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    endpoint = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    options = S3Options(endpoint_url=endpoint, region="us-east-1", max_attempts=1, read_timeout_s=0.5)
+    store = store_class("b", options)
+    try:
+        with pytest.raises(Transient):
+            await asyncio.wait_for(store.get("k"), 20)
+    finally:
+        await store.close()
+        server.close()
