@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.common import ROOT, Result, git_rev, machine
 
-SUITE = ("codec", "load_path", "store_path", "lookup", "ttft")
+SUITE = ("codec", "s3_clients", "load_path", "store_path", "lookup", "ttft")
 HERE = Path(__file__).resolve().parent
 
 

@@ -28,10 +28,10 @@ from benchmarks.common import Bar, Result, main_for, median, run_replica, verdic
 
 NAME = "codec"
 TITLE = "Codec: encode/decode MB/s per core and ratio, on KV pages from the vLLM CPU engine"
-GOAL_MBS = 1000.0
+GOAL_MBS = 2000.0
 GOAL = (
-    "decoding never bounds a load: s3kv's default codec (zstd 1, shuffled, checksummed) decodes "
-    f">= {GOAL_MBS / 1000:.0f} GB/s of KV per core (the issue states no number)"
+    "decoding never bounds a load: s3kv's default codec (checksummed, as loads decode it) decodes "
+    f">= {GOAL_MBS / 1000:.0f} GB/s of KV per core (issue 17)"
 )
 LEVELS = (-3, 1, 3, 9)
 CHUNK_TOKENS = 256
@@ -152,6 +152,30 @@ def run(work: Path, quick: bool) -> Result:
         return out
 
     measure("none (a copy)", lambda a: a.tobytes(), copy_out)
+    import blosc2
+
+    scratch = np.empty(frames[0].nbytes, dtype=np.uint8)
+
+    def into_scratch(stored: Any) -> np.ndarray:
+        blosc2.decompress2(stored, dst=scratch)
+        return scratch
+
+    for level in (1, 3):
+        measure(
+            f"blosc2 zstd {level} + shuffle (into a buffer)",
+            lambda a, level=level: codec.blosc2_compress(a, itemsize, level),
+            into_scratch,
+            bar=f"blosc2 {level}",
+        )
+    for level in (1,):
+        measure(
+            f"blosc2 lz4 {level} + shuffle (into a buffer)",
+            lambda a, level=level: blosc2.compress2(
+                a, typesize=itemsize, clevel=level, codec=blosc2.Codec.LZ4, filters=[blosc2.Filter.SHUFFLE]
+            ),
+            into_scratch,
+            bar=f"blosc2 lz4 {level}",
+        )
     for level in LEVELS:
         c = zstandard.ZstdCompressor(level=level, write_content_size=True)
         measure(
@@ -198,7 +222,7 @@ def run(work: Path, quick: bool) -> Result:
 
         def decode_all() -> None:
             for (key, engine), blob in zip(engines, blobs):
-                engine.decode(key, blob, lambda _i, _page: None, "chunk")
+                engine.decode(key, blob, lambda _i, _page: None, "chunk", scratch=True)
 
         enc = _per_second(encode_all, raw, repeats)
         dec = _per_second(decode_all, raw, repeats)
@@ -210,7 +234,9 @@ def run(work: Path, quick: bool) -> Result:
             ):
                 raise AssertionError(f"s3kv {codec_name}: decode does not give back the pages")
         ratio = raw / sum(len(b) for b in blobs)
-        name = ("none" if codec_name == "none" else f"zstd {level} + shuffle") + (", MAC" if keys else "")
+        name = {"none": "none", "zstd": f"zstd {level} + shuffle", "blosc2": f"blosc2 zstd {level}"}[
+            codec_name
+        ] + (", MAC" if keys else "")
         label = f"s3kv encode/decode, {name}"
         rows.append([label, round(ratio, 3), round(enc), round(dec), "yes" if dec >= GOAL_MBS else "no"])
         if ratio > 1.01:
@@ -218,10 +244,13 @@ def run(work: Path, quick: bool) -> Result:
         print(f"  {label:40s} ratio {ratio:6.3f}  encode {enc:7.0f} MB/s  decode {dec:7.0f} MB/s")
         return dec
 
+    from s3kv.config import DEFAULTS
+
     s3kv_rows("none", 1)
-    default_dec = s3kv_rows("zstd", 1)
+    decs = {name: s3kv_rows(name, 1) for name in ("zstd", "blosc2")}
     s3kv_rows("none", 1, fleet)
-    signed_dec = s3kv_rows("zstd", 1, fleet)
+    signed = {name: s3kv_rows(name, 1, fleet) for name in ("zstd", "blosc2")}
+    default_dec, signed_dec = decs[DEFAULTS.codec], signed[DEFAULTS.codec]
 
     # Where the default decode's time goes, each step alone over every frame.
     c1 = zstandard.ZstdCompressor(level=1, write_content_size=True)
@@ -252,16 +281,19 @@ def run(work: Path, quick: bool) -> Result:
         "shuffle, decode the unshuffle into a new array (as s3kv's reader does). 'none (a copy)' is a "
         "memcpy into a new buffer: the floor any decode pays.",
         "s3kv rows run the engine's ChunkCodec.encode / decode (the one chunk reader, set to the "
-        "pages) on whole chunks (8 frames): JSON header, xxh3_64 of every frame, identity, page "
-        "format and length checks, zstd level 1 with byte shuffle (item size 2, the bf16 KV "
-        "cache's) - what every S3 and disk load decodes.",
+        "pages, decoding into its reused buffer as loads do) on whole chunks (8 frames): JSON header, "
+        "xxh3_64 of every frame, identity, page format and length checks, then zstd level 1 after "
+        "s3kv's numpy byte shuffle, or blosc2 (its SIMD shuffle and zstd level 1 in one C pass), "
+        f"item size 2 (the bf16 KV cache's). The default codec is {DEFAULTS.codec}.",
+        "blosc2 rows decode into one reused buffer of a frame's size (what the s3kv reader does); the "
+        "other raw rows into a new array.",
         "The plot shows the decode rate of the variants that compress (ratio > 1.01); the others "
         "(no codec, and negative levels without shuffle, which store the pages as they are) decode at "
         "memcpy speed and are in the table only.",
         f"Goal line: {GOAL_MBS:.0f} MB/s per core, a round target above what one core's share of a "
         "fast instance's S3 bandwidth is (e.g. 100 Gbit/s over 12 cores is about 1 GB/s per core); "
         "the issue states the goal without a number.",
-        "Time of s3kv's default decode, step by step (MB/s of raw bytes, one thread): "
+        "Time of s3kv's zstd decode, step by step (MB/s of raw bytes, one thread): "
         + ", ".join(f"{k} {v:.0f}" for k, v in steps.items())
         + (". The unshuffle costs more than zstd itself." if steps["unshuffle"] < steps["zstd"] else "."),
         "With a fleet secret (S3KV_AUTH_KEY) a reader checks each frame's keyed-BLAKE3 MAC instead of "
@@ -283,7 +315,9 @@ def run(work: Path, quick: bool) -> Result:
         ],
         rows=rows,
         verdict=verdict(
-            met, f"s3kv's zstd 1 decodes {default_dec:.0f} MB/s per core ({default_dec / GOAL_MBS:.2f}x)"
+            met,
+            f"s3kv's default ({DEFAULTS.codec}) decodes {default_dec:.0f} MB/s per core "
+            f"({default_dec / GOAL_MBS:.2f}x)",
         ),
         notes=notes,
         bars=bars,

@@ -24,6 +24,7 @@ by its name: sound first, then, with the keys, signed (else
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -37,7 +38,20 @@ from s3kv.ops.inventory import HEAD_BYTES
 from s3kv.stores.base import ByteRange, GetResult, ObjectStore
 
 FrameSink = Callable[[int, np.ndarray], None]
-"""Called once per layer with that layer's decoded page bytes (uint8)."""
+"""Called once per layer with that layer's decoded page bytes (uint8). With
+``scratch`` decoding (the worker's loads), the array is a buffer the thread
+reuses for the next frame: the sink copies what it keeps before it returns."""
+
+_scratch = threading.local()
+
+
+def scratch_buffer(nbytes: int) -> np.ndarray:
+    """This thread's reused decode buffer of exactly ``nbytes`` bytes: each
+    frame decodes into it in one pass, and the sink copies it into the pages."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.nbytes != nbytes:
+        buf = _scratch.buf = np.empty(nbytes, dtype=np.uint8)
+    return buf
 
 
 @dataclass(frozen=True)
@@ -170,7 +184,10 @@ class ChunkReader:
             raise CorruptChunk(
                 _at(where, f"shuffle item size {header.shuffle}, the pages' items are {fmt.itemsize}")
             )
-        bound = zstd_bound(fmt.layer_bytes) if header.codec == "zstd" else fmt.layer_bytes
+        bound = {
+            "zstd": zstd_bound(fmt.layer_bytes),
+            "blosc2": fmt.layer_bytes + codec.BLOSC2_OVERHEAD,
+        }.get(header.codec, fmt.layer_bytes)
         for i, f in enumerate(header.frames):
             if f.raw_length != fmt.layer_bytes or not 0 < f.length <= bound:
                 raise CorruptChunk(
@@ -189,18 +206,24 @@ class ChunkReader:
         indexes: Iterable[int],
         sink: FrameSink,
         where: str | None = None,
+        *,
+        scratch: bool = False,
     ) -> None:
         """Check and decode frames ``indexes`` of a header that passed
         :meth:`check`, from ``buf`` (the object's bytes from offset
-        ``base``), handing each to ``sink`` in turn. What ``sink`` raises
-        passes as it is: it is the caller's, not the object's."""
+        ``base``), handing each to ``sink`` in turn (with ``scratch``, in
+        this thread's reused buffer: see :data:`FrameSink`). What ``sink``
+        raises passes as it is: it is the caller's, not the object's."""
         mv = memoryview(buf)
         for i in indexes:
             f = header.frames[i]
             if f.end - base > len(buf):
                 raise CorruptChunk(_at(where, f"truncated in frame {i}"))
+            out = scratch_buffer(f.raw_length) if scratch and self.fmt is not None else None
             with checking_bytes(where):
-                data = codec.decode_frame(header, i, mv[f.offset - base : f.end - base], keys=self.keys)
+                data = codec.decode_frame(
+                    header, i, mv[f.offset - base : f.end - base], out=out, keys=self.keys
+                )
             sink(i, data)
 
     def decode(
@@ -212,6 +235,7 @@ class ChunkReader:
         key: str,
         rank: int,
         where: str | None = None,
+        scratch: bool = False,
     ) -> codec.ChunkHeader:
         """Check a whole object, chunk ``key`` (hex) of ``namespace`` and
         ``rank``, and hand each decoded layer to ``sink``; returns its header."""
@@ -221,7 +245,7 @@ class ChunkReader:
             raise CorruptChunk(
                 _at(where, f"object is {len(data)} bytes, its header says {header.object_length}")
             )
-        self.decode_frames(header, data, 0, range(len(header.frames)), sink, where)
+        self.decode_frames(header, data, 0, range(len(header.frames)), sink, where, scratch=scratch)
         return header
 
     def check_macs(self, data: bytes | memoryview, where: str | None = None) -> codec.ChunkHeader:

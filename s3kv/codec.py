@@ -31,6 +31,14 @@ secret, only version 2 objects whose MACs verify are read. A version 2
 object without the flag (only the builds between the two wrote them) reads
 as unsigned. A higher version raises :class:`UnsupportedFormat`: a newer
 s3kv's object, unusable here but not damaged.
+
+Codecs: ``zstd`` frames are s3kv's byte shuffle (numpy, plane by plane)
+then zstd; ``none`` frames are the page bytes. Both are versions 1 and 2.
+``blosc2`` frames are one blosc2 chunk each (python-blosc2: SIMD shuffle and
+zstd in one C pass, decoded straight into the destination buffer); such an
+object is version 3 (signed or not, by the flag), so that s3kv builds from
+before it refuse it by its version (a miss to them, never "corrupt", which
+a replica may delete) instead of misreading it.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import blosc2
 import numpy as np
 import xxhash
 import zstandard
@@ -54,7 +63,8 @@ if TYPE_CHECKING:
 MAGIC = b"S3KV"
 UNSIGNED_VERSION = 1
 SIGNED_VERSION = 2
-READ_VERSIONS = (UNSIGNED_VERSION, SIGNED_VERSION)
+BLOSC2_VERSION = 3
+READ_VERSIONS = (UNSIGNED_VERSION, SIGNED_VERSION, BLOSC2_VERSION)
 FLAG_SIGNED = 1
 PREFIX = struct.Struct("<4sHHIQI")
 PREFIX_LEN = PREFIX.size  # 24
@@ -63,7 +73,21 @@ MAX_HEADER_LEN = 1 << 20
 MAX_FRAME_RAW = 256 << 20
 """The most a frame may decode to where no engine says what its pages are
 (``s3kv verify``): a frame that claims more is corrupt, not decompressed."""
-CODECS = ("zstd", "none")
+CODECS = ("zstd", "none", "blosc2")
+VERSION_CODECS = {
+    UNSIGNED_VERSION: ("zstd", "none"),
+    SIGNED_VERSION: ("zstd", "none"),
+    BLOSC2_VERSION: ("blosc2",),
+}
+"""The codecs each version's objects may use."""
+# One frame per call on s3kv's codec threads: blosc2 works on the calling
+# thread only, and lets go of the GIL meanwhile (python-blosc2 holds it by
+# default, which would serialise the codec threads and stall the engine's
+# own Python). Both are process-wide settings of blosc2.
+blosc2.set_nthreads(1)
+blosc2.set_releasegil(True)
+BLOSC2_OVERHEAD = blosc2.MAX_OVERHEAD
+"""The most a blosc2 chunk adds to what it holds (incompressible bytes are copied)."""
 MAX_SHUFFLE = 16
 
 
@@ -184,6 +208,40 @@ def unshuffle(
     return out
 
 
+def blosc2_compress(raw: np.ndarray, itemsize: int, level: int) -> bytes:
+    """One frame as a blosc2 chunk: shuffled by ``itemsize``, zstd at
+    ``level`` (clamped to blosc2's 1..9), on this thread only."""
+    return blosc2.compress2(
+        raw,
+        typesize=itemsize,
+        clevel=max(1, min(9, level)),
+        codec=blosc2.Codec.ZSTD,
+        filters=[blosc2.Filter.SHUFFLE],
+    )
+
+
+def _blosc2_decode(
+    index: int, stored: bytes | memoryview, raw_length: int, out: np.ndarray | None
+) -> np.ndarray:
+    """A blosc2 frame into ``out`` (or a new buffer), after its own header
+    agrees with the frame table: nothing is written past ``raw_length``."""
+    try:
+        nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(stored)
+    except Exception as e:
+        raise CorruptChunk(f"frame {index}: not a blosc2 chunk: {e}") from e
+    if nbytes != raw_length or cbytes != len(stored):
+        raise CorruptChunk(
+            f"frame {index}: blosc2 chunk of {nbytes} bytes in {cbytes}, the frame table says "
+            f"{raw_length} in {len(stored)}"
+        )
+    dst = np.empty(raw_length, dtype=np.uint8) if out is None else out.reshape(-1)
+    try:
+        blosc2.decompress2(stored, dst=dst)
+    except Exception as e:
+        raise CorruptChunk(f"frame {index}: blosc2: {e}") from e
+    return dst
+
+
 def _frame_tag(keys: FleetKeys, stored: bytes | memoryview) -> bytes:
     return keys.sign("chunk", b"frame", stored)
 
@@ -206,7 +264,7 @@ def encode_chunk(
     ``keys``, the object is signed with the fleet's signing key."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}")
-    shuffle_size = itemsize if codec == "zstd" else 1
+    shuffle_size = itemsize if codec in ("zstd", "blosc2") else 1
     stored: list[bytes | memoryview] = []
     raw_lengths: list[int] = []
     for layer in layers:
@@ -218,6 +276,8 @@ def encode_chunk(
         raw_lengths.append(raw.size)
         if codec == "zstd":
             stored.append(_compressor(level).compress(shuffle(raw, shuffle_size)))
+        elif codec == "blosc2":
+            stored.append(blosc2_compress(raw, shuffle_size, level))
         else:
             stored.append(memoryview(np.ascontiguousarray(raw)).cast("B"))
     tags = [_frame_tag(keys, blob).hex() for blob in stored] if keys is not None else None
@@ -256,6 +316,8 @@ def encode_chunk(
     else:  # pragma: no cover - offsets converge in two passes
         raise AssertionError("header length did not converge")
     version, flags = (SIGNED_VERSION, FLAG_SIGNED) if keys is not None else (UNSIGNED_VERSION, 0)
+    if codec == "blosc2":
+        version = BLOSC2_VERSION
     prefix = PREFIX.pack(MAGIC, version, flags, len(header), xxhash.xxh3_64_intdigest(header), 0)
     mac = [keys.sign("chunk", b"header", prefix, header)] if keys is not None else []
     return b"".join([prefix, header, *mac, *stored])
@@ -270,7 +332,7 @@ def header_length(prefix: bytes | memoryview, max_header_len: int = MAX_HEADER_L
     if magic != MAGIC:
         raise CorruptChunk(f"bad magic {bytes(magic)!r}: not an s3kv chunk object")
     if version not in READ_VERSIONS:
-        if version > SIGNED_VERSION:
+        if version > max(READ_VERSIONS):
             raise UnsupportedFormat(version, READ_VERSIONS)
         raise CorruptChunk(f"chunk format version {version}: no s3kv writes it")
     if flags & ~FLAG_SIGNED or zero or (flags and version < SIGNED_VERSION):
@@ -330,8 +392,8 @@ def parse_header(
         raise
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
         raise CorruptChunk(f"malformed header: {type(e).__name__}: {e}") from e
-    if parsed.codec not in CODECS:
-        raise CorruptChunk(f"unknown codec {parsed.codec!r}")
+    if parsed.codec not in VERSION_CODECS[version]:
+        raise CorruptChunk(f"codec {parsed.codec!r} in a version {version} object")
     if not 1 <= parsed.shuffle <= MAX_SHUFFLE or (parsed.codec == "none" and parsed.shuffle != 1):
         raise CorruptChunk(f"bad shuffle item size {parsed.shuffle}")
     expect = total
@@ -373,6 +435,8 @@ def decode_frame(
         raise CorruptChunk(f"frame {index}: checksum mismatch")
     if out is not None and out.nbytes != frame.raw_length:
         raise CorruptChunk(f"frame {index}: holds {frame.raw_length} bytes, the page needs {out.nbytes}")
+    if header.codec == "blosc2":
+        return _blosc2_decode(index, stored, frame.raw_length, out)  # unshuffled in the same pass
     if header.codec == "none":
         if frame.length != frame.raw_length:
             raise CorruptChunk(f"frame {index}: {frame.length} stored bytes for {frame.raw_length} raw ones")

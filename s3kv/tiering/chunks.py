@@ -126,9 +126,14 @@ class ChunkCodec:
         nothing a header says is allocated before it passed."""
         self.reader.check(header, self.namespace, key_hex, self.rank, where)
 
-    def decode(self, key: bytes, blob: bytes | memoryview, sink: FrameSink, where: str) -> None:
-        """Check a whole object and hand each decoded layer to ``sink``."""
-        self.reader.decode(blob, sink, namespace=self.namespace, key=key.hex(), rank=self.rank, where=where)
+    def decode(
+        self, key: bytes, blob: bytes | memoryview, sink: FrameSink, where: str, *, scratch: bool = False
+    ) -> None:
+        """Check a whole object and hand each decoded layer to ``sink`` (with
+        ``scratch``, in a reused buffer: see :data:`FrameSink`)."""
+        self.reader.decode(
+            blob, sink, namespace=self.namespace, key=key.hex(), rank=self.rank, where=where, scratch=scratch
+        )
 
 
 class ChunkData:
@@ -315,7 +320,7 @@ async def _fetch_frames(
             raise _SinkFailed() from e
 
     def decode(buf: bytes, base: int, indexes: list[int]) -> None:
-        chunk_codec.reader.decode_frames(header, buf, base, indexes, checked_sink, where)
+        chunk_codec.reader.decode_frames(header, buf, base, indexes, checked_sink, where, scratch=True)
 
     have = len(first)
     ready = [i for i, f in enumerate(header.frames) if f.end <= have]

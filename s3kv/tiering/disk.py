@@ -107,7 +107,7 @@ class DiskTier:
         costs one failed load."""
         blob = self.read_blob(key)
         try:
-            self.codec.decode(key, blob, sink, str(self.path(key)))
+            self.codec.decode(key, blob, sink, str(self.path(key)), scratch=True)
         except CorruptChunk:
             self.delete(key)
             raise

@@ -556,16 +556,16 @@ def test_bad_bytes_are_corrupt_whatever_the_check_raises(monkeypatch):
 
 
 def test_an_object_of_a_newer_format_is_missing_not_corrupt():
-    """A newer s3kv's object (format version 3): this replica cannot use it,
+    """A newer s3kv's object (format version 4): this replica cannot use it,
     but it is not damaged: not deleted, not reported bad, only missing here."""
     key = b"v" * 16
     store = MemoryStore()
     e = stored_chunk(store, key, 10)
     name = e.chunk_id(key).object_key
     newer = bytearray(get(store, name))
-    newer[4:6] = (3).to_bytes(2, "little")
+    newer[4:6] = (4).to_bytes(2, "little")
     put(store, name, bytes(newer))
-    with pytest.raises(NotFound, match="chunk format version 3; this s3kv reads versions 1, 2"):
+    with pytest.raises(NotFound, match="chunk format version 4; this s3kv reads versions 1, 2, 3"):
         _load(store, key, e)
     e.submit_load("j", [chunk(key)], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)

@@ -34,7 +34,7 @@ def _read(pages, blob, *, namespace=NS, key=KEY, rank=0, keys=None, layers=3, fm
 
 
 @pytest.mark.parametrize("pages", READERS)
-@pytest.mark.parametrize("codec_name", ["zstd", "none"])
+@pytest.mark.parametrize("codec_name", ["blosc2", "zstd", "none"])
 def test_roundtrip(codec_name, pages):
     layers = _layers()
     blob = _encode(codec_name, layers)
@@ -76,37 +76,42 @@ def test_wrong_identity_raises(pages):
 
 @pytest.mark.parametrize("pages", READERS)
 @pytest.mark.parametrize("reader", ["no secret", "the secret", "another secret"])
-@pytest.mark.parametrize("written", ["v1", "v2 signed", "v2 unsigned", "v3", "v0", "v1 flagged"])
+@pytest.mark.parametrize(
+    "written", ["v1", "v2 signed", "v2 unsigned", "v3", "v3 signed", "v4", "v0", "v1 flagged"]
+)
 def test_which_chunk_versions_each_reader_reads(written, reader, pages):
     """v1: unsigned (refused with a secret). v2: signed, read by its MACs with
     the secret and by its checksums without one (as before this change); a v2
-    object without the flag, from the builds between, reads as unsigned.
+    object without the flag, from the builds between, reads as unsigned. v3:
+    blosc2 frames, signed (by the flag) or not, read as v1 and v2 are.
     Higher: UnsupportedFormat naming the version; v0 and a flagged v1: corrupt."""
     keys = {"no secret": None, "the secret": FleetKeys([SECRET]), "another secret": FleetKeys([OTHER])}
     blob = {
         "v1": _small(),
         "v2 signed": _small(FleetKeys([SECRET])),
         "v2 unsigned": _with_version(_small(), 2),
-        "v3": _with_version(_small(FleetKeys([SECRET])), 3),
+        "v3": _small(codec_name="blosc2"),
+        "v3 signed": _small(FleetKeys([SECRET]), codec_name="blosc2"),
+        "v4": _with_version(_small(FleetKeys([SECRET])), 4),
         "v0": _with_version(_small(), 0),
         "v1 flagged": _with_version(_small(FleetKeys([SECRET])), 1),
     }[written]
     k = keys[reader]
     readable = {
-        "no secret": {"v1", "v2 signed", "v2 unsigned"},
-        "the secret": {"v2 signed"},
+        "no secret": {"v1", "v2 signed", "v2 unsigned", "v3", "v3 signed"},
+        "the secret": {"v2 signed", "v3 signed"},
         "another secret": set(),
     }[reader]
     if written in readable:
         header, out = _read(pages, blob, keys=k, layers=2, fmt=SMALL_FMT)
-        assert header.signed == (written == "v2 signed")
+        assert header.signed == written.endswith(" signed")
         assert [a.tolist() for a in out] == [list(range(i, 16 + i)) for i in range(2)]
         return
     with pytest.raises(CorruptChunk) as e:
         _read(pages, blob, keys=k, layers=2, fmt=SMALL_FMT)
-    if written == "v3":
-        assert isinstance(e.value, UnsupportedFormat) and e.value.version == 3
-        assert str(e.value) == "chunk format version 3; this s3kv reads versions 1, 2"
+    if written == "v4":
+        assert isinstance(e.value, UnsupportedFormat) and e.value.version == 4
+        assert str(e.value) == "chunk format version 4; this s3kv reads versions 1, 2, 3"
     else:
         assert not isinstance(e.value, UnsupportedFormat)
         why = {
@@ -115,6 +120,8 @@ def test_which_chunk_versions_each_reader_reads(written, reader, pages):
             "v1": "unsigned object",
             "v2 unsigned": "unsigned object",
             "v2 signed": "not one of the fleet's keys",
+            "v3": "unsigned object",
+            "v3 signed": "not one of the fleet's keys",
         }[written]
         assert why in str(e.value)
 

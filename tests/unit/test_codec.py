@@ -193,3 +193,95 @@ def test_which_manifest_versions_each_reader_reads(written, reader):
         assert isinstance(e.value, UnsignedManifest)
     else:
         assert not isinstance(e.value, UnsignedManifest)
+
+
+# -- blosc2 frames: version 3 ------------------------------------------------------------
+
+
+def test_blosc2_objects_roundtrip_at_zstd_s_ratio_and_are_version_3():
+    layers = _layers(size=1 << 16)
+    blob = _encode("blosc2", layers)
+    header = codec.parse_header(blob)
+    assert (header.version, header.codec, header.shuffle) == (3, "blosc2", 2)
+    for i, f in enumerate(header.frames):
+        out = np.empty(f.raw_length, np.uint8)
+        got = codec.decode_frame(header, i, blob[f.offset : f.end], out=out)
+        assert got.base is out or got is out  # decoded in place, one pass
+        assert (out == layers[i]).all()
+    assert len(blob) <= 1.01 * len(_encode("zstd", layers))  # shuffled + zstd: the same ratio, or better
+    keys = FleetKeys([SECRET])
+    signed = _encode_keys("blosc2", layers, keys)
+    _magic, version, flags, *_ = codec.PREFIX.unpack_from(signed)
+    assert (version, flags) == (3, codec.FLAG_SIGNED)
+    h = codec.parse_header(signed, keys)
+    f = h.frames[0]
+    assert (codec.decode_frame(h, 0, signed[f.offset : f.end], keys=keys) == layers[0]).all()
+
+
+def _encode_keys(codec_name, layers, keys):
+    return codec.encode_chunk(
+        namespace=NS,
+        key=KEY,
+        rank=0,
+        tokens=64,
+        layers=layers,
+        dtype="bfloat16",
+        itemsize=2,
+        page_shape=[2, 2, 32, 128],
+        codec=codec_name,
+        keys=keys,
+    )
+
+
+def test_each_version_admits_only_its_codecs():
+    """An older reader (versions 1 and 2) refuses a blosc2 object by its
+    version, a miss rather than corruption; here a version that does not go
+    with its codec is corrupt."""
+    with pytest.raises(CorruptChunk, match="codec 'blosc2' in a version 1 object"):
+        codec.parse_header(_with_version(_encode("blosc2"), 1))
+    with pytest.raises(CorruptChunk, match="codec 'zstd' in a version 3 object"):
+        codec.parse_header(_with_version(_encode("zstd"), 3))
+    from s3kv.errors import UnsupportedFormat
+
+    with pytest.raises(UnsupportedFormat):
+        codec.parse_header(_with_version(_encode("blosc2"), 4))
+
+
+def _refit(blob: bytes, index: int, stored: bytes) -> tuple[codec.ChunkHeader, bytes]:
+    """The header, and frame ``index`` replaced by ``stored`` with a checksum
+    that passes: what a forger with write access (and no secret) can make."""
+    header = codec.parse_header(blob)
+    f = header.frames[index]
+    frames = list(header.frames)
+    frames[index] = codec.Frame(f.offset, len(stored), f.raw_length, xxhash.xxh3_64_intdigest(stored), None)
+    return codec.ChunkHeader(**{**header.__dict__, "frames": tuple(frames)}), stored
+
+
+def test_a_blosc2_frame_that_lies_about_its_sizes_is_corrupt_before_it_is_decoded():
+    import blosc2
+
+    layers = _layers(size=1 << 14)
+    blob = _encode("blosc2", layers)
+    raw = layers[0]
+    out = np.zeros(raw.size, np.uint8)
+    bigger = blosc2.compress2(np.concatenate([raw, raw]), typesize=2, codec=blosc2.Codec.ZSTD)
+    header, stored = _refit(blob, 0, bigger)  # would write twice the page
+    with pytest.raises(CorruptChunk, match="blosc2 chunk of"):
+        codec.decode_frame(header, 0, stored, out=out)
+    assert not out.any()  # nothing written
+    header, stored = _refit(blob, 0, b"\x05" * 64)  # not blosc2 at all
+    with pytest.raises(CorruptChunk, match="blosc2"):
+        codec.decode_frame(header, 0, stored, out=out)
+    good = codec.parse_header(blob).frames[0]
+    header, stored = _refit(blob, 0, blob[good.offset : good.end - 10])  # cut short
+    with pytest.raises(CorruptChunk, match="blosc2 chunk of"):
+        codec.decode_frame(header, 0, stored, out=out)
+
+
+def test_blosc2_lets_go_of_the_gil_and_works_on_the_calling_thread_only():
+    """s3kv decodes frames on several codec threads at once: blosc2 must not
+    hold the GIL meanwhile (python-blosc2's default), nor start threads of its own."""
+    import blosc2
+
+    assert blosc2.set_releasegil(True) is True  # what s3kv.codec set (this returns the previous value)
+    assert blosc2.nthreads == 1
