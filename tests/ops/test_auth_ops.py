@@ -296,10 +296,11 @@ def test_verify_tells_unsigned_from_corrupt():
     check_chunk(name, resigned(signed, keys, 1))  # sound without the secret: only a MAC fails
 
 
-def _newer(data: bytes) -> bytes:
-    """The same object as a newer s3kv's format version 3 would carry it."""
+def _newer(data: bytes, version: int = 4) -> bytes:
+    """The same object as a newer s3kv's format ``version`` would carry it
+    (chunks: 4, the first this s3kv does not read; manifests: 3)."""
     out = bytearray(data)
-    out[4:6] = (3).to_bytes(2, "little")
+    out[4:6] = version.to_bytes(2, "little")
     return bytes(out)
 
 
@@ -318,13 +319,13 @@ def test_verify_reports_newer_formats_and_never_deletes_them():
         for i, data in ((1, chunk(1, None)), (2, _newer(chunk(2, None))), (3, bytes(damaged))):
             await store.put(names[i], data)
         seg = mp.segment_name(BASE, int(time.time() * 1000), "newer", 1)
-        await store.put(seg, _newer(mf.encode(mf.ManifestObject("segment", np.array([5], np.uint64)))))
+        await store.put(seg, _newer(mf.encode(mf.ManifestObject("segment", np.array([5], np.uint64))), 3))
         inv = await scan(store, PREFIX)
         rep = await verify(store, inv, sample=None)
         assert {p.key for p in rep.unsupported} == {names[2], seg}
         assert {p.key for p in rep.corrupt} == {names[3]}
         doc = rep.as_dict()
-        assert "chunk format version 3; this s3kv reads versions 1, 2" in doc["unsupported"][0]["reason"]
+        assert "chunk format version 4; this s3kv reads versions 1, 2, 3" in doc["unsupported"][0]["reason"]
         assert "manifest format version 3" in doc["unsupported"][1]["reason"]
         assert await delete_corrupt(store, inv, rep, lease=None, skew_s=60) == [names[3]]
         assert await store.exists(names[2]) and await store.exists(seg)

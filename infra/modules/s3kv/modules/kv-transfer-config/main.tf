@@ -15,6 +15,7 @@ locals {
     "load_timeout_s",
     "range_bytes",
     "max_connections",
+    "s3_client",
     "s3_max_attempts",
     "s3_connect_timeout_s",
     "s3_read_timeout_s",
