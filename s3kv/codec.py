@@ -415,6 +415,21 @@ def check_frame_mac(header: ChunkHeader, index: int, stored: bytes | memoryview,
         raise CorruptChunk(f"frame {index}: MAC mismatch")
 
 
+def check_frame(
+    header: ChunkHeader, index: int, stored: bytes | memoryview | np.ndarray, keys: FleetKeys | None = None
+) -> None:
+    """Check frame ``index``'s stored bytes: its length, then its MAC (with
+    ``keys``, and a header that passed them) or its checksum."""
+    frame = header.frames[index]
+    n = stored.nbytes if isinstance(stored, np.ndarray) else len(stored)
+    if n != frame.length:
+        raise CorruptChunk(f"frame {index}: got {n} bytes, expected {frame.length}")
+    if keys is not None:
+        check_frame_mac(header, index, stored, keys)
+    elif xxhash.xxh3_64_intdigest(stored) != frame.checksum:
+        raise CorruptChunk(f"frame {index}: checksum mismatch")
+
+
 def decode_frame(
     header: ChunkHeader,
     index: int,
@@ -427,12 +442,7 @@ def decode_frame(
     checked instead of its checksum. Nothing is decompressed into more than
     the frame's raw length, which the caller checked against its page."""
     frame = header.frames[index]
-    if len(stored) != frame.length:
-        raise CorruptChunk(f"frame {index}: got {len(stored)} bytes, expected {frame.length}")
-    if keys is not None:
-        check_frame_mac(header, index, stored, keys)
-    elif xxhash.xxh3_64_intdigest(stored) != frame.checksum:
-        raise CorruptChunk(f"frame {index}: checksum mismatch")
+    check_frame(header, index, stored, keys)
     if out is not None and out.nbytes != frame.raw_length:
         raise CorruptChunk(f"frame {index}: holds {frame.raw_length} bytes, the page needs {out.nbytes}")
     if header.codec == "blosc2":

@@ -77,6 +77,11 @@ class S3KVConfig:
     disk_path: str | None = _key(
         None, "Directory of the local NVMe tier (one per machine); unset turns it off."
     )
+    disk_codec: str = _key(
+        "none",
+        'Codec of the NVMe tier\'s files: "none" (read with preadv into a reused buffer, checked there)'
+        ', "blosc2" or "zstd"; independent of codec (S3\'s).',
+    )
     disk_bytes: int | None = _key(
         None, "Size cap of the NVMe tier; default 80% of the free space of disk_path at start-up."
     )
@@ -324,6 +329,7 @@ _PARSERS = {
     "shutdown_flush_s": lambda v: _duration("shutdown_flush_s", v, 0),
     "cpu_bytes": lambda v: _size("cpu_bytes", v, 1, 64 * TiB, zero_turns_off=True),
     "disk_path": lambda v: _str("disk_path", v),
+    "disk_codec": lambda v: _choice("disk_codec", v, CODECS),
     "disk_bytes": lambda v: _size("disk_bytes", v, 1, PiB),
     "disk_fsync": lambda v: _choice("disk_fsync", v, DISK_FSYNC),
     "write_policy": lambda v: _choice("write_policy", v, WRITE_POLICIES),

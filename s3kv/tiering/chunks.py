@@ -155,6 +155,8 @@ class ChunkData:
         self.codec = chunk_codec
         self._layers = list(layers) if layers is not None else None
         self._blob = blob
+        self._encoded: dict[tuple[str, int], bytes] = {}
+        """The chunk in other codecs than its own (:meth:`blob_for`)."""
 
     @property
     def raw_bytes(self) -> int:
@@ -175,6 +177,18 @@ class ChunkData:
         if self._blob is None:
             self._blob = self.codec.encode(self.key, self._layers)  # type: ignore[arg-type]
         return self._blob
+
+    def blob_for(self, chunk_codec: ChunkCodec) -> bytes:
+        """The chunk as ``chunk_codec`` encodes it: :attr:`blob` for this
+        chunk's own codec, else encoded from the layers (decoded from the
+        blob first if need be), once per codec."""
+        if chunk_codec == self.codec:
+            return self.blob
+        which = (chunk_codec.codec, chunk_codec.level)
+        blob = self._encoded.get(which)
+        if blob is None:
+            blob = self._encoded[which] = chunk_codec.encode(self.key, self.layers)
+        return blob
 
 
 class _SinkFailed(Exception):

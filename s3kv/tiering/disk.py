@@ -1,9 +1,12 @@
 """The NVMe tier's bytes: one file per chunk shard under ``disk_path``.
 
 ``{disk_path}/{namespace}/{kk}/{key}.r{rank}`` (the shard's name, as
-:func:`s3kv.keys.chunk_path` builds it for S3 too) holds exactly the bytes of
-the S3 object of that shard (so a chunk from S3 is promoted by writing what
-was fetched, and a new chunk is encoded once for both). Files are written to a
+:func:`s3kv.keys.chunk_path` builds it for S3 too) holds the shard in the
+chunk object format, encoded with ``disk_codec`` (by default ``none``: a
+disk is read faster than a frame decodes). A chunk promoted from S3 is
+written as fetched when the two codecs agree, else re-encoded from its
+pages; a file of codec ``none`` is read frame by frame into a reused buffer
+and checked there (:meth:`DiskTier.read`). Files are written to a
 ``*.partial`` name that carries the writer's pid namespace and pid, optionally
 fsync'd, then renamed: a crash never leaves a half file under a real name, and
 a later process removes a dead writer's partials (by pid in its own pid
@@ -30,7 +33,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from s3kv.chunk_reader import FrameSink
+from s3kv import codec as codec_mod
+from s3kv.chunk_reader import FrameSink, checking_bytes, scratch_buffer
 from s3kv.errors import CorruptChunk
 from s3kv.keys import chunk_path, is_namespace_id, is_shard_name, parse_chunk_name
 from s3kv.stores.local import PARTIAL_SUFFIX, atomic_write, is_stale_partial, map_os_error
@@ -61,7 +65,7 @@ class DiskTier:
         return shard_path(self.root, self.codec.namespace, key, self.codec.rank)
 
     def write(self, key: bytes, chunk: ChunkData) -> int:
-        blob = chunk.blob
+        blob = chunk.blob_for(self.codec)
         path = self.path(key)
         try:
             atomic_write(path, blob, fsync=self.fsync)
@@ -77,20 +81,9 @@ class DiskTier:
         is left alone (as the scan leaves it); a file too large to be a
         chunk of this engine's is deleted unread."""
         path = self.path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CorruptChunk(f"{path}: a symlink where a chunk file belongs (not followed)") from None
-            if e.errno == errno.ENXIO:  # a socket
-                raise CorruptChunk(f"{path}: not a regular file") from None
-            raise map_os_error(e, str(path)) from e
+        fd, size = self._open(key)
         limit = self.codec.max_object
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptChunk(f"{path}: not a regular file (mode {stat.filemode(st.st_mode)})")
-            size = st.st_size
             data = b"" if size > limit else _read_at_most(fd, limit + 1)
         except OSError as e:
             raise map_os_error(e, str(path)) from e
@@ -101,17 +94,73 @@ class DiskTier:
             raise CorruptChunk(f"{path}: {max(size, len(data))} bytes, more than a chunk's {limit}")
         return data
 
+    def _open(self, key: bytes) -> tuple[int, int]:
+        """(descriptor, size) of the shard's file, a regular file opened
+        without following a symlink or blocking on a FIFO (see :meth:`read_blob`)."""
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptChunk(f"{path}: a symlink where a chunk file belongs (not followed)") from None
+            if e.errno == errno.ENXIO:  # a socket
+                raise CorruptChunk(f"{path}: not a regular file") from None
+            raise map_os_error(e, str(path)) from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptChunk(f"{path}: not a regular file (mode {stat.filemode(st.st_mode)})")
+        except BaseException as e:
+            os.close(fd)
+            if isinstance(e, OSError):
+                raise map_os_error(e, str(path)) from e
+            raise
+        return fd, st.st_size
+
     def read(self, key: bytes, sink: FrameSink) -> int:
         """Check and decode the file; one that fails (a newer format's
         included: this s3kv cannot use it) is deleted, so that a bad copy
-        costs one failed load."""
-        blob = self.read_blob(key)
+        costs one failed load.
+
+        A file of codec ``none`` is read frame by frame with ``preadv``
+        straight into this thread's reused buffer of a frame's size, and
+        each frame's checksum (or MAC) is computed there, before the sink
+        sees it: one copy from the page cache, then the sink's into the
+        pages. Other codecs read the file whole, then decode."""
+        where = str(self.path(key))
+        fd, size = self._open(key)  # a symlink or special file there is left alone
         try:
-            self.codec.decode(key, blob, sink, str(self.path(key)), scratch=True)
+            try:
+                if size > self.codec.max_object:
+                    raise CorruptChunk(f"{where}: {size} bytes, more than a chunk's {self.codec.max_object}")
+                head = os.pread(fd, min(size, self.codec.max_header + PREFIX_READ), 0)
+                header = self.codec.parse_header(head, where)
+                self.codec.check(header, key.hex(), where)
+                if header.object_length != size:
+                    raise CorruptChunk(f"{where}: {size} bytes, its header says {header.object_length}")
+                if header.codec != "none":
+                    blob = _pread_all(fd, size)
+                    self.codec.reader.decode_frames(
+                        header, blob, 0, range(len(header.frames)), sink, where, scratch=True
+                    )
+                    return size
+                for i, f in enumerate(header.frames):
+                    if f.length != f.raw_length:
+                        raise CorruptChunk(f"{where}: frame {i} stores {f.length} bytes for {f.raw_length}")
+                    buf = scratch_buffer(f.raw_length)
+                    if os.preadv(fd, [buf], f.offset) != f.length:
+                        raise CorruptChunk(f"{where}: truncated in frame {i}")
+                    with checking_bytes(where):
+                        codec_mod.check_frame(header, i, buf, self.codec.keys)
+                    sink(i, buf)
+            except OSError as e:
+                raise map_os_error(e, where) from e
+            finally:
+                os.close(fd)
         except CorruptChunk:
             self.delete(key)
             raise
-        return len(blob)
+        return size
 
     def delete(self, key: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -119,6 +168,23 @@ class DiskTier:
 
     def bytes_used(self) -> int:
         return directory_bytes(self.root)
+
+
+PREFIX_READ = 64
+"""Bytes read past the longest header in the first read (the prefix, the MAC)."""
+
+
+def _pread_all(fd: int, size: int) -> bytes:
+    """The file's first ``size`` bytes (fewer only at its end)."""
+    parts: list[bytes] = []
+    offset = 0
+    while offset < size:
+        part = os.pread(fd, min(size - offset, 1 << 24), offset)
+        if not part:
+            break
+        parts.append(part)
+        offset += len(part)
+    return b"".join(parts)
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:

@@ -37,7 +37,7 @@ TIER_PROMPTS = [
     {"after": 6, "append": [_rng.randrange(3, 2048) for _ in range(40)]},
 ]
 NO_PREFIX_CACHE = {"enable_prefix_caching": False}
-CHUNK_FILE_BYTES = 200 << 10  # a chunk of the test model, encoded, is ~150 KiB
+CHUNK_FILE_BYTES = 200 << 10  # a chunk of the test model on disk (codec none) is ~193 KiB
 
 
 def source(result, name: str) -> float:
@@ -156,12 +156,19 @@ def test_fresh_disk_hits_s3_and_promotes(
     assert source(r, "disk") == 0  # the disk started empty
     assert source(r, "host") >= SHARED  # promoted on the way up
     assert worker_total(r, "store_chunks_s3") == 0  # S3 had everything already
-    # Promoted to the NVMe tier as the very bytes of the S3 objects.
+    # Promoted to the NVMe tier: the very pages of the S3 objects, in the
+    # disk's codec (none by default; S3's is blosc2).
     objects = chunk_objects(s3_server.client(), tier_bucket)
     files = chunk_files(tmp_path)
     assert len(files) >= SHARED // CT
     for f in files:
-        assert f.read_bytes() == objects[f"s3kv/{f.relative_to(tmp_path)}"]
+        ns, key, rank = parse_object_key(str(f.relative_to(tmp_path)))
+        file_header, file_pages = decode_chunk(f.read_bytes(), namespace=ns, key=key.hex(), rank=rank)
+        s3_header, s3_pages = decode_chunk(
+            objects[f"s3kv/{f.relative_to(tmp_path)}"], namespace=ns, key=key.hex(), rank=rank
+        )
+        assert (file_header.codec, s3_header.codec) == ("none", "blosc2")
+        assert [a.tobytes() for a in file_pages] == [a.tobytes() for a in s3_pages]
 
 
 def test_small_tiers_evict_and_stay_correct(baseline_tiers, workdir, model, tmp_path):
@@ -227,3 +234,34 @@ def test_full_disk_drops_stores_and_serves_correctly(baseline_tiers, workdir, mo
         for f in files:
             ns, key, rank = parse_object_key(str(f.relative_to(root)))
             decode_chunk(f.read_bytes(), namespace=ns, key=key.hex(), rank=rank)
+
+
+def test_a_disk_file_corrupted_after_its_header_gives_the_baselines_tokens(
+    tier_a, baseline_tiers, workdir, model, disk1, tmp_path
+):
+    """disk_codec none (the default): frames are read with preadv into a
+    buffer and checked there. Files whose headers are sound and whose frames
+    are not fail their loads; vLLM recomputes those blocks, and the answers
+    are the baseline's (S3 unreachable: the disk is the only source)."""
+    import shutil
+
+    from s3kv import codec
+
+    disk = tmp_path / "disk"
+    shutil.copytree(disk1, disk)
+    files = chunk_files(disk)
+    assert files
+    for path in files:
+        data = bytearray(path.read_bytes())
+        header = codec.parse_header(bytes(data))
+        assert header.codec == "none"
+        f = header.frames[len(header.frames) // 2]
+        data[f.offset + f.length // 2] ^= 0x20  # past every check of the header
+        path.write_bytes(bytes(data))
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = kv_config(
+        dead, "unreachable-bucket", disk_path=str(disk), s3_connect_timeout_s=1, s3_max_attempts=1
+    )
+    r = run_replica(workdir, "tier-disk-corrupt", model, TIER_PROMPTS, config, engine_args=NO_PREFIX_CACHE)
+    assert r["outputs"] == baseline_tiers["outputs"]
+    assert worker_total(r, "load_errors_corrupt") >= 1

@@ -10,7 +10,13 @@ from s3kv.units import parse_duration, parse_size
 def test_defaults_and_sizes():
     c = parse_config({"bucket": "my-bucket", "max_inflight_bytes": "2GiB", "range_bytes": "512 KiB"})
     assert c.bucket == "my-bucket" and c.prefix == "s3kv" and c.chunk_tokens == 256
-    assert c.codec == "blosc2" and c.s3_client == "obstore" and c.max_inflight_bytes == 2 << 30 and c.range_bytes == 512 << 10
+    assert (
+        c.codec == "blosc2"
+        and c.s3_client == "obstore"
+        and c.disk_codec == "none"
+        and c.max_inflight_bytes == 2 << 30
+        and c.range_bytes == 512 << 10
+    )
 
 
 def test_every_key_is_documented():

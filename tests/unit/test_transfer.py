@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from s3kv import codec
 from s3kv.chunk_reader import PageFormat
 from s3kv.errors import Throttled, Transient
 from s3kv.keys import object_key
@@ -205,18 +206,26 @@ def test_write_through_to_every_tier_then_load_from_each(tmp_path):
     e.close()
 
 
-def test_s3_load_promotes_to_cpu_slot_and_disk(tmp_path):
+@pytest.mark.parametrize("disk_codec", ["none", "blosc2"])
+def test_s3_load_promotes_to_cpu_slot_and_disk(tmp_path, disk_codec):
     store = MemoryStore()
     key = b"p" * 16
     stored_chunk(store, key, 8).close()
-    e = engine(store, pool_slots=1, disk_path=tmp_path)
+    e = engine(store, pool_slots=1, disk_path=tmp_path, disk_codec=disk_codec)
     e.submit_load("j", [chunk(key, Tier.S3, promote_slot=0, promote_disk=True)], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads and key in a.written.get(Tier.DISK, {}))
     assert acc.finished_loads["j"] == [] and key in acc.written[Tier.CPU]
     assert pool(e).holds(0, key)
     assert all((v == d).all() for v, d in zip(pool(e).layer_views(0), layers(8)))
-    # The promoted file is the S3 object, byte for byte.
-    assert files(e).read_blob(key) == asyncio.run(store.get(e.chunk_id(key).object_key))
+    s3_object = asyncio.run(store.get(e.chunk_id(key).object_key))
+    blob = files(e).read_blob(key)
+    if disk_codec == e.codec.codec:  # the promoted file is the S3 object, byte for byte
+        assert blob == s3_object
+    else:  # the same pages, in the disk's codec
+        assert codec.parse_header(blob).codec == disk_codec != codec.parse_header(s3_object).codec
+        got: dict[int, np.ndarray] = {}
+        files(e).read(key, lambda i, a: got.__setitem__(i, a.copy()))
+        assert all((got[i] == d).all() for i, d in enumerate(layers(8)))
     e.close()
 
 

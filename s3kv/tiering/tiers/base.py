@@ -286,6 +286,7 @@ class EngineSettings:
     threads: int = 4
     """The engine's codec threads (not a config key)."""
     disk_path: str | None = DEFAULTS.disk_path
+    disk_codec: str = DEFAULTS.disk_codec
     disk_fsync: bool = DEFAULTS.disk_fsync == "always"
     disk_timeout_s: float = DEFAULTS.disk_timeout_s
     """A chunk read or write on the NVMe tier slower than this, from when a
@@ -311,6 +312,7 @@ class EngineSettings:
             max_inflight_bytes=config.max_inflight_bytes,
             load_timeout_s=config.load_timeout_s,
             disk_path=config.disk_path,
+            disk_codec=config.disk_codec,
             disk_fsync=config.disk_fsync == "always",
             disk_timeout_s=config.disk_timeout_s,
             keys=keys,

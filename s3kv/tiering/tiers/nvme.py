@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -365,8 +366,9 @@ class NvmeHandler(TierHandler):
     def for_worker(cls, env: WorkerEnv) -> NvmeHandler | None:
         if env.settings.disk_path is None:
             return None
+        files_codec = dataclasses.replace(env.codec, codec=env.settings.disk_codec)
         return cls(
-            DiskTier(Path(env.settings.disk_path), env.codec, fsync=env.settings.disk_fsync),
+            DiskTier(Path(env.settings.disk_path), files_codec, fsync=env.settings.disk_fsync),
             timeout_s=env.settings.disk_timeout_s,
             write_queue_s=env.settings.load_timeout_s,
             report=env.report,

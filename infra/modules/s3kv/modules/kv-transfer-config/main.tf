@@ -21,6 +21,7 @@ locals {
     "s3_read_timeout_s",
     "cpu_bytes",
     "disk_path",
+    "disk_codec",
     "disk_bytes",
     "disk_fsync",
     "disk_timeout_s",
