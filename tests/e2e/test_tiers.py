@@ -262,6 +262,10 @@ def test_a_disk_file_corrupted_after_its_header_gives_the_baselines_tokens(
     config = kv_config(
         dead, "unreachable-bucket", disk_path=str(disk), s3_connect_timeout_s=1, s3_max_attempts=1
     )
-    r = run_replica(workdir, "tier-disk-corrupt", model, TIER_PROMPTS, config, engine_args=NO_PREFIX_CACHE)
-    assert r["outputs"] == baseline_tiers["outputs"]
+    # Not the chat's second turn: its chunk of turn 1's generated tokens,
+    # recomputed here, is a prefill's KV where the baseline reuses decode's
+    # (their float sums differ, and a near-tied greedy token may flip).
+    prompts = TIER_PROMPTS[:7]
+    r = run_replica(workdir, "tier-disk-corrupt", model, prompts, config, engine_args=NO_PREFIX_CACHE)
+    assert r["outputs"] == baseline_tiers["outputs"][:7]
     assert worker_total(r, "load_errors_corrupt") >= 1
