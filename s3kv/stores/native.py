@@ -52,7 +52,7 @@ from s3kv.errors import (
     Transient,
 )
 from s3kv.stores.base import ByteRange, GetResult, ObjectMeta, PutMode, Update, check_key
-from s3kv.stores.s3 import _CREDENTIALS, _DENIED, _THROTTLED, S3Options, S3Store
+from s3kv.stores.s3 import _CREDENTIALS, _DENIED, _THROTTLED, NO_CREDENTIALS, S3Options, S3Store
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]{1,100})</Code>")
@@ -115,10 +115,7 @@ class _BotocoreCredentials:
         except Exception as e:  # a provider in the chain is misconfigured
             raise ConfigError(f"AWS credentials could not be loaded: {e}") from e
         if self._credentials is None:
-            raise ConfigError(
-                "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-                "AWS_PROFILE, or run with an instance or pod role"
-            )
+            raise ConfigError(NO_CREDENTIALS)
         self.region = region or session.get_config_variable("region") or "us-east-1"
         self.failed = False
 
@@ -157,16 +154,13 @@ class NativeS3Store(S3Store):
 
                 o = self.options
                 credentials = _BotocoreCredentials(o.region)
-                style = o.addressing_style
-                if style == "auto":
-                    style = "path" if o.endpoint_url else "virtual"
                 config: dict[str, Any] = {"region": credentials.region}
                 if o.endpoint_url:
                     config["endpoint"] = o.endpoint_url
                 self._native = ObstoreS3(
                     self.bucket,
                     config=config,
-                    virtual_hosted_style_request=style == "virtual",
+                    virtual_hosted_style_request=o.virtual_hosted,
                     credential_provider=credentials,
                     client_options={
                         "allow_http": bool(o.endpoint_url and o.endpoint_url.startswith("http://")),

@@ -60,6 +60,10 @@ _CREDENTIALS = {
 for keys unknown or expired, signatures or tokens rejected, a clock too far
 off to sign, an account or bucket closed to it): every request fails alike."""
 _EXISTS = {"PreconditionFailed", "412"}
+NO_CREDENTIALS = (
+    "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+    "AWS_PROFILE, or run with an instance or pod role"
+)
 _THROTTLED = {
     "SlowDown",
     "Throttling",
@@ -87,6 +91,13 @@ class S3Options:
     multipart_threshold: int = 32 << 20
     part_size: int = 8 << 20
     part_concurrency: int = 8
+
+    @property
+    def virtual_hosted(self) -> bool:
+        """Virtual-host addressing? (``auto``: path style with an endpoint.)"""
+        if self.addressing_style == "auto":
+            return not self.endpoint_url
+        return self.addressing_style == "virtual"
 
     @classmethod
     def from_config(cls, config: S3KVConfig) -> S3Options:
@@ -200,9 +211,6 @@ class S3Store(ObjectStore):
         async with self._client_lock:
             if self._client is None:
                 o = self.options
-                style = o.addressing_style
-                if style == "auto":
-                    style = "path" if o.endpoint_url else "virtual"
                 config = AioConfig(
                     region_name=o.region,
                     max_pool_connections=o.max_connections,
@@ -212,7 +220,7 @@ class S3Store(ObjectStore):
                         "mode": "standard",
                         "total_max_attempts": o.max_attempts,
                     },  # botocore's max_attempts counts retries
-                    s3={"addressing_style": style},
+                    s3={"addressing_style": "virtual" if o.virtual_hosted else "path"},
                     tcp_keepalive=True,
                 )
                 stack = contextlib.AsyncExitStack()
@@ -249,10 +257,7 @@ class S3Store(ObjectStore):
         except Exception as e:  # a provider in the chain is misconfigured
             raise ConfigError(f"AWS credentials could not be loaded: {e}") from e
         if credentials is None:
-            raise ConfigError(
-                "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-                "AWS_PROFILE, or run with an instance or pod role"
-            )
+            raise ConfigError(NO_CREDENTIALS)
         client = await self._get_client()
         try:
             await client.head_bucket(Bucket=self.bucket)

@@ -73,30 +73,11 @@ class DiskTier:
             raise map_os_error(e, str(path)) from e
         return len(blob)
 
-    def read_blob(self, key: bytes) -> bytes:
-        """The file's bytes, not yet checked, read only from a regular file
-        at the shard's own name (never through a symlink, never blocking on
-        a FIFO) and never more than one of this engine's objects can be.
-        CorruptChunk for anything else: a symlink, FIFO or directory there
-        is left alone (as the scan leaves it); a file too large to be a
-        chunk of this engine's is deleted unread."""
-        path = self.path(key)
-        fd, size = self._open(key)
-        limit = self.codec.max_object
-        try:
-            data = b"" if size > limit else _read_at_most(fd, limit + 1)
-        except OSError as e:
-            raise map_os_error(e, str(path)) from e
-        finally:
-            os.close(fd)
-        if size > limit or len(data) > limit:
-            self.delete(key)
-            raise CorruptChunk(f"{path}: {max(size, len(data))} bytes, more than a chunk's {limit}")
-        return data
-
     def _open(self, key: bytes) -> tuple[int, int]:
-        """(descriptor, size) of the shard's file, a regular file opened
-        without following a symlink or blocking on a FIFO (see :meth:`read_blob`)."""
+        """(descriptor, size) of the shard's file, read only from a regular
+        file at the shard's own name: never through a symlink, never
+        blocking on a FIFO. CorruptChunk for anything else (a symlink, FIFO
+        or directory there is left alone, as the scan leaves it)."""
         path = self.path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -131,7 +112,7 @@ class DiskTier:
         fd, size = self._open(key)  # a symlink or special file there is left alone
         try:
             try:
-                if size > self.codec.max_object:
+                if size > self.codec.max_object:  # deleted unread
                     raise CorruptChunk(f"{where}: {size} bytes, more than a chunk's {self.codec.max_object}")
                 head = os.pread(fd, min(size, self.codec.max_header + PREFIX_READ), 0)
                 header = self.codec.parse_header(head, where)
@@ -139,7 +120,7 @@ class DiskTier:
                 if header.object_length != size:
                     raise CorruptChunk(f"{where}: {size} bytes, its header says {header.object_length}")
                 if header.codec != "none":
-                    blob = _pread_all(fd, size)
+                    blob = _read_at_most(fd, size)  # from the start: only preads came before
                     self.codec.reader.decode_frames(
                         header, blob, 0, range(len(header.frames)), sink, where, scratch=True
                     )
@@ -172,19 +153,6 @@ class DiskTier:
 
 PREFIX_READ = 64
 """Bytes read past the longest header in the first read (the prefix, the MAC)."""
-
-
-def _pread_all(fd: int, size: int) -> bytes:
-    """The file's first ``size`` bytes (fewer only at its end)."""
-    parts: list[bytes] = []
-    offset = 0
-    while offset < size:
-        part = os.pread(fd, min(size - offset, 1 << 24), offset)
-        if not part:
-            break
-        parts.append(part)
-        offset += len(part)
-    return b"".join(parts)
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:

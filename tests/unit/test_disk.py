@@ -661,8 +661,10 @@ def test_a_disk_file_larger_than_a_chunk_is_deleted_unread(tmp_path, monkeypatch
     with open(path, "ab") as f:
         f.truncate(limit + 1)  # sparse: costs no disk
     reads = []
-    real_read = os.read
+    real_read, real_pread, real_preadv = os.read, os.pread, os.preadv
     monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    monkeypatch.setattr(os, "pread", lambda fd, n, off: reads.append(n) or real_pread(fd, n, off))
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: reads.append(bufs) or real_preadv(fd, bufs, off))
     with pytest.raises(CorruptChunk, match=f"{limit + 1} bytes, more than a chunk's {limit}"):
         read_raw(through_handler(tier), key, None)
     assert reads == [] and not path.exists()

@@ -218,7 +218,7 @@ def test_s3_load_promotes_to_cpu_slot_and_disk(tmp_path, disk_codec):
     assert pool(e).holds(0, key)
     assert all((v == d).all() for v, d in zip(pool(e).layer_views(0), layers(8)))
     s3_object = asyncio.run(store.get(e.chunk_id(key).object_key))
-    blob = files(e).read_blob(key)
+    blob = files(e).path(key).read_bytes()
     if disk_codec == e.codec.codec:  # the promoted file is the S3 object, byte for byte
         assert blob == s3_object
     else:  # the same pages, in the disk's codec

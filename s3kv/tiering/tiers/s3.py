@@ -277,27 +277,35 @@ class S3Handler(TierHandler):
     async def write(self, place: Place, chunk: ChunkData, start: float | None = None) -> int | None:
         cid = self.chunk_id(chunk.key)
         blob = chunk.blob
-        try:
-            if self.storing is not None:
-                self.storing(chunk.key)
-            await self.store.put(cid.object_key, blob, mode=PutMode.CREATE)
-        except AlreadyExists:
-            if self.settled is not None:
-                self.settled(chunk.key)
-            self.counters.add("store_chunks_existing")
-            if chunk.key in self._unreadable or not await self._existing_is_ours(cid, blob):
-                self.report.tier_ok(self.tier)  # S3 answered; the object in the way is not one to publish
-                return None
-            with self.report.edit() as r:
-                r.existing.add(chunk.key)
-        else:
-            self.counters.add("store_chunks_s3")
+        if await self._create(chunk.key, cid, blob):
             self.counters.add("store_bytes_s3", len(blob))
             if start is not None:
                 self.counters.observe("store_seconds_s3", time.perf_counter() - start)
-            if self.stored is not None:
-                self.stored(chunk.key)
+            return len(blob)
+        self.counters.add("store_chunks_existing")
+        if chunk.key in self._unreadable or not await self._existing_is_ours(cid, blob):
+            self.report.tier_ok(self.tier)  # S3 answered; the object in the way is not one to publish
+            return None
+        with self.report.edit() as r:
+            r.existing.add(chunk.key)
         return len(blob)
+
+    async def _create(self, key: bytes, cid: ChunkId, blob: bytes) -> bool:
+        """A create-only PUT of ``key``'s object: True if it created it
+        (counted, and told to the worker to publish), False on a 412. The
+        journal hears of it as it starts and when a 412 answers it."""
+        try:
+            if self.storing is not None:
+                self.storing(key)
+            await self.store.put(cid.object_key, blob, mode=PutMode.CREATE)
+        except AlreadyExists:
+            if self.settled is not None:
+                self.settled(key)
+            return False
+        self.counters.add("store_chunks_s3")
+        if self.stored is not None:
+            self.stored(key)
+        return True
 
     async def delete(self, place: Place, key: bytes) -> None:
         await self.store.delete(self.chunk_id(key).object_key)
@@ -357,15 +365,5 @@ class S3Handler(TierHandler):
             log.warning("s3kv: %s exists but does not verify (%s)", cid.object_key, e)
             self.report.missing(self.tier, key)
             await self._delete_corrupt(key, e.etag)
-        try:
-            if self.storing is not None:
-                self.storing(key)
-            await self.store.put(cid.object_key, blob, mode=PutMode.CREATE)
-        except AlreadyExists:
-            if self.settled is not None:
-                self.settled(key)
-            return False  # someone wrote it again first: not verified, not published by us
-        self.counters.add("store_chunks_s3")
-        if self.stored is not None:
-            self.stored(key)
-        return True
+        # False: someone wrote it again first (not verified, not published by us).
+        return await self._create(key, cid, blob)
