@@ -120,15 +120,30 @@ def _scatter(data: bytes, offset: int, length: int, pages: list[np.ndarray], ski
             break
 
 
-async def _plain_s3(client: Any, case: Case, blocks: list[list[np.ndarray]], range_bytes: int) -> None:
-    """Every object with parallel ranged GETs, each range copied into the blocks."""
+async def _aiobotocore_range(client: Any, key: str, start: int, end: int) -> bytes:
+    resp = await client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={start}-{end - 1}")
+    async with resp["Body"] as body:
+        return await body.read()
+
+
+async def _obstore_range(store: Any, key: str, start: int, end: int) -> Any:
+    """obstore's body, shared from Rust's memory (not copied)."""
+    import obstore
+
+    got = await obstore.get_async(store, key, options={"range": (start, end)})
+    return await got.bytes_async()
+
+
+async def _plain_s3(
+    client: Any, case: Case, blocks: list[list[np.ndarray]], range_bytes: int, get_range: Any
+) -> None:
+    """Every object with parallel ranged GETs (``get_range(client, key, start,
+    end)``), each range copied into the blocks."""
 
     async def one(i: int, key: str, size: int, frames: list[tuple[int, int]]) -> None:
         async def part(start: int) -> None:
             end = min(start + range_bytes, size)
-            resp = await client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={start}-{end - 1}")
-            async with resp["Body"] as body:
-                data = await body.read()
+            data = await get_range(client, key, start, end)
             ids = case.chunks[i].block_ids
             for layer, (off, length) in enumerate(frames):
                 lo, hi = max(off, start), min(off + length, end)
@@ -140,30 +155,10 @@ async def _plain_s3(client: Any, case: Case, blocks: list[list[np.ndarray]], ran
     await asyncio.gather(*(one(i, *entry) for i, entry in enumerate(case.layout)))
 
 
-async def _plain_obstore(store: Any, case: Case, blocks: list[list[np.ndarray]], range_bytes: int) -> None:
-    """:func:`_plain_s3` with obstore's GETs (the body shared from Rust's memory, not copied)."""
-    import obstore
-
-    async def one(i: int, key: str, size: int, frames: list[tuple[int, int]]) -> None:
-        async def part(start: int) -> None:
-            end = min(start + range_bytes, size)
-            got = await obstore.get_async(store, key, options={"range": (start, end)})
-            data = await got.bytes_async()
-            ids = case.chunks[i].block_ids
-            for layer, (off, length) in enumerate(frames):
-                lo, hi = max(off, start), min(off + length, end)
-                if lo < hi:
-                    _scatter(data, lo - start, hi - lo, [blocks[layer][b] for b in ids], lo - off)
-
-        await asyncio.gather(*(part(s) for s in range(0, size, range_bytes)))
-
-    await asyncio.gather(*(one(i, *entry) for i, entry in enumerate(case.layout)))
-
-
 def _run_plain_s3(
-    loop: Any, client: Any, case: Case, blocks: list[list[np.ndarray]], range_bytes: int, fetch: Any = None
+    loop: Any, client: Any, case: Case, blocks: list[list[np.ndarray]], range_bytes: int, get_range: Any
 ) -> None:
-    loop.run_until_complete((fetch or _plain_s3)(client, case, blocks, range_bytes))
+    loop.run_until_complete(_plain_s3(client, case, blocks, range_bytes, get_range))
 
 
 def _plain_disk(case: Case, paths: list[str], blocks: list[list[np.ndarray]], pool: Any) -> None:
@@ -377,9 +372,11 @@ def run(work: Path, quick: bool) -> Result:
                 for tier_name, tier, prepare in tiers:
                     runs: dict[str, Any] = {"s3kv": functools.partial(_s3kv_load, case, tier, sink)}
                     if tier is Tier.S3:  # two plain clients: the goal is against the faster
-                        aio = functools.partial(_run_plain_s3, loop, client, case, blocks, range_bytes)
+                        aio = functools.partial(
+                            _run_plain_s3, loop, client, case, blocks, range_bytes, _aiobotocore_range
+                        )
                         nat = functools.partial(
-                            _run_plain_s3, loop, native, case, blocks, range_bytes, _plain_obstore
+                            _run_plain_s3, loop, native, case, blocks, range_bytes, _obstore_range
                         )
                         runs["plain"] = lambda job, aio=aio: aio()
                         runs["plain obstore"] = lambda job, nat=nat: nat()
