@@ -166,3 +166,30 @@ def main_for(module_run: Callable[[Path, bool], Result], default_work: str) -> i
     if args.json:
         Path(args.json).write_text(text)
     return 0
+
+
+def start_server(kind: str, work: Path) -> tuple[Any, dict[str, str], list[int]]:
+    """A loopback S3 server of ``kind`` (moto, radosgw): the server, its
+    credentials, and the pids whose CPU counts as the server's."""
+    if kind == "radosgw":
+        from benchmarks.radosgw import RadosGW
+
+        gw = RadosGW(work / "radosgw").start()
+        return gw, gw.env(), gw.pids()
+    from s3kv.demo.loopback_s3 import LoopbackS3
+
+    server = LoopbackS3().start()
+    creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
+    return server, creds, [server.proc.pid]
+
+
+def server_arg(default: str = "moto") -> str:
+    """The ``--server moto|radosgw`` argument, taken out of sys.argv."""
+    if "--server" not in sys.argv:
+        return default
+    i = sys.argv.index("--server")
+    kind = sys.argv[i + 1]
+    del sys.argv[i : i + 2]
+    if kind not in ("moto", "radosgw"):
+        raise SystemExit(f"--server: {kind!r}, expected moto or radosgw")
+    return kind

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import Bar, Result, main_for, median, verdict
+from benchmarks.common import Bar, Result, main_for, median, server_arg, start_server, verdict
 
 NAME = "load_path"
 TITLE = "Load path: s3kv vs a plain client, from loopback S3 and from disk"
@@ -230,7 +230,7 @@ def _s3kv_load(case: Case, tier: Any, sink: Any, job: str) -> None:
         time.sleep(POLL_S)
 
 
-def run(work: Path, quick: bool) -> Result:
+def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     import torch
     from aiobotocore.config import AioConfig
     from aiobotocore.session import get_session
@@ -238,7 +238,6 @@ def run(work: Path, quick: bool) -> Result:
     from s3kv.chunk_reader import PageFormat
     from s3kv.config import S3KVConfig
     from s3kv.connector.pages import PageIO
-    from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.keys import Namespace
     from s3kv.stores.factory import make_store
     from s3kv.tiering.chunks import ChunkData
@@ -291,8 +290,8 @@ def run(work: Path, quick: bool) -> Result:
         for t in target:
             t.zero_()
 
-    server = LoopbackS3().start()
-    server_pid = server.proc.pid
+    server, creds, server_pids = start_server(server_kind, work)
+    os.environ.update(creds)  # both sides find them the standard way
     cases: list[Case] = []
     server_s_per_gb: dict[str, float] = {}
     rows: list[list[Any]] = []
@@ -399,11 +398,11 @@ def run(work: Path, quick: bool) -> Result:
                         for who in order:
                             if prepare is not None:
                                 prepare()
-                            t0, c0, s0 = time.perf_counter(), time.process_time(), _cpu_seconds(server_pid)
+                            t0, c0, s0 = time.perf_counter(), time.process_time(), _server_cpu(server_pids)
                             runs[who](f"{case.codec}-{tier_name}-{r}")
                             got[who] = time.perf_counter() - t0
                             cpu[who].append(time.process_time() - c0)
-                            server_cpu[who].append(_cpu_seconds(server_pid) - s0)
+                            server_cpu[who].append(_server_cpu(server_pids) - s0)
                             for t in target:
                                 t.zero_()
                         for who, t in got.items():
@@ -497,13 +496,17 @@ def run(work: Path, quick: bool) -> Result:
         "'disk, page cache' reads files just written and still cached (the CPU cost of each path); "
         "'disk, cold' evicts the files from the page cache (posix_fadvise DONTNEED, after an fsync) "
         "before every run, so both sides read the block device.",
-        "CPU s/GB: CPU seconds of the client process (all threads) per GB of object bytes; the moto "
-        "server spent "
+        "CPU s/GB: CPU seconds of the client process (all threads) per GB of object bytes; the "
+        f"{server_kind} server spent "
         + ", ".join(f"{v:.2f} s/GB with codec {k}" for k, v in server_s_per_gb.items())
         + f". On this {n_cores}-core machine client and server share the cores, so S3 throughput is "
         "bounded by their CPU together: a client that spends more CPU per byte (checksums, zstd, copies) "
-        "slows the server down too, which real S3 would not. moto also closes every connection "
-        "(each GET is a new TCP connection, for both clients).",
+        "slows the server down too, which real S3 would not."
+        + (
+            " moto also closes every connection (each GET is a new TCP connection, for both clients)."
+            if server_kind == "moto"
+            else ""
+        ),
         f"torch runs {torch.get_num_threads()} intra-op threads here (its default, as in a vLLM CPU "
         "worker); s3kv's host sink uses no torch op, so its codec threads start no OpenMP work.",
         f"The goal applies to the default config ({defaults.codec} level {defaults.zstd_level}) on every "
@@ -512,7 +515,7 @@ def run(work: Path, quick: bool) -> Result:
     ]
     return Result(
         name=NAME,
-        title=TITLE,
+        title=TITLE if server_kind == "moto" else f"{TITLE} ({server_kind})",
         goal=GOAL + f" (S3: {defaults.codec} level {defaults.zstd_level}; disk: {defaults.disk_codec})",
         columns=list(COLUMNS),
         rows=rows,
@@ -524,5 +527,10 @@ def run(work: Path, quick: bool) -> Result:
     )
 
 
+def _server_cpu(pids: list[int]) -> float:
+    return sum(_cpu_seconds(p) for p in pids)
+
+
 if __name__ == "__main__":
-    sys.exit(main_for(run, "s3kv-bench-load_path"))
+    kind = server_arg()
+    sys.exit(main_for(lambda work, quick: run(work, quick, kind), "s3kv-bench-load_path"))

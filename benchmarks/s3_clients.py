@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Bar, Result, main_for, median
+from benchmarks.common import Bar, Result, main_for, median, server_arg, start_server
 
 NAME = "s3_clients"
 TITLE = "S3 clients: aiobotocore vs obstore vs awscrt"
@@ -204,27 +204,13 @@ async def _batch(client: Any, op: str, keys: list[str], data: bytes) -> None:
     await asyncio.gather(*(one(k) for k in keys))
 
 
-def _server(kind: str, work: Path) -> tuple[Any, dict[str, str], list[int]]:
-    """The server, its credentials, and the pids whose CPU counts as the server's."""
-    if kind == "radosgw":
-        from benchmarks.radosgw import RadosGW
-
-        gw = RadosGW(work / "radosgw").start()
-        return gw, gw.env(), gw.pids()
-    from s3kv.demo.loopback_s3 import LoopbackS3
-
-    server = LoopbackS3().start()
-    creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
-    return server, creds, [server.proc.pid]
-
-
 def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     import boto3
 
     sizes = (2, 8, 32)
     total = (64 if quick else 128) * MiB
     repeats = 2 if quick else 3
-    server, creds, pids = _server(server_kind, work)
+    server, creds, pids = start_server(server_kind, work)
     rows: list[list[Any]] = []
     bars: list[Bar] = []
     summary: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
@@ -322,10 +308,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
 
 def _main() -> int:
     server = "moto"
-    if "--server" in sys.argv:
-        i = sys.argv.index("--server")
-        server = sys.argv[i + 1]
-        del sys.argv[i : i + 2]
+    server = server_arg()
     return main_for(lambda work, quick: run(work, quick, server), "s3kv-bench-s3-clients")
 
 

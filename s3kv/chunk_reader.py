@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +41,47 @@ FrameSink = Callable[[int, np.ndarray], None]
 """Called once per layer with that layer's decoded page bytes (uint8). With
 ``scratch`` decoding (the worker's loads), the array is a buffer the thread
 reuses for the next frame: the sink copies what it keeps before it returns."""
+
+
+@dataclass(frozen=True)
+class PageTarget:
+    """Where one layer's frame of a loaded chunk goes, when the sink can say:
+    ``buffers`` (writable uint8, in the frame's byte order, their sizes
+    summing to the frame's raw length) are the KV pages themselves, or a
+    pinned staging buffer on a device; ``commit`` makes the bytes written
+    there the pages (on a device: the copy to it), once they passed their
+    check."""
+
+    buffers: list[np.ndarray]
+    commit: Callable[[], None]
+
+
+FrameRead = Callable[[list[np.ndarray]], None]
+"""Reads one frame's bytes into the buffers given, in order, and checks
+them there: raises CorruptChunk if they fail."""
+
+
+def read_frame(sink: FrameSink, layer: int, nbytes: int, read: FrameRead) -> None:
+    """Have ``read`` put layer ``layer``'s ``nbytes`` straight where they go
+    when ``sink`` offers that (its ``read_into``: see
+    :meth:`~s3kv.tiering.tiers.base.Gate.read_into`), else into this
+    thread's scratch buffer, handed to ``sink`` once checked."""
+    read_into = getattr(sink, "read_into", None)
+    if read_into is not None:
+        read_into(layer, nbytes, read)
+        return
+    buf = scratch_buffer(nbytes)
+    read([buf])
+    sink(layer, buf)
+
+
+def scatter(data: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
+    """Copy ``data`` (uint8) into ``buffers``, one after the other."""
+    at = 0
+    for b in buffers:
+        np.copyto(b, data[at : at + b.nbytes])
+        at += b.nbytes
+
 
 _scratch = threading.local()
 
@@ -219,12 +260,43 @@ class ChunkReader:
             f = header.frames[i]
             if f.end - base > len(buf):
                 raise CorruptChunk(_at(where, f"truncated in frame {i}"))
-            out = scratch_buffer(f.raw_length) if scratch and self.fmt is not None else None
-            with checking_bytes(where):
-                data = codec.decode_frame(
-                    header, i, mv[f.offset - base : f.end - base], out=out, keys=self.keys
+            stored = mv[f.offset - base : f.end - base]
+            if scratch and self.fmt is not None:
+                read_frame(
+                    sink,
+                    i,
+                    f.raw_length,
+                    lambda out, i=i, stored=stored: self._decode_into(header, i, stored, out, where),
                 )
+                continue
+            with checking_bytes(where):
+                data = codec.decode_frame(header, i, stored, keys=self.keys)
             sink(i, data)
+
+    def _decode_into(
+        self,
+        header: codec.ChunkHeader,
+        i: int,
+        stored: memoryview,
+        out: list[np.ndarray],
+        where: str | None,
+    ) -> None:
+        """Check frame ``i`` and decode it into ``out`` (see :data:`FrameRead`):
+        in one pass where ``out`` is one buffer, else through this thread's
+        scratch buffer; an unshuffled frame of codec none is copied from
+        ``stored`` once checked. Nothing is written before the stored
+        bytes passed."""
+        f = header.frames[i]
+        with checking_bytes(where):
+            if len(out) == 1:
+                codec.decode_frame(header, i, stored, out=out[0], keys=self.keys)
+                return
+            if header.codec == "none" and header.shuffle <= 1 and f.length == f.raw_length:
+                codec.check_frame(header, i, stored, self.keys)
+                scatter(np.frombuffer(stored, dtype=np.uint8), out)
+                return
+            data = codec.decode_frame(header, i, stored, out=scratch_buffer(f.raw_length), keys=self.keys)
+        scatter(data, out)
 
     def decode(
         self,

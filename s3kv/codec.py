@@ -409,9 +409,16 @@ def parse_header(
 def check_frame_mac(header: ChunkHeader, index: int, stored: bytes | memoryview, keys: FleetKeys) -> None:
     """Raise CorruptChunk unless frame ``index`` of a header that passed
     ``keys`` carries a valid MAC of ``stored``."""
+    check_frame_parts_mac(header, index, [stored], keys)
+
+
+def check_frame_parts_mac(
+    header: ChunkHeader, index: int, parts: Sequence[bytes | memoryview | np.ndarray], keys: FleetKeys
+) -> None:
+    """:func:`check_frame_mac` of a frame whose bytes are ``parts``, in order."""
     frame = header.frames[index]
     assert header.kid is not None and frame.tag is not None, "parse_header(keys) admits signed objects only"
-    if not keys.verify("chunk", header.kid, frame.tag, b"frame", stored):
+    if not keys.verify("chunk", header.kid, frame.tag, b"frame", *parts):
         raise CorruptChunk(f"frame {index}: MAC mismatch")
 
 
@@ -420,13 +427,32 @@ def check_frame(
 ) -> None:
     """Check frame ``index``'s stored bytes: its length, then its MAC (with
     ``keys``, and a header that passed them) or its checksum."""
+    check_frame_parts(header, index, [stored], keys)
+
+
+def check_frame_parts(
+    header: ChunkHeader,
+    index: int,
+    parts: Sequence[bytes | memoryview | np.ndarray],
+    keys: FleetKeys | None = None,
+) -> None:
+    """:func:`check_frame` of a frame whose stored bytes are ``parts``, in
+    order (a frame read straight into the pages it fills)."""
     frame = header.frames[index]
-    n = stored.nbytes if isinstance(stored, np.ndarray) else len(stored)
+    n = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
     if n != frame.length:
         raise CorruptChunk(f"frame {index}: got {n} bytes, expected {frame.length}")
     if keys is not None:
-        check_frame_mac(header, index, stored, keys)
-    elif xxhash.xxh3_64_intdigest(stored) != frame.checksum:
+        check_frame_parts_mac(header, index, parts, keys)
+        return
+    if len(parts) == 1:
+        digest = xxhash.xxh3_64_intdigest(parts[0])
+    else:
+        h = xxhash.xxh3_64()
+        for p in parts:
+            h.update(p)
+        digest = h.intdigest()
+    if digest != frame.checksum:
         raise CorruptChunk(f"frame {index}: checksum mismatch")
 
 

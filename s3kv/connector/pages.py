@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from s3kv.chunk_reader import PageTarget
 from s3kv.errors import ConfigError
 from s3kv.tiering.loop import unbind_thread
 
@@ -36,6 +37,10 @@ def _runs(block_ids: Sequence[int], first: int, last: int) -> list[tuple[int, in
         runs.append((i, j))
         i = j
     return runs
+
+
+def _nothing() -> None:
+    pass
 
 
 def _along(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
@@ -112,6 +117,78 @@ class PageIO:
         with torch.cuda.stream(self._stream):
             dst.copy_(layer.u8.index_select(layer.axis, self._index(block_ids)), non_blocking=True)
 
+    def target(
+        self,
+        layer_index: int,
+        block_ids: Sequence[int],
+        first: int,
+        last: int,
+        *,
+        after: object | None = None,
+    ) -> PageTarget | None:
+        """Where a chunk's layer frame (all of the chunk's pages, as
+        :meth:`write` takes them) can be read or decoded straight into, for
+        pages ``first..last`` going to ``block_ids[first:last]``.
+
+        On the host: the pages themselves, one buffer per run of consecutive
+        blocks and index of the axes before the block axis (K and V), the
+        frame's other pages into throwaway buffers; None where those runs
+        are not contiguous (then :meth:`write` copies). On a device: a pinned
+        staging buffer of the frame's size, whose commit copies its runs
+        into the pages on the side stream (after ``after``)."""
+        layer = self.layers[layer_index]
+        n = len(block_ids)
+        if self._stream is not None:
+            staging = torch.empty(layer.page_bytes * n, dtype=torch.uint8, pin_memory=True)
+            return PageTarget(
+                [staging.numpy()],
+                lambda: self._to_device(layer, block_ids, first, last, staging, after),
+            )
+        dst = layer.u8.numpy()
+        block_bytes = layer.page_bytes // (int(np.prod(dst.shape[: layer.axis])) or 1)
+        buffers: list[np.ndarray] = []
+        for outer in np.ndindex(*dst.shape[: layer.axis]):
+            plane = dst[outer]
+            if first:
+                buffers.append(np.empty(first * block_bytes, np.uint8))
+            for i, j in _runs(block_ids, first, last):
+                run = plane[block_ids[i] : block_ids[i] + j - i]
+                if not run.flags.c_contiguous:
+                    return None
+                buffers.append(run.reshape(-1))
+            if last < n:
+                buffers.append(np.empty((n - last) * block_bytes, np.uint8))
+        return PageTarget(buffers, _nothing)
+
+    def _to_device(
+        self,
+        layer: LayerPages,
+        block_ids: Sequence[int],
+        first: int,
+        last: int,
+        staging: torch.Tensor,
+        after: object | None,
+    ) -> None:
+        """Copy pages ``first..last`` of a chunk's layer from pinned
+        ``staging`` into ``block_ids[first:last]``: one H2D copy per run of
+        consecutive blocks (and index of the axes before the block axis), on
+        the side stream, after ``after``. torch's
+        pinned-memory allocator keeps ``staging`` until the copies ran."""
+        src = staging.view(layer.shape_for(len(block_ids)))
+        runs = _runs(block_ids, first, last)
+        with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            # Per index of the axes before the block axis too: each copy is
+            # then contiguous on both sides (one cudaMemcpyAsync, no staging
+            # of torch's own).
+            for outer in np.ndindex(*layer.u8.shape[: layer.axis]):
+                dst_plane, src_plane = layer.u8[outer], src[outer]
+                for i, j in runs:
+                    dst_plane.narrow(0, block_ids[i], j - i).copy_(
+                        src_plane.narrow(0, i, j - i), non_blocking=True
+                    )
+
     def forward_mark(self) -> object | None:
         """A point on the forward's stream that later :meth:`write` calls
         wait for (on the host platform, None: nothing to wait for)."""
@@ -149,15 +226,12 @@ class PageIO:
                     _along(pages, layer.axis, i, j),
                 )
             return
-        src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(layer.shape_for(n))
-        if first or last != n:
-            src = src.narrow(layer.axis, first, last - first)
-        with torch.cuda.stream(self._stream):
-            if after is not None:
-                self._stream.wait_event(after)
-            # Made on the side stream, so the allocator keeps them until the copy ran.
-            idx = self._index(block_ids[first:last])
-            layer.u8.index_copy_(layer.axis, idx, src.to(self.device, non_blocking=True))
+        # From pinned memory (the CPU tier's slots are; a decoded frame is
+        # staged), so that the H2D copies are truly asynchronous.
+        src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
+        if not src.is_pinned():
+            src = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True).copy_(src)
+        self._to_device(layer, block_ids, first, last, src, after)
 
     def fence(self) -> Callable[[], None]:
         """Order the forward's later work after every copy issued so far, and

@@ -19,7 +19,7 @@ import numpy as np
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import ChunkReader, FrameSink, PageFormat
+from s3kv.chunk_reader import ChunkReader, FrameRead, FrameSink, PageFormat
 from s3kv.config import DEFAULTS
 from s3kv.errors import (
     ConfigError,
@@ -195,6 +195,41 @@ class _SinkFailed(Exception):
     """Writing verified pages failed (the cause): not the object's fault."""
 
 
+class _CheckedSink:
+    """``sink``, with what it raises marked as the engine's (_SinkFailed),
+    and its ``read_into`` where it has one: a failure of the frame's own
+    read (its check) passes as it is."""
+
+    def __init__(self, sink: FrameSink) -> None:
+        self._sink = sink
+        self._read_into = getattr(sink, "read_into", None)
+        if self._read_into is not None:
+            self.read_into = self._guarded_read_into
+
+    def __call__(self, i: int, data: np.ndarray) -> None:
+        try:
+            self._sink(i, data)
+        except Exception as e:
+            raise _SinkFailed() from e
+
+    def _guarded_read_into(self, i: int, nbytes: int, read: FrameRead) -> None:
+        failed: list[BaseException] = []
+
+        def tracked(out: list[np.ndarray]) -> None:
+            try:
+                read(out)
+            except BaseException as e:
+                failed.append(e)
+                raise
+
+        try:
+            self._read_into(i, nbytes, tracked)  # type: ignore[misc]
+        except Exception as e:
+            if failed and e is failed[0]:
+                raise
+            raise _SinkFailed() from e
+
+
 @dataclass(frozen=True)
 class HeaderRead:
     """An object's header, read and checked to be this engine's chunk."""
@@ -327,11 +362,7 @@ async def _fetch_frames(
     if whole is not None:
         whole[: len(first)] = first
 
-    def checked_sink(i: int, data: np.ndarray) -> None:
-        try:
-            sink(i, data)
-        except Exception as e:
-            raise _SinkFailed() from e
+    checked_sink = _CheckedSink(sink)
 
     def decode(buf: bytes, base: int, indexes: list[int]) -> None:
         chunk_codec.reader.decode_frames(header, buf, base, indexes, checked_sink, where, scratch=True)

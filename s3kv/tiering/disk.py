@@ -33,8 +33,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from s3kv import codec as codec_mod
-from s3kv.chunk_reader import FrameSink, checking_bytes, scratch_buffer
+from s3kv.chunk_reader import FrameSink, checking_bytes, read_frame
 from s3kv.errors import CorruptChunk
 from s3kv.keys import chunk_path, is_namespace_id, is_shard_name, parse_chunk_name
 from s3kv.stores.local import PARTIAL_SUFFIX, atomic_write, is_stale_partial, map_os_error
@@ -104,10 +106,12 @@ class DiskTier:
         costs one failed load.
 
         A file of codec ``none`` is read frame by frame with ``preadv``
-        straight into this thread's reused buffer of a frame's size, and
-        each frame's checksum (or MAC) is computed there, before the sink
-        sees it: one copy from the page cache, then the sink's into the
-        pages. Other codecs read the file whole, then decode."""
+        straight into the frame's destination where the sink names one (the
+        KV pages, runs of consecutive blocks: :meth:`Gate.read_into`, whose
+        contract this relies on), else into this thread's reused buffer of
+        a frame's size; each frame's checksum (or MAC) is computed there,
+        over the bytes written. Other codecs read the file whole, then
+        decode."""
         where = str(self.path(key))
         fd, size = self._open(key)  # a symlink or special file there is left alone
         try:
@@ -128,12 +132,15 @@ class DiskTier:
                 for i, f in enumerate(header.frames):
                     if f.length != f.raw_length:
                         raise CorruptChunk(f"{where}: frame {i} stores {f.length} bytes for {f.raw_length}")
-                    buf = scratch_buffer(f.raw_length)
-                    if os.preadv(fd, [buf], f.offset) != f.length:
-                        raise CorruptChunk(f"{where}: truncated in frame {i}")
-                    with checking_bytes(where):
-                        codec_mod.check_frame(header, i, buf, self.codec.keys)
-                    sink(i, buf)
+
+                    def read(out: list[np.ndarray], i: int = i, f: codec_mod.Frame = f) -> None:
+                        # Into the pages themselves, checked there: see Gate.read_into's contract.
+                        if preadv_all(fd, out, f.offset) != f.length:
+                            raise CorruptChunk(f"{where}: truncated in frame {i}")
+                        with checking_bytes(where):
+                            codec_mod.check_frame_parts(header, i, out, self.codec.keys)
+
+                    read_frame(sink, i, f.raw_length, read)
             except OSError as e:
                 raise map_os_error(e, where) from e
             finally:
@@ -153,6 +160,27 @@ class DiskTier:
 
 PREFIX_READ = 64
 """Bytes read past the longest header in the first read (the prefix, the MAC)."""
+
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def preadv_all(fd: int, buffers: list[np.ndarray], offset: int) -> int:
+    """Fill ``buffers`` from ``fd`` at ``offset`` with preadv (at most
+    IOV_MAX at a time, short reads continued); the bytes read, fewer only
+    at the file's end."""
+    total = 0
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        n = os.preadv(fd, views[:IOV_MAX], offset + total)
+        if n == 0:
+            break
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
+    return total
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.chunk_reader import FrameSink, PageFormat
+from s3kv.chunk_reader import FrameSink, PageFormat, PageTarget
 from s3kv.errors import GaveUp, NotFound
 from s3kv.keys import object_key
 from s3kv.stats import Counters
@@ -47,6 +47,10 @@ log = logging.getLogger("s3kv.transfer")
 
 ChunkSink = Callable[[LoadChunk, int, np.ndarray], None]
 """sink(chunk, layer index, page bytes): write one layer of a loaded chunk."""
+
+ChunkTarget = Callable[[LoadChunk, int], PageTarget | None]
+"""target(chunk, layer index): where that layer's frame may be read or
+decoded straight into (None: hand it to the sink)."""
 
 
 @dataclass
@@ -144,20 +148,26 @@ class TransferEngine:
         return h is not None and h.takes_pages
 
     # -- loads -----------------------------------------------------------------
-    def submit_load(self, job_id: str, chunks: Sequence[LoadChunk], sink: ChunkSink) -> None:
+    def submit_load(
+        self, job_id: str, chunks: Sequence[LoadChunk], sink: ChunkSink, target: ChunkTarget | None = None
+    ) -> None:
         """Load ``chunks`` in the background; the job (a request: it is
-        ``load_failed`` if a chunk fails) shows up in a later :meth:`poll`."""
-        self._loop.track(self._load_job(job_id, list(chunks), sink))
+        ``load_failed`` if a chunk fails) shows up in a later :meth:`poll`.
+        Layers go to ``sink``, or straight into ``target`` where it names
+        one (see :meth:`Gate.read_into`)."""
+        self._loop.track(self._load_job(job_id, list(chunks), sink, target))
 
-    async def _load_job(self, job_id: str, chunks: list[LoadChunk], sink: ChunkSink) -> None:
+    async def _load_job(
+        self, job_id: str, chunks: list[LoadChunk], sink: ChunkSink, target: ChunkTarget | None
+    ) -> None:
         start = time.perf_counter()
-        ok = await asyncio.gather(*(self._load_one(c, sink) for c in chunks))
+        ok = await asyncio.gather(*(self._load_one(c, sink, target) for c in chunks))
         failed = [c for c, loaded in zip(chunks, ok) if not loaded]
         if not failed and self.s.rank == 0:  # one observation per request, not per rank
             self.counters.observe("request_load_seconds", time.perf_counter() - start)
         self.report.finished(job_id, failed)
 
-    async def _load_one(self, chunk: LoadChunk, sink: ChunkSink) -> bool:
+    async def _load_one(self, chunk: LoadChunk, sink: ChunkSink, target: ChunkTarget | None) -> bool:
         start = time.perf_counter()
         key = chunk.key
         promote = [(self.handlers.get(p.tier), p) for p in chunk.promote]
@@ -166,7 +176,9 @@ class TransferEngine:
         sinks = [h.open_fill(p, key) for h, p in fills]
         try:
             deadline = time.monotonic() + self.s.load_timeout_s
-            source, nbytes, blob = await self._load_from_sources(chunk, sink, sinks, bool(later), deadline)
+            source, nbytes, blob = await self._load_from_sources(
+                chunk, sink, target, sinks, bool(later), deadline
+            )
         except Exception as e:  # every failure becomes a recompute, never an engine error
             kind = error_kind(e)
             if kind not in ("missing", "corrupt", "denied"):  # those were counted per tier
@@ -192,7 +204,13 @@ class TransferEngine:
         return True
 
     async def _load_from_sources(
-        self, chunk: LoadChunk, sink: ChunkSink, fills: list[FrameSink], keep_blob: bool, deadline: float
+        self,
+        chunk: LoadChunk,
+        sink: ChunkSink,
+        target: ChunkTarget | None,
+        fills: list[FrameSink],
+        keep_blob: bool,
+        deadline: float,
     ) -> tuple[TierHandler, int, bytes | None]:
         """(handler it came from, bytes read, the object if asked to keep it).
         A tier that lacks the chunk (absent, corrupt, a 403 on the object) is
@@ -210,13 +228,14 @@ class TransferEngine:
             # it is over (done, failed, timed out, given up) no late write of
             # a decoding thread reaches blocks that are vLLM's again, or that
             # the next source is writing.
-            gate = Gate([lambda layer, data: sink(chunk, layer, data), *fills])
+            gate = Gate(
+                [lambda layer, data: sink(chunk, layer, data), *fills],
+                (lambda layer: target(chunk, layer)) if target is not None else None,
+            )
             try:
                 if h is None:
                     raise NotFound(f"no {tier.value} tier here")
-                nbytes, blob = await h.read(
-                    place, chunk.key, gate.sink, deadline=deadline, keep_blob=keep_blob
-                )
+                nbytes, blob = await h.read(place, chunk.key, gate, deadline=deadline, keep_blob=keep_blob)
                 return h, nbytes, blob
             except Exception as e:
                 last = e

@@ -153,3 +153,53 @@ def test_the_engine_refuses_frames_of_another_size_the_tools_bound_them():
         check_chunk_head(name, blob, len(blob) + 1)
     with pytest.raises(CorruptChunk, match="not a chunk object name"):
         check_chunk_head("fleet/elsewhere", blob, len(blob))
+
+
+class _TargetSink:
+    """A sink that names targets (as a Gate with the KV cache's does): each
+    layer's frame in ``pieces`` buffers; records commits and plain calls."""
+
+    def __init__(self, pieces: int) -> None:
+        self.pieces = pieces
+        self.buffers: dict[int, list[np.ndarray]] = {}
+        self.calls: list[int] = []
+
+    def __call__(self, i: int, data: np.ndarray) -> None:
+        self.calls.append(i)
+
+    def read_into(self, i: int, nbytes: int, read) -> None:
+        step = -(-nbytes // self.pieces)
+        bufs = [np.zeros(min(step, nbytes - a), np.uint8) for a in range(0, nbytes, step)]
+        self.buffers[i] = bufs
+        read(bufs)
+
+    def frame(self, i: int) -> bytes:
+        return b"".join(b.tobytes() for b in self.buffers[i])
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+@pytest.mark.parametrize("codec_name", ["blosc2", "zstd", "none"])
+def test_frames_decode_straight_into_a_sinks_target(codec_name, pieces):
+    """With scratch decoding (the worker's S3 loads), a sink that names a
+    target gets each layer decoded into it (one buffer: in one pass; more:
+    scattered), and is not called with a copy."""
+    layers = _layers()
+    blob = _encode(codec_name, layers)
+    engine = ChunkCodec(NS, 0, 3, FMT)
+    sink = _TargetSink(pieces)
+    engine.decode(bytes.fromhex(KEY), blob, sink, "chunk", scratch=True)
+    assert sink.calls == [] and [sink.frame(i) for i in range(3)] == [a.tobytes() for a in layers]
+
+
+@pytest.mark.parametrize("codec_name", ["blosc2", "none"])
+def test_a_bad_frame_writes_nothing_into_its_target(codec_name):
+    """From S3 the stored bytes are checked before anything is decoded or
+    copied: a frame that fails leaves its target untouched."""
+    blob = bytearray(_encode(codec_name, _layers()))
+    f = codec.parse_header(bytes(blob)).frames[1]
+    blob[f.offset + 3] ^= 0x10
+    sink = _TargetSink(2)
+    with pytest.raises(CorruptChunk, match="frame 1: checksum mismatch"):
+        ChunkCodec(NS, 0, 3, FMT).decode(bytes.fromhex(KEY), bytes(blob), sink, "chunk", scratch=True)
+    assert sink.frame(0) == _layers()[0].tobytes()
+    assert not any(b.any() for b in sink.buffers[1]) and 2 not in sink.buffers

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from s3kv.chunk_reader import PageFormat
+from s3kv.chunk_reader import PageFormat, PageTarget
 from s3kv.errors import CorruptChunk, NotFound
 from s3kv.keys import KEY_BYTES
 from s3kv.stores.local import (
@@ -752,3 +752,103 @@ def test_a_none_file_cut_short_or_signed_with_another_key_is_refused(tmp_path):
     other.root = signed.root
     with pytest.raises(CorruptChunk, match="not one of the fleet's keys"):
         other.read(key, lambda i, a: None)
+
+
+# -- codec none, read straight into the destination (Gate.read_into) ----------------
+
+
+def _split_target(nbytes: int, pieces: int) -> tuple[PageTarget, list[int]]:
+    """A target of ``pieces`` buffers (uneven sizes), and its commit log."""
+    cuts = sorted(random.Random(nbytes + pieces).sample(range(1, nbytes), pieces - 1))
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, nbytes])]
+    commits: list[int] = []
+    return PageTarget([np.zeros(n, np.uint8) for n in sizes], lambda: commits.append(1)), commits
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_none_file_is_read_straight_into_its_target_and_checked_there(tmp_path, monkeypatch, signed):
+    """preadv writes each frame into the target's buffers themselves (no
+    scratch buffer, no copy), the checksum or MAC is computed over them,
+    the commit follows, and the promotions (the gate's other sinks) get
+    the checked frame."""
+    from s3kv.auth import FleetKeys
+    from s3kv.tiering.tiers.base import Gate
+
+    keys = FleetKeys(["disk-test-secret-0123456789abcdef-ours"]) if signed else None
+    tier, key = _none_tier(tmp_path / "disk", keys)
+    expected = [a.tobytes() for a in make_chunk(tier.codec, key).layers]
+    targets, commits = zip(*(_split_target(len(e), 3) for e in expected))
+    reads: list[list[Any]] = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: reads.append(list(bufs)) or real(fd, bufs, off))
+    pages_sink: list[int] = []
+    promoted: list[tuple[int, bytes]] = []
+    gate = Gate(
+        [lambda i, a: pages_sink.append(i), lambda i, a: promoted.append((i, a.tobytes()))],
+        lambda i: targets[i],
+    )
+    tier.read(key, gate)
+    assert [b"".join(b.tobytes() for b in t.buffers) for t in targets] == expected
+    assert all(c == [1] for c in commits)
+    assert pages_sink == []  # the target took the pages' place
+    assert promoted == list(enumerate(expected))
+    assert len(reads) == len(expected)
+    for got, t in zip(reads, targets):  # the very buffers, not copies
+        assert [np.shares_memory(np.frombuffer(g, np.uint8), b) for g, b in zip(got, t.buffers)] == [True] * 3
+
+
+def test_a_frame_read_into_its_target_that_fails_is_not_committed_and_the_load_fails(tmp_path):
+    """The contract of a check after the copy: frame 1's bad bytes reach its
+    target (the load's own blocks), but it is never committed, nothing is
+    promoted, the read raises CorruptChunk (a load error: vLLM recomputes
+    those blocks) and the file goes."""
+    from s3kv import codec
+    from s3kv.tiering.tiers.base import Gate
+
+    tier, key = _none_tier(tmp_path / "disk")
+    path = tier.path(key)
+    data = bytearray(path.read_bytes())
+    f = codec.parse_header(bytes(data)).frames[1]
+    data[f.offset + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+    targets, commits = zip(
+        *(_split_target(fr.raw_length, 2) for fr in codec.parse_header(bytes(data)).frames)
+    )
+    promoted: list[int] = []
+    with pytest.raises(CorruptChunk, match="frame 1: checksum mismatch"):
+        tier.read(key, Gate([lambda i, a: None, lambda i, a: promoted.append(i)], lambda i: targets[i]))
+    assert b"".join(b.tobytes() for b in targets[1].buffers) == bytes(data[f.offset : f.end])  # written
+    assert list(commits[:3]) == [[1], [], []] and promoted == [0]
+    assert not path.exists()
+
+
+def test_a_closed_gate_reads_nothing_more():
+    from s3kv.tiering.tiers.base import Gate
+
+    gate = Gate([lambda i, a: pytest.fail("closed")], lambda i: pytest.fail("closed"))
+    gate.close()
+    gate.read_into(0, 16, lambda out: pytest.fail("closed"))
+
+
+def test_preadv_all_continues_short_reads_and_splits_at_iov_max(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    payload = bytes(range(256)) * 40
+    path.write_bytes(payload)
+    bufs = [np.zeros(n, np.uint8) for n in (100, 1, 3000, 7, 2000, 4000)]  # 9108 of 10240 bytes
+    monkeypatch.setattr(disk, "IOV_MAX", 2)
+    calls: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(  # at most 1000 bytes a call: every read is short
+        os,
+        "preadv",
+        lambda fd, b, off: calls.append(len(b)) or real(fd, [memoryview(b[0])[:1000], *b[1:]][:1], off),
+    )
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert disk.preadv_all(fd, bufs, 50) == sum(b.nbytes for b in bufs)
+        assert b"".join(b.tobytes() for b in bufs) == payload[50 : 50 + 9108]
+        assert max(calls) <= 2
+        tail = [np.zeros(500, np.uint8), np.zeros(500, np.uint8)]
+        assert disk.preadv_all(fd, tail, len(payload) - 600) == 600  # the file's end
+    finally:
+        os.close(fd)

@@ -41,3 +41,54 @@ def test_write_and_read_pages_match_torch_index_ops(shape):
         io.read_into(0, ids, out)
         ref = cache.view(torch.uint8).index_select(layer.axis, torch.tensor(ids))
         assert np.array_equal(out, ref.numpy().reshape(-1))
+
+
+@pytest.mark.parametrize("shape", [(BLOCKS, 2, 4, 8), (2, BLOCKS, 4, 8), (2, 3, BLOCKS, 8)])
+def test_a_target_is_the_pages_themselves_in_the_frames_order(shape):
+    """Bytes scattered into a layer's target, in order, leave the cache as
+    write() of the same frame does: the target's buffers are views of the
+    pages of blocks first..last (one per run and index before the block
+    axis), the frame's other pages go to buffers of their own."""
+    from s3kv.chunk_reader import scatter
+
+    rng = random.Random(2)
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.zeros(shape, dtype=torch.bfloat16)
+    io = PageIO({"l0": cache}, ["l0"], BLOCKS)
+    layer = io.layers[0]
+    outer = int(np.prod(cache.shape[: layer.axis]))
+    by_write = torch.zeros_like(cache)
+    io_w = PageIO({"l0": by_write}, ["l0"], BLOCKS)
+    for _ in range(50):
+        n = rng.randint(1, 6)
+        ids = (
+            rng.sample(range(BLOCKS), n)
+            if rng.random() < 0.5
+            else list(range(b := rng.randrange(BLOCKS - n + 1), b + n))
+        )
+        first = rng.randrange(n)
+        last = rng.randint(first + 1, n)
+        frame = torch.randint(0, 255, (layer.page_bytes * n,), dtype=torch.uint8, generator=gen).numpy()
+        target = io.target(0, ids, first, last)
+        assert target is not None
+        assert sum(b.nbytes for b in target.buffers) == frame.nbytes
+        runs = sum(1 for i in range(first, last) if i == first or ids[i] != ids[i - 1] + 1)
+        assert len(target.buffers) == outer * (runs + (first > 0) + (last < n))
+        cache_bytes = cache.view(torch.uint8).numpy()
+        into_pages = [b for b in target.buffers if np.shares_memory(b, cache_bytes)]
+        assert sum(b.nbytes for b in into_pages) == frame.nbytes * (last - first) // n
+        scatter(frame, target.buffers)
+        target.commit()
+        io_w.write(0, ids, first, last, frame)
+        assert torch.equal(cache.view(torch.uint8), by_write.view(torch.uint8))
+
+
+def test_no_target_where_a_run_of_blocks_is_not_contiguous():
+    """A cache whose block axis is not outermost among the contiguous ones
+    (a transposed view) has no target: its frames go through write()."""
+    cache = torch.zeros(8, BLOCKS, 4, dtype=torch.bfloat16).transpose(0, 1)  # blocks first, strided
+    io = PageIO({"l0": cache}, ["l0"], BLOCKS)
+    assert io.target(0, [3, 4], 0, 2) is None
+    frame = np.arange(io.layers[0].page_bytes * 2, dtype=np.uint8)
+    io.write(0, [3, 4], 0, 2, frame)
+    assert np.array_equal(cache.view(torch.uint8)[3:5].contiguous().numpy().reshape(-1), frame)

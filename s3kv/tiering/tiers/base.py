@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import FrameSink
+from s3kv.chunk_reader import FrameRead, FrameSink, PageTarget, scratch_buffer
 from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.errors import CorruptChunk, GaveUp, NotFound, PermissionDenied, Throttled, Transient
 from s3kv.stats import Counters
@@ -424,10 +424,15 @@ class Began:
 class Gate:
     """One load attempt's way into the KV cache (and the slots it promotes
     into): each layer goes to every sink while it is open; :meth:`close`
-    waits for a write in progress."""
+    waits for a write in progress. ``target`` (where the first sink, the KV
+    cache, can say) gives a layer's :class:`PageTarget` for
+    :meth:`read_into`."""
 
-    def __init__(self, sinks: list[FrameSink]) -> None:
+    def __init__(
+        self, sinks: list[FrameSink], target: Callable[[int], PageTarget | None] | None = None
+    ) -> None:
         self._sinks = sinks
+        self._target = target
         self._lock = threading.Lock()
         self._open = True
 
@@ -436,6 +441,41 @@ class Gate:
             if self._open:
                 for sink in self._sinks:
                     sink(layer, data)
+
+    __call__ = sink
+
+    def read_into(self, layer: int, nbytes: int, read: FrameRead) -> None:
+        """Have ``read`` put one layer's frame straight into its pages (or
+        their pinned staging buffer), then commit it and hand it to the
+        other sinks; without a target, into a scratch buffer handed to
+        every sink. Nothing happens once the gate is closed.
+
+        The contract a read straight into the pages relies on: ``read``
+        checks the bytes after they were written there, so a frame that
+        fails its checksum or MAC has already overwritten blocks of this
+        load. That is safe because those blocks are this load's alone
+        (allocated to the request, not yet computed, not yet in vLLM's
+        prefix cache), and a failed frame fails the load: its blocks are
+        reported as load errors, so vLLM recomputes them before any use,
+        or the next source (S3) writes them again."""
+        with self._lock:
+            if not self._open:
+                return
+            target = self._target(layer) if self._target is not None else None
+            if target is None:
+                buf = scratch_buffer(nbytes)
+                read([buf])
+                for sink in self._sinks:
+                    sink(layer, buf)
+                return
+            read(target.buffers)
+            target.commit()
+            if len(self._sinks) > 1:  # the promotions copy the checked frame
+                buf = target.buffers[0] if len(target.buffers) == 1 else scratch_buffer(nbytes)
+                if buf is not target.buffers[0]:
+                    np.concatenate(target.buffers, out=buf)
+                for sink in self._sinks[1:]:
+                    sink(layer, buf)
 
     def close(self) -> None:
         with self._lock:
