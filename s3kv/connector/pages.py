@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -68,6 +69,22 @@ class LayerPages:
         self.page_bytes = u8.numel() // num_blocks
         self.dtype = str(tensor.dtype).removeprefix("torch.")
         self.itemsize = tensor.element_size()
+
+    @cached_property
+    def planes(self) -> list[np.ndarray] | None:
+        """Host tensors: the layer as [num_blocks, page bytes] arrays, one per
+        index of the axes before the block axis, each a view of the cache;
+        None where a run of blocks would not be contiguous in them."""
+        if self.u8.device.type != "cpu":
+            return None
+        a = self.u8.numpy()
+        planes = []
+        for outer in np.ndindex(*a.shape[: self.axis]):
+            plane = a[outer]
+            if not plane.flags.c_contiguous:
+                return None
+            planes.append(plane.reshape(plane.shape[0], -1))
+        return planes
 
     def shape_for(self, n_blocks: int) -> tuple[int, ...]:
         shape = list(self.u8.shape)
@@ -144,18 +161,17 @@ class PageIO:
                 [staging.numpy()],
                 lambda: self._to_device(layer, block_ids, first, last, staging, after),
             )
-        dst = layer.u8.numpy()
-        block_bytes = layer.page_bytes // (int(np.prod(dst.shape[: layer.axis])) or 1)
+        planes = layer.planes
+        if planes is None:
+            return None
+        block_bytes = planes[0].shape[1]
+        runs = _runs(block_ids, first, last)
         buffers: list[np.ndarray] = []
-        for outer in np.ndindex(*dst.shape[: layer.axis]):
-            plane = dst[outer]
+        for plane in planes:
             if first:
                 buffers.append(np.empty(first * block_bytes, np.uint8))
-            for i, j in _runs(block_ids, first, last):
-                run = plane[block_ids[i] : block_ids[i] + j - i]
-                if not run.flags.c_contiguous:
-                    return None
-                buffers.append(run.reshape(-1))
+            for i, j in runs:
+                buffers.append(plane[block_ids[i] : block_ids[i] + j - i].reshape(-1))
             if last < n:
                 buffers.append(np.empty((n - last) * block_bytes, np.uint8))
         return PageTarget(buffers, _nothing)
