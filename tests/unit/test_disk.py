@@ -700,6 +700,17 @@ def _none_tier(root: Path, keys=None) -> tuple[DiskTier, bytes]:
     return tier, key
 
 
+def _corrupt_frame_1(path: Path) -> tuple[bytes, Any]:
+    """Flip a bit inside frame 1 of the file at ``path``: its new bytes, and the frame."""
+    from s3kv import codec
+
+    data = bytearray(path.read_bytes())
+    f = codec.parse_header(bytes(data)).frames[1]
+    data[f.offset + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+    return bytes(data), f
+
+
 def test_a_none_file_is_read_frame_by_frame_into_one_reused_buffer(tmp_path, monkeypatch):
     tier, key = _none_tier(tmp_path / "disk")
     expected = [a.tobytes() for a in make_chunk(tier.codec, key).layers]
@@ -717,14 +728,9 @@ def test_a_none_file_is_read_frame_by_frame_into_one_reused_buffer(tmp_path, mon
 def test_a_none_file_corrupted_after_its_header_fails_at_that_frame_and_is_deleted(tmp_path):
     """The header checks out; frame 1's bytes do not. Frame 0 reached the
     sink (verified), frame 1 never did: the read fails and the file goes."""
-    from s3kv import codec
-
     tier, key = _none_tier(tmp_path / "disk")
     path = tier.path(key)
-    data = bytearray(path.read_bytes())
-    f = codec.parse_header(bytes(data)).frames[1]
-    data[f.offset + 5] ^= 0x40
-    path.write_bytes(bytes(data))
+    _corrupt_frame_1(path)
     seen: list[int] = []
     with pytest.raises(CorruptChunk, match="frame 1: checksum mismatch"):
         tier.read(key, lambda i, a: seen.append(i))
@@ -807,10 +813,7 @@ def test_a_frame_read_into_its_target_that_fails_is_not_committed_and_the_load_f
 
     tier, key = _none_tier(tmp_path / "disk")
     path = tier.path(key)
-    data = bytearray(path.read_bytes())
-    f = codec.parse_header(bytes(data)).frames[1]
-    data[f.offset + 5] ^= 0x40
-    path.write_bytes(bytes(data))
+    data, f = _corrupt_frame_1(path)
     targets, commits = zip(
         *(_split_target(fr.raw_length, 2) for fr in codec.parse_header(bytes(data)).frames)
     )

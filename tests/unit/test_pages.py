@@ -15,6 +15,18 @@ from s3kv.connector.pages import PageIO  # noqa: E402
 BLOCKS = 12
 
 
+def _random_load(rng: random.Random) -> tuple[int, list[int], int, int]:
+    """A chunk of n blocks (random or consecutive ids) whose pages first..last are loaded."""
+    n = rng.randint(1, 6)
+    ids = (
+        rng.sample(range(BLOCKS), n)
+        if rng.random() < 0.5
+        else list(range(b := rng.randrange(BLOCKS - n + 1), b + n))
+    )
+    first = rng.randrange(n)
+    return n, ids, first, rng.randint(first + 1, n)
+
+
 @pytest.mark.parametrize("shape", [(BLOCKS, 2, 4, 8), (2, BLOCKS, 4, 8)])  # CPU layout; K/V split first
 def test_write_and_read_pages_match_torch_index_ops(shape):
     rng = random.Random(1)
@@ -23,14 +35,7 @@ def test_write_and_read_pages_match_torch_index_ops(shape):
     io = PageIO({"l0": cache}, ["l0"], BLOCKS)
     layer = io.layers[0]
     for _ in range(50):
-        n = rng.randint(1, 6)
-        ids = (
-            rng.sample(range(BLOCKS), n)
-            if rng.random() < 0.5
-            else list(range(b := rng.randrange(BLOCKS - n + 1), b + n))
-        )
-        first = rng.randrange(n)
-        last = rng.randint(first + 1, n)
+        n, ids, first, last = _random_load(rng)
         pages = torch.randint(0, 255, layer.shape_for(n), dtype=torch.uint8, generator=gen)
         expect = cache.view(torch.uint8).clone()
         idx = torch.tensor(ids[first:last])
@@ -60,14 +65,7 @@ def test_a_target_is_the_pages_themselves_in_the_frames_order(shape):
     by_write = torch.zeros_like(cache)
     io_w = PageIO({"l0": by_write}, ["l0"], BLOCKS)
     for _ in range(50):
-        n = rng.randint(1, 6)
-        ids = (
-            rng.sample(range(BLOCKS), n)
-            if rng.random() < 0.5
-            else list(range(b := rng.randrange(BLOCKS - n + 1), b + n))
-        )
-        first = rng.randrange(n)
-        last = rng.randint(first + 1, n)
+        n, ids, first, last = _random_load(rng)
         frame = torch.randint(0, 255, (layer.page_bytes * n,), dtype=torch.uint8, generator=gen).numpy()
         target = io.target(0, ids, first, last)
         assert target is not None
