@@ -166,7 +166,9 @@ class SlowPuts:
 
 @pytest.mark.parametrize("skew", [HOUR, -HOUR], ids=["holder-an-hour-ahead", "holder-an-hour-behind"])
 async def test_skewed_clocks_never_overlap_while_the_holder_renews(store, skew):
-    ttl = 6.0  # renewals every 1.5 s: a loopback server slowed by a busy machine does not stall them
+    # Renewals every 2.5 s: a loopback server stalled by a busy machine (the
+    # suite's three streams on two cores) does not hold them past the ttl.
+    ttl = 10.0
     contender = Lease(store, lock_key("p"), ttl_s=ttl, wall=skewed(-skew), monotonic=own_monotonic())
     async with held(store, "p", wait_s=0, ttl_s=ttl, wall=skewed(skew)) as first:
         etags, start = {first.etag}, contender.monotonic()
