@@ -283,15 +283,15 @@ class ChunkReader:
     ) -> None:
         """Check frame ``i`` and decode it into ``out`` (see :data:`FrameRead`):
         in one pass where ``out`` is one buffer, else through this thread's
-        scratch buffer; an unshuffled frame of codec none is copied from
-        ``stored`` once checked. Nothing is written before the stored
+        scratch buffer; a frame of codec none is copied from ``stored``
+        once checked. Nothing is written before the stored
         bytes passed."""
         f = header.frames[i]
         with checking_bytes(where):
             if len(out) == 1:
                 codec.decode_frame(header, i, stored, out=out[0], keys=self.keys)
                 return
-            if header.codec == "none" and header.shuffle <= 1 and f.length == f.raw_length:
+            if header.codec == "none" and f.length == f.raw_length:  # never shuffled (parse_header)
                 codec.check_frame(header, i, stored, self.keys)
                 scatter(np.frombuffer(stored, dtype=np.uint8), out)
                 return

@@ -71,6 +71,11 @@ class LayerPages:
         self.itemsize = tensor.element_size()
 
     @cached_property
+    def outer(self) -> list[tuple[int, ...]]:
+        """The indexes of the axes before the block axis (K and V, where they come first)."""
+        return list(np.ndindex(*self.u8.shape[: self.axis]))
+
+    @cached_property
     def planes(self) -> list[np.ndarray] | None:
         """Host tensors: the layer as [num_blocks, page bytes] arrays, one per
         index of the axes before the block axis, each a view of the cache;
@@ -79,7 +84,7 @@ class LayerPages:
             return None
         a = self.u8.numpy()
         planes = []
-        for outer in np.ndindex(*a.shape[: self.axis]):
+        for outer in self.outer:
             plane = a[outer]
             if not plane.flags.c_contiguous:
                 return None
@@ -198,7 +203,7 @@ class PageIO:
             # Per index of the axes before the block axis too: each copy is
             # then contiguous on both sides (one cudaMemcpyAsync, no staging
             # of torch's own).
-            for outer in np.ndindex(*layer.u8.shape[: layer.axis]):
+            for outer in layer.outer:
                 dst_plane, src_plane = layer.u8[outer], src[outer]
                 for i, j in runs:
                     dst_plane.narrow(0, block_ids[i], j - i).copy_(

@@ -471,11 +471,10 @@ class Gate:
             read(target.buffers)
             target.commit()
             if len(self._sinks) > 1:  # the promotions copy the checked frame
-                buf = target.buffers[0] if len(target.buffers) == 1 else scratch_buffer(nbytes)
-                if buf is not target.buffers[0]:
-                    np.concatenate(target.buffers, out=buf)
+                parts = target.buffers
+                frame = parts[0] if len(parts) == 1 else np.concatenate(parts, out=scratch_buffer(nbytes))
                 for sink in self._sinks[1:]:
-                    sink(layer, buf)
+                    sink(layer, frame)
 
     def close(self) -> None:
         with self._lock:
