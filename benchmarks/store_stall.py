@@ -14,7 +14,9 @@ other threads ran on its core) and the rest (waiting for the GIL, held by
 s3kv's Python threads). Variants run in their own processes, alternating:
 
 - ``nice 10``: s3kv as it ships (write-through threads at STORE_NICE);
-- ``nice 0``: the same with write-through threads at the forward's priority.
+- ``nice 0``: the same with write-through threads at the forward's priority;
+- ``off the forward's core``: either, with every s3kv thread kept off the
+  forward's core (the process's cores less it, as if vLLM left them free).
 
 This isolates the mechanism behind store_path's p99 in seconds instead of
 minutes of engine runs; it does not replace store_path's verdict.
@@ -39,7 +41,12 @@ NAME = "store_stall"
 TITLE = "Store stall: a forward step overlapped by a burst of eight write-throughs"
 GOAL = "the step a burst overlaps <= 1.3x a quiet step (store_path's p99 goal, on the mechanism alone)"
 GOAL_RATIO = 1.3
-VARIANTS = {"nice 10": None, "nice 0": 0}
+VARIANTS = {
+    "nice 10": {"nice": None, "off_forward": False},
+    "nice 0": {"nice": 0, "off_forward": False},
+    "off the forward's core, nice 10": {"nice": None, "off_forward": True},
+    "off the forward's core, nice 0": {"nice": 0, "off_forward": True},
+}
 BURST_AT = 5
 STEPS = 40
 CHUNKS = 8
@@ -53,7 +60,7 @@ def _thread_waits() -> float:
         return int(f.read().split()[1]) / 1e9
 
 
-def child(nice: int | None, trials: int, work: Path) -> dict[str, Any]:
+def child(nice: int | None, off_forward: bool, trials: int, work: Path) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -71,6 +78,8 @@ def child(nice: int | None, trials: int, work: Path) -> dict[str, Any]:
         loop.STORE_NICE = nice
     torch.set_num_threads(1)
     cores = sorted(os.sched_getaffinity(0))
+    if off_forward and len(cores) > 1:
+        loop._ALLOWED_CPUS = set(cores[1:])
     server = LoopbackS3().start()
     if len(cores) > 1:
         os.sched_setaffinity(server.proc.pid, set(cores[1:]))
@@ -154,8 +163,8 @@ def run(work: Path, quick: bool) -> Result:
     for r in range(rounds):
         order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
         for v in order:
-            out = work / f"{r}-{v.replace(' ', '')}.json"
-            spec = json.dumps({"nice": VARIANTS[v], "trials": trials, "work": str(work / "child")})
+            out = work / f"{r}-{list(VARIANTS).index(v)}.json"
+            spec = json.dumps({**VARIANTS[v], "trials": trials, "work": str(work / "child")})
             subprocess.run(
                 [sys.executable, "-m", "benchmarks.store_stall", "--child", spec, str(out)],
                 cwd=ROOT,
@@ -216,7 +225,7 @@ def run(work: Path, quick: bool) -> Result:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         spec = json.loads(sys.argv[2])
-        result = child(spec["nice"], spec["trials"], Path(spec["work"]))
+        result = child(spec["nice"], spec["off_forward"], spec["trials"], Path(spec["work"]))
         Path(sys.argv[3]).write_text(json.dumps(result))
         sys.exit(0)
     sys.exit(main_for(run, "s3kv-bench-store-stall"))

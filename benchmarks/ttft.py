@@ -135,6 +135,13 @@ def _worker_total(result: dict[str, Any], name: str) -> float:
     return sum(w.get(name, 0) for w in result.get("workers", []))
 
 
+def _defaults() -> str:
+    from s3kv.config import S3KVConfig
+
+    d = S3KVConfig(bucket="x")
+    return f"codec {d.codec} level {d.zstd_level} on S3, {d.disk_codec} on the NVMe tier, {d.chunk_tokens}-token chunks"
+
+
 def run(work: Path, quick: bool) -> Result:
     from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.demo.model import DEMO_SPEC, build_model
@@ -270,7 +277,7 @@ def run(work: Path, quick: bool) -> Result:
         "Model: the demo's random Llama (hidden 1024, 8 layers, 16 heads / 4 KV heads, bf16), "
         f"max_model_len {max_model_len}, the whole prompt in one step, vLLM's prefix cache off except in the "
         "no-connector engine, one OpenMP thread bound to core 0 (VLLM_CPU_OMP_THREADS_BIND=0, as in every "
-        "benchmark here); s3kv with its defaults (zstd level 1, 256-token chunks).",
+        f"benchmark here); s3kv with its defaults ({_defaults()}).",
         "Chunk shards loaded, from the workers' counters (loaded / expected with the warm-up): "
         + ", ".join(f"{tier} {got:.0f}/{want}" for tier, (got, want) in loaded.items())
         + ".",
