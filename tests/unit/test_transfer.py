@@ -423,6 +423,29 @@ def test_write_through_runs_at_background_priority():
     e.close(0.1)
 
 
+def test_write_through_threads_leave_the_forward_a_core(monkeypatch):
+    """Encoding is paced to the cores a forward leaves: on two cores one
+    write-through thread, with more cores half the codec threads."""
+    import s3kv.tiering.loop as loop
+
+    monkeypatch.setattr(loop, "_ALLOWED_CPUS", {0, 1})
+    assert loop.store_threads(4) == 1
+    assert loop.store_threads(1) == 1
+    monkeypatch.setattr(loop, "_ALLOWED_CPUS", {0})
+    assert loop.store_threads(4) == 1
+    monkeypatch.setattr(loop, "_ALLOWED_CPUS", set(range(8)))
+    assert loop.store_threads(4) == 2
+    assert loop.store_threads(8) == 4
+    monkeypatch.setattr(loop, "_ALLOWED_CPUS", {0, 1})
+    jobs = loop.JobLoop("t", 4)
+    try:
+        assert jobs.background_threads._max_workers == 1
+    finally:
+        jobs.stop()
+        jobs.threads.shutdown()
+        jobs.background_threads.shutdown()
+
+
 def test_s3kv_threads_escape_the_forwards_core_binding(tmp_path):
     """vLLM's CPU worker binds its threads to its OpenMP cores and new threads
     inherit that; s3kv's threads must be free to use the other cores."""
