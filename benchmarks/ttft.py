@@ -136,9 +136,8 @@ def _worker_total(result: dict[str, Any], name: str) -> float:
 
 
 def _defaults() -> str:
-    from s3kv.config import S3KVConfig
+    from s3kv.config import DEFAULTS as d
 
-    d = S3KVConfig(bucket="x")
     return f"codec {d.codec} level {d.zstd_level} on S3, {d.disk_codec} on the NVMe tier, {d.chunk_tokens}-token chunks"
 
 

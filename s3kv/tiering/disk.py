@@ -6,11 +6,12 @@ chunk object format, encoded with ``disk_codec`` (by default ``none``: a
 disk is read faster than a frame decodes). A chunk promoted from S3 is
 written as fetched when the two codecs agree, else re-encoded from its
 pages; a file of codec ``none`` is read frame by frame straight into the
-KV pages (or a reused buffer) and checked there (:meth:`DiskTier.read`). Files are written to a
-``*.partial`` name that carries the writer's pid namespace and pid, optionally
-fsync'd, then renamed: a crash never leaves a half file under a real name, and
-a later process removes a dead writer's partials (by pid in its own pid
-namespace, by age for writers in other containers). Every read is checked
+KV pages (or a reused buffer) and checked there (:meth:`DiskTier.read`).
+Files are written to a ``*.partial`` name that carries the writer's pid
+namespace and pid, optionally fsync'd, then renamed: a crash never leaves a
+half file under a real name, and a later process removes a dead writer's
+partials (by pid in its own pid namespace, by age for writers in other
+containers). Every read is checked
 (identity, layout, per-layer checksums), from a regular file of at most a
 chunk's size, never through a symlink; a file that fails is deleted.
 

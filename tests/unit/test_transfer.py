@@ -441,9 +441,7 @@ def test_write_through_threads_leave_the_forward_a_core(monkeypatch):
     try:
         assert jobs.background_threads._max_workers == 1
     finally:
-        jobs.stop()
-        jobs.threads.shutdown()
-        jobs.background_threads.shutdown()
+        jobs.close(0.1)
 
 
 def test_s3kv_threads_escape_the_forwards_core_binding(tmp_path):
