@@ -25,6 +25,7 @@ ADDRESSING_STYLES: tuple[str, ...] = ("auto", "path", "virtual")
 S3_CLIENTS: tuple[str, ...] = ("obstore", "aiobotocore")
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "local_only")
 DISK_FSYNC: tuple[str, ...] = ("never", "always")
+LOAD_POLICIES: tuple[str, ...] = ("cost", "always")
 
 _DIGEST_RE = re.compile(r"^[A-Za-z0-9:._\-+/=]{8,256}$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
@@ -106,6 +107,12 @@ class S3KVConfig:
         "keeps S3 untouched (no bucket needed).",
     )
     promote: bool = _key(True, "Copy chunks loaded from NVMe or S3 into the tiers above them.")
+    load_policy: str = _key(
+        "cost",
+        '"cost" offers vLLM only the prefix of a hit that loads sooner than it computes (live '
+        "estimates of each tier's latency and bandwidth against the engine's prefill rate; until "
+        'measured, hits load); "always" offers every hit.',
+    )
     save_generated: bool = _key(
         True, "Also store full chunks that contain generated tokens (the next chat turn hits them)."
     )
@@ -335,6 +342,7 @@ _PARSERS = {
     "write_policy": lambda v: _choice("write_policy", v, WRITE_POLICIES),
     "promote": lambda v: _bool("promote", v),
     "save_generated": lambda v: _bool("save_generated", v),
+    "load_policy": lambda v: _choice("load_policy", v, LOAD_POLICIES),
     "manifest_publish_s": lambda v: _duration("manifest_publish_s", v, MANIFEST_TICK_S),
     "manifest_refresh_s": lambda v: _duration("manifest_refresh_s", v, MANIFEST_TICK_S),
     "manifest_clock_skew_s": lambda v: _duration("manifest_clock_skew_s", v, MIN_CLOCK_SKEW_S),

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 TIERS = ("cpu", "disk", "s3")
+CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+"""Upper bounds, in tokens of context, of the cost model's prefill-rate
+buckets (``s3kv.tiering.cost``); longer contexts share the last one."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,18 @@ FAMILIES: tuple[Family, ...] = (
     _c("lookup_requests", "Requests whose prompt was looked up in the cache"),
     _c("lookup_tokens", "Prompt tokens looked up in the cache"),
     _c("hit_tokens", "Prompt tokens offered to vLLM as loadable, by the tier they load from", "tier", TIERS),
+    _c(
+        "load_policy_tokens",
+        "Prompt tokens the tiers held, by what the load policy did with them: offered to vLLM, or "
+        "declined (the cost model estimated computing them to be faster than loading them)",
+        "decision",
+        ("offered", "declined"),
+    ),
+    _c(
+        "load_policy_explored",
+        "Hits offered whole against the cost model's estimate, to measure again a tier whose "
+        "estimate had not been refreshed for a minute",
+    ),
     _c("load_chunks", "Chunk shards loaded into the KV cache, by source tier", "tier", TIERS),
     _c("load_bytes", "Bytes read for loads (object bytes; CPU: page bytes), by source tier", "tier", TIERS),
     _c(
@@ -152,6 +167,35 @@ FAMILIES: tuple[Family, ...] = (
         "1 while a tier's circuit breaker is open (or probing), else 0",
         "tier",
         ("disk", "s3"),
+    ),
+    Family(
+        "cost_first_chunk_seconds",
+        "gauge",
+        "The cost model's estimate of a load's first chunk from a tier (first-byte latency, one "
+        "chunk's transfer and checks): the median of recent loads, or a start-up value",
+        "tier",
+        TIERS,
+    ),
+    Family(
+        "cost_bandwidth_bytes",
+        "gauge",
+        "The cost model's estimate of a tier's bandwidth after a load's first chunk, raw KV bytes a second",
+        "tier",
+        TIERS,
+    ),
+    Family(
+        "cost_round_trip_seconds",
+        "gauge",
+        "The cost model's estimate of what an asynchronous load adds to its own time (the steps a "
+        "waiting request sits out before vLLM hears the load finished)",
+    ),
+    Family(
+        "cost_prefill_tokens_per_second",
+        "gauge",
+        "The cost model's estimate of the engine's prefill rate, by the context length reached "
+        "(tokens, upper bound of the bucket); only buckets measured",
+        "context",
+        tuple(str(b) for b in CONTEXT_BUCKETS),
     ),
     Family("inflight_bytes", "gauge", "KV bytes copied out and waiting to be written to NVMe or S3"),
     Family("tier_used_bytes", "gauge", "Bytes held in a local tier", "tier", ("cpu", "disk")),

@@ -173,6 +173,11 @@ class S3KVConnector(KVConnectorBase_V1):
         self.worker.bind(meta)
         return meta
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, S3KVMetadata):
+            self._worker.begin_step(connector_metadata)  # before the forward: time it
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, S3KVMetadata)
         self.worker.bind(kv_connector_metadata)

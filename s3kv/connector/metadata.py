@@ -9,7 +9,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from s3kv.tiering.plan import LoadPlan, StoreChunk, TierReport
+from s3kv.tiering.plan import LoadPlan, StepTokens, StoreChunk, TierReport
 
 
 @dataclass
@@ -36,6 +36,8 @@ class S3KVMetadata(KVConnectorMetadata):
     clock_ms: int = 0
     """The newest manifest stamp the scheduler side has seen: ranks never
     stamp a segment before it."""
+    step: StepTokens | None = None
+    """What this step prefills, when it does: rank 0 times the forward."""
 
 
 @dataclass

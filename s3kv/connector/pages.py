@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -269,6 +270,10 @@ class PageIO:
         if self._stream is not None:
             self._stream.synchronize()
 
+    def step_clock(self) -> StepClock:
+        """Start timing the forward about to run (see :class:`StepClock`)."""
+        return StepClock(self.device if self.on_device else None)
+
     def layerwise_load(
         self, chunks: Sequence[tuple[Sequence[np.ndarray], Sequence[int], int, int]]
     ) -> LayerwiseLoad:
@@ -344,3 +349,37 @@ class LayerwiseLoad:
         else:
             for i in range(len(self._events)):
                 self.wait_layer(i)
+
+
+class StepClock:
+    """Times one forward: on the host platform the host's time from start to
+    :meth:`stop`; on a device the forward stream's, between two events
+    (read once the device got past the second: :meth:`seconds` is None
+    until then, and never blocks)."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self._device = device
+        self._stopped: float | None = None
+        if device is None:
+            self._start: Any = time.perf_counter()
+            self._end: Any = None
+        else:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record(torch.cuda.current_stream(device))
+            self._end = torch.cuda.Event(enable_timing=True)
+
+    def stop(self) -> None:
+        if self._device is None:
+            self._stopped = time.perf_counter()
+        else:
+            self._end.record(torch.cuda.current_stream(self._device))
+            self._stopped = 0.0
+
+    def seconds(self) -> float | None:
+        if self._stopped is None:
+            return None
+        if self._device is None:
+            return self._stopped - self._start
+        if not self._end.query():
+            return None
+        return self._start.elapsed_time(self._end) / 1000

@@ -234,6 +234,7 @@ class SchedulerSide:
             world_size=layout.world_size,
             emit_events=self._emit_events,
             counters=self.counters,
+            chunk_bytes=layout.shard_bytes(config.chunk_tokens),
         )
         self.namespace = namespace
         self.planner = planner  # last: the scheduling loop starts using it now
@@ -388,6 +389,7 @@ class SchedulerSide:
             signing_kid=kid,
             writer=self._sync.writer if self._sync is not None else None,
             clock_ms=self._sync.clock_ms if self._sync is not None else 0,
+            step=plan.step,
         )
 
     def on_output(self, output: KVConnectorOutput) -> None:
@@ -441,6 +443,9 @@ class SchedulerSide:
                     c.set(name, 0)
             for name, value in p.stack.gauges().items():
                 c.set(name, value)
+            if p.cost is not None:
+                for name, value in p.cost.gauges().items():
+                    c.set(name, value)
         return c.take()
 
     def shutdown(self, budget_s: float | None = None) -> None:

@@ -21,7 +21,7 @@ from s3kv.chunk_reader import PageFormat, PageTarget
 from s3kv.config import KNOWN_KEYS, S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
-from s3kv.connector.pages import LayerwiseLoad, PageIO
+from s3kv.connector.pages import LayerwiseLoad, PageIO, StepClock
 from s3kv.errors import ConfigError
 from s3kv.keys import fingerprint
 from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
@@ -32,7 +32,7 @@ from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
 from s3kv.tiering.hostpool import HostPool, slots_for
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.plan import LoadChunk, LoadPlan, StoreChunk, TierReport
+from s3kv.tiering.plan import LoadChunk, LoadPlan, LoadTiming, StepTiming, StepTokens, StoreChunk, TierReport
 from s3kv.tiering.transfer import EngineSettings, StoreJob, TransferEngine
 
 if TYPE_CHECKING:
@@ -111,6 +111,10 @@ class WorkerSide:
         """Asynchronous loads refused, to report as finished (failed)."""
         self.publisher: ShardPublisher | None = None
         """This rank's publisher of the chunk objects it creates (with S3)."""
+        self._clock: tuple[StepClock, StepTokens] | None = None
+        """Rank 0: the forward being timed, and what it computes."""
+        self._timed: list[tuple[StepClock, StepTokens]] = []
+        """Rank 0: forwards timed whose time the device has not told yet."""
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = PageIO(kv_caches, self.layout.layer_names, self.num_blocks)
@@ -154,6 +158,27 @@ class WorkerSide:
             self._start_publisher(meta.namespace, meta.writer)
         if self.publisher is not None and meta.clock_ms:
             self.publisher.observe(meta.clock_ms)
+
+    def begin_step(self, meta: S3KVMetadata) -> None:
+        """vLLM bound this step's plans, before its forward: rank 0 times a
+        prefill's forward, for the scheduler side's cost model."""
+        self._clock = None
+        if meta.step is not None and self.rank == 0 and self.pages is not None:
+            self._clock = (self.pages.step_clock(), meta.step)
+
+    def _end_step(self) -> None:
+        if self._clock is not None:
+            self._clock[0].stop()
+            self._timed.append(self._clock)
+            self._clock = None
+            del self._timed[:-64]  # a device that never tells: keep a bounded few
+        while self._timed:  # in order: a device finishes its forwards in turn
+            clock, step = self._timed[0]
+            seconds = clock.seconds()
+            if seconds is None:
+                break
+            self._timed.pop(0)
+            self._report.step_timings.append(StepTiming(step.tokens, step.context, seconds))
 
     def _start_publisher(self, namespace: str, writer: str) -> None:
         """Publish the chunk objects this rank creates from its I/O loop, as
@@ -323,6 +348,9 @@ class WorkerSide:
             if self.rank == 0:  # one observation per request, not per rank
                 for _ in reqs:
                     self.counters.observe("request_load_seconds", elapsed)
+                if chunks:  # all were in at the end: as if copied one after another
+                    n = len(chunks)
+                    self._report.load_timings.append(LoadTiming("", Tier.CPU, n, elapsed / n, elapsed))
         ok = self._report.tier_ok
         for c in chunks:
             ok[c.sources[0].tier] = ok.get(c.sources[0].tier, 0) + 1
@@ -371,6 +399,7 @@ class WorkerSide:
     def save(self, meta: S3KVMetadata) -> None:
         """End of the step: copy the layers not saved yet (a step without a
         forward saves none), then hand the stores to the background."""
+        self._end_step()
         self._finish_sync_load()
         if self.pages is None:
             return

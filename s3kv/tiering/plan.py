@@ -85,12 +85,47 @@ class TierEvent:
     token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class StepTokens:
+    """What a step's forward computes, for the workers to time it against."""
+
+    tokens: int
+    """Tokens scheduled (prefills' and decodes')."""
+    context: int
+    """The longest context a prefill of the step reaches."""
+
+
 @dataclass
 class StepPlan:
     loads: list[LoadPlan] = field(default_factory=list)
     stores: list[StoreChunk] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     """Finished requests whose blocks vLLM keeps until this step's copies are done."""
+    step: StepTokens | None = None
+    """Set when the step prefills: rank 0 times its forward (the cost model's prefill rate)."""
+
+
+@dataclass(frozen=True)
+class LoadTiming:
+    """Rank 0's timing of a load's chunks from one tier, for the cost model."""
+
+    req_id: str
+    """The load's request ("" for a step's copies from the CPU tier, timed together)."""
+    tier: Tier
+    chunks: int
+    first_s: float
+    """From the load's start to its first chunk of this tier in the KV cache."""
+    last_s: float
+    """From the load's start to its last chunk of this tier in the KV cache."""
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Rank 0's timing of a prefill step's forward."""
+
+    tokens: int
+    context: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -132,6 +167,10 @@ class TierReport:
     existing: set[bytes] = field(default_factory=set)
     """Keys whose S3 store found the object already there."""
     disk_full: bool = False
+    load_timings: list[LoadTiming] = field(default_factory=list)
+    """Rank 0's timings of loads that finished (the others report none)."""
+    step_timings: list[StepTiming] = field(default_factory=list)
+    """Rank 0's timings of prefill steps."""
 
     def aggregate(self, other: TierReport) -> TierReport:
         return TierReport(
@@ -147,6 +186,8 @@ class TierReport:
             {**self.bad, **other.bad},
             self.existing | other.existing,
             self.disk_full or other.disk_full,
+            self.load_timings + other.load_timings,
+            self.step_timings + other.step_timings,
         )
 
     def is_empty(self) -> bool:
@@ -162,4 +203,6 @@ class TierReport:
             or self.bad
             or self.existing
             or self.disk_full
+            or self.load_timings
+            or self.step_timings
         )

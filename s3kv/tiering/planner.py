@@ -21,6 +21,7 @@ from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.keys import Namespace
 from s3kv.manifest.keyset import EMPTY
 from s3kv.stats import Counters
+from s3kv.tiering.cost import CostModel
 from s3kv.tiering.keychain import ChainKeys, ExtrasFn, PrefixIds
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import (
@@ -28,6 +29,7 @@ from s3kv.tiering.plan import (
     LoadPlan,
     ScheduledRequest,
     StepPlan,
+    StepTokens,
     StoreChunk,
     TierEvent,
     TierReport,
@@ -63,6 +65,8 @@ class _Request:
     load_failed: bool = False
     """A load for this request failed: vLLM recomputes it, and asking again
     (vLLM does when nothing was computed) would only fail again."""
+    decided: bool = False
+    """The load policy's first decision on it was counted."""
 
 
 class Planner:
@@ -78,6 +82,7 @@ class Planner:
         save_generated: bool = DEFAULTS.save_generated,
         emit_events: bool = False,
         counters: Counters | None = None,
+        cost: CostModel | None = None,
     ) -> None:
         if chunk_tokens % block_size:
             raise ValueError("chunk_tokens must be a multiple of block_size")
@@ -100,6 +105,12 @@ class Planner:
         self._load_pins: dict[str, list[tuple[TierManager, bytes]]] = {}
         """Entries a load reads, let go when it is over on every rank."""
         self._async_loading: set[str] = set()
+        self.cost = cost
+        """The load policy and its estimates (None: every hit is offered, nothing is timed)."""
+        self._load_started: dict[str, float] = {}
+        """Asynchronous loads planned, by request: when (the cost model's round trip)."""
+        self._load_took: dict[str, float] = {}
+        """Asynchronous loads' own time on rank 0, by request, until vLLM hears they finished."""
 
     @classmethod
     def from_config(
@@ -112,8 +123,10 @@ class Planner:
         world_size: int = 1,
         emit_events: bool = False,
         counters: Counters | None = None,
+        chunk_bytes: int = 0,
     ) -> Planner:
-        """The planner ``config`` asks for, over ``tiers`` (nearest first)."""
+        """The planner ``config`` asks for, over ``tiers`` (nearest first);
+        ``chunk_bytes``: the raw KV bytes of one chunk shard (for the cost model)."""
         return cls(
             namespace=namespace,
             chunk_tokens=config.chunk_tokens,
@@ -124,6 +137,7 @@ class Planner:
             save_generated=config.save_generated,
             emit_events=emit_events,
             counters=counters,
+            cost=CostModel(chunk_bytes=chunk_bytes, policy=config.load_policy),
         )
 
     @property
@@ -171,16 +185,42 @@ class Planner:
             return 0, False
         keys = self.chain.extend(req, n_chunks)
         hit = self.stack.hits(req_id, keys, req.fps, start, n_chunks)
+        whole, _ = self._offer(hit, start, num_tokens, num_computed_tokens)
+        if self.cost is not None and hit:
+            decision = self.cost.choose(
+                [m.tier for m in hit],
+                [m.sync_load for m in hit],
+                first_token=start * ct,
+                chunk_tokens=ct,
+                local_tokens=num_computed_tokens,
+                context_tokens=num_tokens,
+                end_tokens=num_tokens - 1,
+            )
+            if decision.chunks < len(hit):
+                hit = hit[: decision.chunks]
+                self.stack.release(req_id, keep=hit)  # a probe of a tier it no longer loads from
+            if not req.decided and decision.explored:
+                self.counters.add("load_policy_explored")
         req.hit_start, req.hit = start, hit
-        end = (start + len(hit)) * ct
+        n, sync = self._offer(hit, start, num_tokens, num_computed_tokens)
+        if not req.decided:  # vLLM asks again while the request waits: count it once
+            req.decided = True
+            self.counters.add("load_policy_tokens_offered", n)
+            self.counters.add("load_policy_tokens_declined", whole - n)
+        req.load_async = n > 0 and not sync
+        return (n, not sync) if n > 0 else (0, False)
+
+    def _offer(
+        self, hit: Sequence[TierManager], start: int, num_tokens: int, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """(tokens a load of ``hit`` from chunk ``start`` supplies, synchronously?)."""
+        end = (start + len(hit)) * self.chunk_tokens
         sync = bool(hit) and all(m.sync_load for m in hit)
         if sync:
             # vLLM must compute at least one prompt token; leave it the whole
             # last block so our copies and its writes never share a block.
             end = min(end, (num_tokens - 1) // self.block_size * self.block_size)
-        n = end - num_computed_tokens
-        req.load_async = n > 0 and not sync
-        return (n, not sync) if n > 0 else (0, False)
+        return max(0, end - num_computed_tokens), sync
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM allocated blocks for a hit of ``num_external_tokens``: plan the load."""
@@ -226,6 +266,10 @@ class Planner:
         self._load_pins[req_id] = pins
         if req.load_async:
             self._async_loading.add(req_id)
+            if self.cost is not None:
+                if len(self._load_started) > 4096:  # loads vLLM never told the end of
+                    self._load_started.clear()
+                self._load_started[req_id] = self.cost.clock()
 
     def hit_sources(self, req_id: str) -> dict[Tier, int]:
         """Tokens of the request's planned load, by tier."""
@@ -236,12 +280,18 @@ class Planner:
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         plan = StepPlan(loads=self._pending_loads, stores=self._pending_stores, held=self._pending_held)
         self._pending_loads, self._pending_stores, self._pending_held = [], [], []
+        tokens, context = 0, 0
         for s in scheduled:
+            tokens += s.num_scheduled_tokens
             req = self._requests.get(s.req_id)
             if req is None:
                 continue
             done = s.num_computed_tokens + s.num_scheduled_tokens
+            if s.num_computed_tokens < req.num_prompt_tokens and s.num_scheduled_tokens:
+                context = max(context, done)  # a prefill
             plan.stores += self._plan_stores(req, done, s.block_ids)
+        if self.cost is not None and context:
+            plan.step = StepTokens(tokens, context)
         return plan
 
     def _plan_stores(
@@ -308,6 +358,10 @@ class Planner:
         synchronous ones): what they read may be evicted again."""
         for req_id in req_ids:
             self._async_loading.discard(req_id)
+            started = self._load_started.pop(req_id, None)
+            took = self._load_took.pop(req_id, None)
+            if self.cost is not None and started is not None and took is not None:
+                self.cost.observe_round_trip(self.cost.clock() - started - took)
             for m, key in self._load_pins.pop(req_id, []):
                 m.complete_load(key)
             # Its tiers' breakers heard how it went (a success closes one, a
@@ -322,6 +376,8 @@ class Planner:
         each tier hears its own outcomes, and its breaker its own transfers
         (not answering, throttled, too slow) and no other tier's."""
         self.stack.on_report(report, self.ranks.writes(report))
+        if self.cost is not None:
+            self._observe(report)
         for key, n in report.released.items():  # ranks no longer read the store's staging place
             if self.ranks.count(("release", key), n):
                 self.stack.released(key)
@@ -333,6 +389,16 @@ class Planner:
             if req is not None:
                 req.load_failed = True
         self.stack.end_report(report)
+
+    def _observe(self, report: TierReport) -> None:
+        """Rank 0's timings, into the cost model."""
+        assert self.cost is not None
+        for t in report.load_timings:
+            self.cost.observe_load(t.tier, t.chunks, t.first_s, t.last_s)
+            if t.req_id in self._load_started:  # its round trip ends when vLLM hears of it
+                self._load_took[t.req_id] = max(self._load_took.get(t.req_id, 0.0), t.last_s)
+        for st in report.step_timings:
+            self.cost.observe_step(st.tokens, st.context, st.seconds)
 
     # -- KV events -------------------------------------------------------------
     def _remember(self, req: _Request, c: int) -> None:

@@ -32,7 +32,7 @@ from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
+from s3kv.tiering.plan import LoadChunk, LoadTiming, Place, StoreChunk, TierReport
 from s3kv.tiering.tiers import HANDLERS
 from s3kv.tiering.tiers.base import (
     EngineSettings,
@@ -161,13 +161,24 @@ class TransferEngine:
         self, job_id: str, chunks: list[LoadChunk], sink: ChunkSink, target: ChunkTarget | None
     ) -> None:
         start = time.perf_counter()
-        ok = await asyncio.gather(*(self._load_one(c, sink, target) for c in chunks))
+        done: dict[Tier, list[float]] = {}  # tier -> when each of its chunks was in
+
+        async def one(chunk: LoadChunk) -> bool:
+            tier = await self._load_one(chunk, sink, target)
+            if tier is not None:
+                done.setdefault(tier, []).append(time.perf_counter() - start)
+            return tier is not None
+
+        ok = await asyncio.gather(*(one(c) for c in chunks))
         failed = [c for c, loaded in zip(chunks, ok) if not loaded]
         if not failed and self.s.rank == 0:  # one observation per request, not per rank
             self.counters.observe("request_load_seconds", time.perf_counter() - start)
+            for tier, times in done.items():  # the cost model's figures (ranks load alike)
+                self.report.timed(LoadTiming(job_id, tier, len(times), min(times), max(times)))
         self.report.finished(job_id, failed)
 
-    async def _load_one(self, chunk: LoadChunk, sink: ChunkSink, target: ChunkTarget | None) -> bool:
+    async def _load_one(self, chunk: LoadChunk, sink: ChunkSink, target: ChunkTarget | None) -> Tier | None:
+        """Load one chunk: the tier it came from, or None if it failed."""
         start = time.perf_counter()
         key = chunk.key
         promote = [(self.handlers.get(p.tier), p) for p in chunk.promote]
@@ -186,7 +197,7 @@ class TransferEngine:
                 log.warning("s3kv: load of chunk %s failed (%s): %s", key.hex(), kind, e)
             for _, p in promote:  # the promotions are off
                 self.report.failed(p.tier, key)
-            return False
+            return None
         tier = source.tier.value
         self.report.tier_ok(source.tier)
         self.counters.add(f"load_chunks_{tier}")
@@ -201,7 +212,7 @@ class TransferEngine:
                 self._loop.track(h.save(p, ChunkData(key, self.codec, blob=blob)))  # type: ignore[arg-type]
             else:
                 self.report.failed(p.tier, key)
-        return True
+        return source.tier
 
     async def _load_from_sources(
         self,

@@ -30,7 +30,12 @@ REPLICA_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 def kv_config(endpoint_url: str, bucket: str, *, module_path: bool = False, **extra: Any) -> dict[str, Any]:
     """A replica's --kv-transfer-config. By default the connector is found by
-    the name the plugin registers; ``module_path`` loads it by module instead."""
+    the name the plugin registers; ``module_path`` loads it by module instead.
+
+    Its ``load_policy`` is ``always`` unless ``extra`` says otherwise: these
+    tests check what loads do, and on a busy machine the cost model could
+    compute a short prefix instead (``test_load_policy`` tests the policy)."""
+    extra = {"load_policy": "always", **extra}
     return {
         "kv_connector": "S3KVConnector",
         **({"kv_connector_module_path": "s3kv.connector"} if module_path else {}),

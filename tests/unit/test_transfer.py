@@ -35,13 +35,15 @@ def layers(seed):
 
 def engine(store, *, pool_slots=0, disk_path=None, **kw):
     settings = EngineSettings(
-        namespace="n" * 32,
-        prefix="p",
-        rank=0,
-        num_layers=LAYERS,
-        range_bytes=PAGE + 200,
-        disk_path=str(disk_path) if disk_path else None,
-        **kw,
+        **{
+            "namespace": "n" * 32,
+            "prefix": "p",
+            "rank": 0,
+            "num_layers": LAYERS,
+            "range_bytes": PAGE + 200,
+            "disk_path": str(disk_path) if disk_path else None,
+            **kw,
+        }
     )
     e = TransferEngine(store, settings)
     e.configure(FMT, HostPool(pool_slots, PAGE, LAYERS) if pool_slots else None)
@@ -180,6 +182,32 @@ def test_store_then_load_roundtrip():
             assert (got[(key, i)] == ls[i]).all()
     totals = e.counters.totals()
     assert totals["store_chunks_s3"] == 3 and totals["load_chunks_s3"] == 3
+    e.close()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_0_times_each_load_by_tier_for_the_cost_model(tmp_path, rank):
+    store = MemoryStore()
+    e = engine(store, rank=rank, disk_path=tmp_path)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    for i, key in enumerate(keys):
+        e.submit_store(job(key, layers(i), disk=i == 0, s3=True))
+    wait_for(e, lambda a: len(a.written.get(Tier.S3, {})) == 3)
+    e.submit_load("job", [chunk(keys[0], Tier.DISK), chunk(keys[1]), chunk(keys[2])], collect({}))
+    acc = wait_for(e, lambda a: "job" in a.finished_loads)
+    assert acc.finished_loads["job"] == []
+    timings = {t.tier: t for t in acc.report.load_timings}
+    if rank:  # one rank's figures are the fleet's: the others send none
+        assert timings == {}
+        return
+    assert set(timings) == {Tier.DISK, Tier.S3}
+    assert (timings[Tier.DISK].chunks, timings[Tier.S3].chunks) == (1, 2)
+    for t in timings.values():
+        assert t.req_id == "job" and 0 < t.first_s <= t.last_s
+    # A failed load says nothing of its tiers' speed.
+    e.submit_load("gone", [chunk(b"z" * 16), chunk(keys[1])], collect({}))
+    acc = wait_for(e, lambda a: "gone" in a.finished_loads)
+    assert acc.finished_loads["gone"] and acc.report.load_timings == []
     e.close()
 
 

@@ -29,7 +29,7 @@ from s3kv.tiering.breaker import Breaker
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.placement import Tier, TierIndex
-from s3kv.tiering.plan import LoadChunk, Place, TierEvent, TierReport
+from s3kv.tiering.plan import LoadChunk, LoadTiming, Place, TierEvent, TierReport
 
 # -- scheduler side ---------------------------------------------------------------
 
@@ -388,6 +388,10 @@ class RankReport:
     def tier_failed(self, tier: Tier) -> None:
         with self._lock:
             self._report.tier_failed[tier] = self._report.tier_failed.get(tier, 0) + 1
+
+    def timed(self, timing: LoadTiming) -> None:
+        with self._lock:
+            self._report.load_timings.append(timing)
 
 
 class Began:

@@ -28,6 +28,7 @@ locals {
     "shutdown_flush_s",
     "write_policy",
     "promote",
+    "load_policy",
     "save_generated",
     "manifest_publish_s",
     "manifest_refresh_s",

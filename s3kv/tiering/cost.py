@@ -1,0 +1,269 @@
+"""Load or compute: the scheduler side's live estimates of what a hit costs
+to load, tier by tier, against what its tokens cost to compute, and the
+prefix of a hit worth offering to vLLM (``load_policy: cost``).
+
+A request whose first ``n`` chunks a tier holds waits, if they are loaded,
+for the slowest tier's share of them (the chunks of one load are fetched
+together, and an asynchronous load adds the scheduling round trip before the
+request computes the rest); if they are computed, for their tokens at the
+engine's prefill rate. The model offers the prefix that saves the most time,
+or none. Its figures, all measured on this replica and nothing else:
+
+- per tier, the **first chunk**: from a load's start to its first chunk of
+  that tier in the KV cache (first-byte latency, plus one chunk's transfer
+  and checks); and the **bandwidth** of the rest: raw KV bytes a second
+  after that first chunk;
+- the **round trip** of an asynchronous load: from the plan to vLLM hearing
+  it finished, less the load's own time (the steps a waiting request sits out);
+- the engine's **prefill rate**, tokens a second of recent forward steps,
+  by the context length they reached.
+
+Each is the median of a window of recent observations, so that one slow
+request moves nothing. Until a figure is measured it has a start-up value
+chosen so that a replica behaves as ``always`` did where it knows nothing:
+the prefill is assumed slow (1,000 tokens a second), so every hit loads
+until the engine's first prefill is timed. A tier whose estimate has not
+been refreshed for :data:`EXPLORE_S` gets a load offered anyway, once per
+that time, so that an estimate from a bad minute does not last forever.
+
+Nothing here imports vLLM or does I/O; the planner calls it from the
+scheduling loop (``choose`` is O(chunks of the hit)).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from s3kv.config import LOAD_POLICIES
+from s3kv.stats import CONTEXT_BUCKETS
+from s3kv.tiering.placement import Tier
+
+WINDOW = 16
+"""Observations each estimate keeps (its median is the estimate)."""
+EXPLORE_S = 60.0
+"""A tier not measured for this long gets one load offered that the model
+would decline, so that its estimate follows the tier again."""
+MIN_STEP_TOKENS = 16
+"""Forward steps computing fewer tokens (decode) say little of the prefill rate."""
+
+CONTEXT_LABELS = tuple(str(b) for b in CONTEXT_BUCKETS)
+
+
+@dataclass(frozen=True)
+class TierPrior:
+    first_s: float
+    """Start-up estimate of a load's first chunk from the tier."""
+    bytes_per_s: float
+    """Start-up estimate of the tier's bandwidth after the first chunk."""
+
+
+PRIORS: dict[Tier, TierPrior] = {
+    Tier.CPU: TierPrior(0.0005, 4e9),
+    Tier.DISK: TierPrior(0.005, 1e9),
+    Tier.S3: TierPrior(0.1, 2e8),
+}
+"""Start-up values: S3 as a slow regional bucket, NVMe and host memory as
+slow ones of theirs."""
+PREFILL_PRIOR_TOKENS_PER_S = 1000.0
+"""Start-up prefill rate: slower than any GPU's, so hits load until the engine is timed."""
+
+
+class Window:
+    """The median of the last :data:`WINDOW` observations, or a start-up value."""
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self._values: deque[float] = deque(maxlen=WINDOW)
+        self._median: float | None = None
+        self.updated_at: float | None = None
+
+    def add(self, value: float, now: float) -> None:
+        self._values.append(value)
+        self._median = None
+        self.updated_at = now
+
+    @property
+    def measured(self) -> bool:
+        return bool(self._values)
+
+    @property
+    def value(self) -> float:
+        if not self._values:
+            return self.prior
+        if self._median is None:
+            self._median = statistics.median(self._values)
+        return self._median
+
+
+class TierEstimate:
+    """How long a load of ``n`` chunks from one tier takes: the first chunk,
+    then the rest at the tier's bandwidth."""
+
+    def __init__(self, prior: TierPrior) -> None:
+        self.first_s = Window(prior.first_s)
+        self.bytes_per_s = Window(prior.bytes_per_s)
+        self.explored_at: float | None = None
+
+    def observe(self, chunks: int, chunk_bytes: int, first_s: float, last_s: float, now: float) -> None:
+        """A load's ``chunks`` from this tier were in the KV cache ``first_s``
+        (the first) and ``last_s`` (all) seconds after it started."""
+        if chunks <= 0 or first_s < 0 or last_s < first_s:
+            return
+        self.first_s.add(first_s, now)
+        if chunks > 1:
+            self.bytes_per_s.add((chunks - 1) * chunk_bytes / max(last_s - first_s, 1e-4), now)
+
+    def seconds(self, chunks: int, chunk_bytes: int) -> float:
+        if chunks <= 0:
+            return 0.0
+        return self.first_s.value + (chunks - 1) * chunk_bytes / self.bytes_per_s.value
+
+    def stale(self, now: float) -> bool:
+        """Not measured (nor explored) for :data:`EXPLORE_S`."""
+        last = max(self.first_s.updated_at or -1e18, self.explored_at or -1e18)
+        return now - last > EXPLORE_S
+
+
+def context_bucket(tokens: int) -> int:
+    """Index of the prefill-rate bucket of a context of ``tokens``."""
+    return min(bisect.bisect_left(CONTEXT_BUCKETS, tokens), len(CONTEXT_BUCKETS) - 1)
+
+
+class PrefillEstimate:
+    """Seconds a token of prefill costs, by the context length reached."""
+
+    def __init__(self, prior_tokens_per_s: float = PREFILL_PRIOR_TOKENS_PER_S) -> None:
+        self._buckets = [Window(1.0 / prior_tokens_per_s) for _ in CONTEXT_BUCKETS]
+
+    def observe(self, tokens: int, context: int, seconds: float, now: float) -> None:
+        """A forward step computed ``tokens`` in ``seconds``, the longest of
+        its requests reaching ``context`` tokens."""
+        if tokens >= MIN_STEP_TOKENS and seconds > 0:
+            self._buckets[context_bucket(context)].add(seconds / tokens, now)
+
+    def seconds_per_token(self, context: int) -> float:
+        """The bucket of ``context``, else the nearest measured one, else the start-up value."""
+        i = context_bucket(context)
+        measured = [j for j, w in enumerate(self._buckets) if w.measured]
+        if not measured or self._buckets[i].measured:
+            return self._buckets[i].value
+        j = min(measured, key=lambda j: (abs(j - i), -j))  # a tie: the longer context (slower)
+        return self._buckets[j].value
+
+    def tokens_per_s(self) -> dict[str, float]:
+        """Each measured bucket's rate, by its label."""
+        return {
+            label: round(1.0 / w.value, 1) for label, w in zip(CONTEXT_LABELS, self._buckets) if w.measured
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    chunks: int
+    """Chunks of the hit to offer, from its first."""
+    explored: bool = False
+    """Offered past what the model would, to measure a stale tier again."""
+
+
+class CostModel:
+    """The estimates of one replica's scheduler side, and its choice."""
+
+    def __init__(
+        self,
+        *,
+        chunk_bytes: int,
+        policy: str = "cost",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if policy not in LOAD_POLICIES:
+            raise ValueError(f"load_policy must be one of {', '.join(LOAD_POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.chunk_bytes = chunk_bytes
+        """Raw KV bytes of one chunk shard (each rank loads its own, side by side)."""
+        self.clock = clock
+        self.tiers = {t: TierEstimate(p) for t, p in PRIORS.items()}
+        self.round_trip_s = Window(0.0)
+        self.prefill = PrefillEstimate()
+
+    # -- observations ------------------------------------------------------------
+    def observe_load(self, tier: Tier, chunks: int, first_s: float, last_s: float) -> None:
+        self.tiers[tier].observe(chunks, self.chunk_bytes, first_s, last_s, self.clock())
+
+    def observe_round_trip(self, seconds: float) -> None:
+        self.round_trip_s.add(max(0.0, seconds), self.clock())
+
+    def observe_step(self, tokens: int, context: int, seconds: float) -> None:
+        self.prefill.observe(tokens, context, seconds, self.clock())
+
+    # -- the choice ------------------------------------------------------------------
+    def load_seconds(self, tiers: Sequence[Tier], sync: Sequence[bool]) -> float:
+        """Estimated wait for loading chunks from ``tiers`` (one per chunk;
+        ``sync``: copied during the forward, no round trip)."""
+        counts: dict[Tier, int] = {}
+        for t in tiers:
+            counts[t] = counts.get(t, 0) + 1
+        return self._load_seconds(counts, any(not s for s in sync))
+
+    def _load_seconds(self, counts: dict[Tier, int], has_async: bool) -> float:
+        slowest = max((self.tiers[t].seconds(n, self.chunk_bytes) for t, n in counts.items()), default=0.0)
+        return slowest + (self.round_trip_s.value if has_async else 0.0)
+
+    def choose(
+        self,
+        tiers: Sequence[Tier],
+        sync: Sequence[bool],
+        *,
+        first_token: int,
+        chunk_tokens: int,
+        local_tokens: int,
+        context_tokens: int,
+        end_tokens: int | None = None,
+    ) -> Decision:
+        """How many chunks of a hit to offer. ``tiers[i]`` (``sync[i]``:
+        a synchronous tier) holds the chunk that starts at token
+        ``first_token + i * chunk_tokens``; the request has ``local_tokens``
+        already, ``context_tokens`` in all, and a load may end no later than
+        ``end_tokens``."""
+        n = len(tiers)
+        if self.policy == "always" or n == 0:
+            return Decision(n)
+        now = self.clock()
+        per_token = self.prefill.seconds_per_token(context_tokens)
+        best, best_gain = 0, 0.0
+        counts: dict[Tier, int] = {}
+        has_async = False
+        for k in range(1, n + 1):
+            t = tiers[k - 1]
+            counts[t] = counts.get(t, 0) + 1
+            has_async = has_async or not sync[k - 1]
+            end = first_token + k * chunk_tokens
+            if end_tokens is not None:
+                end = min(end, end_tokens)
+            gain = (end - local_tokens) * per_token - self._load_seconds(counts, has_async)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        if best < n:
+            stale = [self.tiers[t] for t in set(tiers[best:]) if self.tiers[t].stale(now)]
+            if stale:
+                for est in stale:
+                    est.explored_at = now
+                return Decision(n, explored=True)
+        return Decision(best)
+
+    # -- figures ---------------------------------------------------------------------
+    def gauges(self) -> dict[str, float]:
+        """The estimates, under their flat metric names (measured ones only
+        for the prefill rate; the start-up values for tiers not yet measured)."""
+        out: dict[str, float] = {}
+        for tier, est in self.tiers.items():
+            out[f"cost_first_chunk_seconds_{tier.value}"] = round(est.first_s.value, 6)
+            out[f"cost_bandwidth_bytes_{tier.value}"] = round(est.bytes_per_s.value)
+        out["cost_round_trip_seconds"] = round(self.round_trip_s.value, 6)
+        for label, rate in self.prefill.tokens_per_s().items():
+            out[f"cost_prefill_tokens_per_second_{label}"] = rate
+        return out

@@ -1,0 +1,93 @@
+"""The load policy in a real engine, behind an S3 whose object GETs answer
+late (a loopback proxy holds their first byte back): with ``cost`` a long
+prefix is loaded and a short one computed; with ``always`` both load. The
+answers are the same tokens either way."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from s3kv.demo.latency_proxy import LatencyProxy
+from tests.e2e.harness import (
+    CHUNK_TOKENS,
+    REPLICA_ENV,
+    greedy_params,
+    kv_config,
+    s3kv_value,
+    start_engine,
+    wait_for_value,
+)
+
+pytestmark = pytest.mark.engine
+
+rng = random.Random(18)
+LONG = [rng.randrange(3, 2048) for _ in range(30 * CHUNK_TOKENS + 20)]  # 30 chunks
+SHORT = [rng.randrange(3, 2048) for _ in range(2 * CHUNK_TOKENS + 20)]  # 2 chunks, another prefix
+
+
+def test_cost_policy_computes_a_short_prefix_on_a_slow_s3_and_loads_a_long_one(s3_server, model, monkeypatch):
+    for k, v in REPLICA_ENV.items():
+        monkeypatch.setenv(k, v)
+    bucket = s3_server.new_bucket()
+    params = greedy_params()
+    engines = []
+    with LatencyProxy(s3_server.endpoint_url) as proxy:
+
+        def engine(policy: str):
+            llm = start_engine(
+                model, kv_config(proxy.endpoint_url, bucket, load_policy=policy), enable_prefix_caching=False
+            )
+            engines.append(llm)
+            return llm
+
+        def generate(llm, prompt):
+            (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+        try:
+            llm = engine("cost")
+            # Computed and stored: nothing is in the bucket yet. The
+            # forwards of these prefills time the engine's prefill rate.
+            want = {name: generate(llm, p)[0] for name, p in (("long", LONG), ("short", SHORT))}
+            stored = len(LONG) // CHUNK_TOKENS + len(SHORT) // CHUNK_TOKENS
+            assert wait_for_value(llm, "store_chunks_s3", lambda v: v >= stored) >= stored
+            rate = wait_for_value(llm, "cost_prefill_tokens_per_second_2048", lambda v: v > 0)
+            assert rate > 0, "the long prefill was not timed"
+            # S3 now answers a third of the long prefix's compute time late:
+            # several times what the short prefix takes to compute.
+            proxy.delay_s = 0.35 * len(LONG) / rate
+            assert 2 * CHUNK_TOKENS / rate < proxy.delay_s / 2
+
+            tokens, cached = generate(llm, LONG)
+            assert tokens == want["long"]
+            assert cached >= 29 * CHUNK_TOKENS, "the long prefix was not loaded"
+            assert proxy.delayed >= 29
+            # The estimate followed S3: its first chunk takes the delay now.
+            first = wait_for_value(llm, "cost_first_chunk_seconds_s3", lambda v: v >= 0.9 * proxy.delay_s)
+            assert first >= 0.9 * proxy.delay_s
+            declined = s3kv_value(llm, "load_policy_tokens_declined")
+
+            tokens, cached = generate(llm, SHORT)
+            assert tokens == want["short"]
+            assert cached == 0, "the short prefix was loaded from the slow S3"
+            wait_for_value(llm, "load_policy_tokens_declined", lambda v: v >= declined + 2 * CHUNK_TOKENS)
+            assert s3kv_value(llm, "load_policy_tokens_declined") == declined + 2 * CHUNK_TOKENS
+            assert s3kv_value(llm, "hit_tokens_s3") == 30 * CHUNK_TOKENS  # the long prefix's only
+            llm.llm_engine.engine_core.shutdown()
+            engines.remove(llm)
+
+            # The control: the same S3, the same prompts, ``always``: both load.
+            llm = engine("always")
+            assert wait_for_value(llm, "manifest_keys", lambda v: v >= stored) >= stored
+            delayed = proxy.delayed
+            tokens, cached = generate(llm, SHORT)
+            assert tokens == want["short"] and cached >= 2 * CHUNK_TOKENS
+            tokens, cached = generate(llm, LONG)
+            assert tokens == want["long"] and cached >= 29 * CHUNK_TOKENS
+            assert proxy.delayed >= delayed + 31
+            assert s3kv_value(llm, "load_policy_tokens_declined") == 0
+        finally:
+            for llm in engines:
+                llm.llm_engine.engine_core.shutdown()
