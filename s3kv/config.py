@@ -113,6 +113,11 @@ class S3KVConfig:
         "estimates of each tier's latency and bandwidth against the engine's prefill rate; until "
         'measured, hits load); "always" offers every hit.',
     )
+    prefetch_bytes: int = _key(
+        2 << 30,
+        "Chunk shards (raw KV bytes per worker) fetched at once from S3 into the CPU and NVMe tiers "
+        "for requests that wait in vLLM's queue; 0 turns prefetching off.",
+    )
     save_generated: bool = _key(
         True, "Also store full chunks that contain generated tokens (the next chat turn hits them)."
     )
@@ -343,6 +348,7 @@ _PARSERS = {
     "promote": lambda v: _bool("promote", v),
     "save_generated": lambda v: _bool("save_generated", v),
     "load_policy": lambda v: _choice("load_policy", v, LOAD_POLICIES),
+    "prefetch_bytes": lambda v: _size("prefetch_bytes", v, 1, TiB, zero_turns_off=True),
     "manifest_publish_s": lambda v: _duration("manifest_publish_s", v, MANIFEST_TICK_S),
     "manifest_refresh_s": lambda v: _duration("manifest_refresh_s", v, MANIFEST_TICK_S),
     "manifest_clock_skew_s": lambda v: _duration("manifest_clock_skew_s", v, MIN_CLOCK_SKEW_S),

@@ -62,6 +62,18 @@ FAMILIES: tuple[Family, ...] = (
         "Hits offered whole against the cost model's estimate, to measure again a tier whose "
         "estimate had not been refreshed for a minute",
     ),
+    _c(
+        "prefetch_chunks",
+        "Chunks of arriving requests that only S3 held: fetched into the nearer tiers while the "
+        "requests waited (started), or not, the prefetch byte budget being in use (over_budget)",
+        "outcome",
+        ("started", "over_budget"),
+    ),
+    _c(
+        "prefetch_waits",
+        "Requests whose scheduling waited for their prefetch to finish (its chunks then load from the CPU "
+        "or NVMe tier)",
+    ),
     _c("load_chunks", "Chunk shards loaded into the KV cache, by source tier", "tier", TIERS),
     _c("load_bytes", "Bytes read for loads (object bytes; CPU: page bytes), by source tier", "tier", TIERS),
     _c(

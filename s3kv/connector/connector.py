@@ -239,6 +239,9 @@ class S3KVConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         return self.scheduler.lookup(request, num_computed_tokens)
 
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_arrival(request)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:

@@ -19,6 +19,11 @@ SPEC, a JSON object:
 - ``max_tokens``: tokens generated per prompt (default 16, EOS ignored).
 - ``flush_prompt``: a prompt run after the drain (optional), so that
   Prometheus sees what the drained uploads counted.
+- ``bursts``: optional; a list of bursts, each a list of prompts (token
+  ids) submitted at once (one ``generate`` call: they queue in vLLM's
+  scheduler), one burst after another once ``prompts`` ran. Their results
+  follow the prompts' in RESULT's lists, in order (``ttft_s``: from each
+  request's arrival).
 
 RESULT, a JSON object:
 
@@ -145,6 +150,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics else 0.0
         ttft.append(latency or wall)
         cached.append(int(out.num_cached_tokens or 0))
+    for burst in spec.get("bursts", ()):
+        batch = [{"prompt_token_ids": list(prompt)} for prompt in burst]
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        for out in outs:
+            outputs.append(list(out.outputs[0].token_ids))
+            latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics else 0.0
+            ttft.append(latency or wall)
+            cached.append(int(out.num_cached_tokens or 0))
     workers: list[dict[str, Any]] = []
     if spec.get("kv_transfer_config"):
         workers = llm.collective_rpc("s3kv_drain", args=(DRAIN_TIMEOUT_S,))

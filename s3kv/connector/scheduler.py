@@ -293,7 +293,7 @@ class SchedulerSide:
             log.debug("s3kv: namespace descriptor not written: %s", e)
 
     # -- vLLM hooks -------------------------------------------------------------
-    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if request.prompt_token_ids is None:  # prompt embeddings only: nothing to key on
             return 0, False
         planner = self.planner
@@ -320,6 +320,25 @@ class SchedulerSide:
             request.all_token_ids,
             request.num_tokens,
             num_computed_tokens,
+            _extras_fn(request, adapter),
+            num_prompt_tokens=request.num_prompt_tokens,
+            prefix_ids=self._prefix_ids(request),
+        )
+
+    def on_arrival(self, request: Request) -> None:
+        """A request entered vLLM's queue: prefetch what only S3 holds of its hit."""
+        planner = self.planner
+        if planner is None or not planner.prefetch_bytes or request.prompt_token_ids is None:
+            return
+        adapter = None
+        if request.lora_request is not None:
+            adapter = self._adapters.get(request.lora_request)
+            if adapter is None:
+                return
+        planner.prefetch(
+            request.request_id,
+            request.all_token_ids,
+            request.num_tokens,
             _extras_fn(request, adapter),
             num_prompt_tokens=request.num_prompt_tokens,
             prefix_ids=self._prefix_ids(request),
@@ -390,6 +409,7 @@ class SchedulerSide:
             writer=self._sync.writer if self._sync is not None else None,
             clock_ms=self._sync.clock_ms if self._sync is not None else 0,
             step=plan.step,
+            prefetch=plan.prefetch,
         )
 
     def on_output(self, output: KVConnectorOutput) -> None:

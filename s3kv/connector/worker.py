@@ -285,7 +285,13 @@ class WorkerSide:
         if self.refusal is not None:
             self._sync_chunks, self._sync_reqs = [], []
             self._refuse_loads(meta.loads)
+            for plan in meta.prefetch:
+                for c in plan.chunks:
+                    for place in c.promote:
+                        self._write_failed(place.tier, c.key)
             return
+        for plan in meta.prefetch:
+            self.engine.submit_prefetch(plan.chunks)
         pages = self.pages
         # Async writes wait for the forward's use of the blocks (a device event: only when needed).
         after = pages.forward_mark() if any(not plan.sync for plan in meta.loads) else None

@@ -103,6 +103,10 @@ class StepPlan:
     """Finished requests whose blocks vLLM keeps until this step's copies are done."""
     step: StepTokens | None = None
     """Set when the step prefills: rank 0 times its forward (the cost model's prefill rate)."""
+    prefetch: list[LoadPlan] = field(default_factory=list)
+    """Chunks of requests that just arrived, to fetch from a remote tier into
+    the nearer ones (their promotions) while the requests wait: no KV pages
+    are written, and vLLM hears nothing of these jobs."""
 
 
 @dataclass(frozen=True)

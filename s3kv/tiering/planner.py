@@ -12,6 +12,7 @@ its manager's to hand to the caller.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -67,6 +68,17 @@ class _Request:
     (vLLM does when nothing was computed) would only fail again."""
     decided: bool = False
     """The load policy's first decision on it was counted."""
+    looked_up: bool = False
+    """vLLM asked for its hit (a request known from its arrival alone was not yet)."""
+    waited: bool = False
+    """A lookup of it waited for its prefetch (counted once)."""
+
+
+@dataclass
+class _Prefetch:
+    started: float
+    tiers: set[Tier]
+    """The nearer tiers whose copy every rank has yet to report."""
 
 
 class Planner:
@@ -83,6 +95,10 @@ class Planner:
         emit_events: bool = False,
         counters: Counters | None = None,
         cost: CostModel | None = None,
+        chunk_bytes: int = 0,
+        prefetch_bytes: int = 0,
+        prefetch_wait_s: float = DEFAULTS.load_timeout_s + 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if chunk_tokens % block_size:
             raise ValueError("chunk_tokens must be a multiple of block_size")
@@ -111,6 +127,15 @@ class Planner:
         """Asynchronous loads planned, by request: when (the cost model's round trip)."""
         self._load_took: dict[str, float] = {}
         """Asynchronous loads' own time on rank 0, by request, until vLLM hears they finished."""
+        self.chunk_bytes = chunk_bytes
+        """Raw KV bytes of one chunk shard."""
+        self.prefetch_bytes = prefetch_bytes
+        self.prefetch_wait_s = prefetch_wait_s
+        """A prefetch that no report ended after this long (a lost report) is forgotten."""
+        self._clock = clock
+        self._prefetching: dict[bytes, _Prefetch] = {}
+        """Chunks being prefetched into nearer tiers, by key."""
+        self._pending_prefetch: list[LoadPlan] = []
 
     @classmethod
     def from_config(
@@ -138,6 +163,9 @@ class Planner:
             emit_events=emit_events,
             counters=counters,
             cost=CostModel(chunk_bytes=chunk_bytes, policy=config.load_policy),
+            chunk_bytes=chunk_bytes,
+            prefetch_bytes=config.prefetch_bytes,
+            prefetch_wait_s=config.load_timeout_s + 5.0,
         )
 
     @property
@@ -150,7 +178,25 @@ class Planner:
         return self.stack.get(tier)
 
     def knows(self, req_id: str) -> bool:
-        return req_id in self._requests
+        """Was the request looked up before?"""
+        req = self._requests.get(req_id)
+        return req is not None and req.looked_up
+
+    def _request(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        num_prompt_tokens: int | None,
+        extras: ExtrasFn | None,
+        prefix_ids: PrefixIds | None,
+    ) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:
+            prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+            req = self._requests[req_id] = _Request(token_ids, prompt, extras, prefix_ids)
+        req.token_ids = token_ids
+        return req
 
     # -- lookups -----------------------------------------------------------------
     def lookup(
@@ -163,17 +209,15 @@ class Planner:
         *,
         num_prompt_tokens: int | None = None,
         prefix_ids: PrefixIds | None = None,
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """(tokens beyond ``num_computed_tokens`` that the tiers can supply,
-        load asynchronously?). No I/O; repeated calls are cheap.
+        load asynchronously?). No I/O; repeated calls are cheap. None while
+        the request's prefetch is under way: vLLM asks again next step.
 
         A load only from synchronous tiers (the CPU pool) leaves the last
         block with a token to compute to vLLM; any other is asynchronous."""
-        req = self._requests.get(req_id)
-        if req is None:
-            prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
-            req = self._requests[req_id] = _Request(token_ids, prompt, extras, prefix_ids)
-        req.token_ids = token_ids
+        req = self._request(req_id, token_ids, num_tokens, num_prompt_tokens, extras, prefix_ids)
+        req.looked_up = True
         req.local_tokens = num_computed_tokens
         req.hit = []
         if req.load_failed:
@@ -184,6 +228,11 @@ class Planner:
         if start >= n_chunks:
             return 0, False
         keys = self.chain.extend(req, n_chunks)
+        if self._prefetching and self._awaits_prefetch(keys, start, n_chunks):
+            if not req.waited:
+                req.waited = True
+                self.counters.add("prefetch_waits")
+            return None, False
         hit = self.stack.hits(req_id, keys, req.fps, start, n_chunks)
         whole, _ = self._offer(hit, start, num_tokens, num_computed_tokens)
         if self.cost is not None and hit:
@@ -222,6 +271,77 @@ class Planner:
             end = min(end, (num_tokens - 1) // self.block_size * self.block_size)
         return max(0, end - num_computed_tokens), sync
 
+    # -- prefetch ----------------------------------------------------------------
+    def prefetch(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        extras: ExtrasFn | None = None,
+        *,
+        num_prompt_tokens: int | None = None,
+        prefix_ids: PrefixIds | None = None,
+    ) -> int:
+        """A request arrived: plan fetching the chunks of its hit that only a
+        remote tier (S3) holds into the nearer tiers (as a load's promotions
+        are), no more than ``prefetch_bytes`` of chunk shards at once, so
+        that once vLLM schedules it the hit is local. Its lookups wait for
+        them. Returns the chunks planned."""
+        if self.prefetch_bytes <= 0 or self.chunk_bytes <= 0:
+            return 0
+        req = self._request(req_id, token_ids, num_tokens, num_prompt_tokens, extras, prefix_ids)
+        n_chunks = num_tokens // self.chunk_tokens
+        if n_chunks == 0 or req.load_failed:
+            return 0
+        keys = self.chain.extend(req, n_chunks)
+        owner = ("prefetch", req_id)
+        hit = self.stack.hits(owner, keys, req.fps, 0, n_chunks)
+        self.stack.release(owner)  # a prefetch is never a breaker's probe
+        now = self._clock()
+        for key in [k for k, f in self._prefetching.items() if now - f.started > self.prefetch_wait_s]:
+            del self._prefetching[key]  # its report never came
+        budget = self.prefetch_bytes // self.chunk_bytes - len(self._prefetching)
+        chunks: list[LoadChunk] = []
+        over = 0
+        for c, m in enumerate(hit):
+            key = keys[c]
+            if not m.remote or key in self._prefetching or (m.breaker is not None and not m.breaker.closed):
+                continue
+            if len(chunks) >= budget:
+                over += 1
+                continue
+            sources, up = self.stack.load(key, m, m.prepare_load(key), True)
+            if not up:  # no room nearer
+                continue
+            self._prefetching[key] = _Prefetch(now, {p.tier for p in up})
+            self._remember(req, c)
+            chunks.append(LoadChunk(key, (), 0, 0, sources, up))
+        if chunks:
+            self._pending_prefetch.append(LoadPlan(req_id, tuple(chunks), False))
+            self.counters.add("prefetch_chunks_started", len(chunks))
+        if over:
+            self.counters.add("prefetch_chunks_over_budget", over)
+        return len(chunks)
+
+    def _awaits_prefetch(self, keys: Sequence[bytes], start: int, end: int) -> bool:
+        now = self._clock()
+        for c in range(start, end):
+            f = self._prefetching.get(keys[c])
+            if f is not None and now - f.started <= self.prefetch_wait_s:
+                return True
+        return False
+
+    def _prefetched(self, decided: dict[Tier, list[tuple[bytes, bool]]]) -> None:
+        """Copies every rank reported: a prefetch is over once each of its tiers heard."""
+        for tier, writes in decided.items():
+            for key, _ in writes:
+                f = self._prefetching.get(key)
+                if f is not None:
+                    f.tiers.discard(tier)
+                    if not f.tiers:
+                        del self._prefetching[key]
+
+    # -- allocation ---------------------------------------------------------------
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM allocated blocks for a hit of ``num_external_tokens``: plan the load."""
         req = self._requests.get(req_id)
@@ -278,8 +398,14 @@ class Planner:
 
     # -- per step ------------------------------------------------------------------
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
-        plan = StepPlan(loads=self._pending_loads, stores=self._pending_stores, held=self._pending_held)
+        plan = StepPlan(
+            loads=self._pending_loads,
+            stores=self._pending_stores,
+            held=self._pending_held,
+            prefetch=self._pending_prefetch,
+        )
         self._pending_loads, self._pending_stores, self._pending_held = [], [], []
+        self._pending_prefetch = []
         tokens, context = 0, 0
         for s in scheduled:
             tokens += s.num_scheduled_tokens
@@ -375,7 +501,10 @@ class Planner:
         write counts once every rank reported it (and fails if any failed);
         each tier hears its own outcomes, and its breaker its own transfers
         (not answering, throttled, too slow) and no other tier's."""
-        self.stack.on_report(report, self.ranks.writes(report))
+        decided = self.ranks.writes(report)
+        self.stack.on_report(report, decided)
+        if self._prefetching:
+            self._prefetched(decided)
         if self.cost is not None:
             self._observe(report)
         for key, n in report.released.items():  # ranks no longer read the store's staging place

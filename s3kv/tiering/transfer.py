@@ -53,6 +53,10 @@ ChunkTarget = Callable[[LoadChunk, int], PageTarget | None]
 decoded straight into (None: hand it to the sink)."""
 
 
+def _discard(chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
+    """The KV sink of a prefetch: its pages go to the promotions only."""
+
+
 @dataclass
 class Polled:
     report: TierReport
@@ -157,8 +161,13 @@ class TransferEngine:
         one (see :meth:`Gate.read_into`)."""
         self._loop.track(self._load_job(job_id, list(chunks), sink, target))
 
+    def submit_prefetch(self, chunks: Sequence[LoadChunk]) -> None:
+        """Fetch ``chunks`` into the tiers they are promoted to, and nowhere
+        else (no KV pages): only their writes are reported, not the job."""
+        self._loop.track(self._load_job(None, list(chunks), _discard, None))
+
     async def _load_job(
-        self, job_id: str, chunks: list[LoadChunk], sink: ChunkSink, target: ChunkTarget | None
+        self, job_id: str | None, chunks: list[LoadChunk], sink: ChunkSink, target: ChunkTarget | None
     ) -> None:
         start = time.perf_counter()
         done: dict[Tier, list[float]] = {}  # tier -> when each of its chunks was in
@@ -172,10 +181,12 @@ class TransferEngine:
         ok = await asyncio.gather(*(one(c) for c in chunks))
         failed = [c for c, loaded in zip(chunks, ok) if not loaded]
         if not failed and self.s.rank == 0:  # one observation per request, not per rank
-            self.counters.observe("request_load_seconds", time.perf_counter() - start)
+            if job_id is not None:
+                self.counters.observe("request_load_seconds", time.perf_counter() - start)
             for tier, times in done.items():  # the cost model's figures (ranks load alike)
-                self.report.timed(LoadTiming(job_id, tier, len(times), min(times), max(times)))
-        self.report.finished(job_id, failed)
+                self.report.timed(LoadTiming(job_id or "", tier, len(times), min(times), max(times)))
+        if job_id is not None:
+            self.report.finished(job_id, failed)
 
     async def _load_one(self, chunk: LoadChunk, sink: ChunkSink, target: ChunkTarget | None) -> Tier | None:
         """Load one chunk: the tier it came from, or None if it failed."""

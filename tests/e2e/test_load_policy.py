@@ -91,3 +91,64 @@ def test_cost_policy_computes_a_short_prefix_on_a_slow_s3_and_loads_a_long_one(s
         finally:
             for llm in engines:
                 llm.llm_engine.engine_core.shutdown()
+
+
+QUEUE = [[rng.randrange(3, 2048) for _ in range(8 * CHUNK_TOKENS + 10)] for _ in range(4)]  # 4 prefixes
+
+
+def test_prefetch_at_arrival_serves_a_queue_of_s3_prefixes_from_the_cpu_tier(s3_server, model, monkeypatch):
+    """Four requests arrive at once on an engine that runs one at a time; their
+    prefixes are only in S3, which answers late. With prefetch their chunks
+    are fetched into the CPU tier while they wait, and every hit comes from
+    there; without it (the control) every hit comes from S3."""
+    for k, v in REPLICA_ENV.items():
+        monkeypatch.setenv(k, v)
+    bucket = s3_server.new_bucket()
+    params = greedy_params()
+    chunks = sum(len(p) // CHUNK_TOKENS for p in QUEUE)
+    engines = []
+    with LatencyProxy(s3_server.endpoint_url) as proxy:
+
+        def engine(**extra):
+            llm = start_engine(
+                model,
+                kv_config(proxy.endpoint_url, bucket, **extra),
+                enable_prefix_caching=False,
+                max_num_seqs=1,
+            )
+            engines.append(llm)
+            return llm
+
+        def burst(llm):
+            outs = llm.generate([{"prompt_token_ids": p} for p in QUEUE], params, use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+        def close(llm):
+            llm.llm_engine.engine_core.shutdown()
+            engines.remove(llm)
+
+        try:
+            writer = engine()  # S3 only: computes and stores
+            want, _ = burst(writer)
+            assert wait_for_value(writer, "store_chunks_s3", lambda v: v >= chunks) >= chunks
+            close(writer)
+            proxy.delay_s = 0.5
+
+            for prefetch in (True, False):
+                llm = engine(cpu_bytes="256MiB", **({} if prefetch else {"prefetch_bytes": 0}))
+                assert wait_for_value(llm, "manifest_keys", lambda v: v >= chunks) >= chunks
+                outputs, cached = burst(llm)
+                assert outputs == want
+                assert all(c >= 8 * CHUNK_TOKENS for c in cached), cached
+                cpu, s3 = s3kv_value(llm, "hit_tokens_cpu"), s3kv_value(llm, "hit_tokens_s3")
+                started = s3kv_value(llm, "prefetch_chunks_started")
+                if prefetch:
+                    # Every chunk was fetched while its request waited: the hits are the CPU tier's.
+                    assert started == chunks and s3 == 0 and cpu == chunks * CHUNK_TOKENS
+                    assert s3kv_value(llm, "prefetch_waits") >= 1
+                else:
+                    assert started == 0 and cpu == 0 and s3 == chunks * CHUNK_TOKENS
+                close(llm)
+        finally:
+            for llm in engines:
+                llm.llm_engine.engine_core.shutdown()

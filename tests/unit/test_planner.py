@@ -45,7 +45,15 @@ def planner(
         tiers.append(NvmeTierManager(disk_index, world_size=world_size, shard_bytes=SHARD, **breaker))
     if index is not None:
         tiers.append(S3TierManager(index, store_retry_s=store_retry_s, **breaker))
-    p = Planner(namespace=NS, chunk_tokens=CT, block_size=BS, tiers=tiers, world_size=world_size, **kw)
+    p = Planner(
+        namespace=NS,
+        chunk_tokens=CT,
+        block_size=BS,
+        tiers=tiers,
+        world_size=world_size,
+        **({"clock": clock} if clock else {}),
+        **kw,
+    )
     return p, index
 
 

@@ -90,6 +90,9 @@ class TierManager:
     stages_writes = False
     """A store's farther writes read the chunk from this tier's place (the CPU
     slot): it stays pinned until every rank released it."""
+    remote = False
+    """Far and slow (S3): chunks a waiting request will load from it are
+    prefetched into the nearer tiers when the request arrives."""
 
     def __init__(self, breaker: Breaker | None = None) -> None:
         self.breaker = breaker

@@ -39,6 +39,7 @@ class S3TierManager(TierManager):
     ``store_retry_s``, or ``BAD_KEY_RETRY_S`` while a bad object is in the way)."""
 
     tier = Tier.S3
+    remote = True
 
     def __init__(
         self,

@@ -29,6 +29,7 @@ locals {
     "write_policy",
     "promote",
     "load_policy",
+    "prefetch_bytes",
     "save_generated",
     "manifest_publish_s",
     "manifest_refresh_s",

@@ -1,0 +1,167 @@
+"""TTFT of a burst of requests whose prefixes are only in S3, with and
+without prefetch at arrival.
+
+A writer engine computes and stores N prompts (distinct 2k-token
+prefixes). Then, for each S3 delay (a loopback proxy holds each object
+GET's first byte back, :class:`s3kv.demo.latency_proxy.LatencyProxy`), two
+engines with a CPU tier and room for only two running requests
+(``max_num_seqs=2``) take the N prompts at once: one with prefetch
+(``prefetch_bytes``, the default), one without (0). Without it, vLLM looks a
+waiting request up only once a running slot frees, so each pair of
+requests waits for its own S3 round trip behind the one before; with it,
+every request's chunks are fetched into the CPU tier as it arrives.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Bar, Result, main_for, run_replica, verdict
+
+NAME = "prefetch"
+TITLE = "TTFT of a burst of requests whose prefixes are only in S3: prefetch at arrival vs none"
+GOAL = (
+    "prefetch lowers the burst's mean TTFT at every S3 delay (issue 18: the later requests' S3 time hidden)"
+)
+BUCKET = "bench-prefetch"
+CHUNK_TOKENS = 256
+PROMPT_TOKENS = 2048 + 16
+MAX_TOKENS = 16
+MAX_MODEL_LEN = 4096
+
+
+def _s3kv(endpoint: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "S3KVConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "bucket": BUCKET,
+            "endpoint_url": endpoint,
+            "region": "us-east-1",
+            "chunk_tokens": CHUNK_TOKENS,
+            **extra,
+        },
+    }
+
+
+def run(work: Path, quick: bool) -> Result:
+    from s3kv.demo.latency_proxy import LatencyProxy
+    from s3kv.demo.loopback_s3 import LoopbackS3
+    from s3kv.demo.model import DEMO_SPEC, build_model
+
+    started = time.perf_counter()
+    n = 6 if quick else 8
+    delays_ms = (200,) if quick else (50, 200)
+    model = str(build_model(work / "model", **DEMO_SPEC))
+    rng = random.Random(182)
+    prompts = [[rng.randrange(3, 2000) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+    engine = {
+        "gpu_memory_utilization": 0.15,
+        "max_model_len": MAX_MODEL_LEN,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "max_num_seqs": 2,
+    }
+
+    def spec(kv: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        return {
+            "model": model,
+            "engine_args": engine,
+            "kv_transfer_config": kv,
+            "max_tokens": MAX_TOKENS,
+            **extra,
+        }
+
+    runs: dict[tuple[int, bool], dict[str, Any]] = {}
+    server = LoopbackS3().start()
+    try:
+        server.create_bucket(BUCKET)
+        with LatencyProxy(server.endpoint_url) as proxy:
+            writer = run_replica(work, "prefetch-writer", spec(_s3kv(proxy.endpoint_url), prompts=prompts))
+            for delay in delays_ms:
+                proxy.delay_s = delay / 1000
+                for prefetch in (False, True):
+                    extra = {"cpu_bytes": "2GiB", **({} if prefetch else {"prefetch_bytes": 0})}
+                    name = f"prefetch-{'on' if prefetch else 'off'}-{delay}ms"
+                    runs[(delay, prefetch)] = run_replica(
+                        work, name, spec(_s3kv(proxy.endpoint_url, **extra), prompts=[], bursts=[prompts])
+                    )
+    finally:
+        server.stop()
+    shutil.rmtree(work / "model", ignore_errors=True)
+
+    rows: list[list[Any]] = []
+    bars: list[Bar] = []
+    misses: list[str] = []
+    for delay in delays_ms:
+        means = {}
+        for prefetch in (False, True):
+            r = runs[(delay, prefetch)]
+            ttft = r["ttft_s"]
+            m = r["metrics"]
+            means[prefetch] = statistics.mean(ttft)
+            if r["outputs"] != writer["outputs"]:
+                misses.append(
+                    f"{delay} ms, prefetch {'on' if prefetch else 'off'}: outputs differ from the writer's"
+                )
+            rows.append(
+                [
+                    delay,
+                    "on" if prefetch else "off",
+                    round(statistics.mean(ttft) * 1000, 1),
+                    round(statistics.median(ttft) * 1000, 1),
+                    round(max(ttft) * 1000, 1),
+                    int(m.get("vllm:s3kv_hit_tokens_cpu", 0)),
+                    int(m.get("vllm:s3kv_hit_tokens_s3", 0)),
+                    int(m.get("vllm:s3kv_prefetch_chunks_started", 0)),
+                ]
+            )
+        ratio = means[True] / means[False]
+        bars.append(Bar(f"{delay} ms", round(ratio, 3)))
+        rows.append([delay, "on / off", "", "", "", "", "", f"mean TTFT {ratio:.3f}x"])
+        if ratio >= 1.0:
+            misses.append(f"{delay} ms: prefetch's mean TTFT is {ratio:.3f}x none's")
+    notes = [
+        f"A burst of {n} requests of {PROMPT_TOKENS} tokens (8 chunks of {CHUNK_TOKENS} each in S3, distinct "
+        f"prefixes), {MAX_TOKENS} greedy tokens each, submitted at once to an engine with max_num_seqs=2, a "
+        "2 GiB CPU tier and vLLM's prefix cache off; TTFT is vLLM's first_token_latency (from each request's "
+        "arrival). Outputs are checked against the writer's (which computed them).",
+        "S3 is moto on loopback behind a proxy that holds every object GET's first byte back by the delay. "
+        "Without prefetch, vLLM looks a waiting request up (and starts its S3 load) only once a running slot "
+        "frees; with prefetch (the default prefetch_bytes), each arriving request's S3 chunks are fetched into "
+        "the CPU tier at once, and its lookup waits for them, so its hit is a CPU-tier load.",
+        "hit tokens: from the scheduler side's counters (by the tier each load came from).",
+    ]
+    return Result(
+        name=NAME,
+        title=TITLE,
+        goal=GOAL,
+        columns=[
+            "S3 delay ms",
+            "prefetch",
+            "mean TTFT ms",
+            "median ms",
+            "max ms",
+            "hit tokens: CPU",
+            "hit tokens: S3",
+            "chunks prefetched",
+        ],
+        rows=rows,
+        verdict=verdict(not misses, "; ".join(misses)),
+        notes=notes,
+        bars=bars,
+        ylabel="mean TTFT, prefetch / none",
+        goal_line=1.0,
+        seconds=round(time.perf_counter() - started, 1),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main_for(run, "s3kv-bench-prefetch"))
