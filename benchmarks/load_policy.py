@@ -68,7 +68,12 @@ def run(work: Path, quick: bool) -> Result:
         return [rng.randrange(3, 2000) for _ in range(k)]
 
     measured = {length: [toks(length) for _ in range(n)] for length in lengths}
-    warm_compute = [toks(k) for k in (500, 2000, 8000)]  # never stored: computed each time
+    warm_lengths = (500, 2000, 8000)
+
+    def warm_compute() -> list[list[int]]:
+        """Prompts no engine saw: computed (each engine stores its own, so each gets new ones)."""
+        return [toks(k) for k in warm_lengths]
+
     warm_load = [toks(4096) for _ in range(2)]
     order = [(length, i) for i in range(n) for length in lengths]  # lengths interleaved
     prompts = [measured[length][i] for length, i in order]
@@ -90,20 +95,20 @@ def run(work: Path, quick: bool) -> Result:
             writer = run_replica(
                 work, "policy-writer", spec(_s3kv(proxy.endpoint_url, "always"), [*warm_load, *prompts])
             )
-            base = run_replica(work, "policy-recompute", spec(None, [*warm_compute, *prompts]))
+            base = run_replica(work, "policy-recompute", spec(None, [*warm_compute(), *prompts]))
             for delay in delays_ms:
                 proxy.delay_s = delay / 1000
                 for policy in ("always", "cost"):
                     runs[(delay, policy)] = run_replica(
                         work,
                         f"policy-{policy}-{delay}ms",
-                        spec(_s3kv(proxy.endpoint_url, policy), [*warm_compute, *warm_load, *prompts]),
+                        spec(_s3kv(proxy.endpoint_url, policy), [*warm_compute(), *warm_load, *prompts]),
                     )
     finally:
         server.stop()
     shutil.rmtree(work / "model-8k", ignore_errors=True)
 
-    skip_base, skip = len(warm_compute), len(warm_compute) + len(warm_load)
+    skip_base, skip = len(warm_lengths), len(warm_lengths) + len(warm_load)
 
     def by_length(result: dict[str, Any], key: str, offset: int) -> dict[int, list[Any]]:
         out: dict[int, list[Any]] = {}
@@ -150,6 +155,9 @@ def run(work: Path, quick: bool) -> Result:
             )
             bars.append(Bar(f"{delay}ms/{length}", round(ratio, 3)))
     misses += [f"outputs differ from vLLM's: {w}" for w in wrong]
+    for (delay, policy), r in runs.items():  # a warm-up that hit would time no prefill
+        if any(r["num_cached_tokens"][: len(warm_lengths)]):
+            misses.insert(0, f"invalid: the {policy} engine at {delay} ms hit a warm-up prompt")
     cost_metrics = {delay: runs[(delay, "cost")]["metrics"] for delay in delays_ms}
     estimates = "; ".join(
         f"{delay} ms: S3 first chunk {m.get('vllm:s3kv_cost_first_chunk_seconds_s3', 0) * 1000:.0f} ms, "

@@ -49,7 +49,10 @@ EXPLORE_S = 60.0
 """A tier not measured for this long gets one load offered that the model
 would decline, so that its estimate follows the tier again."""
 MIN_STEP_TOKENS = 16
-"""Forward steps computing fewer tokens (decode) say little of the prefill rate."""
+"""Forward steps computing fewer tokens (decode) say nothing of the prefill
+rate; the planner raises the bar to a chunk (a step's fixed cost, spread
+over a few tokens, would make a short step's rate look far slower than a
+chunk's prefill is)."""
 
 CONTEXT_LABELS = tuple(str(b) for b in CONTEXT_BUCKETS)
 
@@ -137,13 +140,16 @@ def context_bucket(tokens: int) -> int:
 class PrefillEstimate:
     """Seconds a token of prefill costs, by the context length reached."""
 
-    def __init__(self, prior_tokens_per_s: float = PREFILL_PRIOR_TOKENS_PER_S) -> None:
+    def __init__(
+        self, prior_tokens_per_s: float = PREFILL_PRIOR_TOKENS_PER_S, min_tokens: int = MIN_STEP_TOKENS
+    ) -> None:
         self._buckets = [Window(1.0 / prior_tokens_per_s) for _ in CONTEXT_BUCKETS]
+        self.min_tokens = min_tokens
 
     def observe(self, tokens: int, context: int, seconds: float, now: float) -> None:
         """A forward step computed ``tokens`` in ``seconds``, the longest of
         its requests reaching ``context`` tokens."""
-        if tokens >= MIN_STEP_TOKENS and seconds > 0:
+        if tokens >= self.min_tokens and seconds > 0:
             self._buckets[context_bucket(context)].add(seconds / tokens, now)
 
     def seconds_per_token(self, context: int) -> float:
@@ -178,6 +184,7 @@ class CostModel:
         *,
         chunk_bytes: int,
         policy: str = "cost",
+        min_step_tokens: int = MIN_STEP_TOKENS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in LOAD_POLICIES:
@@ -188,7 +195,8 @@ class CostModel:
         self.clock = clock
         self.tiers = {t: TierEstimate(p) for t, p in PRIORS.items()}
         self.round_trip_s = Window(0.0)
-        self.prefill = PrefillEstimate()
+        self.prefill = PrefillEstimate(min_tokens=min_step_tokens)
+        """Timed from steps that compute at least ``min_step_tokens``."""
 
     # -- observations ------------------------------------------------------------
     def observe_load(self, tier: Tier, chunks: int, first_s: float, last_s: float) -> None:

@@ -162,7 +162,9 @@ class Planner:
             save_generated=config.save_generated,
             emit_events=emit_events,
             counters=counters,
-            cost=CostModel(chunk_bytes=chunk_bytes, policy=config.load_policy),
+            cost=CostModel(
+                chunk_bytes=chunk_bytes, policy=config.load_policy, min_step_tokens=config.chunk_tokens
+            ),
             chunk_bytes=chunk_bytes,
             prefetch_bytes=config.prefetch_bytes,
             prefetch_wait_s=config.load_timeout_s + 5.0,

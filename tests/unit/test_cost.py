@@ -133,6 +133,16 @@ def test_prefill_rate_by_context_falls_back_to_the_nearest_measured_bucket():
     assert m.gauges()["cost_prefill_tokens_per_second_2048"] == 2000
 
 
+def test_steps_shorter_than_a_chunk_do_not_time_the_prefill():
+    """A step that computes the tail of a loaded prompt (a few tokens at a
+    long context) costs mostly the step's fixed time: it would make the
+    prefill look many times slower than a chunk's."""
+    m = CostModel(chunk_bytes=SHARD, min_step_tokens=256)
+    m.observe_step(2048, 8000, 2.0)
+    m.observe_step(64, 8000, 0.5)  # 128 tokens/s, if it counted
+    assert m.prefill.seconds_per_token(8000) == pytest.approx(2.0 / 2048)
+
+
 def test_a_stale_estimate_is_explored_once_a_minute():
     clock = Clock()
     p, index = cost_planner(clock=clock)
