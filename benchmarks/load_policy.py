@@ -161,7 +161,7 @@ def run(work: Path, quick: bool) -> Result:
     cost_metrics = {delay: runs[(delay, "cost")]["metrics"] for delay in delays_ms}
     estimates = "; ".join(
         f"{delay} ms: S3 first chunk {m.get('vllm:s3kv_cost_first_chunk_seconds_s3', 0) * 1000:.0f} ms, "
-        f"{m.get('vllm:s3kv_cost_bandwidth_bytes_s3', 0) / 1e6:.0f} MB/s after it, round trip "
+        f"{m.get('vllm:s3kv_cost_bandwidth_bytes_per_second_s3', 0) / 1e6:.0f} MB/s after it, round trip "
         f"{m.get('vllm:s3kv_cost_round_trip_seconds', 0) * 1000:.0f} ms, prefill "
         f"{m.get('vllm:s3kv_cost_prefill_tokens_per_second_8192', 0):.0f} tokens/s at 8k; declined "
         f"{m.get('vllm:s3kv_load_policy_tokens_declined', 0):.0f} tokens"

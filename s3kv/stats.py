@@ -189,7 +189,7 @@ FAMILIES: tuple[Family, ...] = (
         TIERS,
     ),
     Family(
-        "cost_bandwidth_bytes",
+        "cost_bandwidth_bytes_per_second",
         "gauge",
         "The cost model's estimate of a tier's bandwidth after a load's first chunk, raw KV bytes a second",
         "tier",
@@ -200,6 +200,12 @@ FAMILIES: tuple[Family, ...] = (
         "gauge",
         "The cost model's estimate of what an asynchronous load adds to its own time (the steps a "
         "waiting request sits out before vLLM hears the load finished)",
+    ),
+    Family(
+        "cost_step_seconds",
+        "gauge",
+        "The cost model's estimate of a forward step's fixed cost (the median of recent steps of a few "
+        "tokens), which it takes off a prefill step's time before dividing by its tokens",
     ),
     Family(
         "cost_prefill_tokens_per_second",

@@ -37,7 +37,7 @@ class S3KVMetadata(KVConnectorMetadata):
     """The newest manifest stamp the scheduler side has seen: ranks never
     stamp a segment before it."""
     step: StepTokens | None = None
-    """What this step prefills, when it does: rank 0 times the forward."""
+    """What this step computes (with the cost model): rank 0 times the forward."""
     prefetch: list[LoadPlan] = field(default_factory=list)
     """Chunks of waiting requests to fetch from S3 into the nearer tiers
     (their promotions), started with this step's loads: no KV pages are

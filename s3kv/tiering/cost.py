@@ -137,20 +137,37 @@ def context_bucket(tokens: int) -> int:
     return min(bisect.bisect_left(CONTEXT_BUCKETS, tokens), len(CONTEXT_BUCKETS) - 1)
 
 
+FIXED_STEP_TOKENS = 8
+"""Steps computing at most this many tokens (decodes, a loaded prompt's last
+token) time the step's fixed cost: kernel launches, sampling, the
+scheduler's own work, paid whether a prefill is long or short."""
+
+
 class PrefillEstimate:
-    """Seconds a token of prefill costs, by the context length reached."""
+    """Seconds a token of prefill costs, by the context length reached: a
+    prefill step's time less the step's fixed cost (which a load does not
+    save: the request's remaining tokens take a step either way), over its
+    tokens."""
 
     def __init__(
         self, prior_tokens_per_s: float = PREFILL_PRIOR_TOKENS_PER_S, min_tokens: int = MIN_STEP_TOKENS
     ) -> None:
         self._buckets = [Window(1.0 / prior_tokens_per_s) for _ in CONTEXT_BUCKETS]
         self.min_tokens = min_tokens
+        self.step_s = Window(0.0)
+        """A step's fixed cost: the median of recent short steps (0 until one is timed)."""
 
     def observe(self, tokens: int, context: int, seconds: float, now: float) -> None:
         """A forward step computed ``tokens`` in ``seconds``, the longest of
-        its requests reaching ``context`` tokens."""
-        if tokens >= self.min_tokens and seconds > 0:
-            self._buckets[context_bucket(context)].add(seconds / tokens, now)
+        its prefills reaching ``context`` tokens (0: it prefilled nothing)."""
+        if seconds <= 0:
+            return
+        if tokens <= FIXED_STEP_TOKENS:
+            self.step_s.add(seconds, now)
+        elif tokens >= self.min_tokens and context > 0:
+            # At least half the step is its tokens', whatever short steps say.
+            marginal = max(seconds - self.step_s.value, seconds / 2)
+            self._buckets[context_bucket(context)].add(marginal / tokens, now)
 
     def seconds_per_token(self, context: int) -> float:
         """The bucket of ``context``, else the nearest measured one, else the start-up value."""
@@ -270,8 +287,9 @@ class CostModel:
         out: dict[str, float] = {}
         for tier, est in self.tiers.items():
             out[f"cost_first_chunk_seconds_{tier.value}"] = round(est.first_s.value, 6)
-            out[f"cost_bandwidth_bytes_{tier.value}"] = round(est.bytes_per_s.value)
+            out[f"cost_bandwidth_bytes_per_second_{tier.value}"] = round(est.bytes_per_s.value)
         out["cost_round_trip_seconds"] = round(self.round_trip_s.value, 6)
+        out["cost_step_seconds"] = round(self.prefill.step_s.value, 6)
         for label, rate in self.prefill.tokens_per_s().items():
             out[f"cost_prefill_tokens_per_second_{label}"] = rate
         return out

@@ -92,7 +92,7 @@ class StepTokens:
     tokens: int
     """Tokens scheduled (prefills' and decodes')."""
     context: int
-    """The longest context a prefill of the step reaches."""
+    """The longest context a prefill of the step reaches (0: decodes only)."""
 
 
 @dataclass
@@ -102,7 +102,8 @@ class StepPlan:
     held: list[str] = field(default_factory=list)
     """Finished requests whose blocks vLLM keeps until this step's copies are done."""
     step: StepTokens | None = None
-    """Set when the step prefills: rank 0 times its forward (the cost model's prefill rate)."""
+    """Set when the step computes tokens: rank 0 times its forward (the cost
+    model's prefill rate, and a step's fixed cost)."""
     prefetch: list[LoadPlan] = field(default_factory=list)
     """Chunks of requests that just arrived, to fetch from a remote tier into
     the nearer ones (their promotions) while the requests wait: no KV pages
@@ -125,7 +126,7 @@ class LoadTiming:
 
 @dataclass(frozen=True)
 class StepTiming:
-    """Rank 0's timing of a prefill step's forward."""
+    """Rank 0's timing of a step's forward."""
 
     tokens: int
     context: int
@@ -174,7 +175,7 @@ class TierReport:
     load_timings: list[LoadTiming] = field(default_factory=list)
     """Rank 0's timings of loads that finished (the others report none)."""
     step_timings: list[StepTiming] = field(default_factory=list)
-    """Rank 0's timings of prefill steps."""
+    """Rank 0's timings of forward steps."""
 
     def aggregate(self, other: TierReport) -> TierReport:
         return TierReport(

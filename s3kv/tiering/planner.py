@@ -418,7 +418,7 @@ class Planner:
             if s.num_computed_tokens < req.num_prompt_tokens and s.num_scheduled_tokens:
                 context = max(context, done)  # a prefill
             plan.stores += self._plan_stores(req, done, s.block_ids)
-        if self.cost is not None and context:
+        if self.cost is not None and tokens:
             plan.step = StepTokens(tokens, context)
         return plan
 

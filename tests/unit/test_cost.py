@@ -178,16 +178,36 @@ def test_decisions_are_counted_once_per_request():
     assert p.counters.totals()["load_policy_tokens_declined"] == CT
 
 
-def test_prefill_steps_are_timed_and_decode_steps_are_not():
+def test_every_step_that_computes_is_timed_and_says_whether_it_prefills():
     p, _ = cost_planner(cpu_slots=4)
     offered(p, "r", SHORT)
     offered(p, "d", SHORT)
     plan = p.plan_step([sched("r", 0, CT, list(range(4))), sched("d", len(SHORT), 1, list(range(4, 8)))])
     assert plan.step is not None and (plan.step.tokens, plan.step.context) == (CT + 1, CT)
-    assert p.plan_step([sched("d", len(SHORT) + 1, 1, list(range(4, 8)))]).step is None
+    decode = p.plan_step([sched("d", len(SHORT) + 1, 1, list(range(4, 8)))]).step
+    assert decode is not None and (decode.tokens, decode.context) == (1, 0)
+    assert p.plan_step([]).step is None  # nothing computed
     plain, _ = planner(cpu_slots=4)  # no cost model: nothing to time
     offered(plain, "r", SHORT)
     assert plain.plan_step([sched("r", 0, CT, list(range(4)))]).step is None
+
+
+def test_a_steps_fixed_cost_is_not_counted_as_prefill():
+    """A load saves its tokens' compute, not the step (the rest of the
+    prompt takes one either way): short steps time the fixed part."""
+    m = model()
+    m.observe_step(2048, 2048, 1.0)  # no short step timed yet: all of it is the tokens'
+    assert m.prefill.seconds_per_token(2048) == pytest.approx(1.0 / 2048)
+    for _ in range(3):
+        m.observe_step(1, 0, 0.2)  # decode steps
+    m.observe_step(4, 2100, 0.25)  # a loaded prompt's last tokens: a short step too
+    m.observe_step(1024, 2048, 0.6)
+    m.observe_step(1024, 2048, 0.6)
+    assert m.prefill.step_s.value == pytest.approx(0.2)
+    assert m.gauges()["cost_step_seconds"] == pytest.approx(0.2)
+    assert m.prefill.seconds_per_token(2048) == pytest.approx(0.4 / 1024)  # median of 3
+    m.observe_step(1024, 512, 0.3)  # at most half a step is fixed
+    assert m.prefill.seconds_per_token(512) == pytest.approx(0.15 / 1024)
 
 
 def test_a_probe_of_a_tier_the_policy_declines_is_given_back():
@@ -218,7 +238,7 @@ def test_start_up_values_are_the_documented_ones():
     g = m.gauges()
     for tier, prior in PRIORS.items():
         assert g[f"cost_first_chunk_seconds_{tier.value}"] == pytest.approx(prior.first_s)
-        assert g[f"cost_bandwidth_bytes_{tier.value}"] == pytest.approx(prior.bytes_per_s)
+        assert g[f"cost_bandwidth_bytes_per_second_{tier.value}"] == pytest.approx(prior.bytes_per_s)
     assert not any(k.startswith("cost_prefill") for k in g)  # none measured yet
     p, _ = cost_planner(cpu_slots=4)
     put_cpu(p, LONG_KEYS[:1])
