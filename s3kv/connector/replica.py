@@ -15,7 +15,10 @@ SPEC, a JSON object:
 - ``kv_transfer_config``: vLLM's ``--kv-transfer-config`` as an object, or
   null: no connector (the baseline).
 - ``prompts``: each a list of token ids, or ``{"after": i, "append": [...]}``,
-  the next turn of a chat: prompt i, its output, then ``append``.
+  the next turn of a chat: prompt i, its output, then ``append``, or
+  ``{"prompt": [...], "kv_transfer_params": {...}, "skip_reading_prefix_cache":
+  true}``: token ids sent with vLLM's per-request connector parameters
+  and/or computed whatever any cache holds (both optional).
 - ``max_tokens``: tokens generated per prompt (default 16, EOS ignored).
 - ``flush_prompt``: a prompt run after the drain (optional), so that
   Prometheus sees what the drained uploads counted.
@@ -117,6 +120,8 @@ def metrics(llm: Any) -> dict[str, float]:
 def _prompt(entry: Any, prompts: list[Any], outputs: list[list[int]]) -> list[int]:
     """A prompt: a list of token ids, or a next chat turn
     ``{"after": i, "append": [...]}`` = prompt i + its output + ``append``."""
+    if isinstance(entry, dict) and "prompt" in entry:
+        return list(entry["prompt"])
     if isinstance(entry, dict):
         i = int(entry["after"])
         return _prompt(prompts[i], prompts, outputs) + outputs[i] + list(entry["append"])
@@ -144,7 +149,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for entry in spec["prompts"]:
         prompt = _prompt(entry, spec["prompts"], outputs)
         t0 = time.perf_counter()
-        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        request_params = params
+        if isinstance(entry, dict) and "prompt" in entry:
+            request_params = params.clone()
+            if "kv_transfer_params" in entry:
+                request_params.extra_args = {"kv_transfer_params": dict(entry["kv_transfer_params"])}
+            if entry.get("skip_reading_prefix_cache"):
+                request_params.skip_reading_prefix_cache = True
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], request_params, use_tqdm=False)
         wall = time.perf_counter() - t0
         outputs.append(list(out.outputs[0].token_ids))
         latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics else 0.0

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from s3kv.auth import FleetKeys
-from s3kv.config import S3KVConfig
+from s3kv.config import LOAD_POLICIES, S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, Transient
@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("s3kv.scheduler")
+
+POLICY_PARAM = "s3kv_load_policy"
+"""The key of a request's ``kv_transfer_params`` that overrides ``load_policy`` for it."""
 
 STARTUP_WAIT_S = 5.0
 """At start-up, wait this long for the model's identity and the manifest, so
@@ -142,6 +145,7 @@ class SchedulerSide:
         self._s3_tier: S3TierManager | None = None
         self._cleaner: DiskCleaner | None = None
         self._unkeyed: dict[str, None] = {}
+        self._bad_policies: set[str] = set()
         self._digests = digest_cache if digest_cache is not None else DigestCache()
         self._adapters = AdapterDigests(self._digests)
         self.kv_cache_manager: KVCacheManager | None = None
@@ -323,7 +327,28 @@ class SchedulerSide:
             _extras_fn(request, adapter),
             num_prompt_tokens=request.num_prompt_tokens,
             prefix_ids=self._prefix_ids(request),
+            policy=self._request_policy(request),
         )
+
+    def _request_policy(self, request: Request) -> str | None:
+        """The request's own load policy (``kv_transfer_params``:
+        ``{"s3kv_load_policy": "always"}``), or None: the replica's."""
+        params = request.kv_transfer_params
+        value = params.get(POLICY_PARAM) if isinstance(params, dict) else None
+        if value is None:
+            return None
+        if isinstance(value, str) and value.lower() in LOAD_POLICIES:
+            return value.lower()
+        if len(self._bad_policies) < 8 and repr(value)[:40] not in self._bad_policies:
+            self._bad_policies.add(repr(value)[:40])
+            log.warning(
+                "s3kv: request %s: kv_transfer_params %s=%r is not one of %s; the replica's policy applies",
+                request.request_id,
+                POLICY_PARAM,
+                value,
+                ", ".join(LOAD_POLICIES),
+            )
+        return None
 
     def on_arrival(self, request: Request) -> None:
         """A request entered vLLM's queue: prefetch what only S3 holds of its hit."""

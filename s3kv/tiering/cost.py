@@ -248,14 +248,15 @@ class CostModel:
         local_tokens: int,
         context_tokens: int,
         end_tokens: int | None = None,
+        policy: str | None = None,
     ) -> Decision:
         """How many chunks of a hit to offer. ``tiers[i]`` (``sync[i]``:
         a synchronous tier) holds the chunk that starts at token
         ``first_token + i * chunk_tokens``; the request has ``local_tokens``
         already, ``context_tokens`` in all, and a load may end no later than
-        ``end_tokens``."""
+        ``end_tokens``. ``policy`` overrides the replica's for this request."""
         n = len(tiers)
-        if self.policy == "always" or n == 0:
+        if (policy or self.policy) == "always" or n == 0:
             return Decision(n)
         now = self.clock()
         per_token = self.prefill.seconds_per_token(context_tokens)

@@ -211,10 +211,12 @@ class Planner:
         *,
         num_prompt_tokens: int | None = None,
         prefix_ids: PrefixIds | None = None,
+        policy: str | None = None,
     ) -> tuple[int | None, bool]:
         """(tokens beyond ``num_computed_tokens`` that the tiers can supply,
         load asynchronously?). No I/O; repeated calls are cheap. None while
         the request's prefetch is under way: vLLM asks again next step.
+        ``policy`` (``cost``, ``always``) overrides the load policy for it.
 
         A load only from synchronous tiers (the CPU pool) leaves the last
         block with a token to compute to vLLM; any other is asynchronous."""
@@ -246,6 +248,7 @@ class Planner:
                 local_tokens=num_computed_tokens,
                 context_tokens=num_tokens,
                 end_tokens=num_tokens - 1,
+                policy=policy,
             )
             if decision.chunks < len(hit):
                 hit = hit[: decision.chunks]

@@ -75,6 +75,12 @@ def test_cost_policy_computes_a_short_prefix_on_a_slow_s3_and_loads_a_long_one(s
             wait_for_value(llm, "load_policy_tokens_declined", lambda v: v >= declined + 2 * CHUNK_TOKENS)
             assert s3kv_value(llm, "load_policy_tokens_declined") == declined + 2 * CHUNK_TOKENS
             assert s3kv_value(llm, "hit_tokens_s3") == 30 * CHUNK_TOKENS  # the long prefix's only
+            # A request may ask for its own policy (kv_transfer_params).
+            always = params.clone()
+            always.extra_args = {"kv_transfer_params": {"s3kv_load_policy": "always"}}
+            (out,) = llm.generate([{"prompt_token_ids": SHORT}], always, use_tqdm=False)
+            assert list(out.outputs[0].token_ids) == want["short"]
+            assert out.num_cached_tokens >= 2 * CHUNK_TOKENS
             llm.llm_engine.engine_core.shutdown()
             engines.remove(llm)
 

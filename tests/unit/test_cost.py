@@ -80,6 +80,18 @@ def test_a_short_prefix_on_a_slow_s3_is_computed_and_a_long_one_loaded():
     assert a.counters.totals().get("load_policy_tokens_declined", 0) == 0
 
 
+def test_a_request_may_override_the_policy():
+    p, index = cost_planner()
+    index.update(LONG_KEYS)
+    timed(p, prefill_tokens_per_s=1000, s3=(8, 0.5, 0.52))
+    assert p.lookup("a", SHORT, len(SHORT), 0, policy="always") == (CT, True)
+    assert p.lookup("b", SHORT, len(SHORT), 0, policy=None) == (0, False)
+    a, index = cost_planner("always")
+    index.update(LONG_KEYS)
+    timed(a, prefill_tokens_per_s=1000, s3=(8, 0.5, 0.52))
+    assert a.lookup("c", SHORT, len(SHORT), 0, policy="cost") == (0, False)
+
+
 def test_only_the_prefix_worth_loading_is_offered_tier_by_tier():
     """The first chunks in the CPU tier, the rest in a slow S3: the CPU
     prefix loads (synchronously), S3's part of a short prompt is computed."""
