@@ -1,6 +1,6 @@
 """Run s3kv's benchmark suite and write benchmarks/RESULTS.md and results.png.
 
-    make bench                      # everything (~20 min on 2 cores)
+    make bench                      # everything (~45 min on 2 cores)
     .venv/bin/python -m benchmarks [--quick] [--only codec,lookup]
 
 Benchmarks run one after another, each in its own process (they share the
@@ -25,7 +25,17 @@ from pathlib import Path
 
 from benchmarks.common import ROOT, Result, git_rev, machine
 
-SUITE = ("codec", "s3_clients", "load_path", "store_path", "lookup", "ttft")
+SUITE = (
+    "codec",
+    "s3_clients",
+    "load_path",
+    "store_path",
+    "lookup",
+    "ttft",
+    "load_policy",
+    "prefetch",
+    "fleet",
+)
 HERE = Path(__file__).resolve().parent
 
 

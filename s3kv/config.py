@@ -114,9 +114,10 @@ class S3KVConfig:
         'measured, hits load); "always" offers every hit.',
     )
     prefetch_bytes: int = _key(
-        2 << 30,
-        "Chunk shards (raw KV bytes per worker) fetched at once from S3 into the CPU and NVMe tiers "
-        "for requests that wait in vLLM's queue; 0 turns prefetching off.",
+        1 << 30,
+        "Chunk shards (raw KV bytes per worker) in flight at once from S3 into the CPU and NVMe tiers "
+        "for requests that wait in vLLM's queue (the others queue for it in arrival order); 0 turns "
+        "prefetching off.",
     )
     save_generated: bool = _key(
         True, "Also store full chunks that contain generated tokens (the next chat turn hits them)."

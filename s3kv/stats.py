@@ -64,10 +64,11 @@ FAMILIES: tuple[Family, ...] = (
     ),
     _c(
         "prefetch_chunks",
-        "Chunks of arriving requests that only S3 held: fetched into the nearer tiers while the "
-        "requests waited (started), or not, the prefetch byte budget being in use (over_budget)",
+        "Chunks of arriving requests that only S3 held, fetched into the nearer tiers while the requests "
+        "waited: started; queued for the prefetch byte budget first; skipped, the request being scheduled "
+        "before their turn (it loaded them itself)",
         "outcome",
-        ("started", "over_budget"),
+        ("started", "queued", "skipped"),
     ),
     _c(
         "prefetch_waits",

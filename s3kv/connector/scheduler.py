@@ -333,7 +333,7 @@ class SchedulerSide:
     def _request_policy(self, request: Request) -> str | None:
         """The request's own load policy (``kv_transfer_params``:
         ``{"s3kv_load_policy": "always"}``), or None: the replica's."""
-        params = request.kv_transfer_params
+        params = getattr(request, "kv_transfer_params", None)
         value = params.get(POLICY_PARAM) if isinstance(params, dict) else None
         if value is None:
             return None

@@ -72,6 +72,8 @@ class _Request:
     """vLLM asked for its hit (a request known from its arrival alone was not yet)."""
     waited: bool = False
     """A lookup of it waited for its prefetch (counted once)."""
+    queued: int = 0
+    """Chunks of its prefetch waiting for the budget (as last counted)."""
 
 
 @dataclass
@@ -136,6 +138,8 @@ class Planner:
         self._prefetching: dict[bytes, _Prefetch] = {}
         """Chunks being prefetched into nearer tiers, by key."""
         self._pending_prefetch: list[LoadPlan] = []
+        self._prefetch_queue: dict[str, None] = {}
+        """Requests with chunks to prefetch once the budget allows, oldest first."""
 
     @classmethod
     def from_config(
@@ -237,6 +241,8 @@ class Planner:
                 req.waited = True
                 self.counters.add("prefetch_waits")
             return None, False
+        if self._prefetch_queue:
+            self._leave_prefetch_queue(req_id)  # scheduled now: it loads the rest itself
         hit = self.stack.hits(req_id, keys, req.fps, start, n_chunks)
         whole, _ = self._offer(hit, start, num_tokens, num_computed_tokens)
         if self.cost is not None and hit:
@@ -289,31 +295,68 @@ class Planner:
     ) -> int:
         """A request arrived: plan fetching the chunks of its hit that only a
         remote tier (S3) holds into the nearer tiers (as a load's promotions
-        are), no more than ``prefetch_bytes`` of chunk shards at once, so
-        that once vLLM schedules it the hit is local. Its lookups wait for
-        them. Returns the chunks planned."""
+        are), so that once vLLM schedules it the hit is local. No more than
+        ``prefetch_bytes`` of chunk shards are in flight: requests queue for
+        the budget in arrival order (the head of vLLM's queue first), and
+        one vLLM schedules before its turn loads by itself. Its lookups wait
+        for chunks in flight. Returns the chunks planned now."""
         if self.prefetch_bytes <= 0 or self.chunk_bytes <= 0:
             return 0
         req = self._request(req_id, token_ids, num_tokens, num_prompt_tokens, extras, prefix_ids)
-        n_chunks = num_tokens // self.chunk_tokens
-        if n_chunks == 0 or req.load_failed:
+        if num_tokens // self.chunk_tokens == 0 or req.load_failed:
             return 0
-        keys = self.chain.extend(req, n_chunks)
-        owner = ("prefetch", req_id)
-        hit = self.stack.hits(owner, keys, req.fps, 0, n_chunks)
-        self.stack.release(owner)  # a prefetch is never a breaker's probe
+        self._prefetch_queue[req_id] = None
+        planned = self._start_prefetches().get(req_id, 0)
+        if req_id in self._prefetch_queue:  # some or all of it waits for the budget
+            if not req.queued:  # (behind another request: not looked at yet)
+                _, req.queued = self._prefetch_chunks(req_id, req, 0, self._clock())
+            self.counters.add("prefetch_chunks_queued", req.queued)
+        return planned
+
+    def _start_prefetches(self) -> dict[str, int]:
+        """Plan the queued requests' chunks, first come first served, while
+        the budget lasts; returns chunks planned by request."""
         now = self._clock()
         for key in [k for k, f in self._prefetching.items() if now - f.started > self.prefetch_wait_s]:
             del self._prefetching[key]  # its report never came
         budget = self.prefetch_bytes // self.chunk_bytes - len(self._prefetching)
+        planned: dict[str, int] = {}
+        for req_id in list(self._prefetch_queue):
+            req = self._requests.get(req_id)
+            if req is None or req.load_failed:
+                del self._prefetch_queue[req_id]
+                continue
+            chunks, left = self._prefetch_chunks(req_id, req, budget, now)
+            budget -= len(chunks)
+            if chunks:
+                self._pending_prefetch.append(LoadPlan(req_id, tuple(chunks), False))
+                self.counters.add("prefetch_chunks_started", len(chunks))
+                planned[req_id] = len(chunks)
+            req.queued = left
+            if left:
+                break  # its turn is not over: the next wait behind it
+            del self._prefetch_queue[req_id]
+        return planned
+
+    def _prefetch_chunks(
+        self, req_id: str, req: _Request, budget: int, now: float
+    ) -> tuple[list[LoadChunk], int]:
+        """(up to ``budget`` chunks of the request's hit to prefetch now,
+        chunks left to prefetch beyond them)."""
+        n_chunks = len(req.token_ids) // self.chunk_tokens
+        n_chunks = min(n_chunks, req.num_prompt_tokens // self.chunk_tokens)
+        keys = self.chain.extend(req, n_chunks)
+        owner = ("prefetch", req_id)
+        hit = self.stack.hits(owner, keys, req.fps, 0, n_chunks)
+        self.stack.release(owner)  # a prefetch is never a breaker's probe
         chunks: list[LoadChunk] = []
-        over = 0
+        left = 0
         for c, m in enumerate(hit):
             key = keys[c]
             if not m.remote or key in self._prefetching or (m.breaker is not None and not m.breaker.closed):
                 continue
             if len(chunks) >= budget:
-                over += 1
+                left += 1
                 continue
             sources, up = self.stack.load(key, m, m.prepare_load(key), True)
             if not up:  # no room nearer
@@ -321,12 +364,15 @@ class Planner:
             self._prefetching[key] = _Prefetch(now, {p.tier for p in up})
             self._remember(req, c)
             chunks.append(LoadChunk(key, (), 0, 0, sources, up))
-        if chunks:
-            self._pending_prefetch.append(LoadPlan(req_id, tuple(chunks), False))
-            self.counters.add("prefetch_chunks_started", len(chunks))
-        if over:
-            self.counters.add("prefetch_chunks_over_budget", over)
-        return len(chunks)
+        return chunks, left
+
+    def _leave_prefetch_queue(self, req_id: str) -> None:
+        """vLLM scheduled (or dropped) the request: what it did not prefetch it loads itself."""
+        if self._prefetch_queue.pop(req_id, False) is not False:
+            req = self._requests.get(req_id)
+            if req is not None and req.queued:
+                self.counters.add("prefetch_chunks_skipped", req.queued)
+                req.queued = 0
 
     def _awaits_prefetch(self, keys: Sequence[bytes], start: int, end: int) -> bool:
         now = self._clock()
@@ -460,6 +506,8 @@ class Planner:
         req = self._requests.get(req_id)
         if req is None:
             return False
+        if self._prefetch_queue:
+            self._leave_prefetch_queue(req_id)
         if req_id in self._async_loading:
             # Aborted while loading: vLLM holds the blocks until the load is
             # over, and they do not hold valid KV yet. Nothing to store. (A
@@ -510,6 +558,8 @@ class Planner:
         self.stack.on_report(report, decided)
         if self._prefetching:
             self._prefetched(decided)
+            if self._prefetch_queue:
+                self._start_prefetches()  # the budget some of them took is free again
         if self.cost is not None:
             self._observe(report)
         for key, n in report.released.items():  # ranks no longer read the store's staging place

@@ -68,17 +68,41 @@ def test_an_arriving_requests_s3_chunks_are_fetched_into_the_nearer_tiers_and_it
     assert p.plan_step([]).prefetch == []  # handed out once
 
 
-def test_the_byte_budget_bounds_chunks_in_flight():
-    p, index, _ = prefetching(budget_chunks=2, cpu_slots=8)
+def test_the_byte_budget_bounds_chunks_in_flight_and_requests_queue_for_it_in_order():
+    p, index, _ = prefetching(budget_chunks=2, cpu_slots=16)
     index.update(KEYS)
-    assert arrive(p, "a") == 2
+    other = list(range(5000, 5000 + 2 * CT + 3))
+    other_keys = chain_keys(NS, other, CT)
+    index.update(other_keys)
+    assert arrive(p, "a") == 2  # 2 of its 4 chunks: the budget
+    assert arrive(p, "b", other) == 0  # behind a
+    (job,) = p.plan_step([]).prefetch
+    assert [c.key for c in job.chunks] == KEYS[:2]
+    assert p.counters.totals()["prefetch_chunks_queued"] == 2 + 2
+    on_written(p, Tier.CPU, {k: 1 for k in KEYS[:2]})
+    (job,) = p.plan_step([]).prefetch  # a's turn goes on first
+    assert job.req_id == "a" and [c.key for c in job.chunks] == KEYS[2:4]
+    on_written(p, Tier.CPU, {k: 1 for k in KEYS[2:4]})
+    (job,) = p.plan_step([]).prefetch
+    assert job.req_id == "b" and [c.key for c in job.chunks] == other_keys[:2]
+    assert p.counters.totals()["prefetch_chunks_started"] == 6
+    assert p.counters.totals().get("prefetch_chunks_skipped", 0) == 0
+
+
+def test_a_request_scheduled_before_its_turn_loads_by_itself():
+    p, index, _ = prefetching(budget_chunks=2, cpu_slots=16)
+    index.update(KEYS)
     other = list(range(5000, 5000 + 2 * CT + 3))
     index.update(chain_keys(NS, other, CT))
-    assert arrive(p, "b", other) == 0  # the budget is taken
-    totals = p.counters.totals()
-    assert totals["prefetch_chunks_over_budget"] == 2 + 2
+    arrive(p, "a")
+    arrive(p, "b", other)
+    # vLLM reaches b while a's chunks are in flight: b loads from S3.
+    assert lookup(p, "b", other) == (2 * CT, True)
+    assert p.counters.totals()["prefetch_chunks_skipped"] == 2
     on_written(p, Tier.CPU, {k: 1 for k in KEYS[:2]})
-    assert arrive(p, "c", other) == 2
+    (job,) = p.plan_step([]).prefetch[-1:]
+    assert job.req_id == "a"  # b left the queue: only a's rest follows
+    assert all(c.key in KEYS for c in job.chunks)
 
 
 def test_nothing_is_prefetched_that_is_local_or_from_a_tier_in_trouble_or_with_the_budget_off():
