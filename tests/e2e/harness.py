@@ -32,10 +32,11 @@ def kv_config(endpoint_url: str, bucket: str, *, module_path: bool = False, **ex
     """A replica's --kv-transfer-config. By default the connector is found by
     the name the plugin registers; ``module_path`` loads it by module instead.
 
-    Its ``load_policy`` is ``always`` unless ``extra`` says otherwise: these
-    tests check what loads do, and on a busy machine the cost model could
-    compute a short prefix instead (``test_load_policy`` tests the policy)."""
-    extra = {"load_policy": "always", **extra}
+    Its ``load_policy`` is ``always`` and prefetch is off unless ``extra``
+    says otherwise: these tests check what loads do, from which tier, and on
+    a busy machine the cost model could compute a short prefix instead, while
+    a prefetch moves S3 hits to the CPU tier (``test_load_policy`` tests both)."""
+    extra = {"load_policy": "always", "prefetch_bytes": 0, **extra}
     return {
         "kv_connector": "S3KVConnector",
         **({"kv_connector_module_path": "s3kv.connector"} if module_path else {}),

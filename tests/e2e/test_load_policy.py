@@ -141,7 +141,7 @@ def test_prefetch_at_arrival_serves_a_queue_of_s3_prefixes_from_the_cpu_tier(s3_
             proxy.delay_s = 0.5
 
             for prefetch in (True, False):
-                llm = engine(cpu_bytes="256MiB", **({} if prefetch else {"prefetch_bytes": 0}))
+                llm = engine(cpu_bytes="256MiB", prefetch_bytes="1GiB" if prefetch else 0)
                 assert wait_for_value(llm, "manifest_keys", lambda v: v >= chunks) >= chunks
                 outputs, cached = burst(llm)
                 assert outputs == want
