@@ -133,6 +133,22 @@ def run_replica(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return run(work, name, spec)
 
 
+def s3kv_transfer_config(endpoint: str, bucket: str, chunk_tokens: int, **extra: Any) -> dict[str, Any]:
+    """An engine's --kv-transfer-config for s3kv on the loopback bucket, with ``extra`` config keys."""
+    return {
+        "kv_connector": "S3KVConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "bucket": bucket,
+            "endpoint_url": endpoint,
+            "region": "us-east-1",
+            "chunk_tokens": chunk_tokens,
+            **extra,
+        },
+    }
+
+
 def git_rev() -> str:
     try:
         return subprocess.run(

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Bar, Result, main_for, median, run_replica, verdict
+from benchmarks.common import Bar, Result, main_for, median, run_replica, s3kv_transfer_config, verdict
 from benchmarks.ttft import _engine_args
 
 NAME = "load_policy"
@@ -46,18 +46,7 @@ WAYS = ("recompute", "always", "cost")
 
 
 def _s3kv(endpoint: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "S3KVConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "bucket": BUCKET,
-            "endpoint_url": endpoint,
-            "region": "us-east-1",
-            "chunk_tokens": CHUNK_TOKENS,
-            "load_policy": "cost",
-        },
-    }
+    return s3kv_transfer_config(endpoint, BUCKET, CHUNK_TOKENS, load_policy="cost")
 
 
 def _request(prompt: list[int], way: str) -> Any:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Bar, Result, main_for, run_replica, verdict
+from benchmarks.common import Bar, Result, main_for, run_replica, s3kv_transfer_config, verdict
 
 NAME = "prefetch"
 TITLE = "TTFT of a burst of requests whose prefixes are only in S3: prefetch at arrival vs none"
@@ -37,18 +37,7 @@ MAX_MODEL_LEN = 4096
 
 
 def _s3kv(endpoint: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "S3KVConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "bucket": BUCKET,
-            "endpoint_url": endpoint,
-            "region": "us-east-1",
-            "chunk_tokens": CHUNK_TOKENS,
-            **extra,
-        },
-    }
+    return s3kv_transfer_config(endpoint, BUCKET, CHUNK_TOKENS, **extra)
 
 
 def run(work: Path, quick: bool) -> Result:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Bar, Result, main_for, median, run_replica, verdict
+from benchmarks.common import Bar, Result, main_for, median, run_replica, s3kv_transfer_config, verdict
 
 NAME = "ttft"
 TITLE = "TTFT of an 8k-token prompt: recompute vs s3kv's CPU, NVMe and S3 tiers vs vLLM's ExampleConnector"
@@ -90,18 +90,7 @@ def _engine_args(max_model_len: int) -> dict[str, Any]:
 
 
 def _s3kv(endpoint: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "S3KVConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "bucket": BUCKET,
-            "endpoint_url": endpoint,
-            "region": "us-east-1",
-            "chunk_tokens": CHUNK_TOKENS,
-            **extra,
-        },
-    }
+    return s3kv_transfer_config(endpoint, BUCKET, CHUNK_TOKENS, **extra)
 
 
 def _example(path: Path) -> dict[str, Any]:
