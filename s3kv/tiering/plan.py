@@ -176,6 +176,10 @@ class TierReport:
     """Rank 0's timings of loads that finished (the others report none)."""
     step_timings: list[StepTiming] = field(default_factory=list)
     """Rank 0's timings of forward steps."""
+    unstarted: dict[tuple[Tier, bytes], int] = field(default_factory=dict)
+    """(tier, key) -> ranks among ``failed`` whose promotion never began (the
+    load failed first): that rank wrote nothing of it, so nothing is to be
+    deleted for it, and a store of the key may follow at once (its recompute)."""
 
     def aggregate(self, other: TierReport) -> TierReport:
         return TierReport(
@@ -193,6 +197,7 @@ class TierReport:
             self.disk_full or other.disk_full,
             self.load_timings + other.load_timings,
             self.step_timings + other.step_timings,
+            merge(self.unstarted, other.unstarted),
         )
 
     def is_empty(self) -> bool:

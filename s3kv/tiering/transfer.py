@@ -206,8 +206,9 @@ class TransferEngine:
             if kind not in ("missing", "corrupt", "denied"):  # those were counted per tier
                 self.counters.add(f"load_errors_{kind}")
                 log.warning("s3kv: load of chunk %s failed (%s): %s", key.hex(), kind, e)
-            for _, p in promote:  # the promotions are off
-                self.report.failed(p.tier, key)
+            for h, p in promote:  # the promotions are off
+                # A fill may have written some layers; one from the object never began.
+                self.report.failed(p.tier, key, started=(h, p) in fills)
             return None
         tier = source.tier.value
         self.report.tier_ok(source.tier)

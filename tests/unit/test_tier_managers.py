@@ -146,6 +146,31 @@ def test_nvme_files_of_failed_or_forgotten_chunks_are_deleted_before_a_rewrite()
     assert disk.gauges()["breaker_open_disk"] == 1 and disk.counters.totals()["breaker_trips_disk"] == 1
 
 
+def test_a_promotion_whose_load_failed_before_it_began_leaves_no_files_to_wait_for():
+    """A chunk whose load failed (corrupt, missing) is recomputed and stored
+    at once: its NVMe promotion never began on any rank, so nothing is to be
+    deleted and the store is not refused while a delete is pending. One rank
+    that did begin (or may have) still sends the key's files to be deleted."""
+    disk = NvmeTierManager(TierIndex("disk", 10 * disk_estimate(100)), world_size=2, shard_bytes=100)
+    stack(disk)
+    ranks = RankCount(world_size=2)
+    for k, unstarted in ((KEYS[0], 2), (KEYS[1], 1)):
+        assert disk.prepare_promotion(k) == Place(Tier.DISK)
+        for rank in range(2):
+            report = TierReport(
+                failed={(Tier.DISK, k): 1}, unstarted={(Tier.DISK, k): 1} if rank < unstarted else {}
+            )
+            disk.on_report(report, ranks.writes(report).get(Tier.DISK, ()), [])
+    assert KEYS[0] not in disk.index and KEYS[1] not in disk.index
+    assert disk.take_evictions() == [KEYS[1]]
+    assert disk.prepare_store(KEYS[0], store_owner(KEYS[0])) == Place(Tier.DISK)  # the recompute's store
+    assert disk.prepare_store(KEYS[1], store_owner(KEYS[1])) is None  # its files are going first
+    merged = TierReport(failed={(Tier.DISK, KEYS[2]): 1}, unstarted={(Tier.DISK, KEYS[2]): 1}).aggregate(
+        TierReport(failed={(Tier.DISK, KEYS[2]): 1})
+    )
+    assert merged.unstarted == {(Tier.DISK, KEYS[2]): 1} and merged.failed == {(Tier.DISK, KEYS[2]): 2}
+
+
 def test_events_of_every_tier_keep_the_order_they_happened_in():
     cpu = CpuTierManager(TierIndex("cpu", 1, slots=True))
     disk = NvmeTierManager(TierIndex("disk", 10**6))

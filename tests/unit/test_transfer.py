@@ -366,16 +366,20 @@ class FlakyStore(MemoryStore):
         (FlakyStore(delay=2.0), "timeout"),
     ],
 )
-def test_load_failures_are_classified_and_reported(store, kind):
-    e = engine(store, pool_slots=1, load_timeout_s=0.3)
-    c = chunk(b"x" * 16, Tier.S3, promote_slot=0)
+def test_load_failures_are_classified_and_reported(store, kind, tmp_path):
+    e = engine(store, pool_slots=1, load_timeout_s=0.3, disk_path=tmp_path)
+    c = chunk(b"x" * 16, Tier.S3, promote_slot=0, promote_disk=True)
     e.submit_load("j", [c], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [c]
     assert e.counters.totals()[f"load_errors_{kind}"] == 1
     assert (acc.missing == {Tier.S3: {b"x" * 16}}) == (kind == "missing")
     assert acc.unavailable == (kind in ("unavailable", "throttled", "timeout"))
-    assert acc.failed == {Tier.CPU: {b"x" * 16}}  # the promotion is off
+    assert acc.failed == {Tier.CPU: {b"x" * 16}, Tier.DISK: {b"x" * 16}}  # the promotions are off
+    # The NVMe copy, written from the object, never began; a CPU slot's
+    # fill may have taken some layers.
+    assert acc.report.unstarted == {(Tier.DISK, b"x" * 16): 1}
+    assert not list(tmp_path.rglob("*.r0"))
     e.close(0.1)
 
 

@@ -372,9 +372,13 @@ class RankReport:
         with self._lock:
             self._report.written[(tier, key)] = 1
 
-    def failed(self, tier: Tier, key: bytes) -> None:
+    def failed(self, tier: Tier, key: bytes, *, started: bool = True) -> None:
+        """This rank's write of ``key`` to ``tier`` failed or was dropped;
+        ``started=False``: it never began (a promotion whose load failed)."""
         with self._lock:
             self._report.failed[(tier, key)] = 1
+            if not started:
+                self._report.unstarted[(tier, key)] = 1
 
     def missing(self, tier: Tier, key: bytes) -> None:
         with self._lock:

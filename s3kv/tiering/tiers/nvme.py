@@ -214,6 +214,9 @@ class NvmeTierManager(IndexedTierManager):
         self.reserve_bytes = world_size * disk_estimate(shard_bytes)
         self._sizes: dict[bytes, int] = {}
         """Bytes the ranks reported written so far, per pending key."""
+        self._failures: dict[bytes, tuple[int, int]] = {}
+        """Ranks that reported a pending key's write failed so far, and how
+        many of those never began it (:attr:`TierReport.unstarted`)."""
         self._deleting: set[Hashable] = set()
         self._evictions: list[Hashable] = []
 
@@ -259,10 +262,11 @@ class NvmeTierManager(IndexedTierManager):
     def complete_store(self, key: bytes, ok: bool) -> None:
         super().complete_store(key, ok)
         size = self._sizes.pop(key, None)
+        failed, unstarted = self._failures.pop(key, (0, 0))
         if ok:
             self._evict(self.index.commit(key, size))
-        elif self.index.abort(key) is not None:
-            self._forget_files(key)  # ranks that did write leave files
+        elif self.index.abort(key) is not None and not (size is None and failed and unstarted == failed):
+            self._forget_files(key)  # ranks that did write (or may have) leave files
 
     def forget(self, key: bytes) -> None:
         if self.index.has(key):
@@ -278,6 +282,10 @@ class NvmeTierManager(IndexedTierManager):
             for (tier, key), _n in report.written.items():
                 if tier is self.tier:
                     sizes[key] = sizes.get(key, 0) + report.disk_sizes.get(key, 0)
+        for (tier, key), n in report.failed.items():
+            if tier is self.tier:
+                failed, unstarted = self._failures.get(key, (0, 0))
+                self._failures[key] = (failed + n, unstarted + report.unstarted.get((tier, key), 0))
         super().on_report(report, decided, missing)
 
     def end_report(self, report: TierReport) -> None:
