@@ -23,6 +23,9 @@ Codec = Literal["blosc2", "zstd", "none"]
 CODECS: tuple[str, ...] = ("blosc2", "zstd", "none")
 ADDRESSING_STYLES: tuple[str, ...] = ("auto", "path", "virtual")
 S3_CLIENTS: tuple[str, ...] = ("obstore", "aiobotocore")
+BUCKET_KINDS: tuple[str, ...] = ("auto", "general", "directory")
+DIRECTORY_SUFFIX = "--x-s3"
+"""How every S3 Express One Zone bucket's name ends (``base--azid--x-s3``)."""
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "local_only")
 DISK_FSYNC: tuple[str, ...] = ("never", "always")
 LOAD_POLICIES: tuple[str, ...] = ("cost", "always")
@@ -50,6 +53,12 @@ class S3KVConfig:
     endpoint_url: str | None = _key(None, "S3-compatible endpoint (MinIO, R2, a loopback test server).")
     addressing_style: str = _key(
         "auto", '"path" or "virtual" host addressing; "auto" picks path with endpoint_url.'
+    )
+    bucket_kind: str = _key(
+        "auto",
+        '"general" (S3 general purpose), "directory" (S3 Express One Zone: listings in no order and'
+        ' without StartAfter, so manifest segments go under minute prefixes) or "auto": directory'
+        ' when the bucket\'s name ends with "--x-s3".',
     )
     chunk_tokens: int = _key(256, "Tokens per stored chunk; a multiple of vLLM's block size.")
     codec: str = _key(
@@ -149,6 +158,13 @@ class S3KVConfig:
     @property
     def uses_s3(self) -> bool:
         return self.write_policy != "local_only"
+
+    @property
+    def directory_bucket(self) -> bool:
+        """Is the bucket an S3 Express One Zone directory bucket (``bucket_kind``)?"""
+        if self.bucket_kind == "auto":
+            return bool(self.bucket) and self.bucket.endswith(DIRECTORY_SUFFIX)  # type: ignore[union-attr]
+        return self.bucket_kind == "directory"
 
     def validate_block_size(self, block_size: int) -> None:
         """Fail unless ``chunk_tokens`` is a whole number of vLLM blocks."""
@@ -327,6 +343,7 @@ _PARSERS = {
     "region": lambda v: _str("region", v),
     "endpoint_url": _endpoint,
     "addressing_style": lambda v: _choice("addressing_style", v, ADDRESSING_STYLES),
+    "bucket_kind": lambda v: _choice("bucket_kind", v, BUCKET_KINDS),
     "chunk_tokens": lambda v: _int("chunk_tokens", v, 1, 1 << 20),
     "codec": lambda v: _choice("codec", v, CODECS),
     "zstd_level": lambda v: _int("zstd_level", v, -7, 22),
@@ -394,6 +411,16 @@ def parse_config(raw: dict[str, Any] | None, *, require_bucket: bool = True) -> 
                 'write_policy: "local_only" keeps S3 untouched, so it needs a local tier: '
                 "set cpu_bytes or disk_path"
             )
+    elif (
+        config.bucket is not None
+        and config.bucket_kind == "general"
+        and config.bucket.endswith(DIRECTORY_SUFFIX)
+    ):
+        raise ConfigError(
+            f'bucket_kind: "general", but bucket {config.bucket!r} is named like an S3 Express directory '
+            f'bucket ("{DIRECTORY_SUFFIX}"), which lists in no order and without StartAfter; '
+            'use "auto" or "directory"'
+        )
     elif require_bucket and config.bucket is None:
         raise ConfigError(
             "bucket: missing; set kv_connector_extra_config.bucket to the S3 bucket "

@@ -79,9 +79,10 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
-def load_manifest(endpoint_url: str, bucket: str, base: str) -> set[int]:
+def load_manifest(endpoint_url: str, bucket: str, base: str, *, directory: bool = False) -> set[int]:
     """The fingerprints a replica starting now loads from the manifest under
-    ``base`` (``{prefix}/{namespace}/manifest/``) of ``bucket``."""
+    ``base`` (``{prefix}/{namespace}/manifest/``) of ``bucket`` (a directory
+    bucket's with ``directory``)."""
     import asyncio
 
     from s3kv.manifest.keyset import Manifest
@@ -89,7 +90,7 @@ def load_manifest(endpoint_url: str, bucket: str, base: str) -> set[int]:
     from s3kv.stores.s3 import S3Options, S3Store
 
     async def load() -> set[int]:
-        store = S3Store(bucket, S3Options(region="us-east-1", endpoint_url=endpoint_url))
+        store = S3Store(bucket, S3Options(region="us-east-1", endpoint_url=endpoint_url, directory=directory))
         m = Manifest()
         try:
             await ManifestSync(store, base, m).load()

@@ -227,8 +227,10 @@ async def _find_chunk(store: ObjectStore, prefix: str, key: str, rank: str | Non
     namespaces, _ = await list_namespaces(store, prefix)
     names: list[str] = []
     for ns in namespaces:
-        base = f"{namespace_prefix(prefix, ns)}{key[:2]}/{key}.r" + (rank or "")
-        names += await store.list_keys(base)
+        shard = f"{namespace_prefix(prefix, ns)}{key[:2]}/"
+        base = f"{shard}{key}.r" + (rank or "")
+        # A directory bucket lists only prefixes that end with '/'.
+        names += [n for n in await store.list_keys(shard if store.directory else base) if n.startswith(base)]
     return [n for n in names if rank is None or n.endswith(f".r{rank}")]
 
 

@@ -4,7 +4,11 @@ tests and benchmarks of the load policy (a short prefix on a slow S3 is
 computed, a long one loaded).
 
 Everything else (PUTs, listings, HEADs, deletes) passes straight through,
-keep-alive connections included. The delay is :attr:`LatencyProxy.delay_s`
+keep-alive connections included. With ``directory=True`` the bucket behind
+answers listings as an S3 Express One Zone directory bucket does: each
+page's objects in a random order, StartAfter ignored (and counted in
+:attr:`LatencyProxy.start_after_ignored`), and a 400 to a prefix that does
+not end with '/' — for the tests of s3kv's directory-bucket manifest. The delay is :attr:`LatencyProxy.delay_s`
 and may be changed while it runs. Path-style addressing only (what s3kv
 uses with ``endpoint_url``); request signatures go through untouched, so
 the server behind must not check them against its own host name (moto
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import random
+import re
 import threading
 import time
 import urllib.parse
@@ -37,7 +43,9 @@ _HOP_BY_HOP = {
 class LatencyProxy:
     """``http://127.0.0.1:port`` forwarding to ``upstream`` (``http://host:port``)."""
 
-    def __init__(self, upstream: str, delay_s: float = 0.0, port: int | None = None) -> None:
+    def __init__(
+        self, upstream: str, delay_s: float = 0.0, port: int | None = None, *, directory: bool = False
+    ) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         if parsed.scheme != "http" or parsed.hostname is None or parsed.port is None:
             raise ValueError(f"upstream must be http://host:port, got {upstream!r}")
@@ -46,6 +54,16 @@ class LatencyProxy:
         self.port = free_port() if port is None else port
         self.delayed = 0
         """Object GETs held back so far."""
+        self.directory = directory
+        self.listings = 0
+        """Listings answered (``directory``)."""
+        self.shuffled = 0
+        """Listings whose objects came in another order than the server's (``directory``)."""
+        self.start_after_ignored = 0
+        """Listings that asked for StartAfter, answered without it (``directory``)."""
+        self.prefixes_refused: list[str] = []
+        """Listing prefixes refused for not ending with '/' (``directory``)."""
+        self._random = random.Random(0)
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -92,6 +110,49 @@ class LatencyProxy:
                 self.delayed += 1
             time.sleep(delay)
 
+    def is_listing(self, method: str, path: str) -> bool:
+        """A ListObjectsV2 that this proxy answers as a directory bucket?"""
+        return self.directory and method == "GET" and "list-type" in urllib.parse.urlsplit(path).query
+
+    def _listing(self, path: str) -> tuple[str, bytes | None]:
+        """(the path to forward, or a refusal's body) of a request, as a
+        directory bucket takes it: StartAfter dropped, a prefix not ending
+        with '/' refused."""
+        parts = urllib.parse.urlsplit(path)
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        if not self.is_listing("GET", path):
+            return path, None
+        with self._lock:
+            self.listings += 1
+            prefix = dict(query).get("prefix", "")
+            if prefix and not prefix.endswith("/"):
+                self.prefixes_refused.append(prefix)
+                return path, (
+                    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InvalidArgument</Code>"
+                    b"<Message>Prefixes must end in a delimiter (/) on a directory bucket</Message></Error>"
+                )
+            if any(k == "start-after" for k, _ in query):
+                self.start_after_ignored += 1
+        kept = [(k, v) for k, v in query if k != "start-after"]
+        return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(kept))), None
+
+    def _shuffle(self, data: bytes) -> bytes:
+        """A listing page with its objects in a random order."""
+        items = _CONTENTS.findall(data)
+        if len(items) < 2:
+            return data
+        with self._lock:
+            order = items[:]
+            self._random.shuffle(order)
+            if order != items:
+                self.shuffled += 1
+        start, end = data.index(items[0]), data.rindex(items[-1]) + len(items[-1])
+        between = _CONTENTS.sub(b"", data[start:end])
+        return data[:start] + b"".join(order) + between + data[end:]
+
+
+_CONTENTS = re.compile(rb"<Contents>.*?</Contents>", re.S)
+
 
 class _Forward(http.server.BaseHTTPRequestHandler):
     owner: LatencyProxy
@@ -123,13 +184,22 @@ class _Forward(http.server.BaseHTTPRequestHandler):
     def _forward(self) -> None:
         body = self._body()
         self.owner._hold(self.command, self.path)
+        listing = self.owner.is_listing(self.command, self.path)
+        path, refused = self.owner._listing(self.path) if listing else (self.path, None)
+        if refused is not None:
+            self.send_response_only(400, "Bad Request")
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(refused)))
+            self.end_headers()
+            self.wfile.write(refused)
+            return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         if body or self.command in ("PUT", "POST"):
             headers["Content-Length"] = str(len(body))
         for attempt in (0, 1):  # a kept-alive upstream connection the server closed: once more
             conn = self._upstream()
             try:
-                conn.request(self.command, self.path, body=body, headers=headers)
+                conn.request(self.command, path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
                 break
@@ -138,6 +208,8 @@ class _Forward(http.server.BaseHTTPRequestHandler):
                 self._conn = None
                 if attempt:
                     raise
+        if listing and resp.status == 200:
+            data = self.owner._shuffle(data)
         self.send_response_only(resp.status, resp.reason)
         for k, v in resp.getheaders():
             if k.lower() not in _HOP_BY_HOP and k.lower() != "content-length":

@@ -4,7 +4,12 @@ verify) names and stamps manifest objects, and how readers find them.
 Under ``{prefix}/{namespace}/manifest/`` (:func:`manifest_prefix`):
 
 - ``seg/{ts}-{writer}-{seq}``: a *segment*, immutable: the fingerprints a
-  writer stored since its last segment, and removals (tombstones).
+  writer stored since its last segment, and removals (tombstones). On a
+  directory bucket (S3 Express One Zone: listings in no order, no
+  StartAfter) ``seg/{minute}/{ts}-{writer}-{seq}``, ``minute`` being
+  ``ts // 60000`` in :data:`MINUTE_DIGITS` digits: readers list the minutes
+  from their floor on, each whole (:mod:`s3kv.manifest.listing`). Names
+  sort by time in both layouts.
 - ``snap/{ts}-{writer}``: a *snapshot*: every live fingerprint as of the
   segments its :class:`Horizon` covers, so a new replica loads the manifest
   with one listing and a few GETs.
@@ -38,6 +43,8 @@ from typing import Any
 from s3kv.config import DEFAULTS
 
 TS_DIGITS = 13
+MINUTE_MS = 60_000
+MINUTE_DIGITS = 9
 HOUR_MS = 3_600_000
 SEGMENTS = "seg/"
 SNAPSHOTS = "snap/"
@@ -55,8 +62,14 @@ def stamp(ts_ms: int) -> str:
     return f"{ts_ms:0{TS_DIGITS}d}"
 
 
-def segment_name(base: str, ts_ms: int, writer: str, seq: int) -> str:
-    return f"{base}{SEGMENTS}{stamp(ts_ms)}-{writer}-{seq:06d}"
+def segment_dir(base: str, ts_ms: int) -> str:
+    """The minute prefix a directory bucket's segment stamped ``ts_ms`` goes under."""
+    return f"{base}{SEGMENTS}{ts_ms // MINUTE_MS:0{MINUTE_DIGITS}d}/"
+
+
+def segment_name(base: str, ts_ms: int, writer: str, seq: int, *, directory: bool = False) -> str:
+    where = segment_dir(base, ts_ms) if directory else base + SEGMENTS
+    return f"{where}{stamp(ts_ms)}-{writer}-{seq:06d}"
 
 
 def snapshot_name(base: str, ts_ms: int, writer: str) -> str:
@@ -108,7 +121,10 @@ class ManifestName:
 
 _WRITER = r"([0-9A-Za-z_]{1,64})"
 _NAMES = {
-    SEGMENTS[:-1]: ("segment", re.compile(rf"(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})")),
+    SEGMENTS[:-1]: (
+        "segment",
+        re.compile(rf"(?:(\d{{{MINUTE_DIGITS}}})/)?(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})"),
+    ),
     SNAPSHOTS[:-1]: ("snapshot", re.compile(rf"(\d{{{TS_DIGITS}}})-{_WRITER}")),
     ACCESS[:-1]: ("access", re.compile(rf"\d{{10}}/(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})")),
 }
@@ -125,8 +141,13 @@ def parse_name(base: str, key: str) -> ManifestName | None:
     m = pattern.fullmatch(rest) if pattern is not None else None
     if m is None:
         return None
-    seq = int(m.group(3)) if m.lastindex == 3 else None
-    return ManifestName(kind, int(m.group(1)), m.group(2), seq)
+    groups = m.groups()
+    if kind == "segment":
+        minute, groups = groups[0], groups[1:]
+        if minute is not None and int(minute) != int(groups[0]) // MINUTE_MS:
+            return None  # filed under another minute than its stamp's: not s3kv's
+    seq = int(groups[2]) if len(groups) == 3 else None
+    return ManifestName(kind, int(groups[0]), groups[1], seq)
 
 
 def is_segment(base: str, key: str) -> bool:
@@ -240,10 +261,12 @@ class Stamps(HybridClock):
         return super().next(now_ms)
 
 
-def segment_floor(base: str, ts_ms: int, margin_ms: int) -> str:
-    """The name to list segments after (S3's StartAfter): ``margin_ms``
+def segment_floor(base: str, ts_ms: int, margin_ms: int, *, directory: bool = False) -> str:
+    """The name to list segments after (S3's StartAfter; on a directory
+    bucket, the name the minutes' listings are cut at): ``margin_ms``
     before ``ts_ms``, the newest stamp the reader has seen."""
-    return base + SEGMENTS + stamp(max(0, ts_ms - margin_ms))
+    ts = max(0, ts_ms - margin_ms)
+    return (segment_dir(base, ts) if directory else base + SEGMENTS) + stamp(ts)
 
 
 @dataclass(frozen=True)

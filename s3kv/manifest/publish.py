@@ -93,7 +93,7 @@ class SegmentWriter:
         written: list[tuple[str, int]] = []
         for _ in range(1 + REPUBLISH_MAX):
             ts = self._next_ts()
-            name = segment_name(self.base, ts, self.writer, self.next_seq())
+            name = segment_name(self.base, ts, self.writer, self.next_seq(), directory=self.store.directory)
             with contextlib.suppress(AlreadyExists):  # names are ours alone: a retried PUT
                 await self.store.put(name, body, mode=PutMode.CREATE)
             written.append((name, ts))

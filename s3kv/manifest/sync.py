@@ -53,6 +53,7 @@ from s3kv.errors import (
 )
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import Manifest, as_sorted_unique
+from s3kv.manifest.listing import SegmentLister
 from s3kv.manifest.protocol import (
     SEGMENTS,
     SNAPSHOTS,
@@ -64,7 +65,6 @@ from s3kv.manifest.protocol import (
     new_writer_id,
     parse_name,
     replica_of,
-    segment_floor,
     snapshot_name,
 )
 from s3kv.manifest.publish import PARTIAL_TTL_MS, RankTally, SegmentWriter, rank_fields
@@ -150,6 +150,8 @@ class ManifestSync:
         self._used: set[int] = set()
         self._used_published: set[int] = set()
         self._used_hour = ""
+        self._lister = SegmentLister(store, base, skew_s=self.s.skew_s, clock=clock)
+        """Segments after a floor, on this bucket's kind (general or directory)."""
         self._segments = SegmentWriter(
             store,
             base,
@@ -391,7 +393,7 @@ class ManifestSync:
         """Start-up: the newest snapshot, then every segment after it.
         Returns the fingerprints loaded."""
         keys, start_after = await self._load_snapshot()
-        listed = [m async for m in self.store.list(self.base + SEGMENTS, start_after=start_after)]
+        listed = await self._lister.after(start_after)
         todo = [(m.key, m.size) for m in self._sift(listed, "segment", self._now_ms())]
         self._since_snapshot = 0
         keys += await self._apply(await self._fetch_all(todo))
@@ -401,12 +403,12 @@ class ManifestSync:
         return keys
 
     def _segment_floor(self) -> str:
-        return segment_floor(self.base, self.clock_ms, int(self.s.skew_s * 1000))
+        return self._lister.floor(self.clock_ms, int(self.s.skew_s * 1000))
 
     async def refresh(self) -> int:
         """New segments of other replicas since the last look."""
         start_after = self._segment_floor() if self.clock_ms else None
-        listed = [m async for m in self.store.list(self.base + SEGMENTS, start_after=start_after)]
+        listed = await self._lister.after(start_after)
         todo = dict(self._retry)
         todo.update((m.key, m.size) for m in self._sift(listed, "segment", self._now_ms()))
         keys = await self._apply(await self._fetch_all(sorted(todo.items()))) if todo else 0
@@ -415,7 +417,7 @@ class ManifestSync:
         floor = self.clock_ms - 2 * int(self.s.skew_s * 1000)
         self._seen = {n: ts for n, ts in self._seen.items() if ts >= floor}
         if len(self._tally):
-            self._tally.expire(segment_floor(self.base, self.clock_ms, PARTIAL_TTL_MS))
+            self._tally.expire(self._lister.floor(self.clock_ms, PARTIAL_TTL_MS))
         if self.manifest.fps.needs_merge():
             await asyncio.to_thread(self.manifest.fps.merge)
         return keys

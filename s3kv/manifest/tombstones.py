@@ -15,7 +15,8 @@ from s3kv.errors import AlreadyExists, S3KVError
 from s3kv.keys import fingerprint
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import as_sorted_unique
-from s3kv.manifest.protocol import SEGMENTS, Stamps, segment_floor, segment_name
+from s3kv.manifest.listing import SegmentLister
+from s3kv.manifest.protocol import Stamps
 from s3kv.stores.base import ObjectStore, PutMode
 
 if TYPE_CHECKING:
@@ -45,14 +46,15 @@ async def publish_tombstones(
     ``chunk_keys`` from every replica's manifest, stamped after the newest
     segment in the bucket (listed afresh from a skew margin below the newest
     seen), so no replica's listing floor hides it. Returns its name."""
-    floor = segment_floor(base, stamps.seen_ms, int(skew_s * 1000))
-    stamps.seen([m.key async for m in store.list(base + SEGMENTS, start_after=floor)])
+    lister = SegmentLister(store, base, skew_s=skew_s, clock=clock)
+    floor = lister.floor(stamps.seen_ms, int(skew_s * 1000))
+    stamps.seen([m.key for m in await lister.after(floor)])
     removed = as_sorted_unique([fingerprint(k) for k in chunk_keys])
     body = mf.encode(
         mf.ManifestObject("segment", removed=removed, meta={"writer": stamps.writer, "by": "gc"}), keys
     )
     ts = stamps.next(int(clock() * 1000))
-    name = segment_name(base, ts, stamps.writer, stamps.seq)
+    name = lister.name(ts, stamps.writer, stamps.seq)
     with contextlib.suppress(AlreadyExists):
         await store.put(name, body, mode=PutMode.CREATE)
     return name

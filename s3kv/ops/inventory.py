@@ -242,12 +242,13 @@ async def scan_namespace(
     info = NamespaceInfo(ns, namespace_prefix(prefix, ns))
     objects, dirs = await store.list_dirs(info.base)
     # Shard directories ({kk}/) are listed 16 at a time, by their first hex
-    # digit: 16 paginations in parallel, not 256 (or one).
+    # digit: 16 paginations in parallel, not 256 (or one). A directory
+    # bucket lists only prefixes that end with '/': each on its own there.
     groups: dict[str, set[str]] = {}
     for d in dirs:
         name = d[len(info.base) :]
-        key = info.base + name[0] if len(name) == 3 and name[0] in "0123456789abcdef" else d
-        groups.setdefault(key, set()).add(d)
+        shard = len(name) == 3 and name[0] in "0123456789abcdef" and not store.directory
+        groups.setdefault(info.base + name[0] if shard else d, set()).add(d)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(listing_prefix: str, members: set[str]) -> list[ObjectMeta]:

@@ -81,8 +81,16 @@ class ObjectStore(ABC):
 
     Keys are '/'-separated relative paths without empty, '.' or '..' segments.
     ``list`` yields objects in lexicographic key order, which ``start_after``
-    relies on.
+    relies on, except on a :attr:`directory` store.
     """
+
+    directory: bool = False
+    """An S3 Express One Zone directory bucket, or a store that behaves like
+    one: ``list`` yields in no order, takes no ``start_after`` (ValueError)
+    and only prefixes that end with '/' (or none). ``list_dirs`` is sorted
+    all the same. Callers that need an order sort; the manifest files its
+    segments under minute prefixes on such a store
+    (:mod:`s3kv.manifest.listing`)."""
 
     @abstractmethod
     async def put(
@@ -137,16 +145,14 @@ class ObjectStore(ABC):
         there only while some object lies under it (a folder emptied by
         deletes is not). S3 answers this with a delimiter listing."""
         objects: list[ObjectMeta] = []
-        dirs: list[str] = []
+        dirs: set[str] = set()
         async for meta in self.list(prefix):
             rest = meta.key[len(prefix) :]
             if "/" in rest:
-                d = prefix + rest.split("/", 1)[0] + "/"
-                if not dirs or dirs[-1] != d:
-                    dirs.append(d)
+                dirs.add(prefix + rest.split("/", 1)[0] + "/")
             else:
                 objects.append(meta)
-        return objects, dirs
+        return sorted(objects, key=lambda m: m.key), sorted(dirs)
 
     async def list_uploads(self, prefix: str = "") -> list[Upload]:
         """Incomplete multipart uploads under ``prefix`` (none for backends
@@ -200,3 +206,18 @@ def slice_range(data: bytes, range: ByteRange | None, key: str) -> bytes:
     if range.start >= len(data) and not (range.start == 0 and len(data) == 0):
         raise RangeNotSatisfiable(f"range start {range.start} is past the end of {key} ({len(data)} bytes)")
     return data[range.start : range.end]
+
+
+def check_directory_listing(bucket: str, prefix: str, start_after: str | None) -> None:
+    """Refuse a listing that a directory bucket cannot answer as asked: it
+    ignores StartAfter, and takes only prefixes that end with '/'."""
+    if start_after:
+        raise ValueError(
+            f"bucket {bucket!r} is a directory bucket (S3 Express One Zone): it lists without StartAfter "
+            f"(asked to list {prefix!r} after {start_after!r})"
+        )
+    if prefix and not prefix.endswith("/"):
+        raise ValueError(
+            f"bucket {bucket!r} is a directory bucket (S3 Express One Zone): it lists only prefixes that "
+            f"end with '/', not {prefix!r}"
+        )

@@ -157,6 +157,13 @@ class NativeS3Store(S3Store):
                 config: dict[str, Any] = {"region": credentials.region}
                 if o.endpoint_url:
                     config["endpoint"] = o.endpoint_url
+                elif o.directory:
+                    # S3 Express One Zone: object_store signs with the session
+                    # credentials of a CreateSession it caches and renews per
+                    # client (not per request). It sends CreateSession to AWS
+                    # whatever the endpoint, so a compatible server named by
+                    # endpoint_url is spoken to as a general-purpose one.
+                    config["s3_express"] = True
                 self._native = ObstoreS3(
                     self.bucket,
                     config=config,

@@ -33,7 +33,17 @@ from s3kv.errors import (
     Throttled,
     Transient,
 )
-from s3kv.stores.base import ByteRange, GetResult, ObjectMeta, ObjectStore, PutMode, Update, Upload, check_key
+from s3kv.stores.base import (
+    ByteRange,
+    GetResult,
+    ObjectMeta,
+    ObjectStore,
+    PutMode,
+    Update,
+    Upload,
+    check_directory_listing,
+    check_key,
+)
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
 _DENIED = {"AccessDenied", "403", "Forbidden"}
@@ -88,6 +98,8 @@ class S3Options:
     connect_timeout_s: float = DEFAULTS.s3_connect_timeout_s
     read_timeout_s: float = DEFAULTS.s3_read_timeout_s
     max_connections: int = DEFAULTS.max_connections
+    directory: bool = False
+    """An S3 Express One Zone directory bucket (:attr:`ObjectStore.directory`)."""
     multipart_threshold: int = 32 << 20
     part_size: int = 8 << 20
     part_concurrency: int = 8
@@ -110,6 +122,7 @@ class S3Options:
             connect_timeout_s=config.s3_connect_timeout_s,
             read_timeout_s=config.s3_read_timeout_s,
             max_connections=config.max_connections,
+            directory=config.directory_bucket,
         )
 
 
@@ -198,6 +211,7 @@ class S3Store(ObjectStore):
     ) -> None:
         self.bucket = bucket
         self.options = options or S3Options()
+        self.directory = self.options.directory
         self.on_request = on_request
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -291,6 +305,8 @@ class S3Store(ObjectStore):
             raise _map_error(e, key, if_match=True) from e
 
     async def list_dirs(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
+        if self.directory:
+            check_directory_listing(self.bucket, prefix, None)
         client = await self._get_client()
         objects: list[ObjectMeta] = []
         dirs: list[str] = []
@@ -301,6 +317,9 @@ class S3Store(ObjectStore):
                 dirs.extend(p["Prefix"] for p in page.get("CommonPrefixes", ()))
         except Exception as e:
             raise _map_error(e, f"list {prefix!r}") from e
+        if self.directory:  # a directory bucket's listing comes in no order
+            objects.sort(key=lambda m: m.key)
+            dirs.sort()
         return objects, dirs
 
     async def list_uploads(self, prefix: str = "") -> list[Upload]:
@@ -394,6 +413,8 @@ class S3Store(ObjectStore):
         return ObjectMeta(key, int(resp["ContentLength"]), resp["LastModified"].timestamp(), resp.get("ETag"))
 
     async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
+        if self.directory:
+            check_directory_listing(self.bucket, prefix, start_after)
         client = await self._get_client()
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
         if start_after:

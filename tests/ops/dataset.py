@@ -81,9 +81,12 @@ def _blob(ns: str, key: bytes, rank: int, rng: random.Random) -> bytes:
     )
 
 
-def build(s3, *, sizes=(2600, 2600, 1800, 1200, 700), tp=(1, 1, 2, 1, 2), seed: int = 0) -> Dataset:
+def build(
+    s3, *, sizes=(2600, 2600, 1800, 1200, 700), tp=(1, 1, 2, 1, 2), seed: int = 0, directory: bool = False
+) -> Dataset:
     """Seed a new bucket; ``sizes[i]`` chunks in namespace i, each with
-    ``tp[i]`` rank objects (the defaults make 12,400 chunk objects)."""
+    ``tp[i]`` rank objects (the defaults make 12,400 chunk objects). With
+    ``directory`` its segments are named as on a directory bucket."""
     rng = random.Random(seed)
     now = int(time.time())
     # Traffic comes in bursts: accesses fall in a few busy hours.
@@ -121,11 +124,11 @@ def build(s3, *, sizes=(2600, 2600, 1800, 1200, 700), tp=(1, 1, 2, 1, 2), seed: 
                 s3.seed(ds.bucket, name, body, times[-1])
                 objs[name] = len(body)
             ds.chunks.append(ChunkFact(ns, key, objs, max(times), accessed))
-        _seed_manifest(s3, ds, ns, rng)
+        _seed_manifest(s3, ds, ns, rng, directory)
     return ds
 
 
-def _seed_manifest(s3, ds: Dataset, ns: str, rng: random.Random) -> None:
+def _seed_manifest(s3, ds: Dataset, ns: str, rng: random.Random, directory: bool = False) -> None:
     """Segments (every key, in groups) and access records (several per hour),
     named with the times they describe, like replicas write them."""
     base = namespace_prefix(PREFIX, ns) + "manifest/"
@@ -135,12 +138,12 @@ def _seed_manifest(s3, ds: Dataset, ns: str, rng: random.Random) -> None:
         ts = ds.now - 30 * DAY + seq  # old enough to be merged into a snapshot
         fps = np.array(sorted({fingerprint(c.key) for c in group}), dtype=np.uint64)
         body = mf.encode(mf.ManifestObject("segment", fps))
-        name = mp.segment_name(base, ts * 1000, f"w{seq % 3}", seq)
+        name = mp.segment_name(base, ts * 1000, f"w{seq % 3}", seq, directory=directory)
         s3.seed(ds.bucket, name, body, ts)
         ds.other[name] = len(body)
     # A snapshot a replica wrote 25 days ago, covering those segments.
     snap_ts = ds.now - 25 * DAY
-    last = mp.segment_name(base, (ds.now - 30 * DAY + seq) * 1000, f"w{seq % 3}", seq)
+    last = mp.segment_name(base, (ds.now - 30 * DAY + seq) * 1000, f"w{seq % 3}", seq, directory=directory)
     fps = np.array(sorted({fingerprint(c.key) for c in chunks}), dtype=np.uint64)
     body = mf.encode(
         mf.ManifestObject("snapshot", fps, meta={"horizon": last, "recent": [last], "writer": "w0"})

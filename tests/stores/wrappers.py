@@ -9,10 +9,14 @@ store (memory, S3) as arrow-rs's wrappers do, and
   refuses such keys cannot hold, as S3 lists them;
 - lists chosen objects with another size than they have (changed since);
 - records every GET, with its range and how many bytes came back.
+
+:class:`DirectoryBucketStore` lists any store as an S3 Express One Zone
+directory bucket does.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
@@ -81,3 +85,50 @@ class WrappedStore(ObjectStore):
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+@dataclass
+class DirectoryBucketStore(ObjectStore):
+    """``inner`` listed as a directory bucket (S3 Express One Zone) lists: in
+    no order (shuffled, seeded), StartAfter ignored (and counted), a prefix
+    that does not end with '/' refused as S3 refuses it (a 400 there)."""
+
+    inner: ObjectStore
+    seed: int = 0
+    start_after_ignored: int = 0
+    listed: list[str] = field(default_factory=list)
+    """Every prefix listed, in order."""
+    shuffled: int = 0
+    """Listings that came in another order than the inner store's."""
+
+    directory = True
+
+    async def put(
+        self, key: str, data: bytes | memoryview, *, mode: PutMode | Update = PutMode.OVERWRITE
+    ) -> str | None:
+        return await self.inner.put(key, data, mode=mode)
+
+    async def get(self, key: str, range: ByteRange | None = None) -> bytes:
+        return await self.inner.get(key, range)
+
+    async def head(self, key: str) -> ObjectMeta:
+        return await self.inner.head(key)
+
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"InvalidArgument: prefix {prefix!r} does not end with '/' (a directory bucket)")
+        if start_after is not None:
+            self.start_after_ignored += 1
+        self.listed.append(prefix)
+        metas = [m async for m in self.inner.list(prefix)]
+        order = metas[:]
+        random.Random(self.seed + len(self.listed)).shuffle(order)
+        self.shuffled += order != metas
+        for meta in order:
+            yield meta
+
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        await self.inner.delete_many(keys)
+
+    async def delete_if(self, key: str, etag: str) -> None:
+        await self.inner.delete_if(key, etag)

@@ -16,6 +16,7 @@ from s3kv.manifest.keyset import FingerprintSet, Manifest, delete_sorted, finger
 from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
+from tests.stores.wrappers import DirectoryBucketStore
 
 BASE = "pfx/" + "ab" * 16 + "/manifest/"
 
@@ -138,6 +139,25 @@ def test_object_format_roundtrip_and_every_corruption_is_caught():
             mf.decode(blob[:cut])
 
 
+@pytest.fixture(params=["general", "directory"])
+def bucket_kind(request):
+    """The sharing tests run on a general-purpose bucket and on a directory
+    bucket (S3 Express: listed in no order, no StartAfter, segments filed
+    under minute prefixes); on the latter nothing may ask for StartAfter."""
+    stores = []
+
+    def make(inner=None):
+        inner = MemoryStore() if inner is None else inner
+        store = DirectoryBucketStore(inner) if request.param == "directory" else inner
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        if store.directory:
+            assert store.start_after_ignored == 0 and store.listed
+
+
 def replica(store, clock, writer, **kw):
     settings = SyncSettings(publish_s=1, refresh_s=1, skew_s=60, **kw)
     return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=lambda: clock[0])
@@ -159,8 +179,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_replicas_learn_each_others_chunks_and_a_new_one_starts_warm():
-    store = MemoryStore()
+def test_replicas_learn_each_others_chunks_and_a_new_one_starts_warm(bucket_kind):
+    store = bucket_kind()
     clock = [1_700_000_000.0]
     a, b = started(store, clock, "aaaa", "bbbb")
     a.manifest.add(key(1))
@@ -176,8 +196,8 @@ def test_replicas_learn_each_others_chunks_and_a_new_one_starts_warm():
     assert run(c.load()) == 2 and key(1) in c.manifest and key(2) in c.manifest
 
 
-def test_clock_skew_within_the_margin_loses_nothing():
-    store = MemoryStore()
+def test_clock_skew_within_the_margin_loses_nothing(bucket_kind):
+    store = bucket_kind()
     fast, slow = [1_700_000_100.0], [1_700_000_070.0]  # 30 s apart
     a, b = replica(store, fast, "aaaa"), replica(store, slow, "bbbb")
     run(a.load())
@@ -198,8 +218,8 @@ def test_clock_skew_within_the_margin_loses_nothing():
     assert key(3) in a.manifest
 
 
-def test_snapshot_then_newer_segments_and_tombstones():
-    store = MemoryStore()
+def test_snapshot_then_newer_segments_and_tombstones(bucket_kind):
+    store = bucket_kind()
     clock = [1_700_000_000.0]
     a = replica(store, clock, "aaaa", snapshot_every=3)
     run(a.load())
@@ -215,7 +235,11 @@ def test_snapshot_then_newer_segments_and_tombstones():
     run(a.publish())
     clock[0] += 1
     gc = mf.ManifestObject("segment", removed=fingerprints([key(0)]))
-    run(store.put(mp.segment_name(BASE, int(clock[0] * 1000), "gc00", 1), mf.encode(gc)))
+    run(
+        store.put(
+            mp.segment_name(BASE, int(clock[0] * 1000), "gc00", 1, directory=store.directory), mf.encode(gc)
+        )
+    )
     run(a.refresh())
     assert key(0) not in a.manifest  # every replica drops what gc deleted
     fresh = replica(store, clock, "dddd")
@@ -226,8 +250,8 @@ def test_snapshot_then_newer_segments_and_tombstones():
     assert fresh.counters.totals()["manifest_segments_loaded"] == 2
 
 
-def test_only_the_first_writer_snapshots():
-    store = MemoryStore()
+def test_only_the_first_writer_snapshots(bucket_kind):
+    store = bucket_kind()
     clock = [1_700_000_000.0]
     a, b = replica(store, clock, "aaaa", snapshot_every=1), replica(store, clock, "bbbb", snapshot_every=1)
     for r in (a, b):
@@ -239,11 +263,15 @@ def test_only_the_first_writer_snapshots():
     assert run(b.maybe_snapshot()) is False and run(a.maybe_snapshot()) is True
 
 
-def test_corrupt_segment_is_skipped_and_counted():
-    store = MemoryStore()
+def test_corrupt_segment_is_skipped_and_counted(bucket_kind):
+    store = bucket_kind()
     clock = [1_700_000_000.0]
     a, b = started(store, clock, "aaaa", "bbbb")
-    run(store.put(mp.segment_name(BASE, int(clock[0] * 1000) + 5, "zzzz", 1), b"garbage"))
+    run(
+        store.put(
+            mp.segment_name(BASE, int(clock[0] * 1000) + 5, "zzzz", 1, directory=store.directory), b"garbage"
+        )
+    )
     a.manifest.add(key(7))
     run(a.publish())
     run(b.refresh())
@@ -290,8 +318,8 @@ def test_failed_publish_is_retried_with_the_same_keys():
     assert mf.decode(run(store.get(name))).added.tolist() == fingerprints([key(4)]).tolist()
 
 
-def test_an_unreadable_newest_snapshot_falls_back_to_an_older_one():
-    store = MemoryStore()
+def test_an_unreadable_newest_snapshot_falls_back_to_an_older_one(bucket_kind):
+    store = bucket_kind()
     clock = [1_700_000_000.0]
     a = replica(store, clock, "aaaa", snapshot_every=1, snapshot_interval_s=0)
     run(a.load())
@@ -305,7 +333,7 @@ def test_an_unreadable_newest_snapshot_falls_back_to_an_older_one():
     assert key(1) in b.manifest and b.counters.totals()["manifest_errors"] == 1
 
 
-def test_a_segment_whose_get_failed_is_fetched_later_even_past_the_floor():
+def test_a_segment_whose_get_failed_is_fetched_later_even_past_the_floor(bucket_kind):
     class Flaky(MemoryStore):
         fail: set[str] = set()
 
@@ -314,24 +342,25 @@ def test_a_segment_whose_get_failed_is_fetched_later_even_past_the_floor():
                 raise OSError("connection reset")
             return await super().get(key, range)
 
-    store = Flaky()
+    flaky = Flaky()
+    store = bucket_kind(flaky)
     clock = [1_700_000_000.0]
     a, b = started(store, clock, "aaaa", "bbbb")
     a.manifest.add(key(1))
     run(a.publish())
     (name,) = run(store.list_keys(BASE + "seg/"))
-    store.fail = {name}
+    flaky.fail = {name}
     run(b.refresh())
     assert key(1) not in b.manifest
     clock[0] += 3600  # b's own publishes move its floor far past a's segment
     b.manifest.add(key(2))
     run(b.publish())
-    store.fail = set()
+    flaky.fail = set()
     run(b.refresh())
     assert key(1) in b.manifest
 
 
-def test_a_slow_put_is_published_again_under_a_fresh_stamp():
+def test_a_slow_put_is_published_again_under_a_fresh_stamp(bucket_kind):
     class Slow(MemoryStore):
         async def put(self, key, data, *, mode=PutMode.OVERWRITE):
             if "/seg/" in key and not self.objects_seen:
@@ -342,7 +371,7 @@ def test_a_slow_put_is_published_again_under_a_fresh_stamp():
         objects_seen = False
 
     clock = [1_700_000_000.0]
-    store = Slow()
+    store = bucket_kind(Slow())
     a = replica(store, clock, "aaaa")
     run(a.load())
     a.manifest.add(key(5))
@@ -351,8 +380,8 @@ def test_a_slow_put_is_published_again_under_a_fresh_stamp():
     assert len(names) == 2 and mp.name_ts(names[1]) - mp.name_ts(names[0]) >= 40_000
 
 
-def test_snapshots_are_pruned_to_the_newest_few():
-    store = MemoryStore()
+def test_snapshots_are_pruned_to_the_newest_few(bucket_kind):
+    store = bucket_kind()
     clock = [1_700_000_000.0]
     a = replica(store, clock, "aaaa", snapshot_every=1, snapshot_interval_s=0, snapshots_kept=2)
     run(a.load())

@@ -8,6 +8,7 @@ locals {
     "region",
     "endpoint_url",
     "addressing_style",
+    "bucket_kind",
     "chunk_tokens",
     "codec",
     "zstd_level",
