@@ -29,6 +29,24 @@ class S3Server(LoopbackS3):
     def new_bucket(self) -> str:
         return self.create_bucket(f"s3kv-test-{uuid.uuid4().hex[:12]}")
 
+    def new_directory_bucket(self, name: str | None = None) -> str:
+        """A fresh bucket named as an S3 Express One Zone directory bucket
+        (``base--zone--x-s3``), by default a random one. moto itself is a
+        general-purpose server: the directory behaviour comes from
+        :class:`LatencyProxy` in its ``directory`` mode, in front of it."""
+        name = name or f"s3kv-{uuid.uuid4().hex[:12]}--use1-az4--x-s3"
+        self.directory_client().create_bucket(Bucket=name)
+        return name
+
+    def directory_client(self) -> Any:
+        """A boto3 client for directory buckets on this server, without
+        session auth (moto answers no CreateSession)."""
+        import boto3
+        from botocore.config import Config
+
+        config = Config(s3={"disable_s3_express_session_auth": True})
+        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=self.region, config=config)
+
 
 def wait_until(
     what: str, condition: Callable[[], Any], timeout_s: float = 180.0, every_s: float = 0.02

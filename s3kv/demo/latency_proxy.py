@@ -8,7 +8,10 @@ keep-alive connections included. With ``directory=True`` the bucket behind
 answers listings as an S3 Express One Zone directory bucket does: each
 page's objects in a random order, StartAfter ignored (and counted in
 :attr:`LatencyProxy.start_after_ignored`), and a 400 to a prefix that does
-not end with '/' — for the tests of s3kv's directory-bucket manifest. The delay is :attr:`LatencyProxy.delay_s`
+not end with '/'; it also answers CreateSession (``GET /bucket?session``)
+with session credentials that expire in five minutes, counting them
+(:attr:`LatencyProxy.sessions`) and the requests signed with one. For the
+tests of s3kv on directory buckets. The delay is :attr:`LatencyProxy.delay_s`
 and may be changed while it runs. Path-style addressing only (what s3kv
 uses with ``endpoint_url``); request signatures go through untouched, so
 the server behind must not check them against its own host name (moto
@@ -63,6 +66,11 @@ class LatencyProxy:
         """Listings that asked for StartAfter, answered without it (``directory``)."""
         self.prefixes_refused: list[str] = []
         """Listing prefixes refused for not ending with '/' (``directory``)."""
+        self.sessions = 0
+        """CreateSession requests answered (``directory``)."""
+        self.session_signed = 0
+        """Requests that carried a session token of ours (``directory``)."""
+        self._tokens: set[str] = set()
         self._random = random.Random(0)
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -136,6 +144,31 @@ class LatencyProxy:
         kept = [(k, v) for k, v in query if k != "start-after"]
         return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(kept))), None
 
+    def _session(self, method: str, path: str, headers: Any) -> bytes | None:
+        """A CreateSession's answer (``directory``), else None; counts the
+        requests signed with a session this proxy handed out."""
+        if not self.directory:
+            return None
+        token = headers.get("x-amz-s3session-token")
+        parts = urllib.parse.urlsplit(path)
+        create = method == "GET" and "session" in urllib.parse.parse_qs(parts.query, keep_blank_values=True)
+        with self._lock:
+            if token is not None and token in self._tokens:
+                self.session_signed += 1
+            if not create:
+                return None
+            self.sessions += 1
+            token = f"s3kv-proxy-session-{self.sessions}"
+            self._tokens.add(token)
+        expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + SESSION_S))
+        return (
+            '<?xml version="1.0" encoding="UTF-8"?>'
+            '<CreateSessionResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Credentials>'
+            f"<SessionToken>{token}</SessionToken><SecretAccessKey>proxy-session-secret</SecretAccessKey>"
+            f"<AccessKeyId>PROXYSESSION{self.sessions:08d}</AccessKeyId><Expiration>{expires}</Expiration>"
+            "</Credentials></CreateSessionResult>"
+        ).encode()
+
     def _shuffle(self, data: bytes) -> bytes:
         """A listing page with its objects in a random order."""
         items = _CONTENTS.findall(data)
@@ -152,6 +185,8 @@ class LatencyProxy:
 
 
 _CONTENTS = re.compile(rb"<Contents>.*?</Contents>", re.S)
+SESSION_S = 300
+"""How long a CreateSession's credentials last (S3 Express: five minutes)."""
 
 
 class _Forward(http.server.BaseHTTPRequestHandler):
@@ -184,14 +219,14 @@ class _Forward(http.server.BaseHTTPRequestHandler):
     def _forward(self) -> None:
         body = self._body()
         self.owner._hold(self.command, self.path)
+        session = self.owner._session(self.command, self.path, self.headers)
+        if session is not None:
+            self._answer(200, "OK", session)
+            return
         listing = self.owner.is_listing(self.command, self.path)
         path, refused = self.owner._listing(self.path) if listing else (self.path, None)
         if refused is not None:
-            self.send_response_only(400, "Bad Request")
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(refused)))
-            self.end_headers()
-            self.wfile.write(refused)
+            self._answer(400, "Bad Request", refused)
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         if body or self.command in ("PUT", "POST"):
@@ -220,5 +255,13 @@ class _Forward(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD" and data:
             self.wfile.write(data)
+
+    def _answer(self, status: int, reason: str, body: bytes) -> None:
+        """An answer of the proxy's own (not the server's)."""
+        self.send_response_only(status, reason)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward

@@ -176,3 +176,47 @@ output "json" {{
   value = module.config.json
 }}
 """
+
+
+def module_local(name: str) -> str:
+    """The HCL expression of local ``name`` in the s3kv module's main.tf, as
+    written (one line), for a root module that evaluates it offline."""
+    for line in (MODULE / "main.tf").read_text().splitlines():
+        m = re.fullmatch(rf"\s*{re.escape(name)}\s*=\s*(.+?)\s*", line)
+        if m:
+            return m.group(1)
+    raise AssertionError(f"no local {name} in {MODULE / 'main.tf'}")
+
+
+def bucket_render_call(
+    bucket_name: str, bucket_type: str, availability_zone_id: str | None, prefix: str, extra: str
+) -> str:
+    """A root module that names the bucket with the s3kv module's own
+    expressions (``local.directory``, ``local.bucket_name``) and renders its
+    kv_transfer_config as the module does (test_terraform checks that call)."""
+    zone = json.dumps(availability_zone_id) if availability_zone_id is not None else "null"
+    return f"""
+variable "bucket_name" {{
+  default = {json.dumps(bucket_name)}
+}}
+variable "bucket_type" {{
+  default = {json.dumps(bucket_type)}
+}}
+variable "availability_zone_id" {{
+  default = {zone}
+}}
+locals {{
+  directory   = {module_local("directory")}
+  bucket_name = {module_local("bucket_name")}
+}}
+module "config" {{
+  source       = "MODULE_SOURCE"
+  bucket       = local.bucket_name
+  prefix       = {json.dumps(prefix)}
+  region       = "us-east-1"
+  extra_config = {extra}
+}}
+output "json" {{
+  value = module.config.json
+}}
+"""

@@ -18,6 +18,7 @@ import yaml
 
 from s3kv.config import KNOWN_KEYS, parse_config
 from s3kv.errors import ConfigError
+from s3kv.stores.s3 import S3Options
 from tests.infra.terraform import (
     BUCKET,
     BUCKET_LEVEL_ACTIONS,
@@ -30,6 +31,7 @@ from tests.infra.terraform import (
     UNDER_PREFIX,
     Config,
     Statement,
+    bucket_render_call,
     parse_dir,
     render_call,
     statements,
@@ -594,3 +596,24 @@ def test_every_scanner_skip_is_justified_and_listed_in_the_readme():
     for d in (REPO, INFRA):  # skips live next to what they skip, not in config files
         for name in (".trivyignore", ".checkov.yaml", ".checkov.yml"):
             assert not (d / name).exists(), d / name
+
+
+@pytest.mark.parametrize(
+    ("bucket_type", "zone", "name", "directory"),
+    [
+        ("directory", "use1-az4", "acme-kv--use1-az4--x-s3", True),
+        ("general-purpose", None, "acme-kv", False),
+    ],
+)
+def test_the_module_names_the_bucket_so_the_connector_knows_its_kind(
+    tmp_path, bucket_type, zone, name, directory
+):
+    """The module's directory option ends the bucket's name in "--x-s3"; the
+    rendered config carries that name, and s3kv, with ``bucket_kind`` left
+    at auto, lists it as a directory bucket (S3 Express One Zone)."""
+    hcl = bucket_render_call("acme-kv", bucket_type, zone, "prod/llama-8b", "{}")
+    extra_config = json.loads(tf_outputs(tmp_path, hcl)["json"])["kv_connector_extra_config"]
+    assert extra_config["bucket"] == name and "bucket_kind" not in extra_config
+    config = parse_config(extra_config)
+    assert config.directory_bucket is directory
+    assert S3Options.from_config(config).directory is directory

@@ -84,3 +84,34 @@ async def test_the_proxy_lists_as_a_directory_bucket_does(s3_server, bucket):
             assert proxy.prefixes_refused == ["d/0"]
         finally:
             await store.close()
+
+
+async def test_a_store_opens_one_session_for_many_requests(s3_server):
+    """S3 Express signs requests with the credentials of a CreateSession:
+    the store opens one and signs every request with it, not a session per
+    request. The control: a store per request opens a session each."""
+    from s3kv.config import parse_config
+
+    bucket = s3_server.new_directory_bucket()
+    with LatencyProxy(s3_server.endpoint_url, directory=True) as proxy:
+        config = parse_config({"bucket": bucket, "endpoint_url": proxy.endpoint_url, "region": "us-east-1"})
+        assert config.directory_bucket  # told by the bucket's name
+        store = S3Store(bucket, S3Options.from_config(config))
+        try:
+            for i in range(10):
+                await store.put(f"s/{i:02d}", b"x" * i)
+                assert await store.get(f"s/{i:02d}") == b"x" * i
+                assert (await store.head(f"s/{i:02d}")).size == i
+            assert len(await store.list_keys("s/")) == 10
+            await store.delete_many([f"s/{i:02d}" for i in range(5)])
+        finally:
+            await store.close()
+        assert proxy.sessions == 1
+        assert proxy.session_signed >= 32  # 30 object requests, a listing, a delete
+        for i in range(3):  # the control
+            one = S3Store(bucket, S3Options.from_config(config))
+            try:
+                await one.head(f"s/{5 + i:02d}")
+            finally:
+                await one.close()
+        assert proxy.sessions == 1 + 3
