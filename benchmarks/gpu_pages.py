@@ -1,6 +1,6 @@
 """H2D of KV pages on a CUDA device: s3kv's load path (a pinned target per
-layer frame, committed as one copy per run of consecutive blocks on the side
-stream) against torch's own copy of the same bytes from pinned memory into
+layer frame, committed as one H2D copy into device scratch and one kernel
+that puts the pages in place, on the side stream) against torch's own copy of the same bytes from pinned memory into
 one contiguous device tensor. Needs CUDA (not in the suite: these machines
 have none); run it where the device tool lends one:
 

@@ -10,6 +10,7 @@ as the reference. Skipped without CUDA. On a device machine:
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -95,3 +96,46 @@ def test_a_layerwise_load_from_pinned_slots_is_ordered_layer_by_layer():
         assert bool((got == i + 1).all()), f"layer {i} not loaded when the forward reached it"
     load.wait_all()
     assert load.elapsed_s() is not None and load.elapsed_s() > 0
+
+
+def test_copies_never_make_the_host_wait_for_the_forward():
+    """Copy-out (a store), pinned targets and writes (loads) and the fence
+    only enqueue work: while the forward's stream is busy, the host gets
+    back at once and can go on launching the forward's kernels. The
+    control: ``torch.tensor(..., device=)``, which the block ids once went
+    through, does wait for that stream."""
+    cache = torch.zeros(LAYOUTS[0], dtype=torch.bfloat16, device="cuda")
+    io = PageIO({"l0": cache}, ["l0"], BLOCKS)
+    layer = io.layers[0]
+    ids, n = [3, 9, 10, 11, 40], 5
+    out = io.host_buffer(layer.page_bytes * n, pinned=True).numpy()
+    pinned = io.host_buffer(layer.page_bytes * n, pinned=True).numpy()
+
+    def issue() -> None:
+        io.read_into(0, ids, out)
+        after = io.forward_mark()
+        target = io.target(0, ids, 1, n, after=after)
+        target.buffers[0][:] = 9
+        target.commit()
+        io.write(0, [20, 21, 22, 23, 24], 0, n, pinned, after=after)
+        io.fence()
+
+    issue()  # warm: pinned and device allocations cached
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(5 * SLEEP_CYCLES)  # the forward, ~0.5 s
+    issue()
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    device_s = time.perf_counter() - t0
+    assert host_s < device_s / 5, (host_s, device_s)
+    assert bool(
+        (cache.view(torch.uint8).index_select(1, torch.tensor([9, 10, 11, 40], device="cuda")) == 9).all()
+    )
+    assert not bool(cache.view(torch.uint8)[:, 3].any())  # the target's page 0 was not asked for
+    t0 = time.perf_counter()
+    torch.cuda._sleep(5 * SLEEP_CYCLES)
+    torch.tensor(ids, device="cuda")  # the control
+    control_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert control_s > (time.perf_counter() - t0) / 2, control_s
