@@ -68,7 +68,7 @@ from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import Horizon, manifest_prefix, segment_name, snapshot_name
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
-from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, Update
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, Update, check_directory_listing
 from s3kv.stores.factory import make_store
 from s3kv.stores.memory import MemoryStore
 from s3kv.stores.s3 import S3Options
@@ -105,6 +105,10 @@ PRICE_PUT = 0.005 / 1000
 """S3 Standard, us-east-1, per request: PUT, COPY, POST, LIST."""
 PRICE_GET = 0.0004 / 1000
 """GET, SELECT and every other request (HEAD); DELETE is free."""
+PRICE_EXPRESS_PUT = 0.00113 / 1000
+PRICE_EXPRESS_GET = 0.00003 / 1000
+"""S3 Express One Zone, us-east-1, per request (list prices since April
+2025); no per-GB charge on requests under 512 KB, which manifest objects are."""
 PREFIX_PUT_LIMIT = 3500
 PREFIX_GET_LIMIT = 5500
 """S3's request rates per partitioned prefix (per second)."""
@@ -193,6 +197,20 @@ class Bucket(MemoryStore):
             self._etags.pop(k, None)
 
 
+class DirectoryBucket(Bucket):
+    """:class:`Bucket` listed as an S3 Express directory bucket lists: whole
+    prefixes that end with '/', no StartAfter (refused, as S3Store refuses
+    it there). Its order stays the index's: the fleet counts requests, and
+    the manifest's tests cover the order (tests/unit/test_directory_bucket.py)."""
+
+    directory = True
+
+    async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
+        check_directory_listing(BUCKET, prefix, start_after)
+        async for meta in super().list(prefix):
+            yield meta
+
+
 class CountingStore(ObjectStore):
     """``inner`` (shared by the fleet), with one replica's requests counted
     as S3Store counts them (``s3_requests_<op>`` in ``counters``) and, here,
@@ -200,6 +218,7 @@ class CountingStore(ObjectStore):
 
     def __init__(self, inner: ObjectStore, counters: Counters, list_bytes: ListBytes) -> None:
         self.inner = inner
+        self.directory = inner.directory
         self.counters = counters
         self.list_bytes = list_bytes
         self.counts: dict[str, float] = {}
@@ -499,6 +518,7 @@ async def simulate(
         "looked": looked,
         "found": found,
         "keys": ledger.n,
+        "directory": bool(reps[0].store.directory),
     }
 
 
@@ -526,10 +546,13 @@ class Rates:
     list_bps: float
     snapshot_put: float
     """Amortized: the fleet's one snapshot writer's share per replica."""
+    directory: bool = False
+    """On an S3 Express directory bucket (its layout, and its prices)."""
 
     @property
     def cost_per_hour(self) -> float:
-        return 3600 * ((self.put + self.snapshot_put + self.list) * PRICE_PUT + self.get * PRICE_GET)
+        put, get = (PRICE_EXPRESS_PUT, PRICE_EXPRESS_GET) if self.directory else (PRICE_PUT, PRICE_GET)
+        return 3600 * ((self.put + self.snapshot_put + self.list) * put + self.get * get)
 
 
 def snapshot_period_s(n: int) -> float:
@@ -557,6 +580,7 @@ def rates_of(sim: dict[str, Any]) -> Rates:
         down_bps=(_mean(w, "bytes_get:seg") + _mean(w, "bytes_list:seg")) / s,
         list_bps=_mean(w, "bytes_list:seg") / s,
         snapshot_put=2 / snapshot_period_s(n) / n,  # its PUT and its LIST of snapshots
+        directory=sim["directory"],
     )
 
 
@@ -592,7 +616,7 @@ def _pct(values: np.ndarray, q: float) -> float:
 
 def _row(r: Rates, stale: str, wall: str) -> list[Any]:
     return [
-        f"{r.n:,}",
+        f"{r.n:,}" + (" (directory)" if r.directory else ""),
         round(r.put + r.snapshot_put, 3),
         round(r.list, 3),
         round(r.get, 1),
@@ -876,6 +900,12 @@ def run(work: Path, quick: bool) -> Result:
         sims.append(
             asyncio.run(simulate(n, measure, warmup, lambda i, c, s=shared: CountingStore(s, c, list_bytes)))
         )
+    # The largest fleet again on an S3 Express directory bucket: segments
+    # under minute prefixes, each listed whole.
+    shared_dir = DirectoryBucket()
+    on_directory = asyncio.run(
+        simulate(sizes_n[-1], measure, warmup, lambda i, c: CountingStore(shared_dir, c, list_bytes))
+    )
     mems = [memory(k) for k in mem_sizes]
 
     rows, bars, measured = [], [], []
@@ -889,6 +919,15 @@ def run(work: Path, quick: bool) -> Result:
         rows.append(_row(r, stale, f"{sim['wall_s']:.0f} (x{(warmup + measure) / sim['wall_s']:.1f})"))
         bars.append(Bar(f"N={r.n} GET/s", r.get))
     big = measured[-1]
+    rd = rates_of(on_directory)
+    st = on_directory["stale_all"]
+    rows.append(
+        _row(
+            rd,
+            f"{_pct(st, 50):.1f} / {_pct(st, 99):.1f} / {float(st.max()) if len(st) else float('nan'):.1f}",
+            f"{on_directory['wall_s']:.0f} (x{(warmup + measure) / on_directory['wall_s']:.1f})",
+        )
+    )
     at_paper = paper(PAPER_N, big)
     rows.append(_row(at_paper, "throttled (see notes)", "paper"))
     bars.append(Bar(f"N={PAPER_N:,} GET/s (paper)", at_paper.get))
@@ -913,7 +952,17 @@ def run(work: Path, quick: bool) -> Result:
         "(PUT and LIST $0.005, GET $0.0004 per 1,000, us-east-1); fleet-wide GET/s on the manifest "
         "prefix; wall seconds of the run (and virtual seconds per wall second).",
     ]
-    for sim in sims:
+    notes.append(
+        f"Directory bucket (S3 Express One Zone), N={rd.n}: segments filed under minute prefixes, a poll lists "
+        f"each minute from the floor to a skew ahead, whole (no StartAfter): {rd.list:.3f} LIST/s per replica "
+        f"against {big.list:.3f} on a general-purpose bucket ({rd.list / max(big.list, 1e-9):.1f}x), the "
+        f"same GETs ({rd.get:.1f}/s against {big.get:.1f}) and PUTs; "
+        f"{on_directory['stores_unseen']} of {on_directory['stores_checked']} stores unseen at the end. "
+        f"Cost at Express request prices (PUT and LIST ${PRICE_EXPRESS_PUT * 1000:.5f}, GET "
+        f"${PRICE_EXPRESS_GET * 1000:.5f} per 1,000): ${rd.cost_per_hour:.4f} per replica-hour against "
+        f"${big.cost_per_hour:.4f} on S3 Standard."
+    )
+    for sim in [*sims, on_directory]:
         if sim["stores_unseen"]:
             notes.append(
                 f"N={sim['n']}: {sim['stores_unseen']} of {sim['stores_checked']} stores measured were not "

@@ -88,12 +88,11 @@ class WrappedStore(ObjectStore):
 
 
 @dataclass
-class DirectoryBucketStore(ObjectStore):
+class DirectoryBucketStore(WrappedStore):
     """``inner`` listed as a directory bucket (S3 Express One Zone) lists: in
     no order (shuffled, seeded), StartAfter ignored (and counted), a prefix
     that does not end with '/' refused as S3 refuses it (a 400 there)."""
 
-    inner: ObjectStore
     seed: int = 0
     start_after_ignored: int = 0
     listed: list[str] = field(default_factory=list)
@@ -102,17 +101,6 @@ class DirectoryBucketStore(ObjectStore):
     """Listings that came in another order than the inner store's."""
 
     directory = True
-
-    async def put(
-        self, key: str, data: bytes | memoryview, *, mode: PutMode | Update = PutMode.OVERWRITE
-    ) -> str | None:
-        return await self.inner.put(key, data, mode=mode)
-
-    async def get(self, key: str, range: ByteRange | None = None) -> bytes:
-        return await self.inner.get(key, range)
-
-    async def head(self, key: str) -> ObjectMeta:
-        return await self.inner.head(key)
 
     async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
         if prefix and not prefix.endswith("/"):
@@ -126,9 +114,6 @@ class DirectoryBucketStore(ObjectStore):
         self.shuffled += order != metas
         for meta in order:
             yield meta
-
-    async def delete_many(self, keys: Iterable[str]) -> None:
-        await self.inner.delete_many(keys)
 
     async def delete_if(self, key: str, etag: str) -> None:
         await self.inner.delete_if(key, etag)
