@@ -10,9 +10,9 @@ cuts the names at the floor itself and sorts them.
 A minute that ended ``2 * skew_s`` before the reader's clock is closed: no
 writer whose clock is within the skew of the reader's still stamps into it,
 and a PUT stamped in it has had a skew's time to land. Once a closed minute
-has been listed, later calls start after it, so a reader of a fleet that has
-gone quiet (its floor stays put) still lists a few minutes a poll, not every
-minute since. Names are the same strings in every comparison (the floor is
+has been listed and its names taken care of (:meth:`SegmentLister.done`),
+later calls start after it, so a reader of a fleet that has gone quiet (its
+floor stays put) still lists a few minutes a poll, not every minute since. Names are the same strings in every comparison (the floor is
 in the minute layout too), so the rest of the manifest is unchanged.
 """
 
@@ -52,7 +52,10 @@ class SegmentLister:
         self.skew_ms = int(skew_s * 1000)
         self._clock = clock
         self.closed_through = -1
-        """The newest closed minute listed (directory buckets)."""
+        """The newest closed minute listed, and its names taken care of
+        (directory buckets): later calls start after it."""
+        self._closing = -1
+        """What :meth:`done` makes ``closed_through``."""
 
     def floor(self, ts_ms: int, margin_ms: int) -> str:
         """:func:`segment_floor` in this bucket's layout."""
@@ -68,6 +71,7 @@ class SegmentLister:
         layout (a folder marker, junk) come too where a listing of the whole
         tree finds them, for the caller to skip."""
         prefix = self.base + SEGMENTS
+        self._closing = self.closed_through
         if not self.directory:
             return [m async for m in self.store.list(prefix, start_after=floor)]
         if floor is None:  # a start with no snapshot: the whole tree, once
@@ -86,6 +90,26 @@ class SegmentLister:
                 async with sem:
                     return [m async for m in self.store.list(segment_dir(self.base, minute * MINUTE_MS))]
 
-            listed = await asyncio.gather(*(one(m) for m in minutes))
-        self.closed_through = max(self.closed_through, min(closed, last))
+            tasks = [asyncio.ensure_future(one(m)) for m in minutes]
+            try:
+                listed = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:  # one listing failed: the others need not go on
+                    t.cancel()
+                raise
+        self._closing = max(self.closed_through, min(closed, last))
         return sorted((m for part in listed for m in part if m.key > floor), key=lambda m: m.key)
+
+    def done(self) -> None:
+        """Every name the last :meth:`after` returned was taken care of
+        (applied, skipped, or kept to fetch again): the closed minutes it
+        listed need no listing again. Not called when handling them failed
+        (a GET refused for the credentials, say), so that the next call lists
+        them again, as a general-purpose bucket's listing from the same
+        floor would."""
+        self.closed_through = max(self.closed_through, self._closing)
+
+    def restart(self) -> None:
+        """List every minute from the floor again (a load from scratch,
+        whose floor may be older than the last one's)."""
+        self.closed_through = self._closing = -1

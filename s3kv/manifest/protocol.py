@@ -103,7 +103,7 @@ def name_ts(name: str) -> int | None:
     """The millisecond stamp a segment, snapshot or access record name starts with."""
     leaf = name.rsplit("/", 1)[-1]
     head = leaf.split("-", 1)[0]
-    return int(head) if len(head) == TS_DIGITS and head.isdigit() else None
+    return int(head) if len(head) == TS_DIGITS and head.isascii() and head.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -120,24 +120,31 @@ class ManifestName:
 
 
 _WRITER = r"([0-9A-Za-z_]{1,64})"
+# ASCII digits only: \d would take other scripts' digits, which int() reads
+# and which sort after every name s3kv writes.
 _NAMES = {
     SEGMENTS[:-1]: (
         "segment",
-        re.compile(rf"(?:(\d{{{MINUTE_DIGITS}}})/)?(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})"),
+        re.compile(rf"(?:([0-9]{{{MINUTE_DIGITS}}})/)?([0-9]{{{TS_DIGITS}}})-{_WRITER}-([0-9]{{6,12}})"),
     ),
-    SNAPSHOTS[:-1]: ("snapshot", re.compile(rf"(\d{{{TS_DIGITS}}})-{_WRITER}")),
-    ACCESS[:-1]: ("access", re.compile(rf"\d{{10}}/(\d{{{TS_DIGITS}}})-{_WRITER}-(\d{{6,12}})")),
+    SNAPSHOTS[:-1]: ("snapshot", re.compile(rf"([0-9]{{{TS_DIGITS}}})-{_WRITER}")),
+    ACCESS[:-1]: ("access", re.compile(rf"[0-9]{{10}}/([0-9]{{{TS_DIGITS}}})-{_WRITER}-([0-9]{{6,12}})")),
 }
 
 
-def parse_name(base: str, key: str) -> ManifestName | None:
+def parse_name(base: str, key: str, *, directory: bool | None = None) -> ManifestName | None:
     """The segment, snapshot or access record ``key`` names under the
     manifest prefix ``base``, or None: a folder marker, another directory,
-    or a name s3kv does not write (which nobody should GET)."""
+    or a name s3kv does not write (which nobody should GET).
+
+    ``directory`` is the bucket's kind: a segment must be in that kind's
+    layout (filed under its minute on a directory bucket, flat on a
+    general-purpose one), as names compare as strings only within one
+    layout; None takes either (tools that show any name)."""
     if not key.startswith(base):
         return None
-    directory, _, rest = key[len(base) :].partition("/")
-    kind, pattern = _NAMES.get(directory, ("", None))
+    folder, _, rest = key[len(base) :].partition("/")
+    kind, pattern = _NAMES.get(folder, ("", None))
     m = pattern.fullmatch(rest) if pattern is not None else None
     if m is None:
         return None
@@ -146,12 +153,14 @@ def parse_name(base: str, key: str) -> ManifestName | None:
         minute, groups = groups[0], groups[1:]
         if minute is not None and int(minute) != int(groups[0]) // MINUTE_MS:
             return None  # filed under another minute than its stamp's: not s3kv's
+        if directory is not None and (minute is not None) != directory:
+            return None  # the other kind of bucket's layout: not this fleet's
     seq = int(groups[2]) if len(groups) == 3 else None
     return ManifestName(kind, int(groups[0]), groups[1], seq)
 
 
-def is_segment(base: str, key: str) -> bool:
-    name = parse_name(base, key)
+def is_segment(base: str, key: str, *, directory: bool | None = None) -> bool:
+    name = parse_name(base, key, directory=directory)
     return name is not None and name.kind == "segment"
 
 

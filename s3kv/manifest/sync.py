@@ -236,7 +236,7 @@ class ManifestSync:
             name = meta.key
             if name in self._seen or name in self._skipped or name in self._retry:
                 continue
-            parsed = parse_name(self.base, name)
+            parsed = parse_name(self.base, name, directory=self.store.directory)
             if name.endswith("/"):
                 self._skip(name, "marker")
             elif parsed is None or parsed.kind != kind:
@@ -370,7 +370,7 @@ class ManifestSync:
                     raise S3KVError(f"reading manifest snapshot {meta.key} failed; loading again later")
                 continue
             last = Horizon.last_of(snap.meta)
-            parsed = parse_name(self.base, last) if last else None
+            parsed = parse_name(self.base, last, directory=self.store.directory) if last else None
             if parsed is not None and parsed.ts > limit:
                 # Written by a replica that trusted a stamp in the future:
                 # what it covers cannot be told. An older one, then.
@@ -380,7 +380,7 @@ class ManifestSync:
             self.manifest.fps.replace(snap.added)
             self._snapshot_ts = name_ts(meta.key) or 0
             for name in horizon.recent:
-                n = parse_name(self.base, name)
+                n = parse_name(self.base, name, directory=self.store.directory)
                 if n is not None and n.kind == "segment" and n.ts <= limit:
                     self._seen[name] = n.ts
             if parsed is None or parsed.kind != "segment":
@@ -393,10 +393,12 @@ class ManifestSync:
         """Start-up: the newest snapshot, then every segment after it.
         Returns the fingerprints loaded."""
         keys, start_after = await self._load_snapshot()
+        self._lister.restart()
         listed = await self._lister.after(start_after)
         todo = [(m.key, m.size) for m in self._sift(listed, "segment", self._now_ms())]
         self._since_snapshot = 0
         keys += await self._apply(await self._fetch_all(todo))
+        self._lister.done()
         await asyncio.to_thread(self.manifest.fps.merge)
         self.loaded = True
         self.refreshed_at = time.time()
@@ -412,6 +414,7 @@ class ManifestSync:
         todo = dict(self._retry)
         todo.update((m.key, m.size) for m in self._sift(listed, "segment", self._now_ms()))
         keys = await self._apply(await self._fetch_all(sorted(todo.items()))) if todo else 0
+        self._lister.done()
         if not self._retry:
             self.refreshed_at = time.time()
         floor = self.clock_ms - 2 * int(self.s.skew_s * 1000)
@@ -489,7 +492,7 @@ class ManifestSync:
         ):
             return False
         # One writer per replica: a rank publisher counts as its replica's.
-        names = (parse_name(self.base, n) for n in self._seen)
+        names = (parse_name(self.base, n, directory=self.store.directory) for n in self._seen)
         writers = {replica_of(n.writer) for n in names if n is not None}
         if writers and min(writers | {self.writer}) != self.writer:
             return False

@@ -515,7 +515,8 @@ async def compact(
         [
             m
             async for m in store.list(info.manifest_base + SEGMENTS)
-            if is_segment(info.manifest_base, m.key) and not stamps.in_future(m.key)
+            if is_segment(info.manifest_base, m.key, directory=store.directory)
+            and not stamps.in_future(m.key)
         ],
         key=lambda m: m.key,
     )

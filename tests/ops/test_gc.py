@@ -247,9 +247,22 @@ def test_gc_on_a_directory_bucket_tells_replicas_and_lists_as_s3_express_allows(
     from s3kv.cli import main
     from s3kv.demo.latency_proxy import LatencyProxy
 
+    import numpy as np
+
+    from s3kv.manifest import format as mf
+    from s3kv.manifest import protocol as mp
+
     ds = dataset.build(seeded_s3, sizes=(120, 80), tp=(1, 2), directory=True)
     expect = expected_max_age(ds, 14 * DAY)
     assert expect
+    # A flat-layout segment in each namespace (junk, or an s3kv that listed
+    # the bucket as general purpose) removing every chunk: its name sorts
+    # after every minute-filed one, yet it is no segment of this bucket's.
+    for ns in ds.namespaces:
+        base = namespace_prefix(PREFIX, ns) + "manifest/"
+        fps = np.array(sorted({fingerprint(c.key) for c in ds.of(ns)}), dtype=np.uint64)
+        flat = mp.segment_name(base, (ds.now - HOUR) * 1000, "zzzz", 1)
+        seeded_s3.seed(ds.bucket, flat, mf.encode(mf.ManifestObject("segment", removed=fps)), ds.now - HOUR)
     with LatencyProxy(seeded_s3.endpoint_url, directory=True) as proxy:
         config = tmp_path / "s3kv.json"
         config.write_text(
@@ -272,4 +285,8 @@ def test_gc_on_a_directory_bucket_tells_replicas_and_lists_as_s3_express_allows(
         left = {fingerprint(c.key) for c in ds.of(ns) if not (set(c.objects) & expect)}
         base = namespace_prefix(PREFIX, ns) + "manifest/"
         assert load_manifest(seeded_s3.endpoint_url, ds.bucket, base, directory=True) == left
+        client = seeded_s3.client()
+        snap = max(seeded_s3.listing(ds.bucket, base + "snap/"))  # gc's new one
+        horizon = mf.decode(client.get_object(Bucket=ds.bucket, Key=snap)["Body"].read()).meta["horizon"]
+        assert mp.parse_name(base, horizon, directory=True) is not None
     assert proxy.shuffled > 0 and proxy.start_after_ignored == 0 and proxy.prefixes_refused == []

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from s3kv.config import ConfigError, parse_config
+from s3kv.errors import PermissionDenied
+from s3kv.keys import fingerprint
+from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
 from s3kv.manifest.keyset import Manifest
 from s3kv.manifest.listing import MAX_MINUTES, SegmentLister
@@ -189,6 +193,92 @@ def test_inventory_lists_a_directory_bucket_by_whole_prefixes():
     info = run(scan_namespace(store, "pfx", ns, read_access=False))
     assert len(info.chunks) == 40 and len(info.segments) == 1 and not info.foreign
     assert all(p == "" or p.endswith("/") for p in store.listed)
+
+
+@pytest.mark.parametrize("when", ["refresh", "load"])
+def test_a_segment_whose_get_was_refused_for_the_credentials_is_listed_again_once_its_minute_closed(when):
+    """A GET refused for the caller's credentials (an expired session, say)
+    fails the whole refresh or load, to be retried with the listing: the
+    minutes that listing closed are listed again, as a general-purpose
+    bucket's listing from the same floor would list their names again."""
+
+    class Refusing(MemoryStore):
+        refuse: set[str] = set()
+
+        async def get(self, key, range=None):
+            if key in self.refuse:
+                raise PermissionDenied(f"{key}: ExpiredToken", credentials=True)
+            return await super().get(key, range)
+
+    inner = Refusing()
+    store = DirectoryBucketStore(inner)
+    clock = [T0]
+    a = replica(store, clock, "aaaa", snapshot_every=1, snapshot_interval_s=0)
+    b = replica(store, clock, "bbbb")
+    run(a.load())
+    run(b.load())
+    a.manifest.add(key(0))
+    run(a.publish())
+    run(b.refresh())  # b has a floor now: it lists minutes from there
+    assert run(a.maybe_snapshot())  # a new replica starts after key(0)'s segment
+    clock[0] += 1
+    a.manifest.add(key(1))
+    run(a.publish())
+    (name,) = [n for n in run(store.list_keys(BASE + "seg/")) if mp.name_ts(n) > int(T0 * 1000)]
+    clock[0] += 4 * 60  # its minute is closed by now
+    inner.refuse = {name}
+    reader = b if when == "refresh" else replica(store, clock, "cccc")
+    with pytest.raises(PermissionDenied):
+        run(reader.refresh() if when == "refresh" else reader.load())
+    inner.refuse = set()
+    clock[0] += 5
+    run(reader.refresh() if when == "refresh" else reader.load())
+    assert key(0) in reader.manifest and key(1) in reader.manifest
+
+
+def test_segments_in_the_other_kind_of_bucket_layout_are_foreign():
+    """Names compare as strings only within one layout (a flat
+    ``seg/{stamp}`` sorts after every ``seg/{minute}/...``): on a directory
+    bucket a flat segment name, junk or an old s3kv's, is skipped, never
+    applied or made a snapshot's horizon; and the other way round."""
+    t = int(T0 * 1000)
+    flat, filed = mp.segment_name(BASE, t, "w", 1), mp.segment_name(BASE, t, "w", 1, directory=True)
+    assert flat > filed
+    assert mp.parse_name(BASE, flat) is not None and mp.parse_name(BASE, filed) is not None  # tools: both
+    assert mp.parse_name(BASE, flat, directory=True) is None
+    assert mp.parse_name(BASE, filed, directory=False) is None
+    assert mp.is_segment(BASE, filed, directory=True) and not mp.is_segment(BASE, flat, directory=True)
+
+    store = DirectoryBucketStore(MemoryStore())
+    clock = [T0]
+    a = replica(store, clock, "aaaa", snapshot_every=1, snapshot_interval_s=0)
+    run(a.load())
+    a.manifest.add(key(1))
+    run(a.publish())
+    # A flat segment whose removal would drop key(1), stamped after it.
+    gc = mf.ManifestObject("segment", removed=np.array([fingerprint(key(1))], dtype=np.uint64))
+    run(store.put(mp.segment_name(BASE, t + 5_000, "gc00", 1), mf.encode(gc)))
+    clock[0] += 10
+    fresh = replica(store, clock, "bbbb")
+    run(fresh.load())
+    assert key(1) in fresh.manifest
+    assert fresh.counters.totals()["manifest_skipped_foreign"] >= 1
+    assert run(a.maybe_snapshot())
+    (snap,) = run(store.list_keys(BASE + "snap/"))
+    horizon = mf.decode(run(store.get(snap))).meta["horizon"]
+    assert mp.parse_name(BASE, horizon, directory=True) is not None  # not the flat name
+
+
+@pytest.mark.parametrize("digit", ["\uff11", "\u00b2", "\u0661"])
+def test_names_with_other_scripts_digits_are_foreign_not_a_crash(digit):
+    """int() reads fullwidth and Arabic-Indic digits, and '²'.isdigit() is
+    true though int() refuses it: a name made of them is no s3kv name (it
+    would sort after every real one), and reading its stamp does not raise."""
+    name = BASE + "seg/" + digit * mp.TS_DIGITS + "-w-000001"
+    assert mp.name_ts(name) is None
+    assert mp.parse_name(BASE, name) is None
+    filed = BASE + "seg/" + digit * mp.MINUTE_DIGITS + "/" + "1" * mp.TS_DIGITS + "-w-000001"
+    assert mp.parse_name(BASE, filed) is None
 
 
 # -- the bucket kind ---------------------------------------------------------------
