@@ -41,12 +41,31 @@ CHUNK_TOKENS = 256
 MAX_TOKENS = 2
 """The second token is a decode step: the cost model times a step's fixed cost from those."""
 GOAL_RATIO = 1.1
+NEAR_TIE = 0.25
+"""Nats between the writer's two likeliest tokens under which a loaded
+prompt may take the second: vLLM alone, computing a prompt in one step or
+as 4,095 + 1 tokens (the split a whole-prompt load leaves), moves this
+random bf16 model's logprobs by up to ~0.2 (ANALYSIS.md, issue 18.1)."""
 MAX_MODEL_LEN = 8448
 WAYS = ("recompute", "always", "cost")
 
 
 def _s3kv(endpoint: str) -> dict[str, Any]:
     return s3kv_transfer_config(endpoint, BUCKET, CHUNK_TOKENS, load_policy="cost")
+
+
+def tie_flip(out: list[int], expect: list[int], top: list[list[list[float]]]) -> bool:
+    """Does ``out`` part from ``expect`` (the writer's tokens) where the
+    writer's two likeliest tokens were within :data:`NEAR_TIE` nats of each
+    other (``top``: the writer's logprobs, likeliest first), by taking the
+    second? A prompt computed in other steps than the writer's (a load
+    leaves its last token to compute) may, at such a near-tie; wrong KV
+    would not pick that very token."""
+    k = next((i for i, (a, b) in enumerate(zip(out, expect)) if a != b), None)
+    if k is None or k >= len(top) or len(top[k]) < 2:
+        return False
+    (first, lp1), (second, lp2) = top[k][:2]  # an exact tie may come in either order
+    return {int(first), int(second)} == {expect[k], out[k]} and lp1 - lp2 <= NEAR_TIE
 
 
 def _request(prompt: list[int], way: str) -> Any:
@@ -88,6 +107,7 @@ def run(work: Path, quick: bool) -> Result:
             "kv_transfer_config": _s3kv(proxy.endpoint_url),
             "prompts": prompts,
             "max_tokens": MAX_TOKENS,
+            "logprobs": 2,
         }
 
     stored = [measured[length][i] for length in lengths for i in range(n)]
@@ -108,6 +128,8 @@ def run(work: Path, quick: bool) -> Result:
 
     skip = len(warm_lengths) + len(warm_load)
     written = dict(zip(map(tuple, stored), writer["outputs"][len(warm_load) :]))
+    tops = dict(zip(map(tuple, stored), writer["logprobs"][len(warm_load) :]))
+    flips: list[str] = []
     rows: list[list[Any]] = []
     bars: list[Bar] = []
     misses: list[str] = []
@@ -125,10 +147,12 @@ def run(work: Path, quick: bool) -> Result:
         ):
             cell.setdefault((length, way), []).append(ttft)
             cached.setdefault((length, way), []).append(got)
-            if out != written[tuple(measured[length][i])]:
-                # The computed and the loaded split a random model's near-ties
-                # differently only where the outputs of recompute differ too.
-                misses.append(f"{way} at {delay} ms, {length} tokens: outputs differ from the writer's")
+            key = tuple(measured[length][i])
+            if out != written[key]:
+                if tie_flip(out, written[key], tops[key]):
+                    flips.append(f"{way} at {delay} ms, {length} tokens, prompt {i}")
+                else:
+                    misses.append(f"{way} at {delay} ms, {length} tokens: outputs differ from the writer's")
         for length in lengths:
             rec, alw, cst = (median(cell[(length, w)]) for w in WAYS)
             better = min(rec, alw)
@@ -186,6 +210,12 @@ def run(work: Path, quick: bool) -> Result:
         "The cost model's estimates at the end of each engine's run: " + "; ".join(estimates) + ".",
         f"Model: the demo's random Llama, max_model_len {MAX_MODEL_LEN}, the whole prompt in one step, "
         f"chunk_tokens {CHUNK_TOKENS}, {MAX_TOKENS} tokens generated.",
+        "Outputs: every request's tokens equal the writer's (which computed the prompt in one step), "
+        f"but where the writer's two likeliest tokens were within {NEAR_TIE} nats and the request took "
+        "the second (a load leaves the last token to compute, and vLLM alone computing 4,095 + 1 tokens "
+        "moves this model's logprobs as much): "
+        + (", ".join(flips) if flips else "none")
+        + ". Any other difference fails the run.",
     ]
     return Result(
         name=NAME,

@@ -3,13 +3,17 @@ without prefetch at arrival.
 
 A writer engine computes and stores N prompts (distinct 2k-token
 prefixes). Then, for each S3 delay (a loopback proxy holds each object
-GET's first byte back, :class:`s3kv.demo.latency_proxy.LatencyProxy`), two
+GET's first byte back, :class:`s3kv.demo.latency_proxy.LatencyProxy`),
 engines with a CPU tier and room for only two running requests
-(``max_num_seqs=2``) take the N prompts at once: one with prefetch
-(``prefetch_bytes``, the default), one without (0). Without it, vLLM looks a
-waiting request up only once a running slot frees, so each pair of
-requests waits for its own S3 round trip behind the one before; with it,
-every request's chunks are fetched into the CPU tier as it arrives.
+(``max_num_seqs=2``) take a burst: two short requests that decode for a
+while (the running batch, full), then the N prompts. vLLM looks a waiting
+request up only while a running slot is free, so without prefetch
+(``prefetch_bytes: 0``) the N start their S3 loads once the two finish and
+wait for them there; with it (the default), every request's chunks are
+fetched into the CPU tier as it arrives, while the batch runs.
+(Submitted to an idle engine instead, the N would all be looked up at
+once, their asynchronous loads needing no running slot: nothing left for
+a prefetch to hide.)
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ CHUNK_TOKENS = 256
 PROMPT_TOKENS = 2048 + 16
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 4096
+BLOCKERS = 2
+"""Requests that fill the running batch (``max_num_seqs``) when the burst arrives."""
+BLOCKER_PROMPT_TOKENS = 64
+"""Under a chunk: nothing to store or load."""
+BLOCKER_TOKENS = 48
+"""Decode steps the blockers run: longer than the slowest S3 delay's fetch."""
 
 
 def _s3kv(endpoint: str, **extra: Any) -> dict[str, Any]:
@@ -51,6 +61,13 @@ def run(work: Path, quick: bool) -> Result:
     model = str(build_model(work / "model", **DEMO_SPEC))
     rng = random.Random(182)
     prompts = [[rng.randrange(3, 2000) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+    blockers = [
+        {
+            "prompt": [rng.randrange(3, 2000) for _ in range(BLOCKER_PROMPT_TOKENS)],
+            "max_tokens": BLOCKER_TOKENS,
+        }
+        for _ in range(BLOCKERS)
+    ]
     engine = {
         "gpu_memory_utilization": 0.15,
         "max_model_len": MAX_MODEL_LEN,
@@ -80,7 +97,8 @@ def run(work: Path, quick: bool) -> Result:
                 for variant, extra in variants.items():
                     name = f"prefetch-{variant.replace(', ', '-').replace(' ', '')}-{delay}ms"
                     kv = _s3kv(proxy.endpoint_url, cpu_bytes="2GiB", **extra)
-                    runs[(delay, variant)] = run_replica(work, name, spec(kv, prompts=[], bursts=[prompts]))
+                    burst = [*blockers, *prompts]
+                    runs[(delay, variant)] = run_replica(work, name, spec(kv, prompts=[], bursts=[burst]))
     finally:
         server.stop()
     shutil.rmtree(work / "model", ignore_errors=True)
@@ -91,20 +109,21 @@ def run(work: Path, quick: bool) -> Result:
     same = []
     for delay in delays_ms:
         means = {}
-        off_outputs = runs[(delay, "off")]["outputs"]
+        off_outputs = runs[(delay, "off")]["outputs"][BLOCKERS:]
         for variant in variants:
             r = runs[(delay, variant)]
-            ttft = r["ttft_s"]
+            ttft = r["ttft_s"][BLOCKERS:]
             m = r["metrics"]
             means[variant] = statistics.mean(ttft)
             # A random model's near-ties flip with the batch a request shares
             # and with a prompt computed or loaded: an output must equal the
             # writer's (computed) or the no-prefetch run's (loaded) one.
-            for i, out in enumerate(r["outputs"]):
+            for i, out in enumerate(r["outputs"][BLOCKERS:]):
                 if out != writer["outputs"][i] and out != off_outputs[i]:
                     misses.append(f"{delay} ms, prefetch {variant}: request {i}'s output matches neither run")
             same.append(
-                f"{delay} ms {variant}: {sum(o == w for o, w in zip(r['outputs'], writer['outputs']))}/{n}"
+                f"{delay} ms {variant}: "
+                f"{sum(o == w for o, w in zip(r['outputs'][BLOCKERS:], writer['outputs']))}/{n}"
             )
             rows.append(
                 [
@@ -127,12 +146,15 @@ def run(work: Path, quick: bool) -> Result:
     notes = [
         f"A burst of {n} requests of {PROMPT_TOKENS} tokens (8 chunks of {CHUNK_TOKENS} each in S3, distinct "
         f"prefixes), {MAX_TOKENS} greedy tokens each, submitted at once to an engine with max_num_seqs=2, a "
-        "2 GiB CPU tier and vLLM's prefix cache off; TTFT is vLLM's first_token_latency (from each request's "
-        "arrival). Outputs are checked against the writer's (which computed them).",
+        f"2 GiB CPU tier and vLLM's prefix cache off, behind {BLOCKERS} requests of {BLOCKER_PROMPT_TOKENS} "
+        f"tokens decoding {BLOCKER_TOKENS} (the running batch, full when the burst arrives; not counted); "
+        "TTFT is vLLM's first_token_latency (from each request's arrival). Outputs are checked against the "
+        "writer's (which computed them).",
         "S3 is moto on loopback behind a proxy that holds every object GET's first byte back by the delay. "
-        "Without prefetch, vLLM looks a waiting request up (and starts its S3 load) only once a running slot "
-        "frees; with prefetch (the default prefetch_bytes), each arriving request's S3 chunks are fetched into "
-        "the CPU tier at once, and its lookup waits for them, so its hit is a CPU-tier load.",
+        "Without prefetch, vLLM looks a waiting request up (and starts its S3 load) only while a running slot "
+        "is free: here once the batch ahead finishes; with prefetch (the default prefetch_bytes), each "
+        "arriving request's S3 chunks are fetched into the CPU tier at once, while the batch runs, and its "
+        "lookup waits for them, so its hit is a CPU-tier load.",
         "hit tokens: from the scheduler side's counters (by the tier each load came from).",
         "Variants: 'on' has the default prefetch_bytes (1 GiB: every chunk of the burst at once here, a "
         "2 MiB chunk shard each); 'on, 32 MiB' lets 16 chunks be in flight, the rest queued in arrival "

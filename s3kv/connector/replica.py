@@ -17,13 +17,16 @@ SPEC, a JSON object:
 - ``prompts``: each a list of token ids, or ``{"after": i, "append": [...]}``,
   the next turn of a chat: prompt i, its output, then ``append``, or
   ``{"prompt": [...], "kv_transfer_params": {...}, "skip_reading_prefix_cache":
-  true}``: token ids sent with vLLM's per-request connector parameters
-  and/or computed whatever any cache holds (both optional).
+  true, "max_tokens": n}``: token ids sent with vLLM's per-request connector
+  parameters, computed whatever any cache holds, and/or generating their
+  own number of tokens (all optional).
 - ``max_tokens``: tokens generated per prompt (default 16, EOS ignored).
+- ``logprobs``: how many of the likeliest tokens to report at each
+  generated position (optional; RESULT's ``logprobs``).
 - ``flush_prompt``: a prompt run after the drain (optional), so that
   Prometheus sees what the drained uploads counted.
 - ``bursts``: optional; a list of bursts, each a list of prompts (token
-  ids) submitted at once (one ``generate`` call: they queue in vLLM's
+  ids, or ``{"prompt": ...}`` objects as above) submitted at once (one ``generate`` call: they queue in vLLM's
   scheduler), one burst after another once ``prompts`` ran. Their results
   follow the prompts' in RESULT's lists, in order (``ttft_s``: from each
   request's arrival).
@@ -33,6 +36,8 @@ RESULT, a JSON object:
 - ``outputs``: each prompt's generated token ids.
 - ``ttft_s``: each prompt's time to first token (vLLM's, else the wall time).
 - ``num_cached_tokens``: each prompt's prefix-cache hit, in tokens.
+- ``logprobs`` (with SPEC's ``logprobs``): each prompt's, per generated
+  token, ``[token, logprob]`` pairs, likeliest first.
 - ``metrics``: see :func:`metrics`.
 - ``workers``: with a connector, each rank's s3kv totals
   (``Counters.totals()``) and ``drained``, after waiting up to
@@ -128,6 +133,20 @@ def _prompt(entry: Any, prompts: list[Any], outputs: list[list[int]]) -> list[in
     return list(entry)
 
 
+def _params(params: Any, entry: Any) -> Any:
+    """``params`` with what a ``{"prompt": ...}`` entry asks for its request."""
+    if not (isinstance(entry, dict) and "prompt" in entry):
+        return params
+    request_params = params.clone()
+    if "kv_transfer_params" in entry:
+        request_params.extra_args = {"kv_transfer_params": dict(entry["kv_transfer_params"])}
+    if entry.get("skip_reading_prefix_cache"):
+        request_params.skip_reading_prefix_cache = True
+    if "max_tokens" in entry:
+        request_params.max_tokens = int(entry["max_tokens"])
+    return request_params
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Run SPEC in this process and return RESULT (both in the module docstring)."""
     from vllm import LLM, SamplingParams
@@ -144,34 +163,43 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         **engine_args,
     )
     startup_s = time.perf_counter() - started
-    params = SamplingParams(max_tokens=int(spec.get("max_tokens", 16)), temperature=0.0, ignore_eos=True)
-    outputs, ttft, cached = [], [], []
-    for entry in spec["prompts"]:
-        prompt = _prompt(entry, spec["prompts"], outputs)
-        t0 = time.perf_counter()
-        request_params = params
-        if isinstance(entry, dict) and "prompt" in entry:
-            request_params = params.clone()
-            if "kv_transfer_params" in entry:
-                request_params.extra_args = {"kv_transfer_params": dict(entry["kv_transfer_params"])}
-            if entry.get("skip_reading_prefix_cache"):
-                request_params.skip_reading_prefix_cache = True
-        (out,) = llm.generate([{"prompt_token_ids": prompt}], request_params, use_tqdm=False)
-        wall = time.perf_counter() - t0
+    logprobs = spec.get("logprobs")
+    params = SamplingParams(
+        max_tokens=int(spec.get("max_tokens", 16)),
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=None if logprobs is None else int(logprobs),
+    )
+    outputs: list[list[int]] = []
+    ttft: list[float] = []
+    cached: list[int] = []
+    tops: list[list[list[list[float]]]] = []
+
+    def record(out: Any, wall: float) -> None:
         outputs.append(list(out.outputs[0].token_ids))
         latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics else 0.0
         ttft.append(latency or wall)
         cached.append(int(out.num_cached_tokens or 0))
-    for burst in spec.get("bursts", ()):
-        batch = [{"prompt_token_ids": list(prompt)} for prompt in burst]
+        if logprobs is not None:
+            tops.append(
+                [
+                    sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda p: -p[1])
+                    for step in out.outputs[0].logprobs or ()
+                ]
+            )
+
+    for entry in spec["prompts"]:
+        prompt = _prompt(entry, spec["prompts"], outputs)
         t0 = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], _params(params, entry), use_tqdm=False)
+        record(out, time.perf_counter() - t0)
+    for burst in spec.get("bursts", ()):
+        batch = [{"prompt_token_ids": _prompt(entry, [], [])} for entry in burst]
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, [_params(params, entry) for entry in burst], use_tqdm=False)
         wall = time.perf_counter() - t0
         for out in outs:
-            outputs.append(list(out.outputs[0].token_ids))
-            latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics else 0.0
-            ttft.append(latency or wall)
-            cached.append(int(out.num_cached_tokens or 0))
+            record(out, wall)
     workers: list[dict[str, Any]] = []
     if spec.get("kv_transfer_config"):
         workers = llm.collective_rpc("s3kv_drain", args=(DRAIN_TIMEOUT_S,))
@@ -183,6 +211,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "outputs": outputs,
         "ttft_s": ttft,
         "num_cached_tokens": cached,
+        **({"logprobs": tops} if logprobs is not None else {}),
         "metrics": metrics(llm),
         "workers": workers,
         "startup_s": startup_s,
