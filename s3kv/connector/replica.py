@@ -26,10 +26,10 @@ SPEC, a JSON object:
 - ``flush_prompt``: a prompt run after the drain (optional), so that
   Prometheus sees what the drained uploads counted.
 - ``bursts``: optional; a list of bursts, each a list of prompts (token
-  ids, or ``{"prompt": ...}`` objects as above) submitted at once (one ``generate`` call: they queue in vLLM's
-  scheduler), one burst after another once ``prompts`` ran. Their results
-  follow the prompts' in RESULT's lists, in order (``ttft_s``: from each
-  request's arrival).
+  ids, or ``{"prompt": ...}`` objects as above) submitted at once (one
+  ``generate`` call: they queue in vLLM's scheduler), one burst after
+  another once ``prompts`` ran. Their results follow the prompts' in
+  RESULT's lists, in order (``ttft_s``: from each request's arrival).
 
 RESULT, a JSON object:
 

@@ -123,13 +123,11 @@ class LatencyProxy:
         return self.directory and method == "GET" and "list-type" in urllib.parse.urlsplit(path).query
 
     def _listing(self, path: str) -> tuple[str, bytes | None]:
-        """(the path to forward, or a refusal's body) of a request, as a
-        directory bucket takes it: StartAfter dropped, a prefix not ending
-        with '/' refused."""
+        """(the path to forward, or a refusal's body) of a listing
+        (:meth:`is_listing`), as a directory bucket takes it: StartAfter
+        dropped, a prefix not ending with '/' refused."""
         parts = urllib.parse.urlsplit(path)
         query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-        if not self.is_listing("GET", path):
-            return path, None
         with self._lock:
             self.listings += 1
             prefix = dict(query).get("prefix", "")

@@ -12,8 +12,9 @@ writer whose clock is within the skew of the reader's still stamps into it,
 and a PUT stamped in it has had a skew's time to land. Once a closed minute
 has been listed and its names taken care of (:meth:`SegmentLister.done`),
 later calls start after it, so a reader of a fleet that has gone quiet (its
-floor stays put) still lists a few minutes a poll, not every minute since. Names are the same strings in every comparison (the floor is
-in the minute layout too), so the rest of the manifest is unchanged.
+floor stays put) still lists a few minutes a poll, not every minute since.
+Names are the same strings in every comparison (the floor is in the
+minute layout too), so the rest of the manifest is unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from s3kv.config import DEFAULTS
-from s3kv.manifest.protocol import MINUTE_MS, SEGMENTS, name_ts, segment_dir, segment_floor, segment_name
+from s3kv.manifest.protocol import MINUTE_MS, SEGMENTS, name_ts, segment_dir, segment_floor
 from s3kv.stores.base import ObjectMeta, ObjectStore
 
 MAX_PARALLEL = 8
@@ -60,10 +61,6 @@ class SegmentLister:
     def floor(self, ts_ms: int, margin_ms: int) -> str:
         """:func:`segment_floor` in this bucket's layout."""
         return segment_floor(self.base, ts_ms, margin_ms, directory=self.directory)
-
-    def name(self, ts_ms: int, writer: str, seq: int) -> str:
-        """:func:`segment_name` in this bucket's layout."""
-        return segment_name(self.base, ts_ms, writer, seq, directory=self.directory)
 
     async def after(self, floor: str | None) -> list[ObjectMeta]:
         """Every object under the segments' prefix named after ``floor``

@@ -16,7 +16,7 @@ from s3kv.keys import fingerprint
 from s3kv.manifest import format as mf
 from s3kv.manifest.keyset import as_sorted_unique
 from s3kv.manifest.listing import SegmentLister
-from s3kv.manifest.protocol import Stamps
+from s3kv.manifest.protocol import Stamps, segment_name
 from s3kv.stores.base import ObjectStore, PutMode
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ async def publish_tombstones(
         mf.ManifestObject("segment", removed=removed, meta={"writer": stamps.writer, "by": "gc"}), keys
     )
     ts = stamps.next(int(clock() * 1000))
-    name = lister.name(ts, stamps.writer, stamps.seq)
+    name = segment_name(base, ts, stamps.writer, stamps.seq, directory=store.directory)
     with contextlib.suppress(AlreadyExists):
         await store.put(name, body, mode=PutMode.CREATE)
     return name

@@ -244,11 +244,10 @@ def test_gc_on_a_directory_bucket_tells_replicas_and_lists_as_s3_express_allows(
     directory bucket does (in no order, StartAfter ignored, prefixes only
     ending with '/'), configured by ``bucket_kind``, deletes what its policy
     says, and a replica starting now loads exactly the chunks left."""
-    from s3kv.cli import main
-    from s3kv.demo.latency_proxy import LatencyProxy
-
     import numpy as np
 
+    from s3kv.cli import main
+    from s3kv.demo.latency_proxy import LatencyProxy
     from s3kv.manifest import format as mf
     from s3kv.manifest import protocol as mp
 
