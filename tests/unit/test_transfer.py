@@ -611,14 +611,16 @@ def test_a_failed_nvme_write_does_not_fail_disk_reads_in_flight(tmp_path, monkey
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}))
     real_read = files(e).read
 
-    reading = threading.Event()
+    reading, write_failed = threading.Event(), threading.Event()
 
     def slow_read(*a, **kw):
         reading.set()
-        time.sleep(0.3)  # the read still under way when the write fails
+        assert write_failed.wait(30)  # the read still under way when the write fails
+        time.sleep(0.1)  # and while the failure is handled
         return real_read(*a, **kw)
 
     def failing_write(*a, **kw):
+        write_failed.set()
         raise Transient("EIO")
 
     monkeypatch.setattr(files(e), "read", slow_read)
@@ -626,9 +628,8 @@ def test_a_failed_nvme_write_does_not_fail_disk_reads_in_flight(tmp_path, monkey
     e.submit_load("j", [chunk(key, Tier.DISK)], lambda *a: None)
     assert reading.wait(30)
     e.submit_store(job(b"x" * 16, layers(7), disk=True))
-    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    acc = wait_for(e, lambda a: "j" in a.finished_loads and Tier.DISK in a.failed and a.tier_failed)
     assert acc.finished_loads["j"] == []
-    acc.add(e.poll())
     assert acc.tier_failed == {Tier.DISK: 1} and acc.failed == {Tier.DISK: {b"x" * 16}}
     e.close()
 
