@@ -670,7 +670,7 @@ def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_pat
     from s3kv.tiering.tiers.nvme import DISK_THREADS
 
     keys = [bytes([0xD0 + i]) * 16 for i in range(2 * DISK_THREADS)]
-    e = engine(MemoryStore(), disk_path=tmp_path, disk_timeout_s=1.0)
+    e = engine(MemoryStore(), disk_path=tmp_path, disk_timeout_s=1.5)
     for i, key in enumerate(keys):
         e.submit_store(job(key, layers(i), disk=True))
     wait_for(e, lambda a: len(a.written.get(Tier.DISK, {})) == len(keys))
@@ -678,7 +678,7 @@ def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_pat
     stuck = threading.Event()
 
     def slow_read(*a, **kw):
-        time.sleep(0.7)  # within the bound, but two in a row are not
+        time.sleep(1.0)  # within the bound, but two in a row are not (0.5 s either way)
         return real_read(*a, **kw)
 
     hung = []
@@ -723,11 +723,11 @@ def disk_and_s3_engine(tmp_path, n, **kw):
 def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(tmp_path, monkeypatch):
     from s3kv.tiering.tiers.nvme import DISK_THREADS
 
-    e, keys = disk_and_s3_engine(tmp_path, 3 * DISK_THREADS, disk_timeout_s=0.5)
+    e, keys = disk_and_s3_engine(tmp_path, 3 * DISK_THREADS, disk_timeout_s=1.2)
     real_read = files(e).read
 
     def busy_read(*a, **kw):
-        time.sleep(0.4)  # each read in time, but the third in a row waits too long
+        time.sleep(0.8)  # each read in time, but the third in a row waits too long (0.4 s either way)
         return real_read(*a, **kw)
 
     monkeypatch.setattr(files(e), "read", busy_read)
