@@ -319,7 +319,9 @@ async def test_a_holders_claimed_expiry_is_capped_at_last_modified_plus_ttl(stor
     holder = await Lease(store, key, ttl_s=30).try_acquire()
     assert holder is not None and ahead.owner in holder
     ends_in = int(re.search(r"lease ends in (\d+) s", holder).group(1))
-    assert 28 <= ends_in <= 31, holder  # LastModified (the server's clock, whole seconds) + 30 s
+    # LastModified (the server's clock, whole seconds) + 30 s, less the time
+    # since on a busy machine: not the hour it claimed
+    assert 20 <= ends_in <= 31, holder
 
 
 @pytest.mark.parametrize(

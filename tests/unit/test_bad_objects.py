@@ -364,9 +364,10 @@ def test_a_slow_disk_read_falls_back_to_s3_and_blames_only_the_disk(tmp_path, mo
 
     key = b"w" * 16
     store = MemoryStore()
-    e = engine(store, disk_path=tmp_path, disk_timeout_s=0.2)
+    e = engine(store, disk_path=tmp_path)
     e.submit_store(job(key, layers(3), disk=True, s3=True))
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
+    e.handlers[Tier.DISK].timeout_s = 0.2  # short for the read under test, not the write before it
     stuck = threading.Event()
     real_read = files(e).read
 
