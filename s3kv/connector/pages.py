@@ -116,9 +116,19 @@ class PageIO:
     def on_device(self) -> bool:
         return self._stream is not None
 
-    def host_buffer(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        """Host memory for pages (pinned when the cache is on a device)."""
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and self.on_device)
+    def host_buffer(self, nbytes: int, *, pinned: bool, resident: bool = False) -> torch.Tensor:
+        """Host memory for pages (pinned when the cache is on a device).
+
+        ``resident``: every page mapped now, for a buffer that lives as long
+        as the worker (the CPU tier). Pinned memory is; plain memory would
+        otherwise be mapped by the loads that first write each slot, a page
+        fault at a time, and a busy worker's faults are slow: on the CPU
+        build, copying a frame into a fresh CPU slot ran at 40 MB/s, and a
+        load from S3 that filled a CPU slot as well took 5x as long."""
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and self.on_device)
+        if resident and not buf.is_pinned():
+            buf.zero_()
+        return buf
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         """``block_ids`` on the device, copied from pinned memory on the

@@ -130,7 +130,7 @@ class WorkerSide:
         num_slots = slots_for(self.config.cpu_bytes, layer_bytes * len(self.pages.layers))
         if num_slots:
             self._pool_tensor = self.pages.host_buffer(
-                num_slots * layer_bytes * len(self.pages.layers), pinned=True
+                num_slots * layer_bytes * len(self.pages.layers), pinned=True, resident=True
             )
             self.pool = HostPool(
                 num_slots, layer_bytes, len(self.pages.layers), buffer=self._pool_tensor.numpy()
