@@ -1,16 +1,17 @@
 """TTFT of a burst of requests whose prefixes are only in S3, with and
 without prefetch at arrival.
 
-A writer engine computes and stores N prompts (distinct 2k-token
+A writer engine computes and stores every burst's prompts (distinct 2k-token
 prefixes). Then, for each S3 delay (a loopback proxy holds each object
 GET's first byte back, :class:`s3kv.demo.latency_proxy.LatencyProxy`),
 engines with a CPU tier and room for only two running requests
-(``max_num_seqs=2``) take a burst: two short requests that decode for a
-while (the running batch, full), then the N prompts. vLLM looks a waiting
-request up only while a running slot is free, so without prefetch
-(``prefetch_bytes: 0``) the N start their S3 loads once the two finish and
-wait for them there; with it (the default), every request's chunks are
-fetched into the CPU tier as it arrives, while the batch runs.
+(``max_num_seqs=2``) take bursts, one after another, each of prompts of
+its own: two short requests that decode for a while (the running batch,
+full), then N prompts. vLLM looks a waiting request up only while a
+running slot is free, so without prefetch (``prefetch_bytes: 0``) the N
+start their S3 loads once the two finish and wait for them there; with it
+(the default), every request's chunks are fetched into the CPU tier as it
+arrives, while the batch runs.
 (Submitted to an idle engine instead, the N would all be looked up at
 once, their asynchronous loads needing no running slot: nothing left for
 a prefetch to hide.)
@@ -44,6 +45,9 @@ BLOCKER_PROMPT_TOKENS = 64
 """Under a chunk: nothing to store or load."""
 BLOCKER_TOKENS = 48
 """Decode steps the blockers run: longer than the slowest S3 delay's fetch."""
+BURSTS = 3
+"""Bursts per engine, each of prompts of its own (their chunks only in S3):
+one burst's mean moves by several percent from run to run."""
 
 
 def _s3kv(endpoint: str, **extra: Any) -> dict[str, Any]:
@@ -57,10 +61,11 @@ def run(work: Path, quick: bool) -> Result:
 
     started = time.perf_counter()
     n = 6 if quick else 8
+    repeats = 1 if quick else BURSTS
     delays_ms = (200,) if quick else (100, 400)
     model = str(build_model(work / "model", **DEMO_SPEC))
     rng = random.Random(182)
-    prompts = [[rng.randrange(3, 2000) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+    prompts = [[rng.randrange(3, 2000) for _ in range(PROMPT_TOKENS)] for _ in range(n * repeats)]
     blockers = [
         {
             "prompt": [rng.randrange(3, 2000) for _ in range(BLOCKER_PROMPT_TOKENS)],
@@ -97,8 +102,8 @@ def run(work: Path, quick: bool) -> Result:
                 for variant, extra in variants.items():
                     name = f"prefetch-{variant.replace(', ', '-').replace(' ', '')}-{delay}ms"
                     kv = _s3kv(proxy.endpoint_url, cpu_bytes="2GiB", **extra)
-                    burst = [*blockers, *prompts]
-                    runs[(delay, variant)] = run_replica(work, name, spec(kv, prompts=[], bursts=[burst]))
+                    bursts = [[*blockers, *prompts[b * n : (b + 1) * n]] for b in range(repeats)]
+                    runs[(delay, variant)] = run_replica(work, name, spec(kv, prompts=[], bursts=bursts))
     finally:
         server.stop()
     shutil.rmtree(work / "model", ignore_errors=True)
@@ -106,24 +111,31 @@ def run(work: Path, quick: bool) -> Result:
     rows: list[list[Any]] = []
     bars: list[Bar] = []
     misses: list[str] = []
-    same = []
+    same, spread = [], []
+
+    def burst_requests(values: list[Any]) -> list[Any]:
+        """The burst prompts' entries, every burst's in turn (not the blockers')."""
+        size = BLOCKERS + n
+        return [v for b in range(repeats) for v in values[b * size + BLOCKERS : (b + 1) * size]]
+
     for delay in delays_ms:
-        means = {}
-        off_outputs = runs[(delay, "off")]["outputs"][BLOCKERS:]
+        means, burst_means = {}, {}
+        off_outputs = burst_requests(runs[(delay, "off")]["outputs"])
         for variant in variants:
             r = runs[(delay, variant)]
-            ttft = r["ttft_s"][BLOCKERS:]
+            ttft = burst_requests(r["ttft_s"])
             m = r["metrics"]
             means[variant] = statistics.mean(ttft)
+            burst_means[variant] = [statistics.mean(ttft[b * n : (b + 1) * n]) for b in range(repeats)]
             # A random model's near-ties flip with the batch a request shares
             # and with a prompt computed or loaded: an output must equal the
             # writer's (computed) or the no-prefetch run's (loaded) one.
-            for i, out in enumerate(r["outputs"][BLOCKERS:]):
+            outputs = burst_requests(r["outputs"])
+            for i, out in enumerate(outputs):
                 if out != writer["outputs"][i] and out != off_outputs[i]:
                     misses.append(f"{delay} ms, prefetch {variant}: request {i}'s output matches neither run")
             same.append(
-                f"{delay} ms {variant}: "
-                f"{sum(o == w for o, w in zip(r['outputs'][BLOCKERS:], writer['outputs']))}/{n}"
+                f"{delay} ms {variant}: {sum(o == w for o, w in zip(outputs, writer['outputs']))}/{n * repeats}"
             )
             rows.append(
                 [
@@ -141,11 +153,14 @@ def run(work: Path, quick: bool) -> Result:
             ratio = means[variant] / means["off"]
             bars.append(Bar(f"{delay} ms {variant}", round(ratio, 3)))
             rows.append([delay, f"{variant} / off", "", "", "", "", "", f"mean TTFT {ratio:.3f}x"])
+            per_burst = [on / off for on, off in zip(burst_means[variant], burst_means["off"])]
+            spread.append(f"{delay} ms {variant}: " + ", ".join(f"{x:.3f}x" for x in per_burst))
             if ratio >= 1.0:
                 misses.append(f"{delay} ms: prefetch ({variant})'s mean TTFT is {ratio:.3f}x none's")
     notes = [
-        f"A burst of {n} requests of {PROMPT_TOKENS} tokens (8 chunks of {CHUNK_TOKENS} each in S3, distinct "
-        f"prefixes), {MAX_TOKENS} greedy tokens each, submitted at once to an engine with max_num_seqs=2, a "
+        f"{repeats} burst(s) per engine, one after another, each of {n} requests of {PROMPT_TOKENS} tokens (8 "
+        f"chunks of {CHUNK_TOKENS} each in S3, distinct prefixes: no burst finds another's in the CPU tier), "
+        f"{MAX_TOKENS} greedy tokens each, submitted at once to an engine with max_num_seqs=2, a "
         f"2 GiB CPU tier and vLLM's prefix cache off, behind {BLOCKERS} requests of {BLOCKER_PROMPT_TOKENS} "
         f"tokens decoding {BLOCKER_TOKENS} (the running batch, full when the burst arrives; not counted); "
         "TTFT is vLLM's first_token_latency (from each request's arrival). Outputs are checked against the "
@@ -155,7 +170,10 @@ def run(work: Path, quick: bool) -> Result:
         "is free: here once the batch ahead finishes; with prefetch (the default prefetch_bytes), each "
         "arriving request's S3 chunks are fetched into the CPU tier at once, while the batch runs, and its "
         "lookup waits for them, so its hit is a CPU-tier load.",
-        "hit tokens: from the scheduler side's counters (by the tier each load came from).",
+        "mean TTFT: over every burst's requests; hit tokens: from the scheduler side's counters (by the tier "
+        "each load came from), over every burst.",
+        "Each burst's mean TTFT over the same burst's without prefetch (the same prompts): "
+        + "; ".join(spread),
         "Variants: 'on' has the default prefetch_bytes (1 GiB: every chunk of the burst at once here, a "
         "2 MiB chunk shard each); 'on, 32 MiB' lets 16 chunks be in flight, the rest queued in arrival "
         "order. Outputs equal to the writer's (which computed each prompt, in its own batches): "
