@@ -3,6 +3,7 @@ index ops as the reference, for block axes in any position."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -93,13 +94,11 @@ def test_no_target_where_a_run_of_blocks_is_not_contiguous():
 
 
 def _resident_bytes() -> int:
-    import os
-
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
 def test_a_resident_host_buffer_is_mapped_before_any_write():
     """The CPU tier's memory is mapped at start-up, not a page fault at a
     time by the loads that first fill each slot; other buffers are not
