@@ -474,13 +474,13 @@ class WorkerSide:
         budget = self.config.shutdown_flush_s if budget_s is None else budget_s
         publisher = self.publisher
         self.engine.close(budget, publisher.publish if publisher is not None else None)
-        if publisher is not None and publisher.journal is not None:
-            publisher.journal.close(all_published=publisher.pending == 0)
-        if publisher is not None and publisher.pending:
-            self.counters.add("manifest_unpublished", publisher.pending)
+        left = publisher.close() if publisher is not None else 0
+        if left:
+            self.counters.add("manifest_unpublished", left)
             log.warning(
-                "s3kv: %d stored chunks not published at shutdown (gc's compaction finds them)",
-                publisher.pending,
+                "s3kv: %d stored chunks not published at shutdown "
+                "(the front end's journal replay, or else gc's compaction, publishes them)",
+                left,
             )
         self.pool = None
         self._pool_tensor = None

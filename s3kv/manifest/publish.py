@@ -132,12 +132,14 @@ class ShardPublisher:
         self.journal = journal
         """Where each store is noted first, for the front end to publish if
         vLLM kills this process before a segment names it."""
-        self._stored = 0
         self.ranks = ranks
         self.publish_s = publish_s
         self.counters = counters or Counters()
         self._lock = threading.Lock()
         self._pending: list[int] = []
+        self._in_flight = 0
+        """Fingerprints the publish under way took (0 or one batch: see :meth:`publish`)."""
+        self._publishing = asyncio.Lock()
         self._stamps = HybridClock(clock)
         self.segments = SegmentWriter(
             store,
@@ -155,7 +157,6 @@ class ShardPublisher:
         """This rank created a chunk object: publish its fingerprint."""
         with self._lock:
             self._pending.append(fp)
-            self._stored += 1
             if self.journal is not None:
                 self.journal.stored(fp)
 
@@ -165,31 +166,55 @@ class ShardPublisher:
 
     @property
     def pending(self) -> int:
+        """Stores not in a segment yet: waiting, or in the publish under way."""
         with self._lock:
-            return len(self._pending)
+            return len(self._pending) + self._in_flight
+
+    def close(self) -> int:
+        """Done publishing (after the shutdown flush, and the cancellation
+        of what was still running): the journal is closed, and removed if
+        every store is in a segment. Returns the stores that are not."""
+        left = self.pending
+        if self.journal is not None:
+            self.journal.close(all_published=left == 0)
+        return left
 
     # -- the worker's I/O loop -------------------------------------------------------
     async def publish(self) -> int:
-        """Write what was stored since the last call as one segment; on any
-        failure (or cancellation) it goes back for the next call. Returns
-        the fingerprints published."""
-        with self._lock:
-            fps, self._pending = self._pending, []
-            upto = self._stored  # the pending ones are the journal's tail, in order
-        if not fps:
-            return 0
-        meta: dict[str, object] = {"writer": self.segments.writer}
-        if self.ranks > 1:
-            meta.update(rank=self.rank, ranks=self.ranks)
-        try:
-            await self.segments.put(mf.ManifestObject("segment", as_sorted_unique(fps), meta=meta))
-        except BaseException:
+        """Write what was stored since the last segment as one segment; on
+        any failure (or cancellation) it goes back for the next call.
+        Returns the fingerprints published.
+
+        Publishes never overlap: a call while another is under way (the
+        shutdown flush while a periodic PUT is in flight) waits for it, then
+        takes what is left, the other's fingerprints too if it failed. So
+        what a publish takes is always the journal's whole unpublished tail,
+        and the count the journal is told covers only fingerprints now in a
+        segment: were a later publish to count past an earlier one still in
+        flight, and that one be cancelled, the front end's replay would
+        skip its fingerprints and no segment would name them."""
+        async with self._publishing:
             with self._lock:
-                self._pending[:0] = fps
-            raise
-        if self.journal is not None:
-            self.journal.published(upto, self._stamps.last_ms)
-        return len(fps)
+                fps, self._pending = self._pending, []
+                self._in_flight = len(fps)
+                upto = self.journal.appended if self.journal is not None else 0
+            if not fps:
+                return 0
+            meta: dict[str, object] = {"writer": self.segments.writer}
+            if self.ranks > 1:
+                meta.update(rank=self.rank, ranks=self.ranks)
+            written = False
+            try:
+                await self.segments.put(mf.ManifestObject("segment", as_sorted_unique(fps), meta=meta))
+                written = True
+                if self.journal is not None:
+                    self.journal.published(upto, self._stamps.last_ms)
+            finally:
+                with self._lock:
+                    self._in_flight = 0
+                    if not written:  # its PUT may have landed all the same: published twice is harmless
+                        self._pending[:0] = fps
+            return len(fps)
 
     async def run(self) -> None:
         """Publish every ``publish_s`` until cancelled."""

@@ -16,7 +16,9 @@ from s3kv.manifest import protocol as mp
 from s3kv.manifest.journal import ENV_VAR, RankJournal, recover
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stores.factory import make_store
-from tests.conftest import load_manifest
+from s3kv.tiering.loop import JobLoop
+from tests.conftest import load_manifest, wait_until
+from tests.stores.wrappers import HeldPuts
 
 NS = "cd" * 16
 BASE = f"jnl/{NS}/manifest/"
@@ -84,13 +86,39 @@ def test_a_rank_that_published_everything_leaves_no_journal(s3_server, bucket, t
             p = ShardPublisher(store, BASE, "w1", rank=0, ranks=1, journal=journal(tmp_path, config, "w1"))
             p.stored(21)
             await p.publish()
-            p.journal.close(all_published=p.pending == 0)
+            assert p.close() == 0
         finally:
             await store.close()
 
     asyncio.run(rank_life())
     assert list(tmp_path.iterdir()) == []
     assert recover(tmp_path) == 0 and manifest(config) == {21}
+
+
+def test_a_stop_while_a_segment_put_is_in_flight_leaves_every_store_to_a_segment_or_the_journal(
+    s3_server, bucket, tmp_path
+):
+    """The drain stop of a rank whose periodic segment PUT is held in flight
+    (a slow S3) past ``shutdown_flush_s``: the flush must not publish the
+    later stores and count them, in the journal, past the held ones that the
+    stop then cancels; every stored chunk ends in a segment or the front
+    end's replay publishes it."""
+    config = config_of(s3_server, bucket)
+    loop = JobLoop("test-io", 1)
+    store = HeldPuts(make_store(config), hold="/seg/")  # the first segment PUT never reaches S3
+    p = ShardPublisher(
+        store, BASE, "w6", rank=0, ranks=1, publish_s=0.01, journal=journal(tmp_path, config, "w6")
+    )
+    p.stored(61)
+    loop.submit(p.run())
+    wait_until("the periodic segment PUT to be in flight", lambda: store.held == 1)
+    p.stored(62)
+    p.stored(63)
+    loop.close(1.0, p.publish, store.close)  # as the worker's shutdown: the flush, then cancel the rest
+    left, in_segments = p.close(), manifest(config)
+    recovered = recover(tmp_path)  # the front end, as it exits
+    assert manifest(config) == {61, 62, 63}  # every store: in a segment, or the replay's
+    assert (left, in_segments, recovered) == (3, set(), 3)  # the flush waited for the held PUT
 
 
 def test_recovery_is_bounded_when_s3_is_gone(tmp_path):

@@ -11,11 +11,13 @@ store (memory, S3) as arrow-rs's wrappers do, and
 - records every GET, with its range and how many bytes came back.
 
 :class:`DirectoryBucketStore` lists any store as an S3 Express One Zone
-directory bucket does.
+directory bucket does; :class:`HeldPuts` holds chosen PUTs in flight (a slow
+S3) until the test lets them go.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -117,3 +119,48 @@ class DirectoryBucketStore(WrappedStore):
 
     async def delete_if(self, key: str, etag: str) -> None:
         await self.inner.delete_if(key, etag)
+
+
+@dataclass
+class HeldPuts(WrappedStore):
+    """The first ``times`` PUTs of keys containing ``hold`` stay in flight
+    (a slow S3) until :meth:`release` (called on the store's event loop) or
+    their cancellation: before they reach ``inner``, or with ``land_first``
+    after it (S3 committed the object, its answer has not come yet)."""
+
+    hold: str = ""
+    times: int = 1
+    land_first: bool = False
+    held: int = 0
+    """PUTs held so far."""
+    in_flight: int = 0
+    most_in_flight: int = 0
+    """The most PUTs of keys containing ``hold`` under way at once."""
+    _release: asyncio.Future[BaseException | None] | None = None
+
+    def release(self, error: BaseException | None = None) -> None:
+        """Let the held PUTs go on; with ``error``, they raise it instead."""
+        if self._release is None:
+            self._release = asyncio.get_running_loop().create_future()
+        self._release.set_result(error)
+
+    async def put(
+        self, key: str, data: bytes | memoryview, *, mode: PutMode | Update = PutMode.OVERWRITE
+    ) -> str | None:
+        if self.hold not in key:
+            return await self.inner.put(key, data, mode=mode)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.held >= self.times:
+                return await self.inner.put(key, data, mode=mode)
+            self.held += 1
+            etag = await self.inner.put(key, data, mode=mode) if self.land_first else None
+            if self._release is None:
+                self._release = asyncio.get_running_loop().create_future()
+            error = await asyncio.shield(self._release)
+            if error is not None:
+                raise error
+            return etag if self.land_first else await self.inner.put(key, data, mode=mode)
+        finally:
+            self.in_flight -= 1

@@ -11,13 +11,14 @@ import pytest
 from s3kv.errors import CorruptManifest
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
+from s3kv.manifest.journal import RankJournal, _unpublished
 from s3kv.manifest.keyset import Manifest, fingerprints
 from s3kv.manifest.protocol import replica_of
 from s3kv.manifest.publish import RankTally, ShardPublisher, rank_fields
 from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
-from tests.stores.wrappers import WrappedStore
+from tests.stores.wrappers import HeldPuts, WrappedStore
 
 BASE = "pfx/" + "ab" * 16 + "/manifest/"
 T0 = 1_700_000_000.0
@@ -78,6 +79,79 @@ def test_a_failed_publish_keeps_its_keys_for_the_next():
 
 async def _failing_put(*args, **kwargs):
     raise ConnectionError("unreachable")
+
+
+def _named(store) -> list[int]:
+    """Every fingerprint the segments in ``store`` name, with repeats."""
+    names = run(store.list_keys(BASE + "seg/"))
+    return sorted(fp for name in names for fp in mf.decode(run(store.get(name))).added.tolist())
+
+
+async def _until(condition) -> None:
+    """Let the loop's other tasks run until ``condition()`` holds (no time passes)."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the tasks never got there")
+
+
+@pytest.mark.parametrize("periodic_fails", [False, True], ids=["lands", "fails"])
+def test_a_publish_waits_for_the_one_in_flight_and_the_journal_counts_only_segments(tmp_path, periodic_fails):
+    """The shutdown flush starts while the periodic segment PUT is still in
+    flight (a slow S3): it waits for it, then publishes what is left (the
+    periodic one's chunks too when its PUT fails); the journal's count never
+    covers a chunk no segment names, so its replay would publish it."""
+    inner = MemoryStore()
+    store = HeldPuts(inner, hold="/seg/")
+    journal = RankJournal(tmp_path, "aaaar0", {})
+    p = ShardPublisher(store, BASE, "aaaa", rank=0, ranks=1, publish_s=1, clock=lambda: T0, journal=journal)
+
+    async def stop() -> list[object]:
+        p.stored(fp(1))
+        periodic = asyncio.create_task(p.publish())
+        await _until(lambda: store.held == 1)
+        p.stored(fp(2))
+        p.stored(fp(3))
+        flush = asyncio.create_task(p.publish())
+        # until the flush waits for the lock (or, were publishes to overlap, has its own PUT out)
+        await _until(lambda: flush.done() or store.in_flight > 1 or p._publishing._waiters)
+        store.release(ConnectionError("S3 down") if periodic_fails else None)
+        return await asyncio.gather(periodic, flush, return_exceptions=True)
+
+    periodic, flush = run(stop())
+    replay, _, _ = _unpublished(tmp_path, "aaaar0")
+    assert set(_named(inner)) | set(replay) == {fp(1), fp(2), fp(3)}  # nothing lost
+    assert store.most_in_flight == 1  # never two segment PUTs of one rank at once
+    if periodic_fails:
+        assert isinstance(periodic, ConnectionError) and flush == 3
+    else:
+        assert (periodic, flush) == (1, 2)
+    assert set(_named(inner)) == {fp(1), fp(2), fp(3)} and replay == [] and p.close() == 0
+
+
+def test_a_publish_cancelled_after_its_put_landed_is_published_again(tmp_path):
+    """A stop cancels a segment PUT that S3 had committed before its answer
+    came: its chunks stay unpublished for the journal (and the next publish),
+    so they are named twice, which is harmless, and never lost."""
+    inner = MemoryStore()
+    store = HeldPuts(inner, hold="/seg/", land_first=True)
+    journal = RankJournal(tmp_path, "aaaar0", {})
+    p = ShardPublisher(store, BASE, "aaaa", rank=0, ranks=1, publish_s=1, clock=lambda: T0, journal=journal)
+
+    async def cancelled() -> None:
+        p.stored(fp(1))
+        periodic = asyncio.create_task(p.publish())
+        await _until(lambda: store.held == 1)
+        periodic.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await periodic
+
+    run(cancelled())
+    assert _named(inner) == [fp(1)] and p.pending == 1
+    assert _unpublished(tmp_path, "aaaar0")[0] == [fp(1)]  # the front end's replay would name it again
+    assert run(p.publish()) == 1 and _named(inner) == [fp(1), fp(1)]
+    assert _unpublished(tmp_path, "aaaar0")[0] == [] and p.close() == 0 and not list(tmp_path.iterdir())
 
 
 def test_stamps_never_before_what_the_replica_has_seen():
