@@ -40,7 +40,7 @@ class FleetKeys:
     """The fleet's secrets, as MAC keys. ``repr`` shows only counts and the
     signing key's id."""
 
-    __slots__ = ("_keys", "signing_kid")
+    __slots__ = ("_keys", "key_file", "signing_kid")
 
     def __init__(self, secrets: Iterable[str]) -> None:
         keys: dict[bytes, dict[str, bytes]] = {}
@@ -56,6 +56,9 @@ class FleetKeys:
             raise ValueError("FleetKeys needs at least one secret")
         self._keys: Mapping[bytes, Mapping[str, bytes]] = keys
         self.signing_kid: bytes = signing
+        self.key_file: str | None = None
+        """The ``auth_key_file`` they were read from (None: another source).
+        Then it named a file, not a secret pasted in place of its path."""
 
     def __repr__(self) -> str:
         return f"FleetKeys({len(self._keys)} key(s), signing key id {self.signing_kid.hex()})"
@@ -118,9 +121,11 @@ def load_keys(auth_key_file: str | None, environ: Mapping[str, str] | None = Non
     try:
         st = path.stat()
         text = path.read_text("utf-8")
-    except OSError as e:
-        hint = "" if "/" in auth_key_file else " (it names a file holding the secret, not the secret)"
-        raise ConfigError(f"{name}: cannot read it: {e.strerror or type(e).__name__}{hint}") from None
+    except OSError as e:  # never the value: a pasted secret has a "/" one time in two (base64)
+        raise ConfigError(
+            f"auth_key_file (value not shown): cannot read it: {e.strerror or type(e).__name__} "
+            "(it names a file holding the fleet secret, not the secret itself)"
+        ) from None
     except UnicodeDecodeError:
         raise ConfigError(f"{name}: not UTF-8 text") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -129,10 +134,13 @@ def load_keys(auth_key_file: str | None, environ: Mapping[str, str] | None = Non
         logging.getLogger("s3kv.auth").warning(
             "s3kv: %s is readable by other users (mode %o); chmod 600 it", name, st.st_mode & 0o777
         )
-    return parse_secrets(text, name)
+    keys = parse_secrets(text, name)
+    keys.key_file = auth_key_file
+    return keys
 
 
 def key_file_name(value: str) -> str:
-    """How messages name an ``auth_key_file``: by its path, unless the value
-    has no "/" and so may be the secret itself, pasted there by mistake."""
+    """How messages name an ``auth_key_file`` that was read as a file: by
+    its path, unless the value has no "/" (a name that may be the secret
+    itself). A value that could not be read is never named."""
     return f"auth_key_file {value}" if "/" in value else "auth_key_file (value not shown)"

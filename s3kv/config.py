@@ -155,6 +155,15 @@ class S3KVConfig:
         "S3KV_AUTH_KEY in the environment takes precedence. Objects without a valid MAC are refused.",
     )
 
+    def __repr__(self) -> str:
+        """Every field, but ``auth_key_file``'s value is not shown: it may be
+        the fleet secret itself, pasted in place of its file's path."""
+        shown = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            shown.append(f"{f.name}={'(not shown)' if f.name == 'auth_key_file' and value else repr(value)}")
+        return f"S3KVConfig({', '.join(shown)})"
+
     @property
     def uses_s3(self) -> bool:
         return self.write_policy != "local_only"

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import PageFormat, PageTarget
-from s3kv.config import KNOWN_KEYS, S3KVConfig
+from s3kv.config import S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.connector.pages import LayerwiseLoad, PageIO, StepClock
 from s3kv.errors import ConfigError
 from s3kv.keys import fingerprint
 from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
-from s3kv.manifest.journal import RankJournal
+from s3kv.manifest.journal import RankJournal, recorded_config
 from s3kv.manifest.protocol import manifest_prefix, rank_writer
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
@@ -197,7 +197,7 @@ class WorkerSide:
                     Path(directory),
                     rank_writer(writer, self.rank),
                     {
-                        "config": {k: getattr(c, k) for k in KNOWN_KEYS},
+                        "config": recorded_config(c, self.keys),
                         "base": base,
                         "namespace": namespace,
                         "rank": self.rank,

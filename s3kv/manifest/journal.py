@@ -45,9 +45,13 @@ import struct
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from s3kv.config import DEFAULTS
+from s3kv.config import DEFAULTS, KNOWN_KEYS
+
+if TYPE_CHECKING:
+    from s3kv.auth import FleetKeys
+    from s3kv.config import S3KVConfig
 
 log = logging.getLogger("s3kv.manifest")
 
@@ -109,9 +113,23 @@ def _recover_at_exit(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def recorded_config(config: S3KVConfig, keys: FleetKeys | None) -> dict[str, Any]:
+    """The connector config as a rank's journal records it for the front
+    end's replay: every key, but ``auth_key_file`` only when ``keys`` were
+    read from it. A value that was never read as a file may be the fleet
+    secret itself, pasted there by mistake (with ``S3KV_AUTH_KEY`` set, the
+    file is not read at all), and no file s3kv writes holds one. The replay
+    runs in the front end, whose environment the engine inherited, so keys
+    from ``S3KV_AUTH_KEY`` load there as they did in the rank."""
+    recorded = {k: getattr(config, k) for k in KNOWN_KEYS}
+    recorded["auth_key_file"] = keys.key_file if keys is not None else None
+    return recorded
+
+
 class RankJournal:
     """One rank publisher's journal: ``{writer}.json`` (how to publish: the
-    connector config, the manifest base, rank and ranks; no secrets),
+    connector config as :func:`recorded_config` gives it, the manifest base,
+    rank and ranks; no secrets),
     ``{writer}.fps`` (the fingerprints stored, appended) and ``{writer}.done``
     (how many of them are published, and the last stamp used)."""
 

@@ -11,9 +11,13 @@ import subprocess
 import sys
 import time
 
-from s3kv.config import KNOWN_KEYS, parse_config
+import pytest
+
+from s3kv.config import parse_config
+from s3kv.errors import UnsignedManifest
+from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
-from s3kv.manifest.journal import ENV_VAR, RankJournal, recover
+from s3kv.manifest.journal import ENV_VAR, RankJournal, recorded_config, recover
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stores.factory import make_store
 from s3kv.tiering.loop import JobLoop
@@ -24,15 +28,16 @@ NS = "cd" * 16
 BASE = f"jnl/{NS}/manifest/"
 
 
-def config_of(s3_server, bucket):
+def config_of(s3_server, bucket, **extra):
     return parse_config(
         {"bucket": bucket, "endpoint_url": s3_server.endpoint_url, "region": "us-east-1", "prefix": "jnl"}
+        | extra
     )
 
 
-def journal(directory, config, writer="w0", rank=0, ranks=1):
+def journal(directory, config, writer="w0", rank=0, ranks=1, keys=None):
     info = {
-        "config": {k: getattr(config, k) for k in KNOWN_KEYS},
+        "config": recorded_config(config, keys),
         "base": BASE,
         "namespace": NS,
         "rank": rank,
@@ -121,6 +126,31 @@ def test_a_stop_while_a_segment_put_is_in_flight_leaves_every_store_to_a_segment
     assert (left, in_segments, recovered) == (3, set(), 3)  # the flush waited for the held PUT
 
 
+def test_the_replay_signs_with_the_key_file_the_rank_read(s3_server, bucket, tmp_path, monkeypatch):
+    """The journal records the rank's auth_key_file only as a file its keys
+    were read from (a value never read may be the secret itself): the front
+    end's replay loads the same keys from it and signs what it publishes."""
+    from s3kv.auth import ENV_VAR as AUTH_ENV
+    from s3kv.auth import FleetKeys, load_keys
+
+    monkeypatch.delenv(AUTH_ENV, raising=False)
+    key_file = tmp_path / "fleet.key"
+    key_file.write_text("jnl-test-fleet-secret-0123456789abcdef")
+    key_file.chmod(0o600)
+    config = config_of(s3_server, bucket, auth_key_file=str(key_file))
+    keys = load_keys(config.auth_key_file)
+    journals = tmp_path / "journals"
+    journals.mkdir()
+    journal(journals, config, "w7", keys=keys).stored(71)
+    assert recover(journals) == 1
+    (name,) = asyncio.run(_names(config))
+    body = s3_server.client().get_object(Bucket=bucket, Key=name)["Body"].read()
+    assert mf.decode(body, name=name, keys=keys).added.tolist() == [71]  # signed with the file's key
+    other = FleetKeys(["jnl-test-other-secret-0123456789abcdef"])
+    with pytest.raises(UnsignedManifest):
+        mf.decode(body, name=name, keys=other)
+
+
 def test_recovery_is_bounded_when_s3_is_gone(tmp_path):
     from tests.conftest import free_port
 
@@ -146,12 +176,13 @@ def test_the_front_end_publishes_the_journals_as_it_exits(s3_server, bucket):
     assert multiprocessing.parent_process() is None  # this test process is a front end too
     code = f"""
 import os, s3kv.manifest.journal as j
-from s3kv.config import KNOWN_KEYS, parse_config
+from s3kv.config import parse_config
+from s3kv.errors import UnsignedManifest
 d = j.start_front_end()
 assert d is not None and os.environ[j.ENV_VAR] == str(d) and d.is_dir()
 assert j.start_front_end() is None
 c = parse_config({{"bucket": "{bucket}", "endpoint_url": "{s3_server.endpoint_url}", "region": "us-east-1"}})
-info = {{"config": {{k: getattr(c, k) for k in KNOWN_KEYS}}, "base": "{BASE}", "rank": 0, "ranks": 1}}
+info = {{"config": j.recorded_config(c, None), "base": "{BASE}", "rank": 0, "ranks": 1}}
 j.RankJournal(d, "w3r0", info).stored(41)  # then the engine is killed
 print(d)
 """

@@ -359,3 +359,16 @@ def test_settings_built_by_hand_default_to_the_config_defaults():
     assert EngineSettings(None, defaults.prefix, 0, 4) == EngineSettings.from_config(
         defaults, rank=0, num_layers=4
     )
+
+
+def test_the_config_repr_never_shows_the_key_file():
+    """auth_key_file may hold the secret itself, pasted in place of its path
+    (a base64 secret has a "/" about half the time)."""
+    pasted = "q8Zx/3vKmPz9Lq0Wr7TyUi2Op5AsDf8GhJk4LzXcVbN="
+    config = parse_config({"bucket": "b-x1", "auth_key_file": pasted})
+    assert config.auth_key_file == pasted
+    for text in (repr(config), str(config), f"{config}", f"{config!r}", str([config])):
+        assert pasted not in text and "q8Zx" not in text
+        assert "auth_key_file=(not shown)" in text and "bucket='b-x1'" in text
+    assert "auth_key_file=None" in repr(parse_config({"bucket": "b-x1"}))
+    assert repr(config).startswith("S3KVConfig(") and "chunk_tokens=256" in repr(config)

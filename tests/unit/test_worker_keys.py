@@ -7,6 +7,7 @@ once. With vLLM's CPU build and host tensors; no S3."""
 
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
@@ -175,3 +176,37 @@ def test_the_scheduler_side_sends_its_signing_key_id_never_the_key(secret):
     finally:
         w.shutdown()
     assert w.refusal is None
+
+
+def test_a_secret_pasted_as_the_key_file_never_reaches_the_journal(s3_server, bucket, tmp_path, monkeypatch):
+    """auth_key_file holding the secret itself, with S3KV_AUTH_KEY set (so the
+    file is never read and the engine starts): the rank's journal, a file in
+    $TMPDIR the front end reads, holds neither the value nor a path that may
+    be it. A key file the keys were read from is recorded, for the front
+    end's replay to sign with (tests/stores/test_journal.py)."""
+    from s3kv.auth import ENV_VAR, load_keys
+    from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
+
+    pasted = "q8Zx/3vKmPz9Lq0Wr7TyUi2Op5AsDf8GhJk4LzXcVbN="
+    key_file = tmp_path / "fleet.key"
+    key_file.write_text(OTHER)
+    key_file.chmod(0o600)
+    s3 = {"bucket": bucket, "endpoint_url": s3_server.endpoint_url, "region": "us-east-1"}
+    for n, (value, environ) in enumerate([(pasted, {ENV_VAR: SECRET}), (str(key_file), {})]):
+        journals = tmp_path / f"journal{n}"
+        journals.mkdir()
+        monkeypatch.setenv(JOURNAL_ENV, str(journals))
+        config = parse_config({**s3, "chunk_tokens": CHUNK_TOKENS, "auth_key_file": value})
+        keys = load_keys(config.auth_key_file, environ)
+        w = WorkerSide(config, LAYOUT, 0, BLOCKS, keys)
+        try:
+            w.bind(S3KVMetadata(namespace="ns1", writer="wkr1", signing_kid=keys.signing_kid))
+            assert w.publisher is not None and w.publisher.journal is not None
+            (info,) = journals.glob("*.json")
+            written = b"".join(f.read_bytes() for f in journals.iterdir())
+            assert b"q8Zx" not in written and pasted.encode() not in written
+            assert SECRET.encode() not in written and OTHER.encode() not in written
+            recorded = json.loads(info.read_text())["config"]["auth_key_file"]
+            assert recorded == (None if value == pasted else str(key_file))
+        finally:
+            w.shutdown()
