@@ -26,7 +26,8 @@ after it, so:
 
 A replica that stops cleanly (the drain stop, ``LLM`` shut down) publishes
 everything itself and removes its journal, so the front end has nothing to
-do. A SIGKILL of the whole replica (its front end too, a node lost) leaves
+do; what it could not publish within ``shutdown_flush_s`` (a slow S3) stays
+in the journal, behind the count of what its segments name. A SIGKILL of the whole replica (its front end too, a node lost) leaves
 the journal unread: ``s3kv gc``'s compaction publishes those objects.
 
 This module imports only the standard library until :func:`recover` runs:
