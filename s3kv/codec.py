@@ -35,10 +35,11 @@ s3kv's object, unusable here but not damaged.
 Codecs: ``zstd`` frames are s3kv's byte shuffle (numpy, plane by plane)
 then zstd; ``none`` frames are the page bytes. Both are versions 1 and 2.
 ``blosc2`` frames are one blosc2 chunk each (python-blosc2: SIMD shuffle and
-zstd in one C pass, decoded straight into the destination buffer); such an
-object is version 3 (signed or not, by the flag), so that s3kv builds from
-before it refuse it by its version (a miss to them, never "corrupt", which
-a replica may delete) instead of misreading it.
+zstd in one C pass, decoded straight into the destination buffer), only of
+the form s3kv writes (:mod:`s3kv.blosc2_format`, checked before blosc2
+sees a frame); such an object is version 3 (signed or not, by the flag), so
+that s3kv builds from before it refuse it by its version (a miss to them,
+never "corrupt", which a replica may delete) instead of misreading it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from s3kv.blosc2_format import check_blosc2_header
 from s3kv.errors import CorruptChunk, UnsupportedFormat
 
 if TYPE_CHECKING:
@@ -221,19 +223,12 @@ def blosc2_compress(raw: np.ndarray, itemsize: int, level: int) -> bytes:
 
 
 def _blosc2_decode(
-    index: int, stored: bytes | memoryview, raw_length: int, out: np.ndarray | None
+    index: int, stored: bytes | memoryview, raw_length: int, typesize: int, out: np.ndarray | None
 ) -> np.ndarray:
-    """A blosc2 frame into ``out`` (or a new buffer), after its own header
-    agrees with the frame table: nothing is written past ``raw_length``."""
-    try:
-        nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(stored)
-    except Exception as e:
-        raise CorruptChunk(f"frame {index}: not a blosc2 chunk: {e}") from e
-    if nbytes != raw_length or cbytes != len(stored):
-        raise CorruptChunk(
-            f"frame {index}: blosc2 chunk of {nbytes} bytes in {cbytes}, the frame table says "
-            f"{raw_length} in {len(stored)}"
-        )
+    """A blosc2 frame into ``out`` (or a new buffer), once its header is of
+    the form s3kv writes and agrees with the frame table: every byte up to
+    ``raw_length`` is written, and nothing past it."""
+    check_blosc2_header(index, stored, raw_length, typesize)
     dst = np.empty(raw_length, dtype=np.uint8) if out is None else out.reshape(-1)
     try:
         blosc2.decompress2(stored, dst=dst)
@@ -472,7 +467,8 @@ def decode_frame(
     if out is not None and out.nbytes != frame.raw_length:
         raise CorruptChunk(f"frame {index}: holds {frame.raw_length} bytes, the page needs {out.nbytes}")
     if header.codec == "blosc2":
-        return _blosc2_decode(index, stored, frame.raw_length, out)  # unshuffled in the same pass
+        # unshuffled in the same pass
+        return _blosc2_decode(index, stored, frame.raw_length, header.shuffle, out)
     if header.codec == "none":
         if frame.length != frame.raw_length:
             raise CorruptChunk(f"frame {index}: {frame.length} stored bytes for {frame.raw_length} raw ones")
