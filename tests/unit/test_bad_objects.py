@@ -23,6 +23,7 @@ from s3kv.stores.base import GetResult
 from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.chunks import ChunkCodec
 from s3kv.tiering.placement import Tier
+from tests.unit.test_codec import plugin_frame, special_frame, watch_python
 from tests.unit.test_transfer import (
     FMT,
     LAYERS,
@@ -625,3 +626,113 @@ def test_a_network_fault_checking_an_object_in_the_way_never_deletes_it(fault):
     assert key in acc.failed[Tier.S3] and key not in acc.existing and key not in acc.missing.get(Tier.S3, ())
     assert asyncio.run(MemoryStore.get(store, name)) == good and not acc.bad
     e.close()
+
+
+# -- blosc2 chunks s3kv never writes, through the engine and verify -----------------------
+
+
+def with_frames(blob: bytes, frames: list[bytes]) -> bytes:
+    """The unsigned object ``blob`` with its frames replaced by ``frames``
+    (each with a checksum that passes): what anyone who may write to the
+    bucket makes without the fleet secret."""
+    h = codec.parse_header(blob)
+    table, at = [], 0
+    for f, stored in zip(h.frames, frames):
+        table.append([at, len(stored), f.raw_length, xxhash.xxh3_64_intdigest(stored)])
+        at += len(stored)
+    return rewrite_header(blob[: h.header_length], frames=table) + b"".join(frames)
+
+
+HOSTILE_OBJECTS = {
+    "plugin codec": lambda raw: plugin_frame(36, raw),  # OPENHTJ2K: blosc2 would run python to find it
+    "uninitialized": lambda raw: special_frame(4, raw),  # decodes without writing a byte
+}
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE_OBJECTS))
+def test_a_blosc2_chunk_s3kv_never_writes_fails_the_load_and_leaves_the_pages_alone(
+    kind, s3_server, bucket, tmp_path, monkeypatch
+):
+    """A chunk in S3 whose every frame is such a blosc2 chunk, loaded by the
+    worker's engine straight into pages that hold a sentinel (another
+    request's KV) and promoted to the NVMe tier (codec none: re-encoded from
+    what decoded): the load is corrupt, no page is written or committed, no
+    process starts, no NVMe file is written. A good chunk, loaded the same
+    way first, fills its pages and its file."""
+    from s3kv.chunk_reader import PageTarget
+    from s3kv.config import parse_config
+    from s3kv.stores.factory import make_store
+
+    store = make_store(parse_config({"bucket": bucket, "endpoint_url": s3_server.endpoint_url}))
+    e = engine(store, disk_path=tmp_path / "nvme")
+    assert (e.s.codec, e.s.disk_codec) == ("blosc2", "none")  # the defaults: a promotion re-encodes
+    good, bad = b"g" * 16, b"h" * 16
+    blob = e.codec.encode(good, layers(1))
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key=e.chunk_id(good).object_key, Body=blob)
+    forged = with_frames(e.codec.encode(bad, layers(2)), [HOSTILE_OBJECTS[kind](PAGE)] * LAYERS)
+    client.put_object(Bucket=bucket, Key=e.chunk_id(bad).object_key, Body=forged)
+    runs = watch_python(tmp_path, monkeypatch)
+
+    for key, job_id in ((good, "good"), (bad, "bad")):
+        pages = [np.full(PAGE, 0xA5, np.uint8) for _ in range(LAYERS)]
+        commits = []
+        target = lambda c, layer, p=pages, m=commits: PageTarget([p[layer]], lambda: m.append(layer))  # noqa: E731
+        e.submit_load(job_id, [chunk(key, Tier.S3, promote_disk=True)], lambda *a: None, target)
+        # the promotion is reported written (from a later task) or failed
+        acc = wait_for(
+            e,
+            lambda a, j=job_id, k=key: (
+                j in a.finished_loads
+                and (k in a.written.get(Tier.DISK, {}) or k in a.failed.get(Tier.DISK, set()))
+            ),
+        )
+        if key == good:  # the control: pages and file written
+            assert acc.finished_loads["good"] == [] and sorted(commits) == list(range(LAYERS))
+            assert all(np.array_equal(p, ls) for p, ls in zip(pages, layers(1)))
+            assert good in acc.written[Tier.DISK] and files(e).path(good).exists()
+    assert acc.finished_loads["bad"] and acc.missing == {Tier.S3: {bad}} and acc.failed == {Tier.DISK: {bad}}
+    assert e.counters.totals()["load_errors_corrupt"] == 1
+    assert all((p == 0xA5).all() for p in pages) and commits == []
+    assert not runs.exists()
+    e.close()
+    assert not files(e).path(bad).exists()
+
+
+def test_verify_reports_blosc2_chunks_s3kv_never_writes_as_corrupt(
+    s3_server, bucket, tmp_path, monkeypatch, capsys
+):
+    """``s3kv verify`` over a bucket of three blosc2 chunk objects: a good one,
+    one whose frames name a plugin codec, one of uninitialized chunks (both
+    with checksums that pass): the two are corrupt, no process started."""
+    from s3kv.keys import Namespace, object_key
+    from tests.ops.dataset import PREFIX
+    from tests.ops.helpers import run_json
+
+    ns = Namespace.from_fields({"model": "m", "tp_size": 1}).id
+    names = {}
+    for kind, make in {"good": None, **HOSTILE_OBJECTS}.items():
+        key = kind.encode().ljust(16, b"k")
+        blob = codec.encode_chunk(
+            namespace=ns,
+            key=key.hex(),
+            rank=0,
+            tokens=64,
+            layers=layers(3),
+            dtype="bfloat16",
+            itemsize=2,
+            page_shape=FMT.page_shape,
+            codec="blosc2",
+        )
+        if make is not None:
+            blob = with_frames(blob, [make(PAGE)] * LAYERS)
+        names[kind] = object_key(PREFIX, ns, key, 0)
+        s3_server.client().put_object(Bucket=bucket, Key=names[kind], Body=blob)
+    runs = watch_python(tmp_path, monkeypatch)
+    rc, rep = run_json(capsys, s3_server, bucket, "verify", "--all")
+    assert rc == 1 and rep["checked"] == 3
+    got = {p["key"]: p["reason"] for p in rep["corrupt"]}
+    assert set(got) == {names["plugin codec"], names["uninitialized"]}
+    assert "compressor format 6 (codec id 36)" in got[names["plugin codec"]]
+    assert "a chunk of uninitialized bytes" in got[names["uninitialized"]]
+    assert not runs.exists()

@@ -323,19 +323,19 @@ def special_frame(
     if tail is None:
         tail = b"\x7f" * itemsize if kind == 3 else b""
     h = blosc2_format.Blosc2Header(
-        5,
-        1,
-        flags,
-        itemsize,
-        raw_length,
-        raw_length,
-        32 + len(tail),
-        b"\x01" + bytes(5),
-        5,
-        0,
-        bytes(6),
-        0,
-        kind << 4,
+        version=5,
+        versionlz=1,
+        flags=flags,
+        typesize=itemsize,
+        nbytes=raw_length,
+        blocksize=raw_length,
+        cbytes=32 + len(tail),
+        filters=b"\x01" + bytes(5),
+        codec=5,
+        codec_meta=0,
+        filters_meta=bytes(6),
+        flags2=0,
+        blosc2_flags=kind << 4,
     )
     return blosc2_format.BLOSC2_HEADER.pack(*h) + tail
 
@@ -427,7 +427,7 @@ def test_the_witness_sees_blosc2_run_python_for_a_plugin_codec(tmp_path, monkeyp
 
     runs = watch_python(tmp_path, monkeypatch)
     out = np.full(4096, 0xA5, np.uint8)
-    with pytest.raises(Exception):  # noqa: B017 (whatever blosc2 raises)
+    with pytest.raises(ValueError, match="Error while decompressing"):
         blosc2.decompress2(plugin_frame(36), dst=out)
     assert runs.read_text().count("import blosc2_openhtj2k") == 2
     blosc2.decompress2(special_frame(4), dst=out)
