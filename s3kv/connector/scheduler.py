@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from s3kv import descriptor
 from s3kv.auth import FleetKeys
 from s3kv.config import LOAD_POLICIES, S3KVConfig
 from s3kv.connector.layout import EngineLayout
@@ -277,20 +277,12 @@ class SchedulerSide:
             self._s3_down = True
 
     async def _describe_namespace(self, namespace: Namespace) -> None:
-        """Leave a small descriptor so operators can tell namespaces apart."""
-        key = namespace_prefix(self.config.prefix, namespace.id) + "namespace.json"
-        body = json.dumps(
-            {
-                "namespace": namespace.id,
-                "model": self._model_name,
-                "fields": dict(namespace.fields),
-                "chunk_tokens": self.config.chunk_tokens,
-            },
-            indent=1,
-            default=str,
-        )
+        """Leave a small descriptor so operators can tell namespaces apart (and
+        the ops commands know what its chunks hold: :mod:`s3kv.descriptor`)."""
+        key = namespace_prefix(self.config.prefix, namespace.id) + descriptor.NAME
+        body = descriptor.encode(namespace, self._model_name, self.config.chunk_tokens)
         try:
-            await self._store.put(key, body.encode(), mode=PutMode.CREATE)
+            await self._store.put(key, body, mode=PutMode.CREATE)
         except AlreadyExists:
             pass
         except Exception as e:

@@ -24,7 +24,10 @@ import numpy as np
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS
-from s3kv.errors import CorruptManifest, NotFound, PermissionDenied
+from s3kv.descriptor import MAX_BYTES as DESCRIPTOR_MAX_BYTES
+from s3kv.descriptor import NAME as DESCRIPTOR
+from s3kv.descriptor import Described, parse_descriptor
+from s3kv.errors import CorruptManifest, NotFound, PermissionDenied, RangeNotSatisfiable
 from s3kv.keys import fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import (
@@ -38,7 +41,6 @@ from s3kv.manifest.protocol import (
 )
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
 
-DESCRIPTOR = "namespace.json"
 LOCK_NAME = "gc.lock"
 
 
@@ -75,7 +77,11 @@ class NamespaceInfo:
     base: str
     """Listing prefix of the namespace (ends with '/')."""
     descriptor: dict[str, Any] | None = None
+    """The descriptor as it reads (for listings: untrusted, never acted on)."""
     descriptor_meta: ObjectMeta | None = None
+    described: Described | None = None
+    """What the descriptor says of the namespace's chunks, where it is this
+    namespace's (:func:`~s3kv.descriptor.parse_descriptor`): gc and verify act on that."""
     chunks: dict[bytes, Chunk] = field(default_factory=dict)
     segments: list[ObjectMeta] = field(default_factory=list)
     snapshots: list[ObjectMeta] = field(default_factory=list)
@@ -108,8 +114,8 @@ class NamespaceInfo:
 
     @property
     def tp_size(self) -> int | None:
-        tp = ((self.descriptor or {}).get("fields") or {}).get("tp_size")
-        return int(tp) if isinstance(tp, int) else None
+        """Ranks that store a shard of every chunk, by the descriptor; None: unknown."""
+        return self.described.tp_size if self.described is not None else None
 
     def layout(self) -> str:
         f = (self.descriptor or {}).get("fields") or {}
@@ -201,6 +207,23 @@ async def read_manifest_head(
     return mf.decode_head(await read_head_bytes(store, key, mf.head_length), name=key)
 
 
+async def read_descriptor(
+    store: ObjectStore, key: str, ns: str
+) -> tuple[dict[str, Any] | None, Described | None]:
+    """Namespace ``ns``'s descriptor ``key``, as it reads (None unless a JSON
+    object) and what it says (:func:`~s3kv.descriptor.parse_descriptor`), never reading
+    more than :data:`~s3kv.DESCRIPTOR_MAX_BYTES` of it. Gone: (None, None)."""
+    try:
+        data = await store.get(key, ByteRange(0, DESCRIPTOR_MAX_BYTES + 1))
+    except (NotFound, RangeNotSatisfiable):
+        return None, None
+    try:
+        d = json.loads(data)
+    except (ValueError, RecursionError):
+        d = None
+    return (d if isinstance(d, dict) else None), parse_descriptor(ns, data)
+
+
 async def manifest_signed(store: ObjectStore, info: NamespaceInfo, sample: int = 8) -> bool:
     """Whether the namespace's replicas sign their manifest: its newest
     snapshot or one of its newest segments is signed (a forger's unsigned
@@ -268,10 +291,7 @@ async def scan_namespace(
         for meta in metas:
             _classify(info, meta)
     if info.descriptor_meta is not None:
-        try:
-            info.descriptor = json.loads(await store.get(info.descriptor_meta.key))
-        except (NotFound, ValueError):
-            info.descriptor = None
+        info.descriptor, info.described = await read_descriptor(store, info.descriptor_meta.key, ns)
     if read_access and info.access:
         await read_access_records(store, info, concurrency=concurrency, keys=keys)
     return info

@@ -4,14 +4,13 @@ them, and the facts a test needs to say what each gc policy must delete."""
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from s3kv import codec
+from s3kv import codec, descriptor
 from s3kv.keys import Namespace, fingerprint, namespace_prefix, object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
@@ -93,17 +92,11 @@ def build(
     busy = sorted(now - HOUR * rng.randint(2, 80 * 24) for _ in range(30))
     ds = Dataset(s3.new_bucket(), now, {})
     for i, (n, ranks) in enumerate(zip(sizes, tp)):
-        ns = Namespace.from_fields({"model": f"model-{i}", "tp_size": ranks}).id
+        namespace = Namespace.from_fields({"model": f"model-{i}", "tp_size": ranks, "num_layers": 2})
+        ns = namespace.id
         ds.namespaces[ns] = ranks
         base = namespace_prefix(PREFIX, ns)
-        desc = json.dumps(
-            {
-                "namespace": ns,
-                "model": f"model-{i}",
-                "fields": {"tp_size": ranks, "num_layers": 2},
-                "chunk_tokens": 64,
-            }
-        ).encode()
+        desc = descriptor.encode(namespace, f"model-{i}", 64)  # as a replica writes it
         s3.seed(ds.bucket, base + "namespace.json", desc, now - 100 * DAY)
         ds.other[base + "namespace.json"] = len(desc)
         for _j in range(n):

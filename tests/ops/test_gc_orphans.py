@@ -5,13 +5,13 @@ name that does not verify, or a chunk missing a rank, does not."""
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from types import SimpleNamespace
 
 import numpy as np
 
+from s3kv import descriptor
 from s3kv.keys import Namespace, fingerprint, namespace_prefix, object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
@@ -23,11 +23,11 @@ from tests.ops.test_gc import manifest_of
 def test_compaction_publishes_complete_unnamed_chunks_that_verify(seeded_s3, capsys):
     s3, rng = seeded_s3, random.Random(7)
     bucket = s3.new_bucket()
-    ns = Namespace.from_fields({"model": "orphans", "tp_size": 2}).id
+    namespace = Namespace.from_fields({"model": "orphans", "tp_size": 2})
+    ns = namespace.id
     base = namespace_prefix(PREFIX, ns)
     now = int(time.time())
-    desc = {"namespace": ns, "model": "orphans", "fields": {"tp_size": 2}, "chunk_tokens": 64}
-    s3.seed(bucket, base + "namespace.json", json.dumps(desc).encode(), now - DAY)
+    s3.seed(bucket, base + "namespace.json", descriptor.encode(namespace, "orphans", 64), now - DAY)
     named, orphan, forged, half = (bytes([i]) * 16 for i in (1, 2, 3, 4))
     for key in (named, orphan, forged):
         for rank in (0, 1):
