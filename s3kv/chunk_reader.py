@@ -7,18 +7,23 @@ signed header whose MAC verifies), its identity (namespace, chunk key,
 rank) checked, what its frames say they hold bounded before anything is
 allocated, the object's length checked, then each frame checked (its
 checksum, or its MAC with the keys) and decoded into a sink. A reader that
-knows the engine's pages wants every frame to decode to exactly one layer's
-pages; one that does not (the ops commands, tools) refuses a frame that
-claims more than :data:`~s3kv.codec.MAX_FRAME_RAW` bytes, undecoded.
+knows the engine's pages (or, in the ops commands, the size of those a
+namespace's descriptor names) wants every frame to decode to exactly one
+layer's pages; one that does not (tools; the ops commands where no
+descriptor says) refuses a frame that claims more than
+:data:`~s3kv.codec.MAX_FRAME_RAW` bytes, undecoded.
 
 Who reads through it: the engine, through
 :class:`~s3kv.tiering.chunks.ChunkCodec` (S3 loads stream ranges into
 :meth:`ChunkReader.decode_frames`, NVMe reads decode whole files); the ops
-commands through :func:`check_chunk` (``s3kv verify``, ``inspect
---frames``, gc's check of reported objects) and :func:`read_chunk_head` with
-:func:`check_chunk_head` (gc, the journal's recovery), which judge an object
-by its name: sound first, then, with the keys, signed (else
-:class:`~s3kv.errors.Unsigned`).
+commands through :func:`s3kv.ops.chunks.check_object` (``s3kv verify``,
+``inspect --check``, gc's checks of orphans and of reported objects), which
+judges an object in a bucket, a range at a time, as :func:`check_chunk`
+judges bytes, and :func:`read_chunk_head` with :func:`check_chunk_head`
+(the journal's recovery): by the object's name, sound first, then, with the
+keys, signed (else :class:`~s3kv.errors.Unsigned`), decoding no more than a
+chunk of the object's namespace holds (:func:`check_bounds`: the pages its
+descriptor names, as the engine's reader bounds its own).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ import numpy as np
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.errors import CorruptChunk, RangeNotSatisfiable, Unsigned
+from s3kv.descriptor import ChunkPages
+from s3kv.errors import CorruptChunk, RangeNotSatisfiable, Unchecked, Unsigned
 from s3kv.keys import parse_object_key
 from s3kv.ops.inventory import HEAD_BYTES
 from s3kv.stores.base import ByteRange, GetResult, ObjectStore
@@ -148,9 +154,11 @@ class ChunkReader:
     """The fleet's keys: only objects signed with one of them are read, and
     their frames are checked by MAC instead of checksum."""
     num_layers: int | None = None
-    fmt: PageFormat | None = None
-    """The engine's pages (with ``num_layers``): each frame must decode to
-    exactly one layer's. None: any pages, each frame at most MAX_FRAME_RAW."""
+    fmt: PageFormat | ChunkPages | None = None
+    """The engine's pages (with ``num_layers``), or the ops commands' from a
+    namespace's descriptor (their size, not their shape): each frame must
+    decode to exactly one layer's. None: any pages, each frame at most
+    MAX_FRAME_RAW."""
 
     def __post_init__(self) -> None:
         if (self.num_layers is None) != (self.fmt is None):
@@ -213,7 +221,12 @@ class ChunkReader:
         if len(header.frames) != self.num_layers:
             raise CorruptChunk(_at(where, f"{len(header.frames)} layers, this model has {self.num_layers}"))
         fmt = self.fmt
-        if header.dtype != fmt.dtype or header.page_shape != fmt.page_shape or header.tokens != fmt.tokens:
+        if not isinstance(fmt, PageFormat):
+            if header.tokens != fmt.tokens:
+                raise CorruptChunk(
+                    _at(where, f"{header.tokens} tokens, this namespace's chunks hold {fmt.tokens}")
+                )
+        elif header.dtype != fmt.dtype or header.page_shape != fmt.page_shape or header.tokens != fmt.tokens:
             raise CorruptChunk(
                 _at(
                     where,
@@ -221,7 +234,7 @@ class ChunkReader:
                     f"this engine's are {fmt.dtype}{list(fmt.page_shape)} x {fmt.tokens}",
                 )
             )
-        if header.shuffle not in (1, fmt.itemsize):
+        elif header.shuffle not in (1, fmt.itemsize):
             raise CorruptChunk(
                 _at(where, f"shuffle item size {header.shuffle}, the pages' items are {fmt.itemsize}")
             )
@@ -356,16 +369,62 @@ def _named(name: str) -> tuple[str, str, int]:
     return ns, key.hex(), rank
 
 
-def check_chunk(name: str, data: bytes, keys: FleetKeys | None = None) -> codec.ChunkHeader:
+MAX_UNDESCRIBED_RAW = 1 << 30
+"""The most page bytes of one chunk object the ops commands decode where no
+descriptor of its namespace bounds them (a replica's chunk object holds one
+rank's layers of ``chunk_tokens`` tokens: tens of MiB for most models)."""
+
+
+def ops_reader(pages: ChunkPages | None, keys: FleetKeys | None = None) -> ChunkReader:
+    """The reader the ops commands judge a namespace's chunk objects with:
+    set to the pages its descriptor names, else to any pages."""
+    return ChunkReader(keys) if pages is None else ChunkReader(keys, pages.num_layers, pages)
+
+
+def check_bounds(name: str, header: codec.ChunkHeader, pages: ChunkPages | None) -> None:
+    """Raise unless decoding the frames of ``header``, read from the object
+    ``name``, costs no more than a chunk of its namespace may (as the
+    engine's reader bounds it): CorruptChunk for a header of another object,
+    or of other pages than ``pages`` (the namespace's descriptor's: its layer
+    count, each frame one layer's pages); Unchecked for a chunk of another
+    size than ``pages`` names (pages not known, so not decoded), or, without
+    ``pages``, one claiming more than MAX_UNDESCRIBED_RAW bytes."""
+    ns, key, rank = _named(name)
+    header.check_identity(ns, key, rank)
+    if pages is not None and len(header.frames) == pages.num_layers and header.tokens != pages.tokens:
+        raise Unchecked(
+            f"a chunk of {header.tokens} tokens; its namespace's descriptor names the pages of "
+            f"chunks of {pages.tokens}: not decoded"
+        )
+    ops_reader(pages).check(header, ns, key, rank)
+    if pages is None and header.raw_bytes > MAX_UNDESCRIBED_RAW:
+        raise Unchecked(
+            f"its frames claim {header.raw_bytes} bytes of pages, more than the {MAX_UNDESCRIBED_RAW} "
+            "decoded without its namespace's descriptor: not decoded"
+        )
+
+
+def _discard(_i: int, _page: np.ndarray) -> None:
+    pass
+
+
+def check_chunk(
+    name: str, data: bytes, keys: FleetKeys | None = None, pages: ChunkPages | None = None
+) -> codec.ChunkHeader:
     """Raise CorruptChunk unless ``data`` is a sound chunk object named
     ``name``: its header, identity and length, and every frame checked and
-    decoded as a replica would (one claiming more than MAX_FRAME_RAW bytes
-    is corrupt undecoded, so that a bomb costs nothing). Then, with
+    decoded as a replica would, within :func:`check_bounds` (so that a bomb
+    costs nothing: Unchecked for what it does not decode). Then, with
     ``keys``, Unsigned unless a fleet key signed it (header and every
-    frame). UnsupportedFormat for a newer format. Returns the header."""
-    ns, key, rank = _named(name)
+    frame). UnsupportedFormat for a newer format. Returns the header. The
+    ops commands read an object in a bucket with :func:`s3kv.ops.chunks.check_object`."""
+    reader = ops_reader(pages)
     # Sound first: a damaged object is corrupt, whoever wrote it.
-    header = ChunkReader().decode(data, lambda _i, _page: None, namespace=ns, key=key, rank=rank)
+    header = reader.parse_header(data)
+    check_bounds(name, header, pages)
+    if len(data) != header.object_length:
+        raise CorruptChunk(f"object is {len(data)} bytes, its header says {header.object_length}")
+    reader.decode_frames(header, data, 0, range(len(header.frames)), _discard, scratch=True)
     if keys is not None:
         try:
             ChunkReader(keys).check_macs(data)

@@ -118,6 +118,18 @@ class UnsupportedFormat(CorruptChunk):
         )
 
 
+class Unchecked(UnsupportedFormat):
+    """A chunk object the ops commands do not decode, because deciding would
+    cost more than a chunk of its namespace may: its frames are not the pages
+    the namespace's descriptor names (a chunk of another ``chunk_tokens``),
+    or, with no descriptor to say, they claim more page bytes than the ops
+    commands decode for one chunk. Like one of a newer format it is reported
+    apart and never deleted; nor does gc publish it."""
+
+    def __init__(self, message: str) -> None:
+        CorruptChunk.__init__(self, message)
+
+
 class CorruptManifest(S3KVError):
     """A manifest object failed validation."""
 

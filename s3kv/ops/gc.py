@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import check_chunk, check_chunk_head, read_chunk_head
 from s3kv.config import DEFAULTS
+from s3kv.descriptor import ChunkPages
 from s3kv.errors import (
     CorruptChunk,
     CorruptManifest,
@@ -47,6 +47,7 @@ from s3kv.errors import (
     PermissionDenied,
     Precondition,
     S3KVError,
+    Transient,
     UnsignedManifest,
     UnsignedWrite,
     UnsupportedFormat,
@@ -68,6 +69,7 @@ from s3kv.manifest.protocol import (
 )
 from s3kv.manifest.publish import RankTally, rank_fields
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
+from s3kv.ops.chunks import check_object
 from s3kv.ops.inventory import (
     Chunk,
     Inventory,
@@ -246,6 +248,12 @@ class Result:
     orphans_refused: int = 0
     """Objects under chunk names that no manifest object named and that do
     not verify: left out of the snapshot."""
+    orphans_skipped: int = 0
+    """Chunks no manifest object named that gc did not judge this run (an
+    object it may not read or that failed to read, changed while read, of a
+    newer format or not decoded; every one of a namespace whose descriptor
+    does not say its TP size): left out of the snapshot, judged again the
+    next run."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -262,6 +270,7 @@ class Result:
             "unsigned_manifest_objects_ignored": self.unsigned,
             "orphan_chunks_published": self.orphans_published,
             "orphan_chunks_refused": self.orphans_refused,
+            "orphan_chunks_skipped": self.orphans_skipped,
         }
 
 
@@ -306,26 +315,16 @@ async def find_bad(
         key = parse_object_key(name)[1]  # type: ignore[index]
         async with sem:
             try:
-                # The head first: most bad objects fail there (forged,
-                # unsigned, torn, misnamed); only one whose head is sound is
-                # read whole, for its frames.
-                head = await read_chunk_head(store, name)
-                if head is not None:
-                    try:
-                        check_chunk_head(name, head.data, head.size, keys)
-                    except UnsupportedFormat:
-                        return None  # a newer s3kv's object: not this gc's to judge, never deleted
-                    except CorruptChunk as e:
-                        return BadObject(ns, key, name, head.etag, str(e))
-                got = await store.get_object(name)
-            except NotFound:
-                return None
-        try:
-            await asyncio.to_thread(check_chunk, name, got.data, keys)
-        except UnsupportedFormat:
-            return None
-        except CorruptChunk as e:
-            return BadObject(ns, key, name, got.etag, str(e))
+                # The head first (most bad objects fail there: forged,
+                # unsigned, torn, misnamed), then the frames a range at a
+                # time, no more than the descriptor's pages.
+                await check_object(store, name, _pages(inv.namespaces[ns]), keys, sound_first=False)
+            except (NotFound, Precondition):
+                return None  # gone, or stored again while read
+            except UnsupportedFormat:
+                return None  # a newer s3kv's object, or one not decoded: never deleted
+            except CorruptChunk as e:
+                return BadObject(ns, key, name, e.etag, str(e))
         return None
 
     found = await asyncio.gather(*(one(n, ns) for n, ns in sorted(named.items())))
@@ -448,6 +447,20 @@ def _whole(
     return tally.add(name, *ranks, fps).tolist()
 
 
+def _pages(info: NamespaceInfo) -> ChunkPages | None:
+    """The pages the namespace's descriptor names, if it does."""
+    return info.described.pages if info.described is not None else None
+
+
+def _complete(chunk: Chunk, tp: int | None) -> bool:
+    """Whether every rank's object of ``chunk`` is listed (``.r0`` to
+    ``.r{tp-1}``); with the TP size unknown, any chunk may be."""
+    if tp is None:
+        return True
+    ranks = {parsed[2] for o in chunk.objects if (parsed := parse_object_key(o.key)) is not None}
+    return ranks.issuperset(range(tp))
+
+
 async def _orphans(
     store: ObjectStore,
     info: NamespaceInfo,
@@ -457,12 +470,17 @@ async def _orphans(
     segment: Callable[[str], Awaitable[mf.ManifestObject]],
     keys: FleetKeys | None,
     concurrency: int,
-) -> dict[int, bool]:
+) -> dict[int, bool | None]:
     """Complete chunks in the listing that neither the newest snapshot nor a
     segment after it names (a replica killed before it published them), and
     whether every rank's object verifies (header, frames and, with the fleet
     secret, MAC): gc's compaction adds those that do, so a bucket filled by
-    replicas that died never stays invisible."""
+    replicas that died never stays invisible. None for a chunk not judged
+    this run: one of its objects gc may not read (a 403: another KMS key, a
+    bucket policy), that failed to read (a 503), changed while read, or that
+    it does not decode (:class:`~s3kv.errors.Unchecked`); or every chunk of
+    a namespace whose descriptor does not say its TP size, so that no chunk
+    is taken for whole without every rank's object."""
     named: set[int] = set()
     if snapshot is not None:
         with contextlib.suppress(NotFound, CorruptManifest):  # none that reads: every chunk is checked
@@ -475,19 +493,23 @@ async def _orphans(
         except (NotFound, CorruptManifest):
             continue
     todo = {fp: c for fp, c in listed.items() if fp not in named}
+    tp, pages = info.tp_size, _pages(info)
     sem = asyncio.Semaphore(concurrency)
 
-    async def sound(chunk: Chunk) -> bool:
-        for o in chunk.objects:
+    async def sound(chunk: Chunk) -> bool | None:
+        if tp is None:
+            return None
+        by_rank = {p[2]: o for o in chunk.objects if (p := parse_object_key(o.key)) is not None}
+        for rank in range(tp):
             async with sem:
                 try:
-                    data = await store.get(o.key)
+                    await check_object(store, by_rank[rank].key, pages, keys, sound_first=False)
                 except NotFound:
                     return False
-            try:
-                await asyncio.to_thread(check_chunk, o.key, data, keys)
-            except CorruptChunk:
-                return False
+                except (UnsupportedFormat, PermissionDenied, Transient, Precondition):
+                    return None
+                except CorruptChunk:
+                    return False
         return True
 
     oks = await asyncio.gather(*(sound(c) for c in todo.values()))
@@ -535,8 +557,7 @@ async def compact(
     newest = await head(snapshots[-1].key) if snapshots else None
     covered = Horizon.of(newest or {})
     new = [m for m in segments if not covered.covers(m.key)]
-    tp = info.tp_size
-    listed = {fingerprint(k): c for k, c in info.chunks.items() if tp is None or len(c.objects) >= tp}
+    listed = {fingerprint(k): c for k, c in info.chunks.items() if _complete(c, info.tp_size)}
     reads: dict[str, mf.ManifestObject | S3KVError] = {}
 
     async def segment(name: str) -> mf.ManifestObject:
@@ -555,14 +576,15 @@ async def compact(
     orphans = await _orphans(
         store, info, listed, snapshots[-1] if snapshots else None, new, segment, keys, concurrency
     )
-    result.orphans_refused += sum(not ok for ok in orphans.values())
+    result.orphans_refused += sum(ok is False for ok in orphans.values())
+    result.orphans_skipped += sum(ok is None for ok in orphans.values())
     if new or info.id in result.deleted or any(orphans.values()):
         # The live keys: the listing (chunks with every rank; those no
         # manifest object named only if they verify), less what was deleted,
         # plus keys in segments written since the listing began (their
         # objects may have been stored after it), in name order.
-        live = set(listed) - {fp for fp, ok in orphans.items() if not ok}
-        result.orphans_published += sum(orphans.values())
+        live = set(listed) - {fp for fp, ok in orphans.items() if ok is not True}
+        result.orphans_published += sum(ok is True for ok in orphans.values())
         since = min(int(inv.started_at * 1000), stamps.max_listed) - skew_ms
         tally, by_fp = RankTally(), {fingerprint(k): c for k, c in info.chunks.items()}
         for m in [m for m in segments if (name_ts(m.key) or 0) >= since]:

@@ -3,15 +3,23 @@ manifest objects, descriptors; and telling apart objects s3kv did not write.
 
 A chunk object is *corrupt* when it does not parse, names another
 namespace, key or rank than its object name says, has another length than
-its header says, or a frame fails its checksum or does not decode to its
-raw length (bad zstd bytes, another content size, a frame claiming more
-than :data:`~s3kv.codec.MAX_FRAME_RAW`, refused undecoded). With the fleet
+its header says, holds other pages than its namespace's descriptor names
+(another layer count, a frame that is not one layer's pages), or a frame
+fails its checksum or does not decode to its raw length (bad zstd bytes,
+another content size, a frame claiming more than
+:data:`~s3kv.codec.MAX_FRAME_RAW`, refused undecoded). With the fleet
 secret, a sound object without a valid MAC (unsigned, signed with an
 unknown key, or whose MAC fails) is *unsigned*: replicas refuse it as they
-refuse corrupt ones. An object of a newer format than this s3kv reads is
-*unsupported*: reported, never deleted. A *foreign* object is one under the
-prefix that is no chunk, manifest object, descriptor or the gc lease:
-verify reports it and never deletes it.
+refuse corrupt ones. An object of a newer format than this s3kv reads, or
+one it does not decode (:class:`~s3kv.errors.Unchecked`: a chunk of another
+size than the descriptor's, or, without one, of more pages than a chunk
+holds), is *unsupported*: reported, never deleted. A *foreign* object is one
+under the prefix that is no chunk, manifest object, descriptor or the gc
+lease: verify reports it and never deletes it.
+
+Chunk objects are read a range at a time (:func:`s3kv.ops.chunks.check_object`),
+never whole, and a descriptor larger than any replica writes is corrupt
+unread: what an object claims or holds bounds neither memory nor time.
 """
 
 from __future__ import annotations
@@ -23,8 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import ChunkReader, check_chunk
+from s3kv.chunk_reader import ChunkReader
+from s3kv.descriptor import MAX_BYTES as DESCRIPTOR_MAX_BYTES
+from s3kv.descriptor import NAME as DESCRIPTOR
+from s3kv.descriptor import ChunkPages
 from s3kv.errors import (
     CorruptChunk,
     CorruptManifest,
@@ -41,7 +53,8 @@ from s3kv.keys import parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import gc_writer_id
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
-from s3kv.ops.inventory import Inventory, manifest_signed, read_head_bytes
+from s3kv.ops.chunks import check_object
+from s3kv.ops.inventory import Inventory, manifest_signed, read_descriptor, read_head_bytes
 from s3kv.stores.base import ObjectMeta, ObjectStore
 
 
@@ -61,7 +74,8 @@ class VerifyReport:
     population: int = 0
     problems: list[Problem] = field(default_factory=list)
     vanished: int = 0
-    """Objects listed that were gone when read (a gc or replica deleted them)."""
+    """Objects listed that were gone when read (a gc or replica deleted them),
+    or rewritten between two reads of one check."""
     deleted: list[str] = field(default_factory=list)
     signed_namespaces: set[str] = field(default_factory=set)
     """Namespaces where a sound object read was signed: their replicas sign."""
@@ -139,33 +153,39 @@ async def verify(
     sem = asyncio.Semaphore(concurrency)
 
     async def one(what: str, meta: ObjectMeta, ns: str) -> None:
-        async with sem:
-            try:
-                data = await store.get(meta.key)
-            except NotFound:
-                report.vanished += 1
-                return
         try:
-            if what == "chunk":
-                if (await asyncio.to_thread(check_chunk, meta.key, data, keys)).signed:
+            async with sem:
+                if what == "chunk":  # read a range at a time, bounded by the descriptor's pages
+                    described = inv.namespaces[ns].described
+                    pages = described.pages if described is not None else None
+                    got: codec.ChunkHeader | bytes = await check_object(store, meta.key, pages, keys)
+                elif what == "descriptor" and meta.size > DESCRIPTOR_MAX_BYTES:
+                    raise CorruptChunk(f"descriptor is {meta.size} bytes, more than {DESCRIPTOR_MAX_BYTES}")
+                else:
+                    got = await store.get(meta.key)
+            if isinstance(got, codec.ChunkHeader):
+                if got.signed:
                     report.signed_namespaces.add(ns)
             elif what == "manifest":
                 try:
-                    mf.decode(data, name=meta.key, keys=keys)
+                    mf.decode(got, name=meta.key, keys=keys)
                 except UnsignedManifest as e:
-                    mf.decode(data, name=meta.key)  # sound otherwise? then it is "unsigned"
+                    mf.decode(got, name=meta.key)  # sound otherwise? then it is "unsigned"
                     raise Unsigned(str(e)) from None
-                if mf.is_signed(data):
+                if mf.is_signed(got):
                     report.signed_namespaces.add(ns)
             else:
-                check_descriptor(ns, data)
+                check_descriptor(ns, got)
+        except (NotFound, Precondition):  # gone, or rewritten, while read
+            report.vanished += 1
+            return
         except (UnsupportedFormat, UnsupportedManifestVersion) as e:
             report.problems.append(Problem(meta.key, "unsupported", str(e), ns))
         except (CorruptChunk, CorruptManifest) as e:
             kind = "unsigned" if isinstance(e, Unsigned) else "corrupt"
             report.problems.append(Problem(meta.key, kind, str(e), ns))
         report.checked += 1
-        report.checked_bytes += len(data)
+        report.checked_bytes += meta.size
         if progress is not None:
             progress(1)
 
@@ -295,9 +315,19 @@ async def inspect_object(
             problems.append(f"unsigned: {e}")
     if check_frames:
         try:
-            check_chunk(name, await store.get(name), keys)
+            await check_object(store, name, await _pages_of(store, name), keys)
         except (CorruptChunk, S3KVError) as e:
             problems.append(str(e))
         out["frames_checked"] = True
     out["problems"] = problems
     return out
+
+
+async def _pages_of(store: ObjectStore, name: str) -> ChunkPages | None:
+    """The pages the descriptor of chunk object ``name``'s namespace names."""
+    parsed = parse_object_key(name)
+    if parsed is None:
+        return None
+    base = name.rsplit("/", 2)[0] + "/"  # {prefix}/{namespace}/
+    described = (await read_descriptor(store, base + DESCRIPTOR, parsed[0]))[1]
+    return described.pages if described is not None else None

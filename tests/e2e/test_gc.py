@@ -12,6 +12,8 @@ import threading
 
 import pytest
 
+from s3kv import descriptor
+from s3kv.chunk_reader import check_chunk
 from s3kv.connector.replica import metrics
 from s3kv.keys import Namespace, chain_keys, fingerprint, object_key, parse_object_key
 from s3kv.manifest import format as mf
@@ -70,6 +72,18 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
 
     hot, cold = objects(HOT), objects(COLD)
     assert hot | cold == set(chunks) and not hot & cold  # each family's 5 chunks, nothing else
+    # The descriptor the replica left is its namespace's: gc takes its TP size
+    # from it, and gc and verify decode no more than the pages it names, which
+    # are exactly the replica's.
+    body = client.get_object(Bucket=bucket, Key=f"s3kv/{ns}/{descriptor.NAME}")["Body"].read()
+    described = descriptor.parse_descriptor(ns, body)
+    assert described is not None and described.tp_size == 1 and described.pages is not None
+    assert described.pages.tokens == CHUNK_TOKENS
+    for name in sorted(chunks):
+        data = client.get_object(Bucket=bucket, Key=name)["Body"].read()
+        assert check_chunk(name, data, pages=described.pages).raw_bytes == (
+            described.pages.num_layers * described.pages.layer_bytes
+        )
 
     for k, v in REPLICA_ENV.items():
         monkeypatch.setenv(k, v)

@@ -388,36 +388,51 @@ def test_verify_delete_corrupt_without_the_secret_refuses(fleet, s3_server, caps
     assert names[5] in rep["deleted"] and names[5] not in listing() and names[1] in listing()
 
 
-def test_gc_reads_the_heads_of_reported_objects_and_whole_only_those_whose_head_is_sound():
+def test_gc_reads_the_heads_of_reported_objects_and_past_them_only_those_whose_head_is_sound():
     import asyncio
 
     from s3kv.ops.gc import find_bad
-    from s3kv.ops.inventory import scan
+    from s3kv.ops.inventory import HEAD_BYTES, scan
     from s3kv.stores.memory import MemoryStore
 
     class Recording(MemoryStore):
         def __init__(self) -> None:
             super().__init__()
-            self.whole: list[str] = []
+            self.gets: dict[str, list] = {}
 
         async def get(self, key, range=None):
-            if range is None:
-                self.whole.append(key)
+            self.gets.setdefault(key, []).append(range)
             return await super().get(key, range)
+
+    def big(i: int, signer: FleetKeys | None) -> bytes:
+        """A chunk object whose second frame lies past the first ranged GET."""
+        rng = np.random.default_rng(i)
+        return codec.encode_chunk(
+            namespace=NS,
+            key=key(i).hex(),
+            rank=0,
+            tokens=32,
+            layers=[rng.integers(0, 255, 40000, dtype=np.uint8) for _ in range(LAYERS)],
+            dtype="uint8",
+            itemsize=1,
+            page_shape=(1, 40000),
+            keys=signer,
+        )
 
     keys = FleetKeys([SECRET])
     names = {i: object_key(PREFIX, NS, key(i), 0) for i in range(1, 8)}
-    frame = bytearray(chunk(4, keys))
-    frame[codec.parse_header(bytes(frame)).frames[0].offset] ^= 1
+    frame = bytearray(big(4, keys))
+    frame[codec.parse_header(bytes(frame)).frames[1].offset] ^= 1
     bodies = {
-        1: chunk(1, FleetKeys(["forger-secret-0123456789abcdef0123"])),  # signed, not by the fleet
-        2: chunk(6, keys),  # another chunk's object, under this name
-        3: chunk(3, keys)[:-100],  # torn: shorter than its header says
-        4: bytes(frame),  # a frame flipped: only the whole object tells
-        5: chunk(5, keys),  # sound: a bogus record
+        1: big(1, FleetKeys(["forger-secret-0123456789abcdef0123"])),  # signed, not by the fleet
+        2: big(6, keys),  # another chunk's object, under this name
+        3: big(3, keys)[:-100],  # torn: shorter than its header says
+        4: bytes(frame),  # a frame flipped: only its frames tell
+        5: big(5, keys),  # sound: a bogus record
         6: b"",
-        7: chunk(7, None),  # unsigned
+        7: big(7, None),  # unsigned
     }
+    assert all(len(b) > HEAD_BYTES for b in bodies.values() if b)
 
     async def body():
         store = Recording()
@@ -430,15 +445,17 @@ def test_gc_reads_the_heads_of_reported_objects_and_whole_only_those_whose_head_
         )
         await store.put(mp.segment_name(BASE, int(time.time() * 1000), "replica", 1), mf.encode(record, keys))
         inv = await scan(store, PREFIX)
-        store.whole.clear()
+        store.gets.clear()
         found = await find_bad(store, inv, keys=keys)
         return store, {b.name: b for b in found}
 
     store, bad = asyncio.run(body())
     assert set(bad) == {names[i] for i in (1, 2, 3, 4, 6, 7)}
-    assert sorted(n for n in store.whole if not n.startswith(BASE)) == [names[4], names[5]]
+    gets = {n: g for n, g in store.gets.items() if not n.startswith(BASE)}
+    assert all(r is not None for g in gets.values() for r in g)  # none read whole
+    assert sorted(n for n, g in gets.items() if len(g) > 1) == [names[4], names[5]]
     assert "not one of the fleet's keys" in bad[names[1]].reason and "unsigned" in bad[names[7]].reason
-    assert "its header says" in bad[names[3]].reason and "frame 0" in bad[names[4]].reason
+    assert "its header says" in bad[names[3]].reason and "frame 1" in bad[names[4]].reason
     assert all(b.etag is not None for b in bad.values())  # each deleted by the version read
 
 
