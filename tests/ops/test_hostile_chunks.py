@@ -45,7 +45,7 @@ def key(i: int) -> bytes:
     return bytes([i]) * 16
 
 
-def sound(ns: str, k: bytes, rank: int = 0) -> bytes:
+def sound(ns: str, k: bytes, rank: int = 0, codec_name: str = "zstd") -> bytes:
     rng = np.random.default_rng(k[0] * 10 + rank)
     return codec.encode_chunk(
         namespace=ns,
@@ -56,6 +56,7 @@ def sound(ns: str, k: bytes, rank: int = 0) -> bytes:
         dtype="bfloat16",
         itemsize=2,
         page_shape=[4, LAYER_BYTES // 8],
+        codec=codec_name,
     )
 
 
@@ -159,14 +160,14 @@ def test_without_a_descriptor_a_bomb_is_not_decoded_and_not_judged_sound(seeded_
     bomb = object_key(PREFIX, ns, key(1), 0)
     s3.seed(bucket, bomb, zero_frames(ns, key(1), 1100, 1 << 20), time.time() - 2 * DAY)  # 1.07 GiB
     small = object_key(PREFIX, ns, key(2), 0)
-    s3.seed(bucket, small, zero_frames(ns, key(2), 4, 1 << 10), time.time() - 2 * DAY)  # a control
+    s3.seed(bucket, small, sound(ns, key(2), codec_name="blosc2"), time.time() - 2 * DAY)  # a control
 
     rc, rep = run_json(capsys, s3, bucket, "verify", "--all", "--delete-corrupt")
     assert rc == 1, rep  # a problem reported
     assert [p["key"] for p in rep["unsupported"]] == [bomb] and not rep["corrupt"]
     assert "not decoded" in rep["unsupported"][0]["reason"]
     assert bomb in s3.listing(bucket) and rep["deleted"] == []
-    assert decodes == [1 << 10] * 4  # the control's frames only
+    assert decodes == [LAYER_BYTES] * LAYERS  # the control's frames only
 
 
 def junk(size: int) -> bytes:
