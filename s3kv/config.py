@@ -72,7 +72,9 @@ class S3KVConfig:
     )
     load_timeout_s: float = _key(30.0, "A chunk load slower than this fails and its tokens are recomputed.")
     range_bytes: int = _key(8 << 20, "Target size of one ranged GET; layers are grouped up to this size.")
-    max_connections: int = _key(64, "HTTP connections per process to the store.")
+    max_connections: int = _key(
+        64, "HTTP connections per process to the store: requests beyond it wait for one to finish."
+    )
     s3_client: str = _key(
         "obstore",
         'Client of chunk GETs and PUTs: "obstore" (native, off the GIL) or "aiobotocore";'

@@ -15,7 +15,9 @@ tests of s3kv on directory buckets. The delay is :attr:`LatencyProxy.delay_s`
 and may be changed while it runs. Path-style addressing only (what s3kv
 uses with ``endpoint_url``); request signatures go through untouched, so
 the server behind must not check them against its own host name (moto
-does not). Not for production traffic.
+does not). It counts the requests in flight through it
+(:attr:`LatencyProxy.peak_in_flight`: the test of ``max_connections``).
+Not for production traffic.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class LatencyProxy:
         """Listing prefixes refused for not ending with '/' (``directory``)."""
         self.sessions = 0
         """CreateSession requests answered (``directory``)."""
+        self.in_flight = 0
+        """Requests received and not yet answered."""
+        self.peak_in_flight = 0
+        """The most requests in flight at once so far."""
         self.session_signed = 0
         """Requests that carried a session token of ours (``directory``)."""
         self._tokens: set[str] = set()
@@ -103,6 +109,11 @@ class LatencyProxy:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.in_flight += n
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     def _hold(self, method: str, path: str) -> None:
         """Hold an object GET (``/bucket/key``, not a listing) back."""
@@ -194,6 +205,25 @@ class _Forward(http.server.BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
+    def _request(self) -> None:
+        """One request, counted in flight until its answer begins (before
+        the client can have it and send the next: no count overlaps)."""
+        self._open = True
+        self.owner._count(1)
+        try:
+            self._forward()
+        finally:
+            self._answered()
+
+    def _answered(self) -> None:
+        if getattr(self, "_open", False):
+            self._open = False
+            self.owner._count(-1)
+
+    def send_response_only(self, code: int, message: str | None = None) -> None:
+        self._answered()
+        super().send_response_only(code, message)
+
     def _body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             out = bytearray()
@@ -262,4 +292,4 @@ class _Forward(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _request

@@ -29,6 +29,9 @@ What it keeps of the aiobotocore store, so that callers cannot tell:
   the HTTP status and the S3 error code in the response.
 - **Request counts**: ``on_request`` is told once per call (obstore's
   retries are not seen).
+- **Connections**: ``max_connections`` slots shared by both clients
+  (:meth:`S3Store._in_flight`); reqwest's own setting caps only the idle
+  pool, and it opens a connection for every request beyond it.
 """
 
 from __future__ import annotations
@@ -220,7 +223,8 @@ class NativeS3Store(S3Store):
         native_mode: Any = {"e_tag": mode.etag} if update else mode.value
         self._count("put")
         try:
-            result = await obstore.put_async(store, key, data, mode=native_mode, use_multipart=False)
+            async with self._in_flight():
+                result = await obstore.put_async(store, key, data, mode=native_mode, use_multipart=False)
         except Exception as e:
             raise self._map(e, key, if_match=update) from e
         return result.get("e_tag")
@@ -242,8 +246,9 @@ class NativeS3Store(S3Store):
             options["range"] = {"offset": range.start} if range.end is None else (range.start, range.end)
         self._count("get")
         try:
-            result = await obstore.get_async(store, key, options=options)
-            data = await result.bytes_async()
+            async with self._in_flight():
+                result = await obstore.get_async(store, key, options=options)
+                data = await result.bytes_async()
         except Exception as e:
             raise self._map(e, key) from e
         meta = result.meta
@@ -259,7 +264,8 @@ class NativeS3Store(S3Store):
         store = await self._store()
         self._count("head")
         try:
-            meta = await obstore.head_async(store, key)
+            async with self._in_flight():
+                meta = await obstore.head_async(store, key)
         except Exception as e:
             raise self._map(e, key) from e
         return ObjectMeta(key, int(meta["size"]), meta["last_modified"].timestamp(), meta.get("e_tag"))

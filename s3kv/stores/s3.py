@@ -98,6 +98,8 @@ class S3Options:
     connect_timeout_s: float = DEFAULTS.s3_connect_timeout_s
     read_timeout_s: float = DEFAULTS.s3_read_timeout_s
     max_connections: int = DEFAULTS.max_connections
+    """Requests of the store in flight at once (:meth:`S3Store._in_flight`),
+    and so connections in use."""
     directory: bool = False
     """An S3 Express One Zone directory bucket (:attr:`ObjectStore.directory`)."""
     multipart_threshold: int = 32 << 20
@@ -204,7 +206,9 @@ class S3Store(ObjectStore):
     """Objects in ``bucket`` (keys are used as given; prefixes are the caller's).
 
     ``on_request(kind)`` is called for every HTTP request sent, retries
-    included, with ``kind`` one of get, put, list, head, delete, other."""
+    included, with ``kind`` one of get, put, list, head, delete, other.
+    Every request waits for one of ``max_connections`` slots
+    (:meth:`_in_flight`)."""
 
     def __init__(
         self, bucket: str, options: S3Options | None = None, on_request: Callable[[str], None] | None = None
@@ -216,6 +220,30 @@ class S3Store(ObjectStore):
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._client_lock: asyncio.Lock | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    def _in_flight(self) -> asyncio.Semaphore:
+        """The slot a request holds until its response is read: at most
+        ``max_connections`` requests of this store (of either client, as
+        :class:`~s3kv.stores.native.NativeS3Store` has two) are in flight at
+        once, and so at most that many connections in use. aiohttp's pool
+        caps its own connections, but obstore's (reqwest's) only the idle
+        ones, and opens one per request beyond them."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.options.max_connections)
+        return self._slots
+
+    async def _pages(self, client: Any, operation: str, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        """The pages of a paginated listing, each fetched in a slot of its
+        own (none is held while the caller works on a page)."""
+        pages = client.get_paginator(operation).paginate(**kwargs).__aiter__()
+        while True:
+            async with self._in_flight():
+                try:
+                    page = await pages.__anext__()
+                except StopAsyncIteration:
+                    return
+            yield page
 
     async def _get_client(self) -> Any:
         if self._client is not None:
@@ -274,7 +302,8 @@ class S3Store(ObjectStore):
             raise ConfigError(NO_CREDENTIALS)
         client = await self._get_client()
         try:
-            await client.head_bucket(Bucket=self.bucket)
+            async with self._in_flight():
+                await client.head_bucket(Bucket=self.bucket)
         except Exception as e:
             mapped = _map_error(e, f"bucket {self.bucket}")
             if isinstance(mapped, NotFound):
@@ -291,7 +320,8 @@ class S3Store(ObjectStore):
         if len(data) >= self.options.multipart_threshold:
             return await self._put_multipart(client, key, memoryview(data), extra)
         try:
-            resp = await client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), **extra)
+            async with self._in_flight():
+                resp = await client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), **extra)
         except Exception as e:
             raise _map_error(e, key, if_match=update) from e
         return resp.get("ETag")
@@ -300,7 +330,8 @@ class S3Store(ObjectStore):
         check_key(key)
         client = await self._get_client()
         try:
-            await client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
+            async with self._in_flight():
+                await client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
         except Exception as e:
             raise _map_error(e, key, if_match=True) from e
 
@@ -311,8 +342,9 @@ class S3Store(ObjectStore):
         objects: list[ObjectMeta] = []
         dirs: list[str] = []
         try:
-            paginator = client.get_paginator("list_objects_v2")
-            async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
+            async for page in self._pages(
+                client, "list_objects_v2", Bucket=self.bucket, Prefix=prefix, Delimiter="/"
+            ):
                 objects.extend(_meta(obj) for obj in page.get("Contents", ()))
                 dirs.extend(p["Prefix"] for p in page.get("CommonPrefixes", ()))
         except Exception as e:
@@ -326,8 +358,9 @@ class S3Store(ObjectStore):
         client = await self._get_client()
         out: list[Upload] = []
         try:
-            paginator = client.get_paginator("list_multipart_uploads")
-            async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            async for page in self._pages(
+                client, "list_multipart_uploads", Bucket=self.bucket, Prefix=prefix
+            ):
                 out.extend(
                     Upload(u["Key"], u["UploadId"], u["Initiated"].timestamp())
                     for u in page.get("Uploads", ())
@@ -339,7 +372,10 @@ class S3Store(ObjectStore):
     async def abort_upload(self, upload: Upload) -> None:
         client = await self._get_client()
         try:
-            await client.abort_multipart_upload(Bucket=self.bucket, Key=upload.key, UploadId=upload.upload_id)
+            async with self._in_flight():
+                await client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=upload.key, UploadId=upload.upload_id
+                )
         except Exception as e:
             mapped = _map_error(e, upload.key)
             if not isinstance(mapped, NotFound):
@@ -349,7 +385,8 @@ class S3Store(ObjectStore):
         self, client: Any, key: str, data: memoryview, extra: dict[str, str]
     ) -> str | None:
         try:
-            upload = await client.create_multipart_upload(Bucket=self.bucket, Key=key)
+            async with self._in_flight():
+                upload = await client.create_multipart_upload(Bucket=self.bucket, Key=key)
         except Exception as e:
             raise _map_error(e, key) from e
         upload_id = upload["UploadId"]
@@ -357,7 +394,7 @@ class S3Store(ObjectStore):
         sem = asyncio.Semaphore(self.options.part_concurrency)
 
         async def one(number: int, start: int) -> dict[str, Any]:
-            async with sem:
+            async with sem, self._in_flight():
                 resp = await client.upload_part(
                     Bucket=self.bucket,
                     Key=key,
@@ -371,16 +408,18 @@ class S3Store(ObjectStore):
             parts = await asyncio.gather(
                 *(one(i + 1, start) for i, start in enumerate(range(0, len(data), size)))
             )
-            resp = await client.complete_multipart_upload(
-                Bucket=self.bucket,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": list(parts)},
-                **extra,
-            )
+            async with self._in_flight():
+                resp = await client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": list(parts)},
+                    **extra,
+                )
         except BaseException as e:
             with contextlib.suppress(Exception):
-                await client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                async with self._in_flight():
+                    await client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             if isinstance(e, Exception):
                 raise _map_error(e, key, if_match="IfMatch" in extra) from e
             raise
@@ -394,9 +433,10 @@ class S3Store(ObjectStore):
         client = await self._get_client()
         kwargs = {"Range": range.http()} if range is not None else {}
         try:
-            resp = await client.get_object(Bucket=self.bucket, Key=key, **kwargs)
-            async with resp["Body"] as body:
-                data = await body.read()
+            async with self._in_flight():
+                resp = await client.get_object(Bucket=self.bucket, Key=key, **kwargs)
+                async with resp["Body"] as body:
+                    data = await body.read()
         except Exception as e:
             raise _map_error(e, key) from e
         total = str(resp.get("ContentRange") or "").rpartition("/")[2]
@@ -407,7 +447,8 @@ class S3Store(ObjectStore):
         check_key(key)
         client = await self._get_client()
         try:
-            resp = await client.head_object(Bucket=self.bucket, Key=key)
+            async with self._in_flight():
+                resp = await client.head_object(Bucket=self.bucket, Key=key)
         except Exception as e:
             raise _map_error(e, key) from e
         return ObjectMeta(key, int(resp["ContentLength"]), resp["LastModified"].timestamp(), resp.get("ETag"))
@@ -420,7 +461,7 @@ class S3Store(ObjectStore):
         if start_after:
             kwargs["StartAfter"] = start_after
         try:
-            async for page in client.get_paginator("list_objects_v2").paginate(**kwargs):
+            async for page in self._pages(client, "list_objects_v2", **kwargs):
                 for obj in page.get("Contents", ()):
                     yield _meta(obj)
         except Exception as e:
@@ -432,9 +473,10 @@ class S3Store(ObjectStore):
 
         async def flush() -> None:
             try:
-                resp = await client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-                )
+                async with self._in_flight():
+                    resp = await client.delete_objects(
+                        Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                    )
             except Exception as e:
                 raise _map_error(e, f"delete {batch[0]}...") from e
             errors = [err for err in resp.get("Errors", ()) if err.get("Code") != "NoSuchKey"]

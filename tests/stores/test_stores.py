@@ -338,3 +338,28 @@ async def test_a_server_that_never_answers_times_out_as_transient(store_class):
     finally:
         await store.close()
         server.close()
+
+
+@STORES
+async def test_max_connections_caps_the_requests_in_flight(s3_server, bucket, store_class):
+    """64 GETs at once at ``max_connections`` 4, each held back by the proxy
+    so that they would all overlap: the proxy never sees more than 4 in
+    flight (obstore's own setting capped only its idle pool: 64 opened)."""
+    import asyncio
+
+    from s3kv.demo.latency_proxy import LatencyProxy
+
+    client = s3_server.client()
+    for i in range(64):
+        client.put_object(Bucket=bucket, Key=f"k{i}", Body=b"x" * 1000)
+    with LatencyProxy(s3_server.endpoint_url, delay_s=0.05) as proxy:
+        options = S3Options(endpoint_url=proxy.endpoint_url, region="us-east-1", max_connections=4)
+        store = store_class(bucket, options)
+        try:
+            got = await asyncio.gather(*(store.get(f"k{i}") for i in range(64)))
+            heads = await asyncio.gather(*(store.head(f"k{i}") for i in range(64)))
+        finally:
+            await store.close()
+    assert all(bytes(g) == b"x" * 1000 for g in got) and all(h.size == 1000 for h in heads)
+    assert proxy.delayed == 64
+    assert 2 <= proxy.peak_in_flight <= 4, proxy.peak_in_flight  # they overlapped, 4 at most
