@@ -53,6 +53,20 @@ log = logging.getLogger("s3kv.scheduler")
 
 POLICY_PARAM = "s3kv_load_policy"
 """The key of a request's ``kv_transfer_params`` that overrides ``load_policy`` for it."""
+EXCERPT_CHARS = 40
+"""How much of a request's bad parameter a warning quotes (a client may send megabytes)."""
+
+
+def _excerpt(value: Any) -> str:
+    """A bounded excerpt of a client's value, for a log line: its cost and
+    length do not grow with the value."""
+    if isinstance(value, str):
+        more = f"... ({len(value)} characters)" if len(value) > EXCERPT_CHARS else ""
+        return repr(value[:EXCERPT_CHARS]) + more
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return repr(value)[:EXCERPT_CHARS]
+
 
 STARTUP_WAIT_S = 5.0
 """At start-up, wait this long for the model's identity and the manifest, so
@@ -146,6 +160,8 @@ class SchedulerSide:
         self._cleaner: DiskCleaner | None = None
         self._unkeyed: dict[str, None] = {}
         self._bad_policies: set[str] = set()
+        self._policies: dict[str, str | None] = {}
+        """Each request's own load policy, read once (:meth:`_request_policy`)."""
         self._digests = digest_cache if digest_cache is not None else DigestCache()
         self._adapters = AdapterDigests(self._digests)
         self.kv_cache_manager: KVCacheManager | None = None
@@ -324,20 +340,30 @@ class SchedulerSide:
 
     def _request_policy(self, request: Request) -> str | None:
         """The request's own load policy (``kv_transfer_params``:
-        ``{"s3kv_load_policy": "always"}``), or None: the replica's."""
+        ``{"s3kv_load_policy": "always"}``), or None: the replica's. Read
+        and checked at its first lookup only: vLLM looks a waiting request
+        up again every step, and a client's value may be megabytes."""
+        req_id = request.request_id
+        if req_id in self._policies:
+            return self._policies[req_id]
+        if len(self._policies) > 4096:  # requests vLLM never finished: a bound, not a loss
+            self._policies.clear()
         params = getattr(request, "kv_transfer_params", None)
         value = params.get(POLICY_PARAM) if isinstance(params, dict) else None
-        if value is None:
-            return None
-        if isinstance(value, str) and value.lower() in LOAD_POLICIES:
-            return value.lower()
-        if len(self._bad_policies) < 8 and repr(value)[:40] not in self._bad_policies:
-            self._bad_policies.add(repr(value)[:40])
+        policy = None
+        if isinstance(value, str) and len(value) <= max(map(len, LOAD_POLICIES)):
+            policy = value.lower() if value.lower() in LOAD_POLICIES else None
+        self._policies[req_id] = policy
+        if value is None or policy is not None:
+            return policy
+        excerpt = _excerpt(value)
+        if len(self._bad_policies) < 8 and excerpt not in self._bad_policies:
+            self._bad_policies.add(excerpt)
             log.warning(
-                "s3kv: request %s: kv_transfer_params %s=%r is not one of %s; the replica's policy applies",
-                request.request_id,
+                "s3kv: request %s: kv_transfer_params %s=%s is not one of %s; the replica's policy applies",
+                req_id,
                 POLICY_PARAM,
-                value,
+                excerpt,
                 ", ".join(LOAD_POLICIES),
             )
         return None
@@ -449,6 +475,7 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """True: vLLM keeps the blocks until the workers copied the request's
         last chunks (those with generated tokens) out of them."""
+        self._policies.pop(request.request_id, None)
         if self.planner is None:
             return False
         computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))

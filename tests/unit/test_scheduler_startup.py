@@ -246,3 +246,47 @@ def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path, patient_start
         assert kb != ka and ka != plain and kb != plain
     finally:
         s.shutdown()
+
+
+class _CountingParams(dict):
+    """A request's ``kv_transfer_params`` that counts how often s3kv reads it."""
+
+    reads = 0
+
+    def get(self, *args):
+        self.reads += 1
+        return super().get(*args)
+
+
+def test_a_huge_load_policy_param_is_read_once_and_logged_as_a_bounded_excerpt(caplog, patient_startup):
+    """A 20 MB ``s3kv_load_policy``: vLLM looks the waiting request up every
+    step, and each lookup re-read and re-repr'd it (27 ms on the scheduler
+    thread), the warning quoting it whole. Now it is read at the first
+    lookup only and the warning quotes 40 characters of it, once."""
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    s = side(write_policy="local_only", cpu_bytes="4MiB", chunk_tokens=64)
+    try:
+        huge = "x" * 20_000_000
+        req = _request("big")
+        req.kv_transfer_params = _CountingParams({scheduler.POLICY_PARAM: huge})
+        for _ in range(5):
+            assert s.lookup(req, 0) == (0, False)
+        assert req.kv_transfer_params.reads == 1
+        warnings = [r.getMessage() for r in caplog.records if scheduler.POLICY_PARAM in r.getMessage()]
+        assert len(warnings) == 1 and len(warnings[0]) < 300, [w[:300] for w in warnings]
+        assert "'xxxxxxxx" in warnings[0] and "20000000 characters" in warnings[0]
+        req.num_computed_tokens = 0
+        s.request_finished(req, [])
+        assert "big" not in s._policies
+        again = _request("big-again")  # the same bad value: not logged twice
+        again.kv_transfer_params = {scheduler.POLICY_PARAM: huge}
+        s.lookup(again, 0)
+        assert len([r for r in caplog.records if scheduler.POLICY_PARAM in r.getMessage()]) == 1
+        for value, policy in (("ALWAYS", "always"), ("cost", "cost"), (["always"] * 10**6, None), (7, None)):
+            r = _request(f"p-{policy}-{type(value).__name__}")
+            r.kv_transfer_params = {scheduler.POLICY_PARAM: value}
+            assert s._request_policy(r) == policy, value if isinstance(value, str) else type(value)
+        assert "a list of 1000000 items" in caplog.text and "=7 is not one of" in caplog.text
+        assert s._policies.keys() == {"big-again", "p-always-str", "p-cost-str", "p-None-list", "p-None-int"}
+    finally:
+        s.shutdown()
