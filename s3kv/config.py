@@ -128,7 +128,7 @@ class S3KVConfig:
         1 << 30,
         "Chunk shards (raw KV bytes per worker) in flight at once from S3 into the CPU and NVMe tiers "
         "for requests that wait in vLLM's queue (the others queue for it in arrival order); 0 turns "
-        "prefetching off.",
+        "prefetching off; less than one chunk shard is refused at start-up.",
     )
     save_generated: bool = _key(
         True, "Also store full chunks that contain generated tokens (the next chat turn hits them)."

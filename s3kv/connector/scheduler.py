@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from s3kv import descriptor
 from s3kv.auth import FleetKeys
-from s3kv.config import LOAD_POLICIES, S3KVConfig
+from s3kv.config import DEFAULTS, LOAD_POLICIES, S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, Transient
@@ -42,6 +43,7 @@ from s3kv.tiering.tiers.base import TierManager
 from s3kv.tiering.tiers.cpu import CpuTierManager
 from s3kv.tiering.tiers.nvme import DiskCleaner, DiskSetup, NvmeTierManager, open_disk, release_lock
 from s3kv.tiering.tiers.s3 import S3TierManager
+from s3kv.units import format_size
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -66,6 +68,28 @@ def _excerpt(value: Any) -> str:
     if isinstance(value, (list, tuple, dict)):
         return f"a {type(value).__name__} of {len(value)} items"
     return repr(value)[:EXCERPT_CHARS]
+
+
+def _check_prefetch(config: S3KVConfig, shard_bytes: int) -> S3KVConfig:
+    """``config`` with a prefetch budget that holds a chunk shard: a smaller
+    one set by hand is refused (prefetching would silently never start);
+    the default, for a model whose chunks are larger, becomes one shard."""
+    n = config.prefetch_bytes
+    if n == 0 or n >= shard_bytes:
+        return config
+    if n != DEFAULTS.prefetch_bytes:
+        raise ConfigError(
+            f"prefetch_bytes: {format_size(n)} holds no chunk of this model (one chunk takes "
+            f"{format_size(shard_bytes)} per worker); use at least {shard_bytes} or 0 to turn prefetching off"
+        )
+    log.warning(
+        "s3kv: prefetch_bytes' default (%s) holds no chunk of this model (%s per worker): "
+        "prefetching one chunk at a time (prefetch_bytes: %d)",
+        format_size(n),
+        format_size(shard_bytes),
+        shard_bytes,
+    )
+    return dataclasses.replace(config, prefetch_bytes=shard_bytes)
 
 
 STARTUP_WAIT_S = 5.0
@@ -140,6 +164,7 @@ class SchedulerSide:
         digest_cache: DigestCache | None = None,
         keys: FleetKeys | None = None,
     ) -> None:
+        config = _check_prefetch(config, layout.shard_bytes(config.chunk_tokens))
         self.config = config
         self.keys = keys
         self.layout = layout

@@ -3,6 +3,7 @@ server on loopback: what fails start-up, and what only warns."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -143,6 +144,31 @@ def test_unwritable_disk_path_turns_the_tier_off_with_a_warning(tmp_path, caplog
 def test_cpu_bytes_smaller_than_a_chunk_fails_startup():
     with pytest.raises(ConfigError, match="cpu_bytes: .* holds no chunk"):
         side(write_policy="local_only", cpu_bytes="10KiB")
+
+
+def test_a_prefetch_budget_smaller_than_a_chunk_fails_startup_naming_the_smallest():
+    """One chunk shard here is 8 blocks of 16 KiB: a 100 KiB budget never
+    lets a prefetch start (it was accepted, and prefetching was off)."""
+    shard = LAYOUT.shard_bytes(256)
+    with pytest.raises(
+        ConfigError, match=rf"prefetch_bytes: 100.0 KiB holds no chunk .* use at least {shard} "
+    ):
+        side(write_policy="local_only", cpu_bytes="1MiB", prefetch_bytes="100KiB")
+    s = side(write_policy="local_only", cpu_bytes="1MiB", prefetch_bytes=shard)  # one chunk: enough
+    s.shutdown()
+    assert s.config.prefetch_bytes == shard
+
+
+def test_a_default_prefetch_budget_smaller_than_a_chunk_becomes_one_chunk(tmp_path, caplog, patient_startup):
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    big = dataclasses.replace(LAYOUT, page_size_bytes=512 << 20)  # 4 GiB chunks: more than the 1 GiB default
+    config = parse_config({"write_policy": "local_only", "disk_path": str(tmp_path)})
+    s = SchedulerSide(config, big, failure_policy="recompute", model="unit")
+    try:
+        assert s.planner.prefetch_bytes == big.shard_bytes(256) == 4 << 30
+        assert "prefetch_bytes' default (1.0 GiB) holds no chunk" in caplog.text
+    finally:
+        s.shutdown()
 
 
 def _request(req_id: str, n: int = 256, lora=None):
