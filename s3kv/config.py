@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -87,7 +88,7 @@ class S3KVConfig:
     )
     cpu_bytes: int = _key(0, "Size of the (pinned) host-memory tier per worker; 0 turns it off.")
     disk_path: str | None = _key(
-        None, "Directory of the local NVMe tier (one per machine); unset turns it off."
+        None, "Directory of the local NVMe tier (one per machine; ~ is expanded); unset turns it off."
     )
     disk_codec: str = _key(
         "none",
@@ -205,8 +206,9 @@ def field_docs() -> dict[str, str]:
 
 def _int(key: str, value: Any, lo: int, hi: int | None = None) -> int:
     n = value if isinstance(value, int) and not isinstance(value, bool) else None
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        with contextlib.suppress(ValueError):  # int() refuses over 4300 digits, isdigit() passes "²"
+    digits = value.strip().lstrip("-") if isinstance(value, str) else ""
+    if digits.isascii() and digits.isdigit():  # int() would read "６４" as 64
+        with contextlib.suppress(ValueError):  # int() refuses over 4300 digits
             n = int(value)
     if n is None:
         raise ConfigError(f"{key}: expected an integer, got {value_text(value)}")
@@ -369,7 +371,7 @@ _PARSERS = {
     "disk_timeout_s": lambda v: _duration("disk_timeout_s", v, 0),
     "shutdown_flush_s": lambda v: _duration("shutdown_flush_s", v, 0),
     "cpu_bytes": lambda v: _size("cpu_bytes", v, 1, 64 * TiB, zero_turns_off=True),
-    "disk_path": lambda v: _str("disk_path", v),
+    "disk_path": lambda v: os.path.expanduser(_str("disk_path", v)),  # "~/kv" as a shell reads it
     "disk_codec": lambda v: _choice("disk_codec", v, CODECS),
     "disk_bytes": lambda v: _size("disk_bytes", v, 1, PiB),
     "disk_fsync": lambda v: _choice("disk_fsync", v, DISK_FSYNC),

@@ -26,10 +26,11 @@ MAX_SIZE = 2**63 - 1
 """No store, file system or S3 object is bigger than an int64 byte count."""
 _MAX_TEXT = 64
 """Longer strings are not sizes or durations anyone writes."""
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# ASCII only: Python's \d and float() also take other scripts' digits ("５GiB").
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
 
 
 def value_text(value: object) -> str:
@@ -40,6 +41,10 @@ def value_text(value: object) -> str:
         return f"a {'negative ' if value < 0 else ''}{value.bit_length()}-bit number"
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _ascii_hint(text: str) -> str:
+    return "" if text.isascii() else ", in ASCII digits and letters"
 
 
 def parse_size(value: object, *, name: str = "size") -> int:
@@ -67,8 +72,8 @@ def parse_size(value: object, *, name: str = "size") -> int:
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _SIZE_UNITS:
             raise ConfigError(
-                f"{name}: cannot read {value!r} as a size; use bytes or a number with "
-                "one of B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB (e.g. '8GiB')"
+                f"{name}: cannot read {value_text(value)} as a size; use bytes or a number with "
+                f"one of B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB (e.g. '8GiB'){_ascii_hint(value)}"
             )
         n = int(Decimal(m.group(1)) * _SIZE_UNITS[unit])  # exact: "1.5GB" is 1500000000
     else:
@@ -101,8 +106,8 @@ def parse_duration(value: object, *, name: str = "duration") -> float:
         unit = m.group(2).lower() if m else None
         if m is None or (unit and unit not in _DURATION_UNITS):
             raise ConfigError(
-                f"{name}: cannot read {value!r} as a duration; use seconds or a number "
-                "with one of ms, s, m, h, d, w (e.g. '7d')"
+                f"{name}: cannot read {value_text(value)} as a duration; use seconds or a number "
+                f"with one of ms, s, m, h, d, w (e.g. '7d'){_ascii_hint(value)}"
             )
         seconds = float(m.group(1)) * _DURATION_UNITS[unit or "s"]
     else:

@@ -440,7 +440,7 @@ class S3Store(ObjectStore):
         except Exception as e:
             raise _map_error(e, key) from e
         total = str(resp.get("ContentRange") or "").rpartition("/")[2]
-        size = int(total) if total.isdigit() else (len(data) if range is None else None)
+        size = int(total) if total.isascii() and total.isdigit() else (len(data) if range is None else None)
         return GetResult(data, resp.get("ETag"), size)
 
     async def head(self, key: str) -> ObjectMeta:

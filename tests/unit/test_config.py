@@ -256,6 +256,33 @@ def test_integer_strings_int_cannot_read_fail_naming_the_key(bad):
     assert len(str(info.value)) < 300
 
 
+@pytest.mark.parametrize("key", DURATION_KEYS + SIZE_KEYS + INT_KEYS)
+@pytest.mark.parametrize(
+    "digits", ["５", "٥", "৫", "𝟓"], ids=["fullwidth", "arabic-indic", "bengali", "math-bold"]
+)
+def test_digits_other_than_ascii_fail_naming_the_key(key, digits):
+    """Python's int(), float() and the regex \\d read other scripts' digits
+    ("５MiB" was 5 MiB, "６４" connections 64): a config holds ASCII digits."""
+    unit = "MiB" if key in SIZE_KEYS else "s" if key in DURATION_KEYS else ""
+    with pytest.raises(ConfigError) as info:
+        parse_config({"bucket": "ok-bucket", key: digits + unit})
+    assert str(info.value).startswith(f"{key}: "), info.value
+    assert getattr(parse_config({"bucket": "ok-bucket", key: "5" + unit}), key) in (5, 5.0, 5 << 20)
+
+
+def test_units_name_ascii_when_a_value_has_other_digits():
+    for parse, text in ((parse_size, "５GiB"), (parse_duration, "９０s")):
+        with pytest.raises(ConfigError, match=r"^v: cannot read .* in ASCII digits and letters"):
+            parse(text, name="v")
+
+
+def test_disk_path_expands_the_home_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = parse_config({"write_policy": "local_only", "disk_path": "~/kv"})
+    assert config.disk_path == str(tmp_path / "kv")
+    assert parse_config({"write_policy": "local_only", "disk_path": "/nvme/kv"}).disk_path == "/nvme/kv"
+
+
 def test_units_refuse_ints_beyond_any_float():
     with pytest.raises(
         ConfigError, match="^wait: a duration must be a finite number of seconds, got a 1329-bit"
