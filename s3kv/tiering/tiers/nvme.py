@@ -367,7 +367,7 @@ class NvmeHandler(TierHandler):
 
     def _op(self, fn: Callable[..., Any], *args: Any, write: bool = False) -> tuple[Any, Began]:
         """(``fn(*args)`` on the disk's threads, to await; when a thread took it up)."""
-        began = Began(self._running[write])
+        began = Began(self._running[write], self.clock)
         return self.run(began.wrap(fn, *args), write=write), began
 
     @classmethod
