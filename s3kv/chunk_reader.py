@@ -60,6 +60,11 @@ class PageTarget:
 
     buffers: list[np.ndarray]
     commit: Callable[[], None]
+    private: bool = False
+    """``buffers`` are this target's own (a staging buffer made for it), not
+    the pages: a read that may never return fills them outside the load's
+    gate, and what it writes there after the load went on reaches nothing
+    anyone reads."""
 
 
 FrameRead = Callable[[list[np.ndarray]], None]
@@ -67,14 +72,20 @@ FrameRead = Callable[[list[np.ndarray]], None]
 them there: raises CorruptChunk if they fail."""
 
 
-def read_frame(sink: FrameSink, layer: int, nbytes: int, read: FrameRead) -> None:
+def read_frame(sink: FrameSink, layer: int, nbytes: int, read: FrameRead, *, may_stall: bool = False) -> None:
     """Have ``read`` put layer ``layer``'s ``nbytes`` straight where they go
     when ``sink`` offers that (its ``read_into``: see
     :meth:`~s3kv.tiering.tiers.base.Gate.read_into`), else into this
-    thread's scratch buffer, handed to ``sink`` once checked."""
+    thread's scratch buffer, handed to ``sink`` once checked.
+    ``may_stall``: ``read`` waits on a device that may never answer (the
+    sink's ``read_into`` is told only then: one that never reads a disk
+    need not know)."""
     read_into = getattr(sink, "read_into", None)
     if read_into is not None:
-        read_into(layer, nbytes, read)
+        if may_stall:
+            read_into(layer, nbytes, read, may_stall=True)
+        else:
+            read_into(layer, nbytes, read)
         return
     buf = scratch_buffer(nbytes)
     read([buf])

@@ -173,15 +173,17 @@ class PageIO:
         blocks and index of the axes before the block axis (K and V), the
         frame's other pages into throwaway buffers; None where those runs
         are not contiguous (then :meth:`write` copies). On a device: a pinned
-        staging buffer of the frame's size, whose commit copies its runs
-        into the pages on the side stream (after ``after``)."""
+        staging buffer of the frame's size, made for this target alone
+        (:attr:`PageTarget.private`), whose commit copies its runs into the
+        pages on the side stream (after ``after``)."""
         layer = self.layers[layer_index]
         n = len(block_ids)
         if self._stream is not None:
             staging = torch.empty(layer.page_bytes * n, dtype=torch.uint8, pin_memory=True)
             return PageTarget(
-                [staging.numpy()],
+                [staging.numpy()],  # keeps ``staging`` alive while a reader holds it
                 lambda: self._to_device(layer, block_ids, first, last, staging, after),
+                private=True,
             )
         planes = layer.planes
         if planes is None:

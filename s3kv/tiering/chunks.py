@@ -212,7 +212,7 @@ class _CheckedSink:
         except Exception as e:
             raise _SinkFailed() from e
 
-    def _guarded_read_into(self, i: int, nbytes: int, read: FrameRead) -> None:
+    def _guarded_read_into(self, i: int, nbytes: int, read: FrameRead, *, may_stall: bool = False) -> None:
         failed: list[BaseException] = []
 
         def tracked(out: list[np.ndarray]) -> None:
@@ -223,7 +223,10 @@ class _CheckedSink:
                 raise
 
         try:
-            self._read_into(i, nbytes, tracked)  # type: ignore[misc]
+            if may_stall:
+                self._read_into(i, nbytes, tracked, may_stall=True)  # type: ignore[misc]
+            else:
+                self._read_into(i, nbytes, tracked)  # type: ignore[misc]
         except Exception as e:
             if failed and e is failed[0]:
                 raise

@@ -5,8 +5,9 @@
 chunk object format, encoded with ``disk_codec`` (by default ``none``: a
 disk is read faster than a frame decodes). A chunk promoted from S3 is
 written as fetched when the two codecs agree, else re-encoded from its
-pages; a file of codec ``none`` is read frame by frame straight into the
-KV pages (or a reused buffer) and checked there (:meth:`DiskTier.read`).
+pages; a file of codec ``none`` is read frame by frame into a buffer of the
+read's own, checked there, then copied into the KV pages
+(:meth:`DiskTier.read`).
 Files are written to a ``*.partial`` name that carries the writer's pid
 namespace and pid, optionally fsync'd, then renamed: a crash never leaves a
 half file under a real name, and a later process removes a dead writer's
@@ -106,13 +107,14 @@ class DiskTier:
         included: this s3kv cannot use it) is deleted, so that a bad copy
         costs one failed load.
 
-        A file of codec ``none`` is read frame by frame with ``preadv``
-        straight into the frame's destination where the sink names one (the
-        KV pages, runs of consecutive blocks: :meth:`Gate.read_into`, whose
-        contract this relies on), else into this thread's reused buffer of
-        a frame's size; each frame's checksum (or MAC) is computed there,
-        over the bytes written. Other codecs read the file whole, then
-        decode."""
+        A file of codec ``none`` is read frame by frame with ``preadv`` into
+        a buffer of this read's own: the frame's staging buffer where the
+        sink's target has one (a device's), else this thread's reused buffer
+        of a frame's size, copied into the pages once checked; each frame's
+        checksum (or MAC) is computed there, over the bytes read. A read
+        that hangs (:meth:`Gate.read_into` with ``may_stall``) thus holds
+        no lock the load needs, and whatever it reads after its load went
+        on reaches no page. Other codecs read the file whole, then decode."""
         where = str(self.path(key))
         fd, size = self._open(key)  # a symlink or special file there is left alone
         try:
@@ -135,13 +137,12 @@ class DiskTier:
                         raise CorruptChunk(f"{where}: frame {i} stores {f.length} bytes for {f.raw_length}")
 
                     def read(out: list[np.ndarray], i: int = i, f: codec_mod.Frame = f) -> None:
-                        # Into the pages themselves, checked there: see Gate.read_into's contract.
                         if preadv_all(fd, out, f.offset) != f.length:
                             raise CorruptChunk(f"{where}: truncated in frame {i}")
                         with checking_bytes(where):
                             codec_mod.check_frame_parts(header, i, out, self.codec.keys)
 
-                    read_frame(sink, i, f.raw_length, read)
+                    read_frame(sink, i, f.raw_length, read, may_stall=True)
             except OSError as e:
                 raise map_os_error(e, where) from e
             finally:

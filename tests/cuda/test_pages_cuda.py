@@ -74,6 +74,9 @@ def test_loads_through_pinned_targets_and_writes_match_torch_index_copy(shape):
             target = io.target(0, ids, first, last, after=after)
             assert target is not None and len(target.buffers) == 1
             assert torch.from_numpy(target.buffers[0]).is_pinned()  # the read's destination
+            # Its own staging buffer (a disk read that may stall lands there, never in another's).
+            other = io.target(0, ids, first, last, after=after)
+            assert target.private and not np.shares_memory(other.buffers[0], target.buffers[0])
             scatter(pages.numpy().reshape(-1), target.buffers)
             target.commit()
         else:

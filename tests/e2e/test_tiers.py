@@ -123,18 +123,21 @@ def _faults(**env: str) -> dict[str, str]:
     }
 
 
+@pytest.mark.parametrize("where", ["read", "frame"])
 def test_a_slow_disk_pauses_only_the_disk(
-    tier_a, baseline_tiers, workdir, model, s3_server, tier_bucket, disk1
+    tier_a, baseline_tiers, workdir, model, s3_server, tier_bucket, disk1, where
 ):
     # The NVMe tier holds every chunk, but each read takes 3 s, past the
     # disk's 0.5 s bound: loads fall back to S3, the disk's breaker opens,
-    # and S3 keeps serving (its breaker never trips).
+    # and S3 keeps serving (its breaker never trips). The 3 s come before
+    # the read, or inside it, in each frame's read (the load's way into
+    # the pages entered).
     config = kv_config(
         s3_server.endpoint_url, tier_bucket, cpu_bytes="8MiB", disk_path=str(disk1), disk_timeout_s=0.5
     )
-    env = _faults(S3KV_FAULT_DISK_READ_DELAY_S="3")
+    env = _faults(S3KV_FAULT_DISK_READ_DELAY_S="3", S3KV_FAULT_DISK_READ_DELAY_AT=where)
     r = run_replica(
-        workdir, "tier-slow-disk", model, TIER_PROMPTS, config, engine_args=NO_PREFIX_CACHE, env=env
+        workdir, f"tier-slow-disk-{where}", model, TIER_PROMPTS, config, engine_args=NO_PREFIX_CACHE, env=env
     )
     assert r["outputs"] == baseline_tiers["outputs"]
     assert metric(r, "breaker_trips_disk") >= 1 and metric(r, "breaker_trips_s3") == 0

@@ -760,30 +760,36 @@ def test_a_none_file_cut_short_or_signed_with_another_key_is_refused(tmp_path):
         other.read(key, lambda i, a: None)
 
 
-# -- codec none, read straight into the destination (Gate.read_into) ----------------
+# -- codec none, read into the destination (Gate.read_into) ---------------------------
 
 
-def _split_target(nbytes: int, pieces: int) -> tuple[PageTarget, list[int]]:
-    """A target of ``pieces`` buffers (uneven sizes), and its commit log."""
+def _split_target(nbytes: int, pieces: int, private: bool = False) -> tuple[PageTarget, list[int]]:
+    """A target of ``pieces`` buffers (uneven sizes), and its commit log;
+    ``private``: a staging buffer of its own (a device's), else the pages."""
     cuts = sorted(random.Random(nbytes + pieces).sample(range(1, nbytes), pieces - 1))
     sizes = [b - a for a, b in zip([0, *cuts], [*cuts, nbytes])]
     commits: list[int] = []
-    return PageTarget([np.zeros(n, np.uint8) for n in sizes], lambda: commits.append(1)), commits
+    buffers = [np.zeros(n, np.uint8) for n in sizes]
+    return PageTarget(buffers, lambda: commits.append(1), private=private), commits
 
 
+@pytest.mark.parametrize("private", [False, True], ids=["pages", "staging"])
 @pytest.mark.parametrize("signed", [False, True])
-def test_a_none_file_is_read_straight_into_its_target_and_checked_there(tmp_path, monkeypatch, signed):
-    """preadv writes each frame into the target's buffers themselves (no
-    scratch buffer, no copy), the checksum or MAC is computed over them,
-    the commit follows, and the promotions (the gate's other sinks) get
-    the checked frame."""
+def test_a_none_file_is_read_into_its_own_buffer_checked_there_then_committed(
+    tmp_path, monkeypatch, signed, private
+):
+    """preadv writes each frame into a buffer of the read's own: a target's
+    private staging buffer itself (no copy), else this thread's reused
+    buffer, copied into the pages (the target's buffers) once its checksum
+    or MAC passed there; the commit follows, and the promotions (the gate's
+    other sinks) get the checked frame."""
     from s3kv.auth import FleetKeys
     from s3kv.tiering.tiers.base import Gate
 
     keys = FleetKeys(["disk-test-secret-0123456789abcdef-ours"]) if signed else None
     tier, key = _none_tier(tmp_path / "disk", keys)
     expected = [a.tobytes() for a in make_chunk(tier.codec, key).layers]
-    targets, commits = zip(*(_split_target(len(e), 3) for e in expected))
+    targets, commits = zip(*(_split_target(len(e), 3, private) for e in expected))
     reads: list[list[Any]] = []
     real = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: reads.append(list(bufs)) or real(fd, bufs, off))
@@ -799,15 +805,22 @@ def test_a_none_file_is_read_straight_into_its_target_and_checked_there(tmp_path
     assert pages_sink == []  # the target took the pages' place
     assert promoted == list(enumerate(expected))
     assert len(reads) == len(expected)
-    for got, t in zip(reads, targets):  # the very buffers, not copies
-        assert [np.shares_memory(np.frombuffer(g, np.uint8), b) for g, b in zip(got, t.buffers)] == [True] * 3
+    for got, t in zip(reads, targets):
+        shared = [np.shares_memory(np.frombuffer(g, np.uint8), b) for g in got for b in t.buffers]
+        if private:  # the very buffers, not copies
+            assert len(got) == 3 and shared == [i == j for i in range(3) for j in range(3)]
+        else:  # one buffer, not the pages
+            assert len(got) == 1 and not any(shared)
+    if not private:
+        assert all(r[0].obj is reads[0][0].obj for r in reads)  # the thread's, reused
 
 
-def test_a_frame_read_into_its_target_that_fails_is_not_committed_and_the_load_fails(tmp_path):
-    """The contract of a check after the copy: frame 1's bad bytes reach its
-    target (the load's own blocks), but it is never committed, nothing is
-    promoted, the read raises CorruptChunk (a load error: vLLM recomputes
-    those blocks) and the file goes."""
+@pytest.mark.parametrize("private", [False, True], ids=["pages", "staging"])
+def test_a_frame_that_fails_its_check_is_not_committed_and_the_load_fails(tmp_path, private):
+    """Frame 1's bad bytes never reach the pages (checked in the read's own
+    buffer: a private staging buffer gets them, but is never committed);
+    nothing is promoted, the read raises CorruptChunk (a load error: vLLM
+    recomputes those blocks) and the file goes."""
     from s3kv import codec
     from s3kv.tiering.tiers.base import Gate
 
@@ -815,12 +828,13 @@ def test_a_frame_read_into_its_target_that_fails_is_not_committed_and_the_load_f
     path = tier.path(key)
     data, f = _corrupt_frame_1(path)
     targets, commits = zip(
-        *(_split_target(fr.raw_length, 2) for fr in codec.parse_header(bytes(data)).frames)
+        *(_split_target(fr.raw_length, 2, private) for fr in codec.parse_header(bytes(data)).frames)
     )
     promoted: list[int] = []
     with pytest.raises(CorruptChunk, match="frame 1: checksum mismatch"):
         tier.read(key, Gate([lambda i, a: None, lambda i, a: promoted.append(i)], lambda i: targets[i]))
-    assert b"".join(b.tobytes() for b in targets[1].buffers) == bytes(data[f.offset : f.end])  # written
+    got = b"".join(b.tobytes() for b in targets[1].buffers)
+    assert got == (bytes(data[f.offset : f.end]) if private else bytes(f.raw_length))
     assert list(commits[:3]) == [[1], [], []] and promoted == [0]
     assert not path.exists()
 
@@ -831,6 +845,41 @@ def test_a_closed_gate_reads_nothing_more():
     gate = Gate([lambda i, a: pytest.fail("closed")], lambda i: pytest.fail("closed"))
     gate.close()
     gate.read_into(0, 16, lambda out: pytest.fail("closed"))
+    gate.read_into(0, 16, lambda out: pytest.fail("closed"), may_stall=True)
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["pages", "staging"])
+def test_a_read_that_may_stall_holds_no_lock_and_a_late_one_lands_nowhere(private):
+    """A disk read that hangs holds nothing close() (the engine's loop)
+    needs; when it returns after the gate closed, its bytes reach neither
+    the pages nor a sink, and nothing is committed."""
+    from s3kv.tiering.tiers.base import Gate
+
+    target, commits = _split_target(64, 2, private)
+    sunk: list[int] = []
+    gate = Gate([lambda i, a: sunk.append(i), lambda i, a: sunk.append(i)], lambda i: target)
+    reading, resume = threading.Event(), threading.Event()
+
+    def hung_read(out: list[np.ndarray]) -> None:
+        reading.set()
+        resume.wait()
+        for b in out:
+            b[:] = 0xEE  # what the disk answers at last
+
+    reader = threading.Thread(target=gate.read_into, args=(0, 64, hung_read), kwargs={"may_stall": True})
+    reader.start()
+    try:
+        assert reading.wait(30)
+        closer = threading.Thread(target=gate.close)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive()  # close() did not wait for the hung read
+    finally:
+        resume.set()
+        reader.join(30)
+    assert not reader.is_alive() and sunk == [] and commits == []
+    pages = b"".join(b.tobytes() for b in target.buffers)
+    assert pages == (b"\xee" * 64 if private else bytes(64))  # a private buffer is the read's own
 
 
 def test_preadv_all_continues_short_reads_and_splits_at_iov_max(tmp_path, monkeypatch):

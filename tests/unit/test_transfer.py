@@ -3,6 +3,7 @@ and a real NVMe directory (tmp_path)."""
 
 import asyncio
 import errno
+import os
 import threading
 import time
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from s3kv import codec
-from s3kv.chunk_reader import PageFormat
+from s3kv.chunk_reader import PageFormat, PageTarget
 from s3kv.errors import Throttled, Transient
 from s3kv.keys import object_key
 from s3kv.stores.base import PutMode
@@ -442,7 +443,6 @@ def test_no_write_reaches_pages_after_a_timeout():
 
 def test_write_through_runs_at_background_priority():
     """Encoding and NVMe writes must not take CPU from the forward or loads."""
-    import os
     import threading
 
     from s3kv.tiering.loop import STORE_NICE
@@ -481,7 +481,6 @@ def test_write_through_threads_leave_the_forward_a_core(monkeypatch):
 def test_s3kv_threads_escape_the_forwards_core_binding(tmp_path):
     """vLLM's CPU worker binds its threads to its OpenMP cores and new threads
     inherit that; s3kv's threads must be free to use the other cores."""
-    import os
     import threading
 
     from s3kv.tiering import loop
@@ -769,6 +768,87 @@ def test_a_read_that_waits_for_a_hung_disk_is_the_disks_failure(tmp_path, monkey
     assert acc.tier_failed == {Tier.DISK: 1} and acc.tier_ok == {Tier.S3: 1}
     hung.set()
     e.close()
+
+
+class ManualClock:
+    """A tier's clock that moves only when the test moves it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_disk_that_stalls_inside_a_read_pauses_the_disk_only(tmp_path, monkeypatch):
+    """A disk read that hangs in the middle of a frame, after its load's gate
+    took it (a D-state read, a volume that stops answering), times out and S3
+    serves the chunk without waiting for it: the engine's loop goes on (S3
+    loads and PUTs finish while the disk hangs; the engine closes), and when
+    the read comes back at last, its bytes land nowhere in the pages (they
+    keep S3's)."""
+    e, (key, other) = disk_and_s3_engine(tmp_path, 2)
+    nvme = e.handlers[Tier.DISK]
+    nvme.timeout_s, nvme.clock = 0.5, (clock := ManualClock())  # the disk's time moves when we say
+    kv = {k: np.zeros((LAYERS, PAGE), np.uint8) for k in (key, other, b"w" * 16)}
+    half = PAGE // 2
+
+    def write(c, layer, data):
+        kv[c.key][layer] = data
+
+    def target(c, layer):  # the pages themselves, as on the host platform (two runs of blocks)
+        return PageTarget([kv[c.key][layer][:half], kv[c.key][layer][half:]], lambda: None)
+
+    real_preadv_all, real_read = disk_mod.preadv_all, files(e).read
+    stalled, resume, read_over = threading.Event(), threading.Event(), threading.Event()
+    frames: list[int] = []
+
+    def stalling_preadv_all(fd, buffers, offset):
+        frames.append(offset)
+        if len(frames) == 2:  # frame 1, frame 0 already read
+            stalled.set()
+            resume.wait()
+        return real_preadv_all(fd, buffers, offset)
+
+    def read(*a, **kw):
+        try:
+            return real_read(*a, **kw)
+        finally:
+            read_over.set()
+
+    monkeypatch.setattr(disk_mod, "preadv_all", stalling_preadv_all)
+    monkeypatch.setattr(files(e), "read", read)
+    try:
+        e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], write, target)
+        assert stalled.wait(60)
+        clock.now += 1.0  # the disk's timeout is up
+        acc = wait_for(e, lambda a: "j" in a.finished_loads)
+        assert acc.finished_loads["j"] == [] and acc.tier_failed == {Tier.DISK: 1}
+        totals = e.counters.totals()
+        assert totals["load_errors_timeout"] == 1 and totals["load_chunks_s3"] == 1
+        assert "load_chunks_disk" not in totals
+        s3_bytes = layers(0)
+        assert all((kv[key][i] == s3_bytes[i]).all() for i in range(LAYERS))
+        # The engine's loop is not waiting for the disk: an S3 load and a PUT finish meanwhile.
+        e.submit_load("other", [chunk(other)], write, target)
+        e.submit_store(store_job(b"w" * 16, 9))
+        wait_for(e, lambda a: "other" in a.finished_loads and b"w" * 16 in a.written.get(Tier.S3, {}))
+        assert all((kv[other][i] == layers(1)[i]).all() for i in range(LAYERS))
+        assert not read_over.is_set()  # all that while the read hung
+        closing = threading.Thread(target=e.close)  # nor does the engine's close wait for it
+        closing.start()
+        closing.join(60)
+        assert not closing.is_alive() and not read_over.is_set()
+        # The disk answers at last, with bytes other than S3's (the file changed meanwhile).
+        fd = os.open(files(e).path(key), os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\xee" * PAGE, frames[1])
+        finally:
+            os.close(fd)
+    finally:
+        resume.set()
+    assert read_over.wait(60)
+    assert all((kv[key][i] == s3_bytes[i]).all() for i in range(LAYERS))
 
 
 def test_created_objects_are_told_to_the_publisher_but_412s_are_not():

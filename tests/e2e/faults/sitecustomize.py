@@ -29,17 +29,28 @@ if _limit:
     _disk.atomic_write = _atomic_write
 
 # ``S3KV_FAULT_DISK_READ_DELAY_S=S``: every NVMe tier read first waits S
-# seconds, as on a disk that stopped answering in time.
+# seconds, as on a disk that stopped answering in time; with
+# ``S3KV_FAULT_DISK_READ_DELAY_AT=frame``, every frame's read does (inside
+# the read, once its load let it in: a disk that hangs in the middle of a file).
 _delay = os.environ.get("S3KV_FAULT_DISK_READ_DELAY_S")
 if _delay:
     import time as _time
 
     from s3kv.tiering import disk as _disk_mod
 
-    _real_read = _disk_mod.DiskTier.read
+    if os.environ.get("S3KV_FAULT_DISK_READ_DELAY_AT") == "frame":
+        _real_preadv_all = _disk_mod.preadv_all
 
-    def _slow_read(self, *args, **kwargs):
-        _time.sleep(float(_delay))
-        return _real_read(self, *args, **kwargs)
+        def _slow_preadv_all(*args, **kwargs):
+            _time.sleep(float(_delay))
+            return _real_preadv_all(*args, **kwargs)
 
-    _disk_mod.DiskTier.read = _slow_read
+        _disk_mod.preadv_all = _slow_preadv_all
+    else:
+        _real_read = _disk_mod.DiskTier.read
+
+        def _slow_read(self, *args, **kwargs):
+            _time.sleep(float(_delay))
+            return _real_read(self, *args, **kwargs)
+
+        _disk_mod.DiskTier.read = _slow_read
