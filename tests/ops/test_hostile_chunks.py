@@ -101,9 +101,9 @@ def decodes(monkeypatch) -> list[int]:
     seen: list[int] = []
     real = codec._blosc2_decode
 
-    def counting(index, stored, raw_length, out):
+    def counting(index, stored, raw_length, *rest):
         seen.append(raw_length)
-        return real(index, stored, raw_length, out)
+        return real(index, stored, raw_length, *rest)
 
     monkeypatch.setattr(codec, "_blosc2_decode", counting)
     return seen
