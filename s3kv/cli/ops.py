@@ -503,8 +503,8 @@ def gc_cmd(
             f"yet; use at least {floor:g}s (twice manifest_clock_skew_s)"
         )
 
-    async def body(store: ObjectStore) -> tuple[gcmod.Plan, gcmod.Result | None, list[gcmod.BadObject]]:
-        async def once(lease: Any) -> tuple[gcmod.Plan, gcmod.Result | None, list[gcmod.BadObject]]:
+    async def body(store: ObjectStore) -> tuple[gcmod.Plan, gcmod.Result | None, gcmod.BadFound]:
+        async def once(lease: Any) -> tuple[gcmod.Plan, gcmod.Result | None, gcmod.BadFound]:
             inv = await _scan(store, s, namespaces)
             bad = await gcmod.find_bad(store, inv, keys=s.keys, concurrency=min(s.concurrency, 16))
             kept = tuple(inv.resolve(keep))
@@ -533,7 +533,7 @@ def gc_cmd(
                     concurrency=min(s.concurrency, 16),
                     progress=b.advance,
                     keys=s.keys,
-                    bad=bad,
+                    bad=bad.objects,
                 )
             return p, res, bad
 
@@ -548,8 +548,9 @@ def gc_cmd(
 
 
 def _print_gc(
-    s: Settings, p: gcmod.Plan, res: gcmod.Result | None, bad: list[gcmod.BadObject], price: float
+    s: Settings, p: gcmod.Plan, res: gcmod.Result | None, found: gcmod.BadFound, price: float
 ) -> None:
+    bad = found.objects
     deleted = p.by_namespace() if res is None else res.deleted
     freed = sum(r["bytes"] for r in deleted.values())
     objects = [o.key for o in p.objects]
@@ -567,6 +568,8 @@ def _print_gc(
         "namespace_objects": [o.key for o in p.namespace_objects] if p.retired else [],
         "uploads_to_abort": [u.key for u in p.uploads],
         "bad_objects": [{"object": b.name, "reason": b.reason} for b in bad],
+        "bad_objects_skipped": found.skipped,
+        "bad_report_segments_skipped": found.segments_skipped,
         **({"result": res.as_dict()} if res is not None else {}),
     }
     if s.as_json:
@@ -609,6 +612,11 @@ def _print_gc(
     if bad:
         n = len(bad) if res is None else res.bad_deleted
         con.print(f"{'would delete' if res is None else 'deleted'} {n} object(s) replicas reported bad")
+    if found.skipped or found.segments_skipped:
+        con.print(
+            f"{found.skipped} object(s) replicas reported bad not checked, {found.segments_skipped} segment(s) "
+            "of such reports not read: gc may not read them, or reading failed (read again the next run)"
+        )
     if res is not None:
         con.print(
             f"manifest: {res.tombstones} tombstone segment(s), {res.snapshots_written} snapshot(s) written, "

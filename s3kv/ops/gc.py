@@ -289,19 +289,40 @@ class BadObject:
     reason: str
 
 
+@dataclass
+class BadFound:
+    """What gc made of the chunk objects replicas reported bad."""
+
+    objects: list[BadObject] = field(default_factory=list)
+    """Those still there that still fail to verify."""
+    skipped: int = 0
+    """Those gc did not judge this run: it may not read one (a 403: another
+    KMS key, a bucket policy) or reading it failed (a 503). Judged again the
+    next run."""
+    segments_skipped: int = 0
+    """Segments whose reports gc did not read this run, so (a 403, a 503)."""
+
+
 async def find_bad(
     store: ObjectStore, inv: Inventory, *, keys: FleetKeys | None = None, concurrency: int = 8
-) -> list[BadObject]:
+) -> BadFound:
     """The chunk objects replicas reported bad (in their segments' ``bad``
     lists) that are still there and still fail to verify; an object that
     reads well now (stored again since, or named by a bogus record) is not
-    bad. Reads only."""
+    bad. One gc may not read, or that fails to read, is skipped and counted:
+    it does not stop the run. Reads only."""
     named: dict[str, str] = {}
+    out = BadFound()
     for ns, info in inv.namespaces.items():
         for m in info.segments:
             try:
                 meta = (await read_manifest_head(store, m.key, keys))[3]
-            except (NotFound, PermissionDenied, CorruptManifest):
+            except (NotFound, CorruptManifest):
+                continue
+            except (PermissionDenied, Transient) as e:
+                if isinstance(e, PermissionDenied) and e.credentials:
+                    raise  # S3 refuses gc itself, not this object
+                out.segments_skipped += 1
                 continue
             for entry in meta.get("bad") or ():
                 if isinstance(entry, list) and entry and isinstance(entry[0], str):
@@ -325,10 +346,15 @@ async def find_bad(
                 return None  # a newer s3kv's object, or one not decoded: never deleted
             except CorruptChunk as e:
                 return BadObject(ns, key, name, e.etag, str(e))
+            except (PermissionDenied, Transient) as e:
+                if isinstance(e, PermissionDenied) and e.credentials:
+                    raise  # S3 refuses gc itself, not this object
+                out.skipped += 1
         return None
 
     found = await asyncio.gather(*(one(n, ns) for n, ns in sorted(named.items())))
-    return [b for b in found if b is not None]
+    out.objects = [b for b in found if b is not None]
+    return out
 
 
 async def delete_bad(store: ObjectStore, inv: Inventory, bad: Iterable[BadObject], result: Result) -> None:

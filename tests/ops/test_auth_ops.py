@@ -446,7 +446,7 @@ def test_gc_reads_the_heads_of_reported_objects_and_past_them_only_those_whose_h
         await store.put(mp.segment_name(BASE, int(time.time() * 1000), "replica", 1), mf.encode(record, keys))
         inv = await scan(store, PREFIX)
         store.gets.clear()
-        found = await find_bad(store, inv, keys=keys)
+        found = (await find_bad(store, inv, keys=keys)).objects
         return store, {b.name: b for b in found}
 
     store, bad = asyncio.run(body())

@@ -1,0 +1,109 @@
+"""One object ``s3kv gc`` may not read (a 403: another KMS key, a bucket
+policy) or that fails to read (a 503) does not stop it: it is skipped,
+counted, and judged again the next run. Through the CLI, against a real S3
+server on loopback, the faults injected by a wrapper around the store the
+CLI opens."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+import s3kv.cli.ops as cli_ops
+from s3kv.keys import object_key
+from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
+from s3kv.stores.base import ByteRange, GetResult
+from s3kv.stores.factory import make_store
+from tests.ops.dataset import DAY, PREFIX
+from tests.ops.helpers import run_json
+from tests.ops.test_hostile_chunks import key, namespace, seed_namespace, sound
+from tests.stores.wrappers import Get, WrappedStore
+
+OLD = time.time() - 2 * DAY
+
+
+@dataclass
+class Faulty(WrappedStore):
+    """:class:`WrappedStore` as the CLI opens a store: the bucket check,
+    ETags and conditional deletes passed through; the faults apply."""
+
+    async def check_access(self) -> None:
+        await self.inner.check_access()
+
+    async def get_object(self, key: str, range: ByteRange | None = None) -> GetResult:
+        if key in self.denied or key in self.failing:
+            await self.get(key, range)  # raises as a GET of it does (recorded)
+        got = await self.inner.get_object(key, range)
+        self.gets.append(Get(key, range, len(got.data)))
+        return got
+
+    async def delete_if(self, key: str, etag: str) -> None:
+        await self.inner.delete_if(key, etag)
+
+    async def list_uploads(self, prefix: str = "") -> list:
+        return await self.inner.list_uploads(prefix)
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    """Set ``faults.store`` to the keyword arguments of the :class:`Faulty`
+    store the CLI opens next; ``faults.opened`` holds the stores opened."""
+    state = SimpleNamespace(store={}, opened=[])
+
+    def opening(config):
+        store = Faulty(make_store(config), **state.store)
+        state.opened.append(store)
+        return store
+
+    monkeypatch.setattr(cli_ops, "make_store", opening)
+    return state
+
+
+def segment(s3, bucket: str, ns: str, seq: int, **meta) -> str:
+    """A replica's segment (naming nothing) with ``meta`` in its header."""
+    name = mp.segment_name(f"{PREFIX}/{ns}/manifest/", int(time.time() * 1000) - 60_000, "replica", seq)
+    s3.seed(bucket, name, mf.encode(mf.ManifestObject("segment", meta=meta)), time.time() - 60)
+    return name
+
+
+def test_gc_skips_and_counts_a_reported_bad_object_it_may_not_read(seeded_s3, capsys, faults):
+    """Before: the 403 aborted gc (exit 3, nothing deleted, no compaction),
+    every run while it lasted; so did a 503 on a segment of reports."""
+    s3, bucket = seeded_s3, seeded_s3.new_bucket()
+    ns = namespace("reported")
+    seed_namespace(s3, bucket, ns)
+    names = {i: object_key(PREFIX, ns.id, key(i), 0) for i in (1, 2, 3, 4)}
+    for i, name in names.items():  # all torn: shorter than their headers say
+        s3.seed(bucket, name, sound(ns.id, key(i))[:-100], OLD)
+    segment(s3, bucket, ns.id, 1, bad=[[names[i], '"etag"'] for i in (1, 2, 3)])
+    seg = segment(s3, bucket, ns.id, 2, bad=[[names[4], '"etag"']])
+    # A dry run (no compaction: it reads segments for their reports only) while that one fails to read.
+    faults.store = {"failing": {seg}}
+    rc, out = run_json(capsys, s3, bucket, "gc", "--dry-run")
+    assert rc == 0, out
+    assert sorted(b["object"] for b in out["bad_objects"]) == [names[1], names[2], names[3]]
+    assert (out["bad_objects_skipped"], out["bad_report_segments_skipped"]) == (0, 1)
+
+    # 1: a 403; 2: a 503 that lasts; 3: readable.
+    faults.store = {"denied": {names[1]}, "failing": {names[2]}}
+    rc, out = run_json(capsys, s3, bucket, "gc")
+    assert rc == 0, out
+    assert sorted(b["object"] for b in out["bad_objects"]) == [names[3], names[4]]
+    assert (out["bad_objects_skipped"], out["bad_report_segments_skipped"]) == (2, 0)
+    assert out["result"]["bad_objects_deleted"] == 2
+    left = s3.listing(bucket)
+    assert names[3] not in left and names[4] not in left and {names[1], names[2]} <= set(left)
+    assert out["result"]["orphan_chunks_skipped"] == 2  # the compaction went on
+
+    # Judged again the next run, readable now: bad, deleted.
+    faults.store = {}
+    rc, out = run_json(capsys, s3, bucket, "gc")
+    assert rc == 0, out
+    assert sorted(b["object"] for b in out["bad_objects"]) == [names[1], names[2]]
+    assert (out["bad_objects_skipped"], out["bad_report_segments_skipped"]) == (0, 0)
+    assert out["result"]["bad_objects_deleted"] == 2
+    assert not set(names.values()) & set(s3.listing(bucket))
