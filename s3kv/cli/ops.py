@@ -389,6 +389,7 @@ def verify_cmd(
             f"{len(rep.corrupt) - len(rep.unsigned)} corrupt, "
             + (f"{len(rep.unsigned)} unsigned or badly signed, " if s.keys is not None else "")
             + f"{len(rep.foreign)} foreign"
+            + (f", {len(rep.unreadable)} unreadable (checked again the next run)" if rep.unreadable else "")
             + (f"; deleted {len(rep.deleted)}" if rep.deleted else "")
         )
     return EXIT_PROBLEMS if rep.problems else EXIT_OK

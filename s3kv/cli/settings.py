@@ -24,11 +24,11 @@ from s3kv.units import parse_duration, parse_size
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
-"""verify found corrupt or foreign objects."""
+"""verify found problems: corrupt, unsigned, unsupported, unreadable or foreign objects."""
 EXIT_USAGE = 2
 """Bad input: an unknown option, namespace, duration or size; a bad config."""
 EXIT_STORAGE = 3
-"""No credentials, no such bucket, access denied, or S3 unreachable."""
+"""No credentials, no such bucket, access denied (to the bucket, not one object), or S3 unreachable."""
 EXIT_BUSY = 4
 """Another gc held the lease for longer than --wait."""
 EXIT_PARTIAL = 5
@@ -37,7 +37,7 @@ EXIT_INTERNAL = 70
 """A bug in s3kv (EX_SOFTWARE)."""
 
 EXIT_CODES_HELP = (
-    "Exit codes: 0 success; 1 verify found corrupt or foreign objects; 2 bad input; "
+    "Exit codes: 0 success; 1 verify found problem objects (corrupt, unreadable, foreign...); 2 bad input; "
     "3 no credentials, no bucket, access denied or S3 unreachable; 4 another gc holds "
     "the lease; 5 some deletes failed (run again); 70 internal error."
 )

@@ -15,7 +15,10 @@ one it does not decode (:class:`~s3kv.errors.Unchecked`: a chunk of another
 size than the descriptor's, or, without one, of more pages than a chunk
 holds), is *unsupported*: reported, never deleted. A *foreign* object is one
 under the prefix that is no chunk, manifest object, descriptor or the gc
-lease: verify reports it and never deletes it.
+lease: verify reports it and never deletes it. An object verify may not
+read (a 403: another KMS key, a bucket policy) or that failed to read (a
+503) is *unreadable*: reported with why, not deleted, and checked again the
+next run; the rest are checked all the same.
 
 Chunk objects are read a range at a time (:func:`s3kv.ops.chunks.check_object`),
 never whole, and a descriptor larger than any replica writes is corrupt
@@ -41,8 +44,10 @@ from s3kv.errors import (
     CorruptChunk,
     CorruptManifest,
     NotFound,
+    PermissionDenied,
     Precondition,
     S3KVError,
+    Transient,
     Unsigned,
     UnsignedManifest,
     UnsignedWrite,
@@ -62,7 +67,7 @@ from s3kv.stores.base import ObjectMeta, ObjectStore
 class Problem:
     key: str
     kind: str
-    """corrupt, unsigned, unsupported or foreign"""
+    """corrupt, unsigned, unsupported, unreadable or foreign"""
     reason: str
     namespace: str | None = None
 
@@ -95,6 +100,11 @@ class VerifyReport:
         return [p for p in self.problems if p.kind == "unsupported"]
 
     @property
+    def unreadable(self) -> list[Problem]:
+        """Objects verify may not read or that failed to read: not checked this run."""
+        return [p for p in self.problems if p.kind == "unreadable"]
+
+    @property
     def foreign(self) -> list[Problem]:
         return [p for p in self.problems if p.kind == "foreign"]
 
@@ -107,6 +117,7 @@ class VerifyReport:
             "corrupt": [p.__dict__ for p in self.corrupt if p.kind == "corrupt"],
             "unsigned": [p.__dict__ for p in self.unsigned],
             "unsupported": [p.__dict__ for p in self.unsupported],
+            "unreadable": [p.__dict__ for p in self.unreadable],
             "foreign": [p.__dict__ for p in self.foreign],
             "deleted": self.deleted,
         }
@@ -178,6 +189,11 @@ async def verify(
                 check_descriptor(ns, got)
         except (NotFound, Precondition):  # gone, or rewritten, while read
             report.vanished += 1
+            return
+        except (PermissionDenied, Transient) as e:  # this object only: the others are checked
+            if isinstance(e, PermissionDenied) and e.credentials:
+                raise  # S3 refuses verify itself: every read would
+            report.problems.append(Problem(meta.key, "unreadable", str(e), ns))
             return
         except (UnsupportedFormat, UnsupportedManifestVersion) as e:
             report.problems.append(Problem(meta.key, "unsupported", str(e), ns))

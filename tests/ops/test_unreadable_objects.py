@@ -1,8 +1,8 @@
-"""One object ``s3kv gc`` may not read (a 403: another KMS key, a bucket
-policy) or that fails to read (a 503) does not stop it: it is skipped,
-counted, and judged again the next run. Through the CLI, against a real S3
-server on loopback, the faults injected by a wrapper around the store the
-CLI opens."""
+"""One object the ops commands may not read (a 403: another KMS key, a
+bucket policy) or that fails to read (a 503) stops neither ``s3kv gc`` nor
+``s3kv verify``: it is skipped, counted or reported with why, and judged
+again the next run. Through the CLI, against a real S3 server on loopback,
+the faults injected by a wrapper around the store the CLI opens."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from types import SimpleNamespace
 import pytest
 
 import s3kv.cli.ops as cli_ops
+from s3kv.cli import main
 from s3kv.keys import object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
 from s3kv.stores.base import ByteRange, GetResult
 from s3kv.stores.factory import make_store
 from tests.ops.dataset import DAY, PREFIX
-from tests.ops.helpers import run_json
+from tests.ops.helpers import run_json, store_args
 from tests.ops.test_hostile_chunks import key, namespace, seed_namespace, sound
 from tests.stores.wrappers import Get, WrappedStore
 
@@ -107,3 +108,35 @@ def test_gc_skips_and_counts_a_reported_bad_object_it_may_not_read(seeded_s3, ca
     assert (out["bad_objects_skipped"], out["bad_report_segments_skipped"]) == (0, 0)
     assert out["result"]["bad_objects_deleted"] == 2
     assert not set(names.values()) & set(s3.listing(bucket))
+
+
+def test_verify_reports_an_object_it_may_not_read_and_checks_the_rest(seeded_s3, capsys, faults):
+    """Before: the first 403 or 503 aborted verify (exit 3), reporting
+    nothing of the other objects, the corrupt one included."""
+    s3, bucket = seeded_s3, seeded_s3.new_bucket()
+    ns = namespace("verified")
+    seed_namespace(s3, bucket, ns)
+    names = {i: object_key(PREFIX, ns.id, key(i), 0) for i in (1, 2, 3, 4)}
+    for i in (1, 2, 3):
+        s3.seed(bucket, names[i], sound(ns.id, key(i)), OLD)
+    s3.seed(bucket, names[4], sound(ns.id, key(4))[:-100], OLD)  # torn
+    seg = segment(s3, bucket, ns.id, 1)
+    unreadable = {names[1]: "AccessDenied", names[2]: "HTTP 503", seg: "AccessDenied"}
+    faults.store = {"denied": {names[1], seg}, "failing": {names[2]}}
+
+    rc, rep = run_json(capsys, s3, bucket, "verify", "--all", "--delete-corrupt")
+    assert rc == 1, rep  # problems found, as for a corrupt object
+    reasons = {p["key"]: p["reason"] for p in rep["unreadable"]}
+    assert set(reasons) == set(unreadable) and all(why in reasons[k] for k, why in unreadable.items())
+    assert [p["key"] for p in rep["corrupt"]] == [names[4]]
+    assert rep["checked"] == rep["population"] - 3  # the sound chunk, the torn one, the descriptor
+    assert rep["deleted"] == [names[4]]  # an unreadable object is never deleted
+    assert {names[1], names[2], names[3], seg} <= set(s3.listing(bucket))
+
+    capsys.readouterr()  # the text says it too (the torn object deleted)
+    assert main(["verify", *store_args(s3, bucket), "--all"]) == 1
+    assert "0 corrupt, 0 foreign, 3 unreadable (checked again the next run)" in capsys.readouterr().out
+
+    faults.store = {}  # readable again: checked, sound
+    rc, rep = run_json(capsys, s3, bucket, "verify", "--all")
+    assert rc == 0 and rep["unreadable"] == [] and rep["checked"] == rep["population"]
