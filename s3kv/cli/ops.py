@@ -571,6 +571,7 @@ def _print_gc(
         "bad_objects": [{"object": b.name, "reason": b.reason} for b in bad],
         "bad_objects_skipped": found.skipped,
         "bad_report_segments_skipped": found.segments_skipped,
+        "unreadable_descriptors": p.unread_descriptors,
         **({"result": res.as_dict()} if res is not None else {}),
     }
     if s.as_json:
@@ -613,6 +614,11 @@ def _print_gc(
     if bad:
         n = len(bad) if res is None else res.bad_deleted
         con.print(f"{'would delete' if res is None else 'deleted'} {n} object(s) replicas reported bad")
+    for ns, why in p.unread_descriptors.items():
+        con.print(
+            f"namespace {ns}: its descriptor could not be read ({why}); none of its orphan chunks is "
+            "published this run"
+        )
     if found.skipped or found.segments_skipped:
         con.print(
             f"{found.skipped} object(s) replicas reported bad not checked, {found.segments_skipped} segment(s) "

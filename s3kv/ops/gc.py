@@ -135,6 +135,9 @@ class Plan:
     uploads: list[Upload] = field(default_factory=list)
     scope: list[str] = field(default_factory=list)
     bytes_in_scope: int = 0
+    unread_descriptors: dict[str, str] = field(default_factory=dict)
+    """Namespaces in scope whose descriptor could not be read (a 403, a 503),
+    and why: taken to have none this run (no orphan of theirs published)."""
 
     @property
     def objects(self) -> list[ObjectMeta]:
@@ -177,6 +180,9 @@ def plan(inv: Inventory, policy: Policy, now: float, uploads: Iterable[Upload] =
         chosen.add((ns, chunk.key))
         p.deletions.append(Deletion(ns, chunk, reason))
 
+    p.unread_descriptors = {
+        ns: err for ns in scope if (err := inv.namespaces[ns].descriptor_error) is not None
+    }
     items = [(ns, c) for ns in scope for c in inv.namespaces[ns].chunks.values()]
     p.bytes_in_scope = sum(c.size for _, c in items)
     for ns in scope:

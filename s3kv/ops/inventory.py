@@ -27,7 +27,7 @@ from s3kv.config import DEFAULTS
 from s3kv.descriptor import MAX_BYTES as DESCRIPTOR_MAX_BYTES
 from s3kv.descriptor import NAME as DESCRIPTOR
 from s3kv.descriptor import Described, parse_descriptor
-from s3kv.errors import CorruptManifest, NotFound, PermissionDenied, RangeNotSatisfiable
+from s3kv.errors import CorruptManifest, NotFound, PermissionDenied, RangeNotSatisfiable, Transient
 from s3kv.keys import fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import (
@@ -82,6 +82,11 @@ class NamespaceInfo:
     described: Described | None = None
     """What the descriptor says of the namespace's chunks, where it is this
     namespace's (:func:`~s3kv.descriptor.parse_descriptor`): gc and verify act on that."""
+    descriptor_error: str | None = None
+    """Why the descriptor listed could not be read (a 403: another KMS key, a
+    bucket policy; a 503), if so: the namespace is then taken to have none
+    this scan (gc publishes no orphan of it, checks are bounded without its
+    pages), and verify and gc report it."""
     chunks: dict[bytes, Chunk] = field(default_factory=dict)
     segments: list[ObjectMeta] = field(default_factory=list)
     snapshots: list[ObjectMeta] = field(default_factory=list)
@@ -291,7 +296,12 @@ async def scan_namespace(
         for meta in metas:
             _classify(info, meta)
     if info.descriptor_meta is not None:
-        info.descriptor, info.described = await read_descriptor(store, info.descriptor_meta.key, ns)
+        try:
+            info.descriptor, info.described = await read_descriptor(store, info.descriptor_meta.key, ns)
+        except (PermissionDenied, Transient) as e:  # this object only: the scan goes on
+            if isinstance(e, PermissionDenied) and e.credentials:
+                raise  # S3 refuses the caller itself: every read would
+            info.descriptor_error = str(e)
     if read_access and info.access:
         await read_access_records(store, info, concurrency=concurrency, keys=keys)
     return info

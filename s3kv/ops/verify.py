@@ -17,8 +17,9 @@ holds), is *unsupported*: reported, never deleted. A *foreign* object is one
 under the prefix that is no chunk, manifest object, descriptor or the gc
 lease: verify reports it and never deletes it. An object verify may not
 read (a 403: another KMS key, a bucket policy) or that failed to read (a
-503) is *unreadable*: reported with why, not deleted, and checked again the
-next run; the rest are checked all the same.
+503), the namespace's descriptor included, is *unreadable*: reported with
+why, not deleted, and checked again the next run; the rest are checked all
+the same.
 
 Chunk objects are read a range at a time (:func:`s3kv.ops.chunks.check_object`),
 never whole, and a descriptor larger than any replica writes is corrupt
@@ -143,8 +144,9 @@ async def verify(
     keys: FleetKeys | None = None,
 ) -> VerifyReport:
     """Check every object of the inventory's namespaces (``sample=None``)
-    or ``sample`` chunk objects chosen at random. Foreign objects are
-    reported either way; with ``keys``, objects without a valid MAC too."""
+    or ``sample`` chunk objects chosen at random. Foreign objects and
+    descriptors the scan could not read are reported either way; with
+    ``keys``, objects without a valid MAC too."""
     report = VerifyReport()
     jobs: list[tuple[str, ObjectMeta, str]] = []  # (what, meta, namespace)
     for ns, info in inv.namespaces.items():
@@ -152,9 +154,11 @@ async def verify(
             jobs += [("chunk", o, ns) for o in chunk.objects]
         for p in info.foreign:
             report.problems.append(Problem(p.key, "foreign", "not an object s3kv writes", ns))
+        if info.descriptor_meta is not None and info.descriptor_error is not None:
+            report.problems.append(Problem(info.descriptor_meta.key, "unreadable", info.descriptor_error, ns))
         if sample is None:
             jobs += [("manifest", o, ns) for o in info.manifest_objects]
-            if info.descriptor_meta is not None:
+            if info.descriptor_meta is not None and info.descriptor_error is None:
                 jobs.append(("descriptor", info.descriptor_meta, ns))
     for p in inv.foreign:
         report.problems.append(Problem(p.key, "foreign", "not an object s3kv writes"))

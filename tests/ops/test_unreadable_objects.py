@@ -13,14 +13,16 @@ from types import SimpleNamespace
 import pytest
 
 import s3kv.cli.ops as cli_ops
+from s3kv import descriptor
 from s3kv.cli import main
-from s3kv.keys import object_key
+from s3kv.keys import fingerprint, object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
 from s3kv.stores.base import ByteRange, GetResult
 from s3kv.stores.factory import make_store
 from tests.ops.dataset import DAY, PREFIX
 from tests.ops.helpers import run_json, store_args
+from tests.ops.test_gc import manifest_of
 from tests.ops.test_hostile_chunks import key, namespace, seed_namespace, sound
 from tests.stores.wrappers import Get, WrappedStore
 
@@ -140,3 +142,40 @@ def test_verify_reports_an_object_it_may_not_read_and_checks_the_rest(seeded_s3,
     faults.store = {}  # readable again: checked, sound
     rc, rep = run_json(capsys, s3, bucket, "verify", "--all")
     assert rc == 0 and rep["unreadable"] == [] and rep["checked"] == rep["population"]
+
+
+def test_a_descriptor_the_scan_may_not_read_is_taken_for_none_and_reported(seeded_s3, capsys, faults):
+    """Before: a 403 or 503 on the descriptor aborted the scan, so gc and
+    verify (and ls, stats) of the whole prefix (exit 3)."""
+    s3, bucket = seeded_s3, seeded_s3.new_bucket()
+    ns = namespace("undescribed")
+    base = seed_namespace(s3, bucket, ns)
+    desc = base + descriptor.NAME
+    orphan = object_key(PREFIX, ns.id, key(1), 0)
+    s3.seed(bucket, orphan, sound(ns.id, key(1)), OLD)
+    where = SimpleNamespace(bucket=bucket)
+
+    faults.store = {"denied": {desc}}
+    rc, out = run_json(capsys, s3, bucket, "gc")
+    assert rc == 0, out
+    assert (
+        list(out["unreadable_descriptors"]) == [ns.id]
+        and "AccessDenied" in out["unreadable_descriptors"][ns.id]
+    )
+    res = out["result"]
+    assert (res["orphan_chunks_published"], res["orphan_chunks_skipped"]) == (0, 1)  # TP size unknown
+    assert manifest_of(s3, where, ns.id) == set()
+
+    faults.store = {"failing": {desc}}
+    rc, rep = run_json(capsys, s3, bucket, "verify", "--all")
+    assert rc == 1, rep
+    assert [(p["key"], p["kind"]) for p in rep["unreadable"]] == [(desc, "unreadable")]
+    assert "HTTP 503" in rep["unreadable"][0]["reason"] and rep["corrupt"] == []
+    rc, rep = run_json(capsys, s3, bucket, "verify", "--sample", "1")  # a sample reports it too
+    assert rc == 1 and [p["key"] for p in rep["unreadable"]] == [desc]
+
+    faults.store = {}  # readable again: the orphan is published
+    rc, out = run_json(capsys, s3, bucket, "gc")
+    assert rc == 0 and out["unreadable_descriptors"] == {}
+    assert out["result"]["orphan_chunks_published"] == 1
+    assert manifest_of(s3, where, ns.id) == {fingerprint(key(1))}
