@@ -360,6 +360,7 @@ def verify_cmd(
                 concurrency=s.concurrency,
                 progress=b.advance,
                 keys=s.keys,
+                manifest_max_bytes=s.config.manifest_max_bytes,
             )
         if delete_corrupt and rep.corrupt:
             async with held(store, s.config.prefix, wait_s=wait) as lease:
@@ -390,6 +391,7 @@ def verify_cmd(
             + (f"{len(rep.unsigned)} unsigned or badly signed, " if s.keys is not None else "")
             + f"{len(rep.foreign)} foreign"
             + (f", {len(rep.unreadable)} unreadable (checked again the next run)" if rep.unreadable else "")
+            + (f", {len(rep.oversized)} oversized" if rep.oversized else "")
             + (f"; deleted {len(rep.deleted)}" if rep.deleted else "")
         )
     return EXIT_PROBLEMS if rep.problems else EXIT_OK

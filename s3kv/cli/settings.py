@@ -24,7 +24,7 @@ from s3kv.units import parse_duration, parse_size
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
-"""verify found problems: corrupt, unsigned, unsupported, unreadable or foreign objects."""
+"""verify found problems: corrupt, unsigned, unsupported, oversized, unreadable or foreign objects."""
 EXIT_USAGE = 2
 """Bad input: an unknown option, namespace, duration or size; a bad config."""
 EXIT_STORAGE = 3

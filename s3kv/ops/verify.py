@@ -19,11 +19,14 @@ lease: verify reports it and never deletes it. An object verify may not
 read (a 403: another KMS key, a bucket policy) or that failed to read (a
 503), the namespace's descriptor included, is *unreadable*: reported with
 why, not deleted, and checked again the next run; the rest are checked all
-the same.
+the same. A manifest object larger than ``manifest_max_bytes`` (replicas
+refuse it unread) is *oversized*: reported, never deleted.
 
 Chunk objects are read a range at a time (:func:`s3kv.ops.chunks.check_object`),
-never whole, and a descriptor larger than any replica writes is corrupt
-unread: what an object claims or holds bounds neither memory nor time.
+never whole; a descriptor larger than any replica writes is corrupt unread,
+a manifest object larger than replicas read is oversized unread, and
+neither is read past that bound whatever it became since it was listed:
+what an object claims or holds bounds neither memory nor time.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 from s3kv import codec
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import ChunkReader
+from s3kv.config import DEFAULTS
 from s3kv.descriptor import MAX_BYTES as DESCRIPTOR_MAX_BYTES
 from s3kv.descriptor import NAME as DESCRIPTOR
 from s3kv.descriptor import ChunkPages
@@ -47,7 +51,9 @@ from s3kv.errors import (
     NotFound,
     PermissionDenied,
     Precondition,
+    RangeNotSatisfiable,
     S3KVError,
+    TooLarge,
     Transient,
     Unsigned,
     UnsignedManifest,
@@ -61,14 +67,14 @@ from s3kv.manifest.protocol import gc_writer_id
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
 from s3kv.ops.chunks import check_object
 from s3kv.ops.inventory import Inventory, manifest_signed, read_descriptor, read_head_bytes
-from s3kv.stores.base import ObjectMeta, ObjectStore
+from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
 
 
 @dataclass
 class Problem:
     key: str
     kind: str
-    """corrupt, unsigned, unsupported, unreadable or foreign"""
+    """corrupt, unsigned, unsupported, oversized, unreadable or foreign"""
     reason: str
     namespace: str | None = None
 
@@ -101,6 +107,11 @@ class VerifyReport:
         return [p for p in self.problems if p.kind == "unsupported"]
 
     @property
+    def oversized(self) -> list[Problem]:
+        """Manifest objects larger than replicas read: never deleted."""
+        return [p for p in self.problems if p.kind == "oversized"]
+
+    @property
     def unreadable(self) -> list[Problem]:
         """Objects verify may not read or that failed to read: not checked this run."""
         return [p for p in self.problems if p.kind == "unreadable"]
@@ -118,6 +129,7 @@ class VerifyReport:
             "corrupt": [p.__dict__ for p in self.corrupt if p.kind == "corrupt"],
             "unsigned": [p.__dict__ for p in self.unsigned],
             "unsupported": [p.__dict__ for p in self.unsupported],
+            "oversized": [p.__dict__ for p in self.oversized],
             "unreadable": [p.__dict__ for p in self.unreadable],
             "foreign": [p.__dict__ for p in self.foreign],
             "deleted": self.deleted,
@@ -142,11 +154,13 @@ async def verify(
     concurrency: int = 16,
     progress: Callable[[int], None] | None = None,
     keys: FleetKeys | None = None,
+    manifest_max_bytes: int = DEFAULTS.manifest_max_bytes,
 ) -> VerifyReport:
     """Check every object of the inventory's namespaces (``sample=None``)
     or ``sample`` chunk objects chosen at random. Foreign objects and
     descriptors the scan could not read are reported either way; with
-    ``keys``, objects without a valid MAC too."""
+    ``keys``, objects without a valid MAC too. A manifest object is read
+    only up to ``manifest_max_bytes`` (the replicas' ``manifest_max_bytes``)."""
     report = VerifyReport()
     jobs: list[tuple[str, ObjectMeta, str]] = []  # (what, meta, namespace)
     for ns, info in inv.namespaces.items():
@@ -174,10 +188,10 @@ async def verify(
                     described = inv.namespaces[ns].described
                     pages = described.pages if described is not None else None
                     got: codec.ChunkHeader | bytes = await check_object(store, meta.key, pages, keys)
-                elif what == "descriptor" and meta.size > DESCRIPTOR_MAX_BYTES:
-                    raise CorruptChunk(f"descriptor is {meta.size} bytes, more than {DESCRIPTOR_MAX_BYTES}")
+                elif what == "descriptor":
+                    got = await _read_at_most(store, meta, DESCRIPTOR_MAX_BYTES, CorruptChunk, what)
                 else:
-                    got = await store.get(meta.key)
+                    got = await _read_at_most(store, meta, manifest_max_bytes, TooLarge, "manifest object")
             if isinstance(got, codec.ChunkHeader):
                 if got.signed:
                     report.signed_namespaces.add(ns)
@@ -199,6 +213,8 @@ async def verify(
                 raise  # S3 refuses verify itself: every read would
             report.problems.append(Problem(meta.key, "unreadable", str(e), ns))
             return
+        except TooLarge as e:
+            report.problems.append(Problem(meta.key, "oversized", str(e), ns))
         except (UnsupportedFormat, UnsupportedManifestVersion) as e:
             report.problems.append(Problem(meta.key, "unsupported", str(e), ns))
         except (CorruptChunk, CorruptManifest) as e:
@@ -212,6 +228,23 @@ async def verify(
     await asyncio.gather(*(one(*j) for j in jobs))
     report.problems.sort(key=lambda p: (p.kind, p.key))
     return report
+
+
+async def _read_at_most(
+    store: ObjectStore, meta: ObjectMeta, most: int, error: type[S3KVError], what: str
+) -> bytes:
+    """Listed object ``meta``'s bytes, refused (``error``) unread if it was
+    listed larger than ``most``, and never more than ``most`` + 1 bytes of
+    it read, whatever it became since it was listed."""
+    if meta.size > most:
+        raise error(f"{what} is {meta.size} bytes, more than {most}")
+    try:
+        data = await store.get(meta.key, ByteRange(0, most + 1))
+    except RangeNotSatisfiable:  # empty
+        return b""
+    if len(data) > most:
+        raise error(f"{what} is more than {most} bytes")
+    return data
 
 
 async def delete_corrupt(

@@ -1,11 +1,13 @@
 """One object the ops commands may not read (a 403: another KMS key, a
 bucket policy) or that fails to read (a 503) stops neither ``s3kv gc`` nor
 ``s3kv verify``: it is skipped, counted or reported with why, and judged
-again the next run. Through the CLI, against a real S3 server on loopback,
-the faults injected by a wrapper around the store the CLI opens."""
+again the next run. And verify reads no manifest object past the replicas'
+``manifest_max_bytes``. Through the CLI, against a real S3 server on
+loopback, the faults injected by a wrapper around the store the CLI opens."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -23,7 +25,7 @@ from s3kv.stores.factory import make_store
 from tests.ops.dataset import DAY, PREFIX
 from tests.ops.helpers import run_json, store_args
 from tests.ops.test_gc import manifest_of
-from tests.ops.test_hostile_chunks import key, namespace, seed_namespace, sound
+from tests.ops.test_hostile_chunks import junk, key, namespace, seed_namespace, sound
 from tests.stores.wrappers import Get, WrappedStore
 
 OLD = time.time() - 2 * DAY
@@ -179,3 +181,30 @@ def test_a_descriptor_the_scan_may_not_read_is_taken_for_none_and_reported(seede
     assert rc == 0 and out["unreadable_descriptors"] == {}
     assert out["result"]["orphan_chunks_published"] == 1
     assert manifest_of(s3, where, ns.id) == {fingerprint(key(1))}
+
+
+def test_verify_reads_no_manifest_object_past_the_replicas_cap(seeded_s3, capsys, faults, tmp_path):
+    """Before: both objects were read whole (3 MiB each, no range) and
+    called corrupt; now neither is read past manifest_max_bytes + 1."""
+    s3, bucket = seeded_s3, seeded_s3.new_bucket()
+    ns = namespace("capped")
+    seed_namespace(s3, bucket, ns)
+    cap = 1 << 20  # the smallest manifest_max_bytes
+    big = segment(s3, bucket, ns.id, 1)
+    s3.seed(bucket, big, junk(3 << 20), OLD)
+    grown = segment(s3, bucket, ns.id, 2)  # listed small, 3 MiB when read
+    s3.seed(bucket, grown, junk(3 << 20), OLD)
+    fine = segment(s3, bucket, ns.id, 3, note="x")
+    config = tmp_path / "kv.json"
+    config.write_text(json.dumps({"manifest_max_bytes": "1MiB"}))
+    faults.store = {"listed_sizes": {grown: 100}}
+
+    rc, rep = run_json(capsys, s3, bucket, "verify", "--all", "--config", str(config))
+    assert rc == 1, rep
+    oversized = {p["key"]: p["reason"] for p in rep["oversized"]}
+    assert set(oversized) == {big, grown} and rep["corrupt"] == []
+    assert f"{3 << 20} bytes, more than {cap}" in oversized[big] and f"more than {cap}" in oversized[grown]
+    store = faults.opened[-1]
+    assert store.gets_of(big) == []  # refused by its listed size, unread
+    assert [(g.range, g.returned) for g in store.gets_of(grown)] == [(ByteRange(0, cap + 1), cap + 1)]
+    assert [g.range for g in store.gets_of(fine)] == [ByteRange(0, cap + 1)]
