@@ -119,9 +119,15 @@ class LoadTiming:
     tier: Tier
     chunks: int
     first_s: float
-    """From the load's start to its first chunk of this tier in the KV cache."""
+    """The quickest of its chunks' attempts at this tier: from the tier
+    being asked (after any nearer source failed) to the chunk in the KV cache."""
     last_s: float
-    """From the load's start to its last chunk of this tier in the KV cache."""
+    """The slowest of its chunks' attempts at this tier, timed the same way."""
+    others: float = 0.0
+    """Chunks of other loads in flight on the tier while these were, on
+    average (they shared it: :mod:`s3kv.tiering.meter`)."""
+    load_s: float | None = None
+    """From the load's start to its last chunk of any tier (None: ``last_s``)."""
 
 
 @dataclass(frozen=True)

@@ -580,7 +580,8 @@ class Planner:
         for t in report.load_timings:
             self.cost.observe_load(t.tier, t.chunks, t.first_s, t.last_s)
             if t.req_id in self._load_started:  # its round trip ends when vLLM hears of it
-                self._load_took[t.req_id] = max(self._load_took.get(t.req_id, 0.0), t.last_s)
+                took = t.last_s if t.load_s is None else t.load_s
+                self._load_took[t.req_id] = max(self._load_took.get(t.req_id, 0.0), took)
         for st in report.step_timings:
             self.cost.observe_step(st.tokens, st.context, st.seconds)
 

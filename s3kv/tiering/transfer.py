@@ -31,8 +31,9 @@ from s3kv.stores.base import ObjectStore
 from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId
 from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.loop import JobLoop
+from s3kv.tiering.meter import Attempt, LoadMeter
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.plan import LoadChunk, LoadTiming, Place, StoreChunk, TierReport
+from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
 from s3kv.tiering.tiers import HANDLERS
 from s3kv.tiering.tiers.base import (
     EngineSettings,
@@ -84,11 +85,17 @@ class StoreJob:
 
 class TransferEngine:
     def __init__(
-        self, s3: ObjectStore | None, settings: EngineSettings, counters: Counters | None = None
+        self,
+        s3: ObjectStore | None,
+        settings: EngineSettings,
+        counters: Counters | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.s3 = s3
         self.s = settings
         self.counters = counters or Counters()
+        self.meter = LoadMeter(clock)
+        """Times each load's chunks, tier by tier, for the cost model."""
         self._loop = JobLoop("s3kv-transfer", settings.threads)
         self.report = RankReport()
         self.handlers: dict[Tier, TierHandler] = {}
@@ -169,28 +176,24 @@ class TransferEngine:
     async def _load_job(
         self, job_id: str | None, chunks: list[LoadChunk], sink: ChunkSink, target: ChunkTarget | None
     ) -> None:
-        start = time.perf_counter()
-        done: dict[Tier, list[float]] = {}  # tier -> when each of its chunks was in
-
-        async def one(chunk: LoadChunk) -> bool:
-            tier = await self._load_one(chunk, sink, target)
-            if tier is not None:
-                done.setdefault(tier, []).append(time.perf_counter() - start)
-            return tier is not None
-
-        ok = await asyncio.gather(*(one(c) for c in chunks))
-        failed = [c for c, loaded in zip(chunks, ok) if not loaded]
+        clock = self.meter.clock
+        start = clock()
+        attempts = await asyncio.gather(*(self._load_one(c, sink, target) for c in chunks))
+        failed = [c for c, a in zip(chunks, attempts) if a is None]
         if not failed and self.s.rank == 0:  # one observation per request, not per rank
+            took = clock() - start
             if job_id is not None:
-                self.counters.observe("request_load_seconds", time.perf_counter() - start)
-            for tier, times in done.items():  # the cost model's figures (ranks load alike)
-                self.report.timed(LoadTiming(job_id or "", tier, len(times), min(times), max(times)))
+                self.counters.observe("request_load_seconds", took)
+            done = [a for a in attempts if a is not None]
+            for timing in self.meter.timings(job_id or "", done, took):  # ranks load alike
+                self.report.timed(timing)
         if job_id is not None:
             self.report.finished(job_id, failed)
 
-    async def _load_one(self, chunk: LoadChunk, sink: ChunkSink, target: ChunkTarget | None) -> Tier | None:
-        """Load one chunk: the tier it came from, or None if it failed."""
-        start = time.perf_counter()
+    async def _load_one(
+        self, chunk: LoadChunk, sink: ChunkSink, target: ChunkTarget | None
+    ) -> Attempt | None:
+        """Load one chunk: the attempt at the tier it came from, or None if it failed."""
         key = chunk.key
         promote = [(self.handlers.get(p.tier), p) for p in chunk.promote]
         fills = [(h, p) for h, p in promote if h is not None and h.takes_pages]  # filled as layers load
@@ -198,7 +201,7 @@ class TransferEngine:
         sinks = [h.open_fill(p, key) for h, p in fills]
         try:
             deadline = time.monotonic() + self.s.load_timeout_s
-            source, nbytes, blob = await self._load_from_sources(
+            source, nbytes, blob, attempt = await self._load_from_sources(
                 chunk, sink, target, sinks, bool(later), deadline
             )
         except Exception as e:  # every failure becomes a recompute, never an engine error
@@ -214,7 +217,7 @@ class TransferEngine:
         self.report.tier_ok(source.tier)
         self.counters.add(f"load_chunks_{tier}")
         self.counters.add(f"load_bytes_{tier}", nbytes)
-        self.counters.observe(f"load_seconds_{tier}", time.perf_counter() - start)
+        self.counters.observe(f"load_seconds_{tier}", attempt.ended - attempt.started)
         for h, p in fills:
             h.close_fill(p, key)
             self.report.written(p.tier, key)
@@ -224,7 +227,7 @@ class TransferEngine:
                 self._loop.track(h.save(p, ChunkData(key, self.codec, blob=blob)))  # type: ignore[arg-type]
             else:
                 self.report.failed(p.tier, key)
-        return source.tier
+        return attempt
 
     async def _load_from_sources(
         self,
@@ -234,8 +237,9 @@ class TransferEngine:
         fills: list[FrameSink],
         keep_blob: bool,
         deadline: float,
-    ) -> tuple[TierHandler, int, bytes | None]:
-        """(handler it came from, bytes read, the object if asked to keep it).
+    ) -> tuple[TierHandler, int, bytes | None, Attempt]:
+        """(handler it came from, bytes read, the object if asked to keep it,
+        the attempt there: timed by itself, not from the load's start).
         A tier that lacks the chunk (absent, corrupt, a 403 on the object) is
         reported and the next source tried; so is one whose handler falls
         through on its own trouble (a disk that errs, is too slow or has no
@@ -258,8 +262,11 @@ class TransferEngine:
             try:
                 if h is None:
                     raise NotFound(f"no {tier.value} tier here")
-                nbytes, blob = await h.read(place, chunk.key, gate, deadline=deadline, keep_blob=keep_blob)
-                return h, nbytes, blob
+                with self.meter.attempt(tier) as attempt:
+                    nbytes, blob = await h.read(
+                        place, chunk.key, gate, deadline=deadline, keep_blob=keep_blob
+                    )
+                return h, nbytes, blob, attempt
             except Exception as e:
                 last = e
                 if h is None:

@@ -34,7 +34,7 @@ def layers(seed):
     return [rng.integers(0, 255, PAGE, dtype=np.uint8) for _ in range(LAYERS)]
 
 
-def engine(store, *, pool_slots=0, disk_path=None, **kw):
+def engine(store, *, pool_slots=0, disk_path=None, clock=time.perf_counter, **kw):
     settings = EngineSettings(
         **{
             "namespace": "n" * 32,
@@ -46,7 +46,7 @@ def engine(store, *, pool_slots=0, disk_path=None, **kw):
             **kw,
         }
     )
-    e = TransferEngine(store, settings)
+    e = TransferEngine(store, settings, clock=clock)
     e.configure(FMT, HostPool(pool_slots, PAGE, LAYERS) if pool_slots else None)
     return e
 
@@ -771,10 +771,10 @@ def test_a_read_that_waits_for_a_hung_disk_is_the_disks_failure(tmp_path, monkey
 
 
 class ManualClock:
-    """A tier's clock that moves only when the test moves it."""
+    """A clock that moves only when the test moves it (a tier's, or the engine's for its timings)."""
 
-    def __init__(self):
-        self.now = 0.0
+    def __init__(self, now=0.0):
+        self.now = now
 
     def __call__(self):
         return self.now
@@ -849,6 +849,58 @@ def test_a_disk_that_stalls_inside_a_read_pauses_the_disk_only(tmp_path, monkeyp
         resume.set()
     assert read_over.wait(60)
     assert all((kv[key][i] == s3_bytes[i]).all() for i in range(LAYERS))
+
+
+class ClockedGets(MemoryStore):
+    """Each GET takes ``get_s`` on ``clock``."""
+
+    def __init__(self, clock, get_s):
+        super().__init__()
+        self.clock, self.get_s, self.gets = clock, get_s, 0
+
+    async def get(self, key, range=None):
+        self.gets += 1
+        self.clock.now += self.get_s
+        return await super().get(key, range)
+
+
+def test_a_chunk_that_falls_back_from_a_stalled_disk_to_s3_is_timed_by_the_s3_attempt(tmp_path, monkeypatch):
+    """A chunk planned from NVMe whose read hangs until the disk's timeout
+    (6 s on the engine's clock), then loaded from S3: the cost model hears
+    S3's attempt alone, and nothing of the disk's (its breaker hears that)."""
+    clock = ManualClock(100.0)
+    store = ClockedGets(clock, 0.01)
+    key = b"f" * 16
+    e = engine(store, disk_path=tmp_path, clock=clock)
+    e.submit_store(job(key, layers(5), disk=True, s3=True))
+    wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
+    disk = e.handlers[Tier.DISK]
+    disk.timeout_s = 0.3  # short for the read under test, not the write before it
+    hung = threading.Event()
+    real_read, real_handler_read = files(e).read, disk.read
+
+    async def stalling_read(*a, **kw):  # the disk's whole wait, on the engine's clock
+        clock.now += 6.0
+        return await real_handler_read(*a, **kw)
+
+    def hung_read(*a, **kw):  # and in fact: no answer until the timeout
+        hung.wait(30)
+        return real_read(*a, **kw)
+
+    monkeypatch.setattr(disk, "read", stalling_read)
+    monkeypatch.setattr(files(e), "read", hung_read)
+    gets = store.gets
+    e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], collect({}))
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] == []
+    assert acc.tier_failed == {Tier.DISK: 1} and acc.tier_ok == {Tier.S3: 1}
+    (timing,) = acc.report.load_timings
+    s3_s = (store.gets - gets) * 0.01  # its GETs, one range each or together
+    assert timing.tier is Tier.S3 and timing.chunks == 1 and timing.others == 0
+    assert timing.first_s == pytest.approx(s3_s) and timing.last_s == pytest.approx(s3_s)
+    assert timing.load_s == pytest.approx(6.0 + s3_s)  # the load's own time: its round trip's part
+    hung.set()
+    e.close()
 
 
 def test_created_objects_are_told_to_the_publisher_but_412s_are_not():
