@@ -184,15 +184,17 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "cost_first_chunk_seconds",
         "gauge",
-        "The cost model's estimate of a load's first chunk from a tier (first-byte latency, one "
-        "chunk's transfer and checks): the median of recent loads, or a start-up value",
+        "The cost model's estimate of a load's first chunk from a tier when it has the tier to itself "
+        "(first-byte latency, one chunk's transfer and checks): the median of recent loads, or a "
+        "start-up value",
         "tier",
         TIERS,
     ),
     Family(
         "cost_bandwidth_bytes_per_second",
         "gauge",
-        "The cost model's estimate of a tier's bandwidth after a load's first chunk, raw KV bytes a second",
+        "The cost model's estimate of a tier's bandwidth, shared by the loads in flight on it, raw KV "
+        "bytes a second",
         "tier",
         TIERS,
     ),

@@ -7,16 +7,40 @@ for the slowest tier's share of them (the chunks of one load are fetched
 together, and an asynchronous load adds the scheduling round trip before the
 request computes the rest); if they are computed, for their tokens at the
 engine's prefill rate. The model offers the prefix that saves the most time,
-or none. Its figures, all measured on this replica and nothing else:
+or none.
 
-- per tier, the **first chunk**: from a load's start to its first chunk of
-  that tier in the KV cache (first-byte latency, plus one chunk's transfer
-  and checks); and the **bandwidth** of the rest: raw KV bytes a second
-  after that first chunk;
+Neither waits alone, and the model compares the two under the load the
+request meets, as the scheduler side knows it now:
+
+- a tier is shared by the loads in flight on it: their first-byte
+  latencies pass side by side, but their bytes go through one link and one
+  set of decoding threads. A load of ``n`` chunks while ``q`` chunks of
+  other loads are in flight on the tier takes its first chunk's time plus
+  ``n - 1 + q`` chunks at the tier's bandwidth (its chunks come in at its
+  share of it, ``n / (n + q)``);
+- the engine is shared by the prefills ahead of a request (vLLM schedules
+  the requests it runs first): computed, the request waits for their ``P``
+  tokens and then its own; loaded, its load runs while they compute, and
+  what it computes after the load waits for them either way. So loading
+  ``L`` tokens saves their prefill, less only the part of the load that
+  outlasts ``P`` tokens' prefill.
+
+Its figures, all measured on this replica and nothing else:
+
+- per tier, the **first chunk** of a load that has the tier to itself
+  (first-byte latency, plus one chunk's transfer and checks), and the
+  **bandwidth**: raw KV bytes a second through the tier, shared by the loads
+  on it. Each chunk's attempt at a tier is timed from when that tier was
+  asked, and each timing says how many chunks of other loads shared the tier
+  with it (:mod:`s3kv.tiering.meter`): :meth:`TierEstimate.observe` takes
+  the sharing out with the same model;
 - the **round trip** of an asynchronous load: from the plan to vLLM hearing
-  it finished, less the load's own time (the steps a waiting request sits out);
-- the engine's **prefill rate**, tokens a second of recent forward steps,
-  by the context length they reached.
+  it finished, less the load's own time (the steps a waiting request sits
+  out; timed under the engine's real load, so the longer steps of a busy
+  engine are in it);
+- the engine's **prefill rate**, tokens a second of recent forward steps
+  (every request's prefill in them together), by the context length they
+  reached.
 
 Each is the median of a window of recent observations, so that one slow
 request moves nothing. Until a figure is measured it has a start-up value
@@ -36,7 +60,7 @@ import bisect
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from s3kv.config import LOAD_POLICIES
@@ -105,26 +129,39 @@ class Window:
 
 class TierEstimate:
     """How long a load of ``n`` chunks from one tier takes: the first chunk,
-    then the rest at the tier's bandwidth."""
+    then the rest, and the chunks of other loads in flight on the tier, at
+    the tier's bandwidth."""
 
     def __init__(self, prior: TierPrior) -> None:
         self.first_s = Window(prior.first_s)
+        """A load's first chunk when it has the tier to itself."""
         self.bytes_per_s = Window(prior.bytes_per_s)
+        """The tier's bandwidth, shared by the loads on it."""
         self.explored_at: float | None = None
 
-    def observe(self, chunks: int, chunk_bytes: int, first_s: float, last_s: float, now: float) -> None:
+    def observe(
+        self, chunks: int, chunk_bytes: int, first_s: float, last_s: float, now: float, others: float = 0.0
+    ) -> None:
         """A load's ``chunks`` from this tier were in the KV cache ``first_s``
-        (the first) and ``last_s`` (all) seconds after it started."""
-        if chunks <= 0 or first_s < 0 or last_s < first_s:
+        (the first) and ``last_s`` (all) seconds after the tier was asked,
+        ``others`` chunks of other loads in flight on it meanwhile (on
+        average). At its share ``n / (n + m)`` of the bandwidth ``B``, its
+        first chunk took ``m / n`` chunks' transfer more than alone, and the
+        rest came ``(n - 1) (n + m) / n`` chunks' transfer later."""
+        if chunks <= 0 or first_s < 0 or last_s < first_s or others < 0:
             return
-        self.first_s.add(first_s, now)
         if chunks > 1:
-            self.bytes_per_s.add((chunks - 1) * chunk_bytes / max(last_s - first_s, 1e-4), now)
+            spread = (chunks - 1) * (chunks + others) / chunks
+            self.bytes_per_s.add(spread * chunk_bytes / max(last_s - first_s, 1e-4), now)
+        alone = first_s - others / chunks * chunk_bytes / self.bytes_per_s.value
+        # Sharing cannot make a load more than (n + m) / n times slower.
+        self.first_s.add(max(alone, first_s * chunks / (chunks + others)), now)
 
-    def seconds(self, chunks: int, chunk_bytes: int) -> float:
+    def seconds(self, chunks: int, chunk_bytes: int, others: int = 0) -> float:
+        """A load of ``chunks`` while ``others`` chunks of other loads are in flight on the tier."""
         if chunks <= 0:
             return 0.0
-        return self.first_s.value + (chunks - 1) * chunk_bytes / self.bytes_per_s.value
+        return self.first_s.value + (chunks - 1 + others) * chunk_bytes / self.bytes_per_s.value
 
     def stale(self, now: float) -> bool:
         """Not measured (nor explored) for :data:`EXPLORE_S`."""
@@ -216,8 +253,10 @@ class CostModel:
         """Timed from steps that compute at least ``min_step_tokens``."""
 
     # -- observations ------------------------------------------------------------
-    def observe_load(self, tier: Tier, chunks: int, first_s: float, last_s: float) -> None:
-        self.tiers[tier].observe(chunks, self.chunk_bytes, first_s, last_s, self.clock())
+    def observe_load(
+        self, tier: Tier, chunks: int, first_s: float, last_s: float, others: float = 0.0
+    ) -> None:
+        self.tiers[tier].observe(chunks, self.chunk_bytes, first_s, last_s, self.clock(), others)
 
     def observe_round_trip(self, seconds: float) -> None:
         self.round_trip_s.add(max(0.0, seconds), self.clock())
@@ -226,16 +265,22 @@ class CostModel:
         self.prefill.observe(tokens, context, seconds, self.clock())
 
     # -- the choice ------------------------------------------------------------------
-    def load_seconds(self, tiers: Sequence[Tier], sync: Sequence[bool]) -> float:
+    def load_seconds(
+        self, tiers: Sequence[Tier], sync: Sequence[bool], inflight: Mapping[Tier, int] | None = None
+    ) -> float:
         """Estimated wait for loading chunks from ``tiers`` (one per chunk;
-        ``sync``: copied during the forward, no round trip)."""
+        ``sync``: copied during the forward, no round trip) while
+        ``inflight`` chunks of other loads are in flight, by tier."""
         counts: dict[Tier, int] = {}
         for t in tiers:
             counts[t] = counts.get(t, 0) + 1
-        return self._load_seconds(counts, any(not s for s in sync))
+        return self._load_seconds(counts, any(not s for s in sync), inflight or {})
 
-    def _load_seconds(self, counts: dict[Tier, int], has_async: bool) -> float:
-        slowest = max((self.tiers[t].seconds(n, self.chunk_bytes) for t, n in counts.items()), default=0.0)
+    def _load_seconds(self, counts: dict[Tier, int], has_async: bool, inflight: Mapping[Tier, int]) -> float:
+        slowest = max(
+            (self.tiers[t].seconds(n, self.chunk_bytes, inflight.get(t, 0)) for t, n in counts.items()),
+            default=0.0,
+        )
         return slowest + (self.round_trip_s.value if has_async else 0.0)
 
     def choose(
@@ -249,17 +294,23 @@ class CostModel:
         context_tokens: int,
         end_tokens: int | None = None,
         policy: str | None = None,
+        ahead_tokens: int = 0,
+        inflight: Mapping[Tier, int] | None = None,
     ) -> Decision:
         """How many chunks of a hit to offer. ``tiers[i]`` (``sync[i]``:
         a synchronous tier) holds the chunk that starts at token
         ``first_token + i * chunk_tokens``; the request has ``local_tokens``
         already, ``context_tokens`` in all, and a load may end no later than
-        ``end_tokens``. ``policy`` overrides the replica's for this request."""
+        ``end_tokens``. ``policy`` overrides the replica's for this request.
+        The engine has ``ahead_tokens`` of prefill to compute before this
+        request's, and ``inflight`` chunks of other loads are in flight, by tier."""
         n = len(tiers)
         if (policy or self.policy) == "always" or n == 0:
             return Decision(n)
         now = self.clock()
         per_token = self.prefill.seconds_per_token(context_tokens)
+        hidden = ahead_tokens * per_token  # a load this long costs the request nothing
+        inflight = inflight or {}
         best, best_gain = 0, 0.0
         counts: dict[Tier, int] = {}
         has_async = False
@@ -270,7 +321,8 @@ class CostModel:
             end = first_token + k * chunk_tokens
             if end_tokens is not None:
                 end = min(end, end_tokens)
-            gain = (end - local_tokens) * per_token - self._load_seconds(counts, has_async)
+            load = self._load_seconds(counts, has_async, inflight)
+            gain = (end - local_tokens) * per_token - max(0.0, load - hidden)
             if gain > best_gain:
                 best, best_gain = k, gain
         if best < n:

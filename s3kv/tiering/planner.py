@@ -129,6 +129,13 @@ class Planner:
         """Asynchronous loads planned, by request: when (the cost model's round trip)."""
         self._load_took: dict[str, float] = {}
         """Asynchronous loads' own time on rank 0, by request, until vLLM hears they finished."""
+        self._loading: dict[str, dict[Tier, int]] = {}
+        """Chunks of each planned load by tier, until it is over on every rank."""
+        self._inflight: dict[Tier, int] = {}
+        """Their sum: the chunks a new load shares each tier with (the cost model)."""
+        self._to_compute: dict[str, int] = {}
+        """Prompt tokens each request vLLM runs, or looked up, has yet to
+        compute: the prefill a request looked up after them waits behind."""
         self.chunk_bytes = chunk_bytes
         """Raw KV bytes of one chunk shard."""
         self.prefetch_bytes = prefetch_bytes
@@ -228,6 +235,8 @@ class Planner:
         req.looked_up = True
         req.local_tokens = num_computed_tokens
         req.hit = []
+        ahead = sum(self._to_compute.values()) - self._to_compute.get(req_id, 0)
+        self._to_compute[req_id] = num_tokens - num_computed_tokens  # until a load is offered
         if req.load_failed:
             return 0, False
         ct = self.chunk_tokens
@@ -246,6 +255,9 @@ class Planner:
         hit = self.stack.hits(req_id, keys, req.fps, start, n_chunks)
         whole, _ = self._offer(hit, start, num_tokens, num_computed_tokens)
         if self.cost is not None and hit:
+            inflight = self._inflight
+            if self._prefetching:  # prefetches share S3 with the loads
+                inflight = {**inflight, Tier.S3: inflight.get(Tier.S3, 0) + len(self._prefetching)}
             decision = self.cost.choose(
                 [m.tier for m in hit],
                 [m.sync_load for m in hit],
@@ -255,6 +267,8 @@ class Planner:
                 context_tokens=num_tokens,
                 end_tokens=num_tokens - 1,
                 policy=policy,
+                ahead_tokens=ahead,
+                inflight=inflight,
             )
             if decision.chunks < len(hit):
                 hit = hit[: decision.chunks]
@@ -268,6 +282,7 @@ class Planner:
             self.counters.add("load_policy_tokens_offered", n)
             self.counters.add("load_policy_tokens_declined", whole - n)
         req.load_async = n > 0 and not sync
+        self._to_compute[req_id] -= n
         return (n, not sync) if n > 0 else (0, False)
 
     def _offer(
@@ -435,6 +450,7 @@ class Planner:
         plan = LoadPlan(req_id, tuple(chunks), not req.load_async)
         self._pending_loads.append(plan)
         self._load_pins[req_id] = pins
+        self._count_loading(req_id, [m.tier for m in tiers])
         if req.load_async:
             self._async_loading.add(req_id)
             if self.cost is not None:
@@ -466,6 +482,10 @@ class Planner:
             done = s.num_computed_tokens + s.num_scheduled_tokens
             if s.num_computed_tokens < req.num_prompt_tokens and s.num_scheduled_tokens:
                 context = max(context, done)  # a prefill
+            if done < req.num_prompt_tokens:
+                self._to_compute[s.req_id] = req.num_prompt_tokens - done
+            else:
+                self._to_compute.pop(s.req_id, None)
             plan.stores += self._plan_stores(req, done, s.block_ids)
         if self.cost is not None and tokens:
             plan.step = StepTokens(tokens, context)
@@ -503,6 +523,7 @@ class Planner:
         """The request is done. Plan stores of its last full chunks (those
         holding generated tokens) for the next step; True if vLLM must keep
         its blocks until that step's copies are done."""
+        self._to_compute.pop(req_id, None)
         req = self._requests.get(req_id)
         if req is None:
             return False
@@ -537,6 +558,7 @@ class Planner:
         synchronous ones): what they read may be evicted again."""
         for req_id in req_ids:
             self._async_loading.discard(req_id)
+            self._count_loading(req_id, None)
             started = self._load_started.pop(req_id, None)
             took = self._load_took.pop(req_id, None)
             if self.cost is not None and started is not None and took is not None:
@@ -578,12 +600,27 @@ class Planner:
         """Rank 0's timings, into the cost model."""
         assert self.cost is not None
         for t in report.load_timings:
-            self.cost.observe_load(t.tier, t.chunks, t.first_s, t.last_s)
+            self.cost.observe_load(t.tier, t.chunks, t.first_s, t.last_s, t.others)
             if t.req_id in self._load_started:  # its round trip ends when vLLM hears of it
                 took = t.last_s if t.load_s is None else t.load_s
                 self._load_took[t.req_id] = max(self._load_took.get(t.req_id, 0.0), took)
         for st in report.step_timings:
             self.cost.observe_step(st.tokens, st.context, st.seconds)
+
+    def _count_loading(self, req_id: str, tiers: Sequence[Tier] | None) -> None:
+        """A load of chunks from ``tiers`` was planned (None: it is over)."""
+        for tier, n in self._loading.pop(req_id, {}).items():
+            self._inflight[tier] -= n
+        if tiers is None or self.cost is None:
+            return
+        if len(self._loading) > 4096:  # loads vLLM never told the end of
+            self._loading.clear()
+            self._inflight.clear()
+        counts: dict[Tier, int] = {}
+        for t in tiers:
+            counts[t] = counts.get(t, 0) + 1
+            self._inflight[t] = self._inflight.get(t, 0) + 1
+        self._loading[req_id] = counts
 
     # -- KV events -------------------------------------------------------------
     def _remember(self, req: _Request, c: int) -> None:

@@ -1,12 +1,15 @@
 """The load policy: the cost model's estimates and the prefix it offers, on
 its own and inside the planner (no vLLM, no I/O)."""
 
+import contextlib
+
 import pytest
 
 from s3kv.config import parse_config
 from s3kv.errors import ConfigError
 from s3kv.keys import chain_keys
 from s3kv.tiering.cost import EXPLORE_S, PRIORS, CostModel, context_bucket
+from s3kv.tiering.meter import LoadMeter
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadTiming, StepTiming, TierReport
 from tests.unit.test_planner import CT, NS, SHARD, on_load_results, planner, put_cpu, sched
@@ -231,6 +234,7 @@ def test_a_probe_of_a_tier_the_policy_declines_is_given_back():
     timed(p, prefill_tokens_per_s=1000, s3=(8, 0.5, 0.52))
     on_load_results(p, set(), failed={Tier.S3: 1})  # S3 failed: paused for 5 s
     assert offered(p, "paused", LONG) == (0, False)
+    p.request_finished("paused", [], 0)  # computed, and over by the time S3 may be probed
     clock.now += 5.5
     assert offered(p, "short", SHORT) == (0, False)  # would have been the probe
     assert offered(p, "long", LONG) == (40 * CT, True)  # so this one is
@@ -255,3 +259,107 @@ def test_start_up_values_are_the_documented_ones():
     p, _ = cost_planner(cpu_slots=4)
     put_cpu(p, LONG_KEYS[:1])
     assert offered(p, "r", SHORT) == (CT, False)  # a CPU hit of one chunk loads
+
+
+# -- loads that share a tier, prefills that share the engine ------------------------
+# A tier whose first chunk takes 20 ms alone and that moves a chunk shard in
+# 20 ms, however many loads share it; the engine prefills 1,000 tokens a second.
+FIRST_S, CHUNK_S = 0.02, 0.02
+FOUR = [[1000 * (r + 1) + t for t in range(4 * CT + 7)] for r in range(10)]  # 4 chunks each, distinct
+FOUR_KEYS = [chain_keys(NS, prompt, CT) for prompt in FOUR]
+
+
+def shared_load(n, others):
+    """(first_s, last_s) of a load of ``n`` chunks at its share n / (n + others) of that tier."""
+    return FIRST_S + others / n * CHUNK_S, FIRST_S + (n - 1 + others) * CHUNK_S
+
+
+def test_loads_timed_while_others_shared_the_tier_are_taken_as_one_loads_cost():
+    """Issue 26.6: a fresh replica's first 8 loads, all at once, each measured
+    at an eighth of the tier. Taken as they came (first chunk 160 ms, 3
+    chunks in 480 ms after it), a later 4-chunk hit would seem to take 640
+    ms against 256 ms of compute, and every later hit was computed."""
+    p, index = cost_planner()
+    for keys in FOUR_KEYS:
+        index.update(keys)
+    timed(p, prefill_tokens_per_s=1000)
+    report = TierReport()
+    for r in range(8):
+        first, last = shared_load(4, 7 * 4)
+        report.load_timings.append(LoadTiming(f"burst{r}", Tier.S3, 4, first, last, others=7 * 4))
+    p.on_report(report)
+    est = p.cost.tiers[Tier.S3]
+    assert est.first_s.value == pytest.approx(FIRST_S)
+    assert est.bytes_per_s.value == pytest.approx(SHARD / CHUNK_S)
+    # Alone, 4 chunks load in 80 ms: offered.
+    assert offered(p, "alone", FOUR[8]) == (4 * CT, True)
+    assert p.cost.load_seconds([Tier.S3] * 4, [False] * 4) == pytest.approx(FIRST_S + 3 * CHUNK_S)
+    p.request_finished("alone", [], 0)
+    # Beside 7 loads of 4 chunks, it waits for 31 chunks: 640 ms, sooner computed...
+    for r in range(7):  # (``always``: the policy would compute some of these too)
+        n, _ = p.lookup(f"load{r}", FOUR[r], len(FOUR[r]), 0, policy="always")
+        p.on_alloc(f"load{r}", list(range(8 * r, 8 * r + 8)), n)
+    assert offered(p, "shared", FOUR[9]) == (0, False)
+    # ... unless the engine has prefill to compute first: the load runs meanwhile.
+    p.request_finished("shared", [], 0)
+    offered(p, "computing", LONG[: 10 * CT + 7])  # 647 tokens, nothing in the tiers: computed
+    assert offered(p, "behind", FOUR[9]) == (4 * CT, True)
+    # Their loads over (and the prefill), the next one has the tier to itself again.
+    p.on_recved([f"load{r}" for r in range(7)] + ["behind"])
+    for req_id in ("computing", "behind"):
+        p.request_finished(req_id, [], 0)
+    assert offered(p, "later", FOUR[9]) == (4 * CT, True)
+
+
+def test_a_load_timed_alone_and_one_timed_shared_give_the_same_estimates():
+    m, shared = model(), model()
+    m.observe_load(Tier.S3, 4, *shared_load(4, 0))
+    shared.observe_load(Tier.S3, 4, *shared_load(4, 12), others=12)
+    for est in (m, shared):
+        assert est.tiers[Tier.S3].first_s.value == pytest.approx(FIRST_S)
+        assert est.tiers[Tier.S3].bytes_per_s.value == pytest.approx(SHARD / CHUNK_S)
+    # One chunk beside 5 others: its first (and only) chunk waited for theirs.
+    shared.observe_load(Tier.S3, 1, *shared_load(1, 5), others=5)
+    assert shared.tiers[Tier.S3].first_s.value == pytest.approx(FIRST_S)
+    # A load predicted with others in flight is the shared one's time.
+    assert shared.load_seconds([Tier.S3] * 4, [False] * 4, {Tier.S3: 12}) == pytest.approx(
+        shared_load(4, 12)[1]
+    )
+    # Sharing explains no more than (n + m) / n times a load's time.
+    m.observe_load(Tier.S3, 1, 0.001, 0.001, others=100)
+    m.observe_load(Tier.S3, 1, 0.001, 0.001, others=100)
+    assert m.tiers[Tier.S3].first_s.value == pytest.approx(0.001 / 101)
+
+
+def test_a_load_hidden_behind_the_prefill_ahead_costs_the_request_nothing():
+    m = model()
+    m.observe_step(1024, 2048, 1.024)  # 1 ms a token
+    m.observe_load(Tier.S3, 2, 0.5, 0.52)  # S3 half a second to its first chunk
+    hit = dict(
+        tiers=[Tier.S3], sync=[False], first_token=0, chunk_tokens=CT, local_tokens=0, context_tokens=CT + 7
+    )
+    assert m.choose(**hit).chunks == 0  # 64 ms of compute against 0.5 s
+    assert m.choose(**hit, ahead_tokens=300).chunks == 0  # still 0.2 s more than 64 ms
+    assert m.choose(**hit, ahead_tokens=500).chunks == 1  # waiting anyway: loaded meanwhile
+
+
+def test_the_meter_counts_the_chunks_that_shared_a_tier_with_a_load():
+    clock = Clock()
+    clock.now = 0.0
+    meter = LoadMeter(clock)
+    with contextlib.ExitStack() as mine, contextlib.ExitStack() as theirs:
+        a = mine.enter_context(meter.attempt(Tier.S3))
+        b = theirs.enter_context(meter.attempt(Tier.S3))
+        disk = meter.attempt(Tier.DISK)  # another tier shares nothing
+        with disk:
+            clock.now = 0.5
+        c = theirs.enter_context(meter.attempt(Tier.S3))
+        clock.now = 1.0
+        mine.close()  # mine: one chunk, 0..1 s, beside b all the time and c for half of it
+        clock.now = 2.0
+    (t,) = LoadMeter.timings("mine", [a], 1.0)
+    assert (t.tier, t.chunks, t.first_s, t.last_s, t.load_s) == (Tier.S3, 1, 1.0, 1.0, 1.0)
+    assert t.others == pytest.approx(1.5)
+    (t,) = LoadMeter.timings("theirs", [b, c], 2.0)  # 0..2 s: beside a for 1 s
+    assert (t.chunks, t.first_s, t.last_s) == (2, 1.5, 2.0)
+    assert t.others == pytest.approx(0.5)
