@@ -33,6 +33,7 @@ SUITE = (
     "lookup",
     "ttft",
     "load_policy",
+    "load_policy_concurrent",
     "prefetch",
     "fleet",
 )

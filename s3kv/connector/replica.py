@@ -30,6 +30,9 @@ SPEC, a JSON object:
   ``generate`` call: they queue in vLLM's scheduler), one burst after
   another once ``prompts`` ran. Their results follow the prompts' in
   RESULT's lists, in order (``ttft_s``: from each request's arrival).
+- ``in_flight``: optional; with it, a burst's requests reach the engine
+  no more than this many at once, the next as one finishes (a client
+  keeping that many requests in flight) instead of all at once.
 
 RESULT, a JSON object:
 
@@ -147,6 +150,25 @@ def _params(params: Any, entry: Any) -> Any:
     return request_params
 
 
+def _in_flight(llm: Any, name: str, burst: list[Any], params: Any, limit: int) -> list[Any]:
+    """``burst``'s outputs, in order, its requests added to ``llm``'s engine
+    no more than ``limit`` at a time: the next as one finishes."""
+    engine = llm.llm_engine
+    waiting = list(enumerate(burst))[::-1]
+    index: dict[str, int] = {}
+    outs: list[Any] = [None] * len(burst)
+    while waiting or index:
+        while waiting and len(index) < limit:
+            i, entry = waiting.pop()
+            prompt = {"prompt_token_ids": _prompt(entry, [], [])}
+            engine.add_request(f"{name}-{i}", prompt, _params(params, entry))
+            index[f"{name}-{i}"] = i  # the id its outputs carry (vLLM's own adds a suffix)
+        for out in engine.step():
+            if out.finished:
+                outs[index.pop(out.request_id)] = out
+    return outs
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Run SPEC in this process and return RESULT (both in the module docstring)."""
     from vllm import LLM, SamplingParams
@@ -193,10 +215,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         (out,) = llm.generate([{"prompt_token_ids": prompt}], _params(params, entry), use_tqdm=False)
         record(out, time.perf_counter() - t0)
-    for burst in spec.get("bursts", ()):
-        batch = [{"prompt_token_ids": _prompt(entry, [], [])} for entry in burst]
+    in_flight = spec.get("in_flight")
+    for b, burst in enumerate(spec.get("bursts", ())):
         t0 = time.perf_counter()
-        outs = llm.generate(batch, [_params(params, entry) for entry in burst], use_tqdm=False)
+        if in_flight:
+            outs = _in_flight(llm, f"burst{b}", burst, params, int(in_flight))
+        else:
+            batch = [{"prompt_token_ids": _prompt(entry, [], [])} for entry in burst]
+            outs = llm.generate(batch, [_params(params, entry) for entry in burst], use_tqdm=False)
         wall = time.perf_counter() - t0
         for out in outs:
             record(out, wall)
