@@ -632,6 +632,11 @@ def _print_gc(
             f"{res.segments_deleted} segment(s) and {res.snapshots_deleted} snapshot(s) dropped, "
             f"{res.access_merged} access record(s) merged"
         )
+        for ns, why in res.compactions_skipped.items():
+            con.print(
+                f"namespace {ns}: compaction skipped ({why}): a manifest object it needs could not be read; "
+                "nothing pruned (compacted again the next run)"
+            )
         if res.unsigned:
             con.print(
                 f"{len(res.unsigned)} unsigned or badly signed manifest object(s) ignored (s3kv verify lists them)"

@@ -21,7 +21,9 @@ that, whatever selected it. A chunk is deleted whole (every rank's object).
    truth, plus keys in segments written since the listing began), then the
    segments it covers that are older than ``segment_min_age_s`` are deleted,
    snapshots beyond the newest few pruned, and each closed hour's access
-   records merged into one object (keeping only live keys).
+   records merged into one object (keeping only live keys). A segment or
+   snapshot it needs that gc cannot read (a 403, a 503) skips that
+   namespace's compaction this run; the others go on.
 
 A replica that loads a chunk between the listing and the tombstone reaching
 it gets a load error and recomputes: the cache is a hint, never a source of
@@ -33,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,6 +262,12 @@ class Result:
     newer format or not decoded; every one of a namespace whose descriptor
     does not say its TP size): left out of the snapshot, judged again the
     next run."""
+    compactions_skipped: dict[str, str] = field(default_factory=dict)
+    """Namespaces whose compaction gc stopped this run, and why: a segment or
+    snapshot it needs that gc may not read (a 403) or that failed to read (a
+    503). A snapshot written without one of them would lose its keys or
+    tombstones: none is written from what was read, nothing is pruned, and
+    it is compacted again the next run."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -277,6 +285,7 @@ class Result:
             "orphan_chunks_published": self.orphans_published,
             "orphan_chunks_refused": self.orphans_refused,
             "orphan_chunks_skipped": self.orphans_skipped,
+            "compactions_skipped": self.compactions_skipped,
         }
 
 
@@ -459,9 +468,12 @@ async def execute(
                 continue
             if lease is not None:
                 lease.check()
-            await compact(
-                store, inv, inv.namespaces[ns], p, stamps[ns], result, concurrency, clock, lease, keys
-            )
+            try:
+                await compact(
+                    store, inv, inv.namespaces[ns], p, stamps[ns], result, concurrency, clock, lease, keys
+                )
+            except _Unread as e:
+                result.compactions_skipped[ns] = str(e)
     return result
 
 
@@ -493,13 +505,31 @@ def _complete(chunk: Chunk, tp: int | None) -> bool:
     return ranks.issuperset(range(tp))
 
 
+class _Unread(Exception):
+    """A segment or snapshot a namespace's compaction needs, unread: the
+    compaction stops (:attr:`Result.compactions_skipped`), the run goes on."""
+
+
+@contextlib.contextmanager
+def _needed(name: str) -> Iterator[None]:
+    """Reading manifest object ``name``, which the compaction needs: one gc
+    may not read (a 403) or that failed to read (a 503) raises
+    :class:`_Unread`; a 403 that refuses gc's own credentials stops the run."""
+    try:
+        yield
+    except (PermissionDenied, Transient) as e:
+        if isinstance(e, PermissionDenied) and e.credentials:
+            raise  # S3 refuses gc itself, not this object
+        raise _Unread(str(e) if name in str(e) else f"{name}: {e}") from e
+
+
 async def _orphans(
     store: ObjectStore,
     info: NamespaceInfo,
     listed: dict[int, Chunk],
     snapshot: ObjectMeta | None,
     new: list[ObjectMeta],
-    segment: Callable[[str], Awaitable[mf.ManifestObject]],
+    segment: Callable[[ObjectMeta], Awaitable[mf.ManifestObject]],
     keys: FleetKeys | None,
     concurrency: int,
 ) -> dict[int, bool | None]:
@@ -515,13 +545,14 @@ async def _orphans(
     is taken for whole without every rank's object."""
     named: set[int] = set()
     if snapshot is not None:
-        with contextlib.suppress(NotFound, CorruptManifest):  # none that reads: every chunk is checked
+        # None that reads: every chunk is checked; one unread: no compaction.
+        with _needed(snapshot.key), contextlib.suppress(NotFound, CorruptManifest):
             named.update(
                 mf.decode(await store.get(snapshot.key), name=snapshot.key, keys=keys).added.tolist()
             )
     for m in new:
         try:
-            named.update((await segment(m.key)).added.tolist())
+            named.update((await segment(m)).added.tolist())
         except (NotFound, CorruptManifest):
             continue
     todo = {fp: c for fp, c in listed.items() if fp not in named}
@@ -560,6 +591,10 @@ async def compact(
     lease: Lease | None = None,
     keys: FleetKeys | None = None,
 ) -> None:
+    """Compact one namespace's manifest (step 5 of :func:`execute`). A
+    segment or snapshot it needs that it cannot read raises :class:`_Unread`:
+    one the new snapshot needs, before it is written; the snapshot under
+    which segments are pruned, before anything is."""
     now_ms = int(clock() * 1000)
     skew_ms = int(p.policy.skew_s * 1000)
     # Segments by name, none stamped in the future: the newest becomes the
@@ -576,31 +611,32 @@ async def compact(
     )
     stamps.seen(m.key for m in segments)
     snapshots = sorted(info.snapshots, key=lambda m: m.key)
-    heads: dict[str, dict[str, Any]] = {}
 
-    async def head(name: str) -> dict[str, Any] | None:
-        if name not in heads:
+    async def head(m: ObjectMeta) -> dict[str, Any] | None:
+        with _needed(m.key):
             try:
-                heads[name] = (await read_manifest_head(store, name, keys))[3]
-            except (NotFound, CorruptManifest, S3KVError):
+                return (await read_manifest_head(store, m.key, keys))[3]
+            except (PermissionDenied, Transient):
+                raise
+            except S3KVError:  # gone, corrupt, of a newer format: no horizon
                 return None
-        return heads[name]
 
-    newest = await head(snapshots[-1].key) if snapshots else None
+    newest = await head(snapshots[-1]) if snapshots else None
     covered = Horizon.of(newest or {})
     new = [m for m in segments if not covered.covers(m.key)]
     listed = {fingerprint(k): c for k, c in info.chunks.items() if _complete(c, info.tp_size)}
     reads: dict[str, mf.ManifestObject | S3KVError] = {}
 
-    async def segment(name: str) -> mf.ManifestObject:
+    async def segment(m: ObjectMeta) -> mf.ManifestObject:
         """A segment, read once a compaction (the orphan check and the live
         set both need the recent ones); raises as decoding it did."""
-        if name not in reads:
+        if m.key not in reads:
             try:
-                reads[name] = mf.decode(await store.get(name), name=name, keys=keys)
+                with _needed(m.key):
+                    reads[m.key] = mf.decode(await store.get(m.key), name=m.key, keys=keys)
             except (NotFound, CorruptManifest) as e:
-                reads[name] = e
-        got = reads[name]
+                reads[m.key] = e
+        got = reads[m.key]
         if isinstance(got, S3KVError):
             raise got
         return got
@@ -608,20 +644,18 @@ async def compact(
     orphans = await _orphans(
         store, info, listed, snapshots[-1] if snapshots else None, new, segment, keys, concurrency
     )
-    result.orphans_refused += sum(ok is False for ok in orphans.values())
-    result.orphans_skipped += sum(ok is None for ok in orphans.values())
+    live: set[int] | None = None
     if new or info.id in result.deleted or any(orphans.values()):
         # The live keys: the listing (chunks with every rank; those no
         # manifest object named only if they verify), less what was deleted,
         # plus keys in segments written since the listing began (their
         # objects may have been stored after it), in name order.
         live = set(listed) - {fp for fp, ok in orphans.items() if ok is not True}
-        result.orphans_published += sum(ok is True for ok in orphans.values())
         since = min(int(inv.started_at * 1000), stamps.max_listed) - skew_ms
         tally, by_fp = RankTally(), {fingerprint(k): c for k, c in info.chunks.items()}
         for m in [m for m in segments if (name_ts(m.key) or 0) >= since]:
             try:
-                obj = await segment(m.key)
+                obj = await segment(m)
                 ranks = rank_fields(obj.meta)
             except UnsignedManifest:
                 result.unsigned.append(m.key)
@@ -633,6 +667,11 @@ async def compact(
                 added = _whole(tally, m.key, ranks, added, by_fp)
             live.update(added)
             live.difference_update(obj.removed.tolist())
+    # Every segment and snapshot it needs read: counted, then written.
+    result.orphans_refused += sum(ok is False for ok in orphans.values())
+    result.orphans_skipped += sum(ok is None for ok in orphans.values())
+    if live is not None:
+        result.orphans_published += sum(ok is True for ok in orphans.values())
         horizon = Horizon.over((m.key for m in segments), skew_ms)  # up to the newest segment
         meta = {**horizon.meta(), "writer": stamps.writer, "by": "gc"}
         body = mf.encode(mf.ManifestObject("snapshot", as_sorted_unique(list(live)), meta=meta), keys)
@@ -653,7 +692,8 @@ async def compact(
     old: list[str] = []
     if cover is not None:
         try:
-            snap = mf.decode(await store.get(cover.key), name=cover.key, keys=keys)
+            with _needed(cover.key):
+                snap = mf.decode(await store.get(cover.key), name=cover.key, keys=keys)
             cover_horizon = Horizon.last_of(snap.meta)
         except (NotFound, CorruptManifest):
             cover_horizon = ""

@@ -13,7 +13,6 @@ and whether the namespace's replicas sign (:func:`manifest_signed`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -232,7 +231,8 @@ async def read_descriptor(
 async def manifest_signed(store: ObjectStore, info: NamespaceInfo, sample: int = 8) -> bool:
     """Whether the namespace's replicas sign their manifest: its newest
     snapshot or one of its newest segments is signed (a forger's unsigned
-    ones beside them do not make it look unsigned)."""
+    ones beside them do not make it look unsigned; one that is not read, a
+    403 or a 503, does not stop the run)."""
     newest = []
     for objs, n in ((info.snapshots, 1), (info.segments, sample)):
         named = sorted(
@@ -240,9 +240,14 @@ async def manifest_signed(store: ObjectStore, info: NamespaceInfo, sample: int =
         )
         newest += named[-n:]
     for m in newest:
-        with contextlib.suppress(NotFound, PermissionDenied, CorruptManifest):
-            if mf.is_signed(await read_head_bytes(store, m.key, mf.head_length)):
-                return True
+        try:
+            head = await read_head_bytes(store, m.key, mf.head_length)
+        except (NotFound, CorruptManifest, PermissionDenied, Transient) as e:
+            if isinstance(e, PermissionDenied) and e.credentials:
+                raise  # S3 refuses the caller itself: every read would
+            continue  # gone, junk, or not read (a 403, a 503): the others tell
+        if mf.is_signed(head):
+            return True
     return False
 
 

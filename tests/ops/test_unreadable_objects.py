@@ -2,8 +2,9 @@
 bucket policy) or that fails to read (a 503) stops neither ``s3kv gc`` nor
 ``s3kv verify``: it is skipped, counted or reported with why, and judged
 again the next run. And verify reads no manifest object past the replicas'
-``manifest_max_bytes``. Through the CLI, against a real S3 server on
-loopback, the faults injected by a wrapper around the store the CLI opens."""
+``manifest_max_bytes``. Through the CLI, against
+a real S3 server on loopback, the faults injected by a wrapper around the
+store the CLI opens."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 import s3kv.cli.ops as cli_ops
@@ -208,3 +210,55 @@ def test_verify_reads_no_manifest_object_past_the_replicas_cap(seeded_s3, capsys
     assert store.gets_of(big) == []  # refused by its listed size, unread
     assert [(g.range, g.returned) for g in store.gets_of(grown)] == [(ByteRange(0, cap + 1), cap + 1)]
     assert [g.range for g in store.gets_of(fine)] == [ByteRange(0, cap + 1)]
+
+
+def fps(*keys: bytes) -> np.ndarray:
+    return np.array(sorted(fingerprint(k) for k in keys), np.uint64)
+
+
+def snapshots_of(s3, bucket: str, ns: str) -> set[str]:
+    return set(s3.listing(bucket, f"{PREFIX}/{ns}/manifest/{mp.SNAPSHOTS}"))
+
+
+def test_gc_skips_the_compaction_of_a_namespace_whose_segment_it_may_not_read(seeded_s3, capsys, faults):
+    """Before: the 403 on one namespace's segment aborted gc at that
+    namespace's compaction (exit 3), and every namespace after it went
+    uncompacted, every run while it lasted. Now that compaction alone is
+    skipped (no snapshot written without the segment's keys and
+    tombstones, nothing pruned) and reported; the next run compacts it."""
+    s3, bucket = seeded_s3, seeded_s3.new_bucket()
+    first, second = sorted((namespace("compact-a"), namespace("compact-b")), key=lambda n: n.id)
+    for ns in (first, second):
+        seed_namespace(s3, bucket, ns)
+        s3.seed(bucket, object_key(PREFIX, ns.id, key(1), 0), sound(ns.id, key(1)), OLD)
+    base = f"{PREFIX}/{first.id}/manifest/"
+    now_ms = int(time.time() * 1000)
+    covered = mp.segment_name(base, now_ms - 2 * mp.HOUR_MS, "replica", 1)
+    s3.seed(bucket, covered, mf.encode(mf.ManifestObject("segment", fps(key(1)))), OLD)
+    snap = mp.snapshot_name(base, now_ms - mp.HOUR_MS, "replica")
+    body = mf.encode(mf.ManifestObject("snapshot", fps(key(1)), meta={"horizon": covered, "recent": []}))
+    s3.seed(bucket, snap, body, OLD)
+    unread = segment(s3, bucket, first.id, 2)  # after the snapshot: the compaction needs it
+    where = SimpleNamespace(bucket=bucket)
+
+    for fault, why in (("denied", "AccessDenied"), ("failing", "HTTP 503")):
+        faults.store = {fault: {unread}}
+        rc, out = run_json(capsys, s3, bucket, "gc")
+        assert rc == 0, out
+        skipped = out["result"]["compactions_skipped"]
+        assert list(skipped) == [first.id] and unread in skipped[first.id] and why in skipped[first.id]
+        assert snapshots_of(s3, bucket, first.id) == {snap}  # none written
+        assert {covered, unread} <= set(s3.listing(bucket))  # nothing pruned
+        assert len(snapshots_of(s3, bucket, second.id)) == 1  # the other namespace compacted (the first run)
+        assert manifest_of(s3, where, second.id) == {fingerprint(key(1))}
+    capsys.readouterr()  # the text says it too
+    assert main(["gc", *store_args(s3, bucket)]) == 0
+    text = capsys.readouterr().out
+    assert f"namespace {first.id}: compaction skipped" in text and "HTTP 503" in text
+
+    faults.store = {}  # readable again: compacted
+    rc, out = run_json(capsys, s3, bucket, "gc")
+    assert rc == 0 and out["result"]["compactions_skipped"] == {}
+    assert len(snapshots_of(s3, bucket, first.id)) == 2
+    assert covered not in s3.listing(bucket) and out["result"]["segments_deleted"] == 1
+    assert manifest_of(s3, where, first.id) == {fingerprint(key(1))}
