@@ -67,6 +67,7 @@ async def _scan(
             progress=b.advance,
             read_access=read_access,
             keys=s.keys,
+            manifest_max_bytes=s.config.manifest_max_bytes,
         )
 
 
@@ -509,7 +510,13 @@ def gc_cmd(
     async def body(store: ObjectStore) -> tuple[gcmod.Plan, gcmod.Result | None, gcmod.BadFound]:
         async def once(lease: Any) -> tuple[gcmod.Plan, gcmod.Result | None, gcmod.BadFound]:
             inv = await _scan(store, s, namespaces)
-            bad = await gcmod.find_bad(store, inv, keys=s.keys, concurrency=min(s.concurrency, 16))
+            bad = await gcmod.find_bad(
+                store,
+                inv,
+                keys=s.keys,
+                concurrency=min(s.concurrency, 16),
+                manifest_max_bytes=s.config.manifest_max_bytes,
+            )
             kept = tuple(inv.resolve(keep))
             policy = gcmod.Policy(
                 max_age_s=max_age,
@@ -522,6 +529,7 @@ def gc_cmd(
                 compact=compact,
                 segment_min_age_s=segment_min_age,
                 skew_s=s.config.manifest_clock_skew_s,
+                manifest_max_bytes=s.config.manifest_max_bytes,
             )
             uploads = await store.list_uploads(f"{s.config.prefix}/" if s.config.prefix else "")
             p = gcmod.plan(inv, policy, time.time(), uploads)
@@ -574,6 +582,7 @@ def _print_gc(
         "bad_objects_skipped": found.skipped,
         "bad_report_segments_skipped": found.segments_skipped,
         "unreadable_descriptors": p.unread_descriptors,
+        "unread_access_records": p.unread_access,
         **({"result": res.as_dict()} if res is not None else {}),
     }
     if s.as_json:
@@ -621,6 +630,11 @@ def _print_gc(
             f"namespace {ns}: its descriptor could not be read ({why}); none of its orphan chunks is "
             "published this run"
         )
+    for ns, n in p.unread_access.items():
+        con.print(
+            f"namespace {ns}: {n} access record(s) not read (corrupt, larger than manifest_max_bytes, "
+            "or unsigned): the uses they record do not count"
+        )
     if found.skipped or found.segments_skipped:
         con.print(
             f"{found.skipped} object(s) replicas reported bad not checked, {found.segments_skipped} segment(s) "
@@ -636,6 +650,11 @@ def _print_gc(
             con.print(
                 f"namespace {ns}: compaction skipped ({why}): a manifest object it needs could not be read; "
                 "nothing pruned (compacted again the next run)"
+            )
+        if res.access_skipped:
+            con.print(
+                f"{res.access_skipped} access record(s) not merged: gc may not read them, reading failed, "
+                "or larger than manifest_max_bytes (merged again the next run)"
             )
         if res.unsigned:
             con.print(

@@ -22,8 +22,9 @@ that, whatever selected it. A chunk is deleted whole (every rank's object).
    segments it covers that are older than ``segment_min_age_s`` are deleted,
    snapshots beyond the newest few pruned, and each closed hour's access
    records merged into one object (keeping only live keys). A segment or
-   snapshot it needs that gc cannot read (a 403, a 503) skips that
-   namespace's compaction this run; the others go on.
+   snapshot it needs that gc cannot read (a 403, a 503, or larger than the
+   replicas' ``manifest_max_bytes``, past which gc reads no manifest object)
+   skips that namespace's compaction this run; the others go on.
 
 A replica that loads a chunk between the listing and the tombstone reaching
 it gets a load error and recomputes: the cache is a hint, never a source of
@@ -49,6 +50,7 @@ from s3kv.errors import (
     PermissionDenied,
     Precondition,
     S3KVError,
+    TooLarge,
     Transient,
     UnsignedManifest,
     UnsignedWrite,
@@ -77,6 +79,7 @@ from s3kv.ops.inventory import (
     Inventory,
     NamespaceInfo,
     manifest_signed,
+    read_manifest,
     read_manifest_head,
 )
 from s3kv.ops.lock import Lease
@@ -109,6 +112,8 @@ class Policy:
     every few seconds: by then every live one has read them)."""
     skew_s: float = DEFAULTS.manifest_clock_skew_s
     """The replicas' ``manifest_clock_skew_s``."""
+    manifest_max_bytes: int = DEFAULTS.manifest_max_bytes
+    """The replicas' ``manifest_max_bytes``: no manifest object is read past it."""
 
     def retires(self, ns: str) -> bool:
         return self.retire or bool(self.keep_namespaces and ns not in self.keep_namespaces)
@@ -140,6 +145,10 @@ class Plan:
     unread_descriptors: dict[str, str] = field(default_factory=dict)
     """Namespaces in scope whose descriptor could not be read (a 403, a 503),
     and why: taken to have none this run (no orphan of theirs published)."""
+    unread_access: dict[str, int] = field(default_factory=dict)
+    """Access records the scan left out, by namespace (corrupt, larger than
+    ``manifest_max_bytes``, with the fleet secret unsigned): the uses they
+    record do not count."""
 
     @property
     def objects(self) -> list[ObjectMeta]:
@@ -185,6 +194,7 @@ def plan(inv: Inventory, policy: Policy, now: float, uploads: Iterable[Upload] =
     p.unread_descriptors = {
         ns: err for ns in scope if (err := inv.namespaces[ns].descriptor_error) is not None
     }
+    p.unread_access = {ns: n for ns in scope if (n := inv.namespaces[ns].access_unread)}
     items = [(ns, c) for ns in scope for c in inv.namespaces[ns].chunks.values()]
     p.bytes_in_scope = sum(c.size for _, c in items)
     for ns in scope:
@@ -264,10 +274,13 @@ class Result:
     next run."""
     compactions_skipped: dict[str, str] = field(default_factory=dict)
     """Namespaces whose compaction gc stopped this run, and why: a segment or
-    snapshot it needs that gc may not read (a 403) or that failed to read (a
-    503). A snapshot written without one of them would lose its keys or
-    tombstones: none is written from what was read, nothing is pruned, and
-    it is compacted again the next run."""
+    snapshot it needs that gc may not read (a 403), that failed to read (a
+    503) or larger than ``manifest_max_bytes``. A snapshot written without
+    one of them would lose its keys or tombstones: none is written from what
+    was read, nothing is pruned, and it is compacted again the next run."""
+    access_skipped: int = 0
+    """Access records not merged this run, left as they are: gc may not read
+    one, reading it failed, or it is larger than ``manifest_max_bytes``."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -286,6 +299,7 @@ class Result:
             "orphan_chunks_refused": self.orphans_refused,
             "orphan_chunks_skipped": self.orphans_skipped,
             "compactions_skipped": self.compactions_skipped,
+            "access_records_skipped": self.access_skipped,
         }
 
 
@@ -315,11 +329,17 @@ class BadFound:
     KMS key, a bucket policy) or reading it failed (a 503). Judged again the
     next run."""
     segments_skipped: int = 0
-    """Segments whose reports gc did not read this run, so (a 403, a 503)."""
+    """Segments whose reports gc did not read this run, so (a 403, a 503), or
+    larger than ``manifest_max_bytes``."""
 
 
 async def find_bad(
-    store: ObjectStore, inv: Inventory, *, keys: FleetKeys | None = None, concurrency: int = 8
+    store: ObjectStore,
+    inv: Inventory,
+    *,
+    keys: FleetKeys | None = None,
+    concurrency: int = 8,
+    manifest_max_bytes: int = DEFAULTS.manifest_max_bytes,
 ) -> BadFound:
     """The chunk objects replicas reported bad (in their segments' ``bad``
     lists) that are still there and still fail to verify; an object that
@@ -331,10 +351,10 @@ async def find_bad(
     for ns, info in inv.namespaces.items():
         for m in info.segments:
             try:
-                meta = (await read_manifest_head(store, m.key, keys))[3]
+                meta = (await read_manifest_head(store, m, keys, manifest_max_bytes))[3]
             except (NotFound, CorruptManifest):
                 continue
-            except (PermissionDenied, Transient) as e:
+            except (PermissionDenied, Transient, TooLarge) as e:
                 if isinstance(e, PermissionDenied) and e.credentials:
                     raise  # S3 refuses gc itself, not this object
                 out.segments_skipped += 1
@@ -513,11 +533,12 @@ class _Unread(Exception):
 @contextlib.contextmanager
 def _needed(name: str) -> Iterator[None]:
     """Reading manifest object ``name``, which the compaction needs: one gc
-    may not read (a 403) or that failed to read (a 503) raises
-    :class:`_Unread`; a 403 that refuses gc's own credentials stops the run."""
+    may not read (a 403), that failed to read (a 503) or larger than
+    ``manifest_max_bytes`` raises :class:`_Unread`; a 403 that refuses gc's
+    own credentials stops the run."""
     try:
         yield
-    except (PermissionDenied, Transient) as e:
+    except (PermissionDenied, Transient, TooLarge) as e:
         if isinstance(e, PermissionDenied) and e.credentials:
             raise  # S3 refuses gc itself, not this object
         raise _Unread(str(e) if name in str(e) else f"{name}: {e}") from e
@@ -532,6 +553,7 @@ async def _orphans(
     segment: Callable[[ObjectMeta], Awaitable[mf.ManifestObject]],
     keys: FleetKeys | None,
     concurrency: int,
+    max_bytes: int,
 ) -> dict[int, bool | None]:
     """Complete chunks in the listing that neither the newest snapshot nor a
     segment after it names (a replica killed before it published them), and
@@ -547,9 +569,7 @@ async def _orphans(
     if snapshot is not None:
         # None that reads: every chunk is checked; one unread: no compaction.
         with _needed(snapshot.key), contextlib.suppress(NotFound, CorruptManifest):
-            named.update(
-                mf.decode(await store.get(snapshot.key), name=snapshot.key, keys=keys).added.tolist()
-            )
+            named.update((await read_manifest(store, snapshot, keys, max_bytes)).added.tolist())
     for m in new:
         try:
             named.update((await segment(m)).added.tolist())
@@ -597,6 +617,7 @@ async def compact(
     which segments are pruned, before anything is."""
     now_ms = int(clock() * 1000)
     skew_ms = int(p.policy.skew_s * 1000)
+    max_bytes = p.policy.manifest_max_bytes
     # Segments by name, none stamped in the future: the newest becomes the
     # new snapshot's horizon, and replicas refuse a horizon in the future
     # (and read every segment after one that names no segment).
@@ -615,8 +636,8 @@ async def compact(
     async def head(m: ObjectMeta) -> dict[str, Any] | None:
         with _needed(m.key):
             try:
-                return (await read_manifest_head(store, m.key, keys))[3]
-            except (PermissionDenied, Transient):
+                return (await read_manifest_head(store, m, keys, max_bytes))[3]
+            except (PermissionDenied, Transient, TooLarge):
                 raise
             except S3KVError:  # gone, corrupt, of a newer format: no horizon
                 return None
@@ -633,7 +654,7 @@ async def compact(
         if m.key not in reads:
             try:
                 with _needed(m.key):
-                    reads[m.key] = mf.decode(await store.get(m.key), name=m.key, keys=keys)
+                    reads[m.key] = await read_manifest(store, m, keys, max_bytes)
             except (NotFound, CorruptManifest) as e:
                 reads[m.key] = e
         got = reads[m.key]
@@ -642,7 +663,7 @@ async def compact(
         return got
 
     orphans = await _orphans(
-        store, info, listed, snapshots[-1] if snapshots else None, new, segment, keys, concurrency
+        store, info, listed, snapshots[-1] if snapshots else None, new, segment, keys, concurrency, max_bytes
     )
     live: set[int] | None = None
     if new or info.id in result.deleted or any(orphans.values()):
@@ -693,7 +714,7 @@ async def compact(
     if cover is not None:
         try:
             with _needed(cover.key):
-                snap = mf.decode(await store.get(cover.key), name=cover.key, keys=keys)
+                snap = await read_manifest(store, cover, keys, max_bytes)
             cover_horizon = Horizon.last_of(snap.meta)
         except (NotFound, CorruptManifest):
             cover_horizon = ""
@@ -710,7 +731,7 @@ async def compact(
     result.failed += bad
     result.segments_deleted += len(set(old) - set(bad))
     result.snapshots_deleted += len(set(stale_snaps) - set(bad))
-    await _merge_access(store, info, stamps, result, now_ms, concurrency, keys)
+    await _merge_access(store, info, stamps, result, now_ms, concurrency, keys, max_bytes)
 
 
 async def _merge_access(
@@ -721,8 +742,11 @@ async def _merge_access(
     now_ms: int,
     concurrency: int,
     keys: FleetKeys | None = None,
+    max_bytes: int = DEFAULTS.manifest_max_bytes,
 ) -> None:
-    """One object per closed hour, holding the live keys used in it."""
+    """One object per closed hour, holding the live keys used in it; a
+    record gc may not read, that failed to read, or larger than ``max_bytes``
+    is left as it is (counted) and merged the next run."""
     hours: dict[str, list[ObjectMeta]] = {}
     for m in info.access:
         hours.setdefault(record_hour(info.manifest_base, m.key), []).append(m)
@@ -732,13 +756,22 @@ async def _merge_access(
         if hour >= current or len(records) < 2:
             continue
         fps: set[int] = set()
+        unread: set[str] = set()
         for m in records:
             try:
-                fps.update(mf.decode(await store.get(m.key), name=m.key, keys=keys).added.tolist())
+                fps.update((await read_manifest(store, m, keys, max_bytes)).added.tolist())
             except UnsignedManifest:
                 result.unsigned.append(m.key)
             except (NotFound, CorruptManifest):
                 pass
+            except (PermissionDenied, Transient, TooLarge) as e:
+                if isinstance(e, PermissionDenied) and e.credentials:
+                    raise  # S3 refuses gc itself, not this object
+                unread.add(m.key)
+        result.access_skipped += len(unread)
+        records = [m for m in records if m.key not in unread]
+        if not records:
+            continue
         newest = max(name_ts(m.key) or 0 for m in records)
         name = access_name(info.manifest_base, newest, stamps.writer, stamps.next_seq())
         body = mf.encode(

@@ -7,7 +7,9 @@ directories (``{ns}/{kk}/``) in parallel, so a bucket of millions of chunks
 is listed by many concurrent paginations instead of one. Access records
 (``manifest/access/``) are read to give each chunk its last use; manifest
 objects' heads are read to tell what they say (:func:`read_manifest_head`)
-and whether the namespace's replicas sign (:func:`manifest_signed`).
+and whether the namespace's replicas sign (:func:`manifest_signed`). No
+manifest object is read past the replicas' ``manifest_max_bytes``
+(:func:`read_manifest`), whatever it holds or claims.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ from s3kv.config import DEFAULTS
 from s3kv.descriptor import MAX_BYTES as DESCRIPTOR_MAX_BYTES
 from s3kv.descriptor import NAME as DESCRIPTOR
 from s3kv.descriptor import Described, parse_descriptor
-from s3kv.errors import CorruptManifest, NotFound, PermissionDenied, RangeNotSatisfiable, Transient
+from s3kv.errors import (
+    CorruptManifest,
+    NotFound,
+    PermissionDenied,
+    RangeNotSatisfiable,
+    S3KVError,
+    TooLarge,
+    Transient,
+)
 from s3kv.keys import fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import (
@@ -86,6 +96,10 @@ class NamespaceInfo:
     bucket policy; a 503), if so: the namespace is then taken to have none
     this scan (gc publishes no orphan of it, checks are bounded without its
     pages), and verify and gc report it."""
+    access_unread: int = 0
+    """Access records the scan left out (corrupt, larger than
+    ``manifest_max_bytes``, with the fleet secret unsigned): the uses they
+    record are not counted; gc reports them."""
     chunks: dict[bytes, Chunk] = field(default_factory=dict)
     segments: list[ObjectMeta] = field(default_factory=list)
     snapshots: list[ObjectMeta] = field(default_factory=list)
@@ -199,16 +213,59 @@ async def read_head_bytes(store: ObjectStore, key: str, length_of: Callable[[byt
     return data
 
 
+async def read_at_most(
+    store: ObjectStore,
+    meta: ObjectMeta,
+    most: int,
+    error: type[S3KVError] = TooLarge,
+    what: str = "manifest object",
+) -> bytes:
+    """Listed object ``meta``'s bytes, refused (``error``) unread if it was
+    listed larger than ``most``, and never more than ``most`` + 1 bytes of
+    it read, whatever it became since it was listed."""
+    if meta.size > most:
+        raise error(f"{what} is {meta.size} bytes, more than {most}")
+    try:
+        data = await store.get(meta.key, ByteRange(0, most + 1))
+    except RangeNotSatisfiable:  # empty
+        return b""
+    if len(data) > most:
+        raise error(f"{what} is more than {most} bytes")
+    return data
+
+
+async def read_manifest(
+    store: ObjectStore,
+    meta: ObjectMeta,
+    keys: FleetKeys | None = None,
+    max_bytes: int = DEFAULTS.manifest_max_bytes,
+) -> mf.ManifestObject:
+    """A listed manifest object, decoded (with ``keys``: only a signed one),
+    read as replicas read it: TooLarge, unread past ``max_bytes`` (their
+    ``manifest_max_bytes``), if it is larger."""
+    return mf.decode(await read_at_most(store, meta, max_bytes), name=meta.key, keys=keys)
+
+
 async def read_manifest_head(
-    store: ObjectStore, key: str, keys: FleetKeys | None = None
+    store: ObjectStore,
+    meta: ObjectMeta,
+    keys: FleetKeys | None = None,
+    max_bytes: int = DEFAULTS.manifest_max_bytes,
 ) -> tuple[str, int, int, dict[str, Any]]:
     """A manifest object's kind, counts and header, with one or two ranged
-    GETs; with ``keys``, read whole, so that its MAC is checked before the
-    caller acts on what the header says."""
-    if keys is not None:
-        obj = mf.decode(await store.get(key), name=key, keys=keys)
+    GETs; with ``keys``, read whole (as :func:`read_manifest`), so that its
+    MAC is checked before the caller acts on what the header says."""
+    if keys is not None or meta.size > max_bytes:  # the latter refused unread
+        obj = await read_manifest(store, meta, keys, max_bytes)
         return obj.kind, len(obj.added), len(obj.removed), obj.meta
-    return mf.decode_head(await read_head_bytes(store, key, mf.head_length), name=key)
+
+    def head_length(first: bytes) -> int:
+        need = mf.head_length(first)
+        if need > max_bytes:
+            raise TooLarge(f"manifest object's header is {need} bytes, more than {max_bytes}")
+        return need
+
+    return mf.decode_head(await read_head_bytes(store, meta.key, head_length), name=meta.key)
 
 
 async def read_descriptor(
@@ -240,13 +297,14 @@ async def manifest_signed(store: ObjectStore, info: NamespaceInfo, sample: int =
         )
         newest += named[-n:]
     for m in newest:
-        try:
-            head = await read_head_bytes(store, m.key, mf.head_length)
-        except (NotFound, CorruptManifest, PermissionDenied, Transient) as e:
+        try:  # its prefix only: one GET of 32 bytes, whatever the object holds
+            prefix = await store.get(m.key, ByteRange(0, mf.PREFIX.size))
+            mf.head_length(prefix)  # a manifest object's prefix, or CorruptManifest
+        except (NotFound, RangeNotSatisfiable, CorruptManifest, PermissionDenied, Transient) as e:
             if isinstance(e, PermissionDenied) and e.credentials:
                 raise  # S3 refuses the caller itself: every read would
             continue  # gone, junk, or not read (a 403, a 503): the others tell
-        if mf.is_signed(head):
+        if mf.is_signed(prefix):
             return True
     return False
 
@@ -271,6 +329,7 @@ async def scan_namespace(
     progress: Progress | None = None,
     read_access: bool = True,
     keys: FleetKeys | None = None,
+    manifest_max_bytes: int = DEFAULTS.manifest_max_bytes,
 ) -> NamespaceInfo:
     info = NamespaceInfo(ns, namespace_prefix(prefix, ns))
     objects, dirs = await store.list_dirs(info.base)
@@ -308,7 +367,9 @@ async def scan_namespace(
                 raise  # S3 refuses the caller itself: every read would
             info.descriptor_error = str(e)
     if read_access and info.access:
-        await read_access_records(store, info, concurrency=concurrency, keys=keys)
+        info.access_unread = await read_access_records(
+            store, info, concurrency=concurrency, keys=keys, max_bytes=manifest_max_bytes
+        )
     return info
 
 
@@ -334,10 +395,17 @@ def _classify(info: NamespaceInfo, meta: ObjectMeta) -> None:
 
 
 async def read_access_records(
-    store: ObjectStore, info: NamespaceInfo, *, concurrency: int = 16, keys: FleetKeys | None = None
+    store: ObjectStore,
+    info: NamespaceInfo,
+    *,
+    concurrency: int = 16,
+    keys: FleetKeys | None = None,
+    max_bytes: int = DEFAULTS.manifest_max_bytes,
 ) -> int:
     """Set each chunk's ``accessed`` from the access records; returns the
-    corrupt (with ``keys``: or unsigned) records skipped. A record that cannot be read for another reason
+    corrupt (with ``keys``: or unsigned) records skipped, and those larger
+    than ``max_bytes`` (no replica writes one: refused unread, as replicas
+    refuse manifest objects). A record that cannot be read for another reason
     (throttling, access denied) raises: deciding what is idle without it
     could delete chunks in use."""
     index = info.fp_index()
@@ -349,10 +417,10 @@ async def read_access_records(
         nonlocal bad
         async with sem:
             try:
-                obj = mf.decode(await store.get(meta.key), name=meta.key, keys=keys)
+                obj = await read_manifest(store, meta, keys, max_bytes)
             except NotFound:
                 return None
-            except CorruptManifest:
+            except (CorruptManifest, TooLarge):
                 bad += 1
                 return None
         return access_hour_end(meta.key, now), obj.added
@@ -393,8 +461,10 @@ async def scan(
     progress: Progress | None = None,
     read_access: bool = True,
     keys: FleetKeys | None = None,
+    manifest_max_bytes: int = DEFAULTS.manifest_max_bytes,
 ) -> Inventory:
-    """List ``prefix`` (all namespaces, or the given ids/prefixes of ids)."""
+    """List ``prefix`` (all namespaces, or the given ids/prefixes of ids);
+    no manifest object is read past ``manifest_max_bytes``."""
     started = time.time()
     found, foreign = await list_namespaces(store, prefix)
     inv = Inventory(
@@ -403,7 +473,14 @@ async def scan(
     wanted = inv.resolve(namespaces) if namespaces else sorted(found)
     for ns in wanted:  # one namespace at a time, its directories in parallel
         inv.namespaces[ns] = await scan_namespace(
-            store, prefix, ns, concurrency=concurrency, progress=progress, read_access=read_access, keys=keys
+            store,
+            prefix,
+            ns,
+            concurrency=concurrency,
+            progress=progress,
+            read_access=read_access,
+            keys=keys,
+            manifest_max_bytes=manifest_max_bytes,
         )
     inv.namespaces = {ns: inv.namespaces[ns] for ns in wanted}
     return inv

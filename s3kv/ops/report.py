@@ -112,7 +112,7 @@ async def manifest_state(store: ObjectStore, info: NamespaceInfo, now: float) ->
             "age_s": now - (name_ts(m.key) or 0) / 1000,
         }
         with contextlib.suppress(NotFound, CorruptManifest, S3KVError):
-            _kind, n_add, _n_del, meta = await read_manifest_head(store, m.key)
+            _kind, n_add, _n_del, meta = await read_manifest_head(store, m)
             row["keys"] = n_add
             row["by"] = meta.get("by", "replica")
             covered = Horizon.of(meta)

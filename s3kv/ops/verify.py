@@ -51,7 +51,6 @@ from s3kv.errors import (
     NotFound,
     PermissionDenied,
     Precondition,
-    RangeNotSatisfiable,
     S3KVError,
     TooLarge,
     Transient,
@@ -66,8 +65,8 @@ from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import gc_writer_id
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
 from s3kv.ops.chunks import check_object
-from s3kv.ops.inventory import Inventory, manifest_signed, read_descriptor, read_head_bytes
-from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
+from s3kv.ops.inventory import Inventory, manifest_signed, read_at_most, read_descriptor, read_head_bytes
+from s3kv.stores.base import ObjectMeta, ObjectStore
 
 
 @dataclass
@@ -189,9 +188,9 @@ async def verify(
                     pages = described.pages if described is not None else None
                     got: codec.ChunkHeader | bytes = await check_object(store, meta.key, pages, keys)
                 elif what == "descriptor":
-                    got = await _read_at_most(store, meta, DESCRIPTOR_MAX_BYTES, CorruptChunk, what)
+                    got = await read_at_most(store, meta, DESCRIPTOR_MAX_BYTES, CorruptChunk, what)
                 else:
-                    got = await _read_at_most(store, meta, manifest_max_bytes, TooLarge, "manifest object")
+                    got = await read_at_most(store, meta, manifest_max_bytes)
             if isinstance(got, codec.ChunkHeader):
                 if got.signed:
                     report.signed_namespaces.add(ns)
@@ -228,23 +227,6 @@ async def verify(
     await asyncio.gather(*(one(*j) for j in jobs))
     report.problems.sort(key=lambda p: (p.kind, p.key))
     return report
-
-
-async def _read_at_most(
-    store: ObjectStore, meta: ObjectMeta, most: int, error: type[S3KVError], what: str
-) -> bytes:
-    """Listed object ``meta``'s bytes, refused (``error``) unread if it was
-    listed larger than ``most``, and never more than ``most`` + 1 bytes of
-    it read, whatever it became since it was listed."""
-    if meta.size > most:
-        raise error(f"{what} is {meta.size} bytes, more than {most}")
-    try:
-        data = await store.get(meta.key, ByteRange(0, most + 1))
-    except RangeNotSatisfiable:  # empty
-        return b""
-    if len(data) > most:
-        raise error(f"{what} is more than {most} bytes")
-    return data
 
 
 async def delete_corrupt(

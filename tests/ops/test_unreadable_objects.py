@@ -1,8 +1,8 @@
 """One object the ops commands may not read (a 403: another KMS key, a
 bucket policy) or that fails to read (a 503) stops neither ``s3kv gc`` nor
 ``s3kv verify``: it is skipped, counted or reported with why, and judged
-again the next run. And verify reads no manifest object past the replicas'
-``manifest_max_bytes``. Through the CLI, against
+again the next run. And neither verify nor gc reads a manifest object past
+the replicas' ``manifest_max_bytes``. Through the CLI, against
 a real S3 server on loopback, the faults injected by a wrapper around the
 store the CLI opens."""
 
@@ -18,6 +18,7 @@ import pytest
 
 import s3kv.cli.ops as cli_ops
 from s3kv import descriptor
+from s3kv.auth import ENV_VAR
 from s3kv.cli import main
 from s3kv.keys import fingerprint, object_key
 from s3kv.manifest import format as mf
@@ -262,3 +263,63 @@ def test_gc_skips_the_compaction_of_a_namespace_whose_segment_it_may_not_read(se
     assert len(snapshots_of(s3, bucket, first.id)) == 2
     assert covered not in s3.listing(bucket) and out["result"]["segments_deleted"] == 1
     assert manifest_of(s3, where, first.id) == {fingerprint(key(1))}
+
+
+def huge_header(size: int) -> bytes:
+    """``size`` bytes under a segment's prefix that says its header fills them."""
+    prefix = mf.PREFIX.pack(mf.MAGIC, mf.UNSIGNED_VERSION, mf.KINDS["segment"], 0, size - mf.MIN_BYTES, 0, 0)
+    return prefix + junk(size - len(prefix))
+
+
+def test_gc_reads_no_manifest_object_past_the_replicas_cap(seeded_s3, capsys, faults, tmp_path, monkeypatch):
+    """Before: gc read every segment and access record whole (no range), a
+    3 MiB one too, and a segment's head up to the end of the header it
+    claims. Now none is read past manifest_max_bytes + 1 (one listed larger
+    is not read but for its prefix): an oversized segment skips its
+    namespace's compaction, an oversized access record is left out of the
+    scan and of the merge, counted, and kept; with the fleet secret too."""
+    s3, bucket = seeded_s3, seeded_s3.new_bucket()
+    big_ns, grown_ns, access_ns = (namespace(f"capped-{i}") for i in range(3))
+    for ns in (big_ns, grown_ns, access_ns):
+        seed_namespace(s3, bucket, ns)
+        s3.seed(bucket, object_key(PREFIX, ns.id, key(1), 0), sound(ns.id, key(1)), OLD)
+    cap = 1 << 20
+    big = segment(s3, bucket, big_ns.id, 1)
+    s3.seed(bucket, big, huge_header(3 << 20), OLD)
+    grown = segment(s3, bucket, grown_ns.id, 1)  # listed small, 3 MiB when read
+    s3.seed(bucket, grown, huge_header(3 << 20), OLD)
+    base = f"{PREFIX}/{access_ns.id}/manifest/"
+    hour_ago = int(time.time() * 1000) - 2 * mp.HOUR_MS  # a closed hour: its records are merged
+    record = mp.access_name(base, hour_ago, "replica", 1)
+    s3.seed(bucket, record, mf.encode(mf.ManifestObject("access", fps(key(1)))), OLD)
+    big_record = mp.access_name(base, hour_ago + 1, "replica", 2)
+    s3.seed(bucket, big_record, junk(3 << 20), OLD)
+    config = tmp_path / "kv.json"
+    config.write_text(json.dumps({"manifest_max_bytes": "1MiB"}))
+    faults.store = {"listed_sizes": {grown: 100}}
+
+    def capped(store: Faulty) -> None:
+        assert store.gets_of(big_record) == []  # listed larger: unread
+        assert all(g.range is not None and g.returned <= mf.PREFIX.size for g in store.gets_of(big))
+        assert store.gets_of(grown) and all(
+            g.range is not None and g.returned <= cap + 1 for g in store.gets_of(grown)
+        )
+
+    rc, out = run_json(capsys, s3, bucket, "gc", "--config", str(config))
+    assert rc == 0, out
+    res = out["result"]
+    assert set(res["compactions_skipped"]) == {big_ns.id, grown_ns.id}
+    assert f"{3 << 20} bytes, more than {cap}" in res["compactions_skipped"][big_ns.id]
+    assert f"more than {cap} bytes" in res["compactions_skipped"][grown_ns.id]
+    assert out["unread_access_records"] == {access_ns.id: 1}
+    assert (res["access_records_merged"], res["access_records_skipped"]) == (1, 1)
+    assert big_record in s3.listing(bucket) and record not in s3.listing(bucket)
+    assert res["snapshots_written"] == 1 and snapshots_of(s3, bucket, big_ns.id) == set()
+    capped(faults.opened[-1])
+
+    monkeypatch.setenv(ENV_VAR, "ops-test-fleet-secret-0123456789abcdef")  # heads are read whole then
+    rc, out = run_json(capsys, s3, bucket, "gc", "--config", str(config))
+    assert rc == 0, out
+    assert out["bad_report_segments_skipped"] == 2  # the oversized ones
+    assert set(out["result"]["compactions_skipped"]) == {big_ns.id, grown_ns.id}
+    capped(faults.opened[-1])
