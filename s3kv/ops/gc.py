@@ -589,7 +589,9 @@ async def _orphans(
                     await check_object(store, by_rank[rank].key, pages, keys, sound_first=False)
                 except NotFound:
                     return False
-                except (UnsupportedFormat, PermissionDenied, Transient, Precondition):
+                except (UnsupportedFormat, PermissionDenied, Transient, Precondition) as e:
+                    if isinstance(e, PermissionDenied) and e.credentials:
+                        raise  # S3 refuses gc itself, not this object
                     return None
                 except CorruptChunk:
                     return False

@@ -1,10 +1,10 @@
 """One object the ops commands may not read (a 403: another KMS key, a
 bucket policy) or that fails to read (a 503) stops neither ``s3kv gc`` nor
 ``s3kv verify``: it is skipped, counted or reported with why, and judged
-again the next run. And neither verify nor gc reads a manifest object past
-the replicas' ``manifest_max_bytes``. Through the CLI, against
-a real S3 server on loopback, the faults injected by a wrapper around the
-store the CLI opens."""
+again the next run; a 403 that refuses the caller's own credentials stops
+them. And neither verify nor gc reads a manifest object past the replicas'
+``manifest_max_bytes``. Through the CLI, against a real S3 server on
+loopback, the faults injected by a wrapper around the store the CLI opens."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class Faulty(WrappedStore):
         await self.inner.check_access()
 
     async def get_object(self, key: str, range: ByteRange | None = None) -> GetResult:
-        if key in self.denied or key in self.failing:
+        if key in self.denied or key in self.refused or key in self.failing:
             await self.get(key, range)  # raises as a GET of it does (recorded)
         got = await self.inner.get_object(key, range)
         self.gets.append(Get(key, range, len(got.data)))
@@ -323,3 +323,19 @@ def test_gc_reads_no_manifest_object_past_the_replicas_cap(seeded_s3, capsys, fa
     assert out["bad_report_segments_skipped"] == 2  # the oversized ones
     assert set(out["result"]["compactions_skipped"]) == {big_ns.id, grown_ns.id}
     capped(faults.opened[-1])
+
+
+def test_gc_stops_when_s3_refuses_its_credentials_on_an_orphan(seeded_s3, capsys, faults):
+    """Before: an orphan whose GET S3 refused for gc's own credentials (an
+    expired token) was taken for this object's refusal, skipped, and gc went
+    on (exit 0); as for the objects replicas reported bad, it stops gc now."""
+    s3, bucket = seeded_s3, seeded_s3.new_bucket()
+    ns = namespace("expired")
+    seed_namespace(s3, bucket, ns)
+    orphan = object_key(PREFIX, ns.id, key(1), 0)
+    s3.seed(bucket, orphan, sound(ns.id, key(1)), OLD)
+    faults.store = {"refused": {orphan}}
+    capsys.readouterr()
+    assert main(["gc", *store_args(s3, bucket), "--json"]) == 3
+    assert "ExpiredToken" in capsys.readouterr().err
+    assert snapshots_of(s3, bucket, ns.id) == set()

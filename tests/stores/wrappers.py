@@ -2,7 +2,9 @@
 store (memory, S3) as arrow-rs's wrappers do, and
 
 - raises :class:`~s3kv.errors.PermissionDenied` for the GETs of chosen keys
-  (an object another tenant wrote, a KMS key this role may not use);
+  (an object another tenant wrote, a KMS key this role may not use), or,
+  for others, one that refuses the caller's own credentials (an expired
+  token);
 - raises :class:`~s3kv.errors.Transient` for the GETs of others (throttled
   for good);
 - lists folder markers (zero-byte keys ending in '/') that a store which
@@ -38,6 +40,7 @@ class Get:
 class WrappedStore(ObjectStore):
     inner: ObjectStore
     denied: set[str] = field(default_factory=set)
+    refused: set[str] = field(default_factory=set)
     failing: set[str] = field(default_factory=set)
     markers: set[str] = field(default_factory=set)
     listed_sizes: dict[str, int] = field(default_factory=dict)
@@ -55,6 +58,9 @@ class WrappedStore(ObjectStore):
         if key in self.denied:
             self.gets.append(Get(key, range, 0))
             raise PermissionDenied(f"{key}: AccessDenied")
+        if key in self.refused:
+            self.gets.append(Get(key, range, 0))
+            raise PermissionDenied(f"{key}: ExpiredToken (HTTP 400)", credentials=True)
         if key in self.failing:
             self.gets.append(Get(key, range, 0))
             raise Transient(f"{key}: SlowDown (HTTP 503)")
