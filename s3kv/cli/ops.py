@@ -289,10 +289,12 @@ def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
     else:
         con = out.stdout()
         for d in docs:
-            rows = [[k, v] for k, v in d.items() if k not in ("frame_table", "problems", "header")]
+            rows = [[k, v] for k, v in d.items() if k not in ("frame_table", "problems", "notes", "header")]
             if "header" in d:
                 rows.append(["header", d["header"]])
             rows.append(["problems", "; ".join(d.get("problems", ())) or "none"])
+            if d.get("notes"):
+                rows.append(["notes", "; ".join(d["notes"])])
             con.print(out.table(None, ["field", "value"], rows))
             if frames and d.get("frame_table"):
                 con.print(

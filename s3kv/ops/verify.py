@@ -349,8 +349,11 @@ async def inspect_object(
         except CorruptChunk as e:
             problems.append(f"unsigned: {e}")
     if check_frames:
+        pages, note = await _pages_of(store, name)
+        if note is not None:
+            out["notes"] = [note]
         try:
-            await check_object(store, name, await _pages_of(store, name), keys)
+            await check_object(store, name, pages, keys)
         except (CorruptChunk, S3KVError) as e:
             problems.append(str(e))
         out["frames_checked"] = True
@@ -358,11 +361,18 @@ async def inspect_object(
     return out
 
 
-async def _pages_of(store: ObjectStore, name: str) -> ChunkPages | None:
-    """The pages the descriptor of chunk object ``name``'s namespace names."""
+async def _pages_of(store: ObjectStore, name: str) -> tuple[ChunkPages | None, str | None]:
+    """The pages the descriptor of chunk object ``name``'s namespace names;
+    one it may not read (a 403) or that fails to read (a 503) is taken for
+    none, as verify takes it, with a note saying why."""
     parsed = parse_object_key(name)
     if parsed is None:
-        return None
+        return None, None
     base = name.rsplit("/", 2)[0] + "/"  # {prefix}/{namespace}/
-    described = (await read_descriptor(store, base + DESCRIPTOR, parsed[0]))[1]
-    return described.pages if described is not None else None
+    try:
+        described = (await read_descriptor(store, base + DESCRIPTOR, parsed[0]))[1]
+    except (PermissionDenied, Transient) as e:
+        if isinstance(e, PermissionDenied) and e.credentials:
+            raise  # S3 refuses the caller itself: every read would
+        return None, f"the namespace's descriptor could not be read ({e}): frames checked without its pages"
+    return (described.pages if described is not None else None), None

@@ -1,10 +1,11 @@
 """One object the ops commands may not read (a 403: another KMS key, a
 bucket policy) or that fails to read (a 503) stops neither ``s3kv gc`` nor
-``s3kv verify``: it is skipped, counted or reported with why, and judged
-again the next run; a 403 that refuses the caller's own credentials stops
-them. And neither verify nor gc reads a manifest object past the replicas'
-``manifest_max_bytes``. Through the CLI, against a real S3 server on
-loopback, the faults injected by a wrapper around the store the CLI opens."""
+``s3kv verify`` nor ``inspect --check``: it is skipped, counted or reported
+with why, and judged again the next run; a 403 that refuses the caller's
+own credentials stops them. And neither verify nor gc reads a manifest
+object past the replicas' ``manifest_max_bytes``. Through the CLI, against
+a real S3 server on loopback, the faults injected by a wrapper around the
+store the CLI opens."""
 
 from __future__ import annotations
 
@@ -339,3 +340,33 @@ def test_gc_stops_when_s3_refuses_its_credentials_on_an_orphan(seeded_s3, capsys
     assert main(["gc", *store_args(s3, bucket), "--json"]) == 3
     assert "ExpiredToken" in capsys.readouterr().err
     assert snapshots_of(s3, bucket, ns.id) == set()
+
+
+def test_inspect_check_takes_a_descriptor_it_may_not_read_for_none(seeded_s3, capsys, faults):
+    """Before: the descriptor's 403 was the object's only problem (exit 1)
+    and no frame was read, though it said frames_checked: a flipped frame
+    went unseen. Now the frames are checked without the descriptor's pages,
+    with a note; a refusal of the caller's credentials stops it (exit 3)."""
+    s3, bucket = seeded_s3, seeded_s3.new_bucket()
+    ns = namespace("inspected")
+    desc = seed_namespace(s3, bucket, ns) + descriptor.NAME
+    good, flipped = object_key(PREFIX, ns.id, key(1), 0), object_key(PREFIX, ns.id, key(2), 0)
+    s3.seed(bucket, good, sound(ns.id, key(1)), OLD)
+    body = bytearray(sound(ns.id, key(2)))
+    body[-1] ^= 1  # in the last frame
+    s3.seed(bucket, flipped, bytes(body), OLD)
+
+    faults.store = {"denied": {desc}}
+    rc, doc = run_json(capsys, s3, bucket, "inspect", good, "--check")
+    assert rc == 0 and doc["problems"] == [] and doc["frames_checked"], doc
+    assert len(doc["notes"]) == 1 and "AccessDenied" in doc["notes"][0]
+    rc, doc = run_json(capsys, s3, bucket, "inspect", flipped, "--check")
+    assert rc == 1 and len(doc["problems"]) == 1 and "checksum" in doc["problems"][0], doc
+    capsys.readouterr()  # the text says it too
+    assert main(["inspect", *store_args(s3, bucket), good, "--check"]) == 0
+    assert "descriptor could not be read" in capsys.readouterr().out
+
+    faults.store = {"refused": {desc}}
+    capsys.readouterr()
+    assert main(["inspect", *store_args(s3, bucket), good, "--check"]) == 3
+    assert "ExpiredToken" in capsys.readouterr().err
