@@ -533,12 +533,17 @@ class _Unread(Exception):
 @contextlib.contextmanager
 def _needed(name: str) -> Iterator[None]:
     """Reading manifest object ``name``, which the compaction needs: one gc
-    may not read (a 403), that failed to read (a 503) or larger than
-    ``manifest_max_bytes`` raises :class:`_Unread`; a 403 that refuses gc's
-    own credentials stops the run."""
+    may not read (a 403) or that failed to read (a 503) raises
+    :class:`_Unread` (another role, or a later try, may read it: a snapshot
+    without it could lose its keys); a 403 that refuses gc's own credentials
+    stops the run. One larger than ``manifest_max_bytes`` is corrupt to the
+    compaction, as to every replica (they skip it unread): a junk object
+    under a segment's name cannot stop a namespace's compaction."""
     try:
         yield
-    except (PermissionDenied, Transient, TooLarge) as e:
+    except TooLarge as e:
+        raise CorruptManifest(str(e) if name in str(e) else f"{name}: {e}") from e
+    except (PermissionDenied, Transient) as e:
         if isinstance(e, PermissionDenied) and e.credentials:
             raise  # S3 refuses gc itself, not this object
         raise _Unread(str(e) if name in str(e) else f"{name}: {e}") from e
@@ -636,13 +641,13 @@ async def compact(
     snapshots = sorted(info.snapshots, key=lambda m: m.key)
 
     async def head(m: ObjectMeta) -> dict[str, Any] | None:
-        with _needed(m.key):
-            try:
+        try:
+            with _needed(m.key):
                 return (await read_manifest_head(store, m, keys, max_bytes))[3]
-            except (PermissionDenied, Transient, TooLarge):
-                raise
-            except S3KVError:  # gone, corrupt, of a newer format: no horizon
-                return None
+        except PermissionDenied:
+            raise  # refused for gc's own credentials (_needed let it through)
+        except S3KVError:  # gone, corrupt or oversized, of a newer format: no horizon
+            return None
 
     newest = await head(snapshots[-1]) if snapshots else None
     covered = Horizon.of(newest or {})
