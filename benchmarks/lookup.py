@@ -2,10 +2,12 @@
 against hot manifests of 1M and 10M keys.
 
 The planner's lookup of an 8k-token prompt (256-token chunks: 32 keys, every
-one present, the longest answer) as the scheduler calls it, in three cases:
+one present, the longest answer) as the scheduler calls it, in three cases, each held to
+the goal:
 
 - *new prefix*: the first lookup of a request whose prefix this engine never
-  keyed: its tokens are packed and hashed into chunk keys;
+  keyed, but another replica stored (every chunk in the manifest): its
+  tokens are packed and hashed into chunk keys;
 - *known prefix*: the first lookup of a request whose prefix this engine
   keyed before (a shared system prompt, a chat's next turn): vLLM's block
   hashes, computed when the request arrived, name the prefix and its keys
@@ -37,6 +39,7 @@ TITLE = "Lookup latency vs manifest size"
 GOAL = "get_num_new_matched_tokens <= 20 us for an 8k-token prompt at 10M keys"
 CHUNK, BLOCK, TOKENS = 256, 16, 8192
 PENDING = 32768
+GOAL_US = 20.0
 
 
 def _block_hashes(tokens: list[int]) -> list[bytes]:
@@ -112,28 +115,41 @@ def run(work: Path, quick: bool) -> Result:
             Bar(f"{label} repeat", r["repeat"]),
         ]
         at_max = r
-    worst = max(at_max["known"], at_max["repeat"])
+    cases = {"new": "new prefix", "known": "known prefix", "repeat": "repeat"}
+    over = [
+        f"{label} {at_max[case]:.1f} us ({at_max[case] / GOAL_US:.1f}x)"
+        for case, label in cases.items()
+        if at_max[case] > GOAL_US
+    ]
     notes = [
         f"Medians of {rounds} lookups per case; {PENDING:,} manifest changes pending between merges.",
-        "A new prefix costs its hashing: packing 8192 Python ints into bytes is ~45-70 us here "
+        "New prefix: a prefix this engine never keyed, e.g. one another replica stored (a fleet hit); its "
+        "tokens are packed and hashed into chunk keys: packing 8192 Python ints into bytes is ~45-70 us here "
         "(array.array, the fastest pure-Python way) and xxh3 over 32 KiB ~1 us; it does not grow "
         "with the manifest, and it is paid once per prefix per engine, beside a prefill of seconds.",
         "Known prefixes use vLLM's block hashes (computed when the request arrives, off the "
         "scheduling loop) to find chunk keys this engine computed before.",
-        f"The goal is judged on the known-prefix and repeat cases at the largest size "
-        f"({at_max['keys']:,} keys): {worst:.1f} us. A new prefix at that size takes {at_max['new']:.0f} us.",
+        f"The goal is judged on every case at the largest size ({at_max['keys']:,} keys): "
+        + ", ".join(f"{label} {at_max[case]:.1f} us" for case, label in cases.items())
+        + ".",
     ]
     return Result(
         name=NAME,
         title=TITLE,
         goal=GOAL,
-        columns=["manifest keys", "new prefix (us)", "known prefix (us)", "repeat (us)", "bytes/key"],
+        columns=[
+            "manifest keys",
+            "new prefix: another replica's (us)",
+            "known prefix (us)",
+            "repeat (us)",
+            "bytes/key",
+        ],
         rows=rows,
-        verdict=verdict(worst <= 20, f"{worst:.1f} us, {worst / 20:.2f}x the goal"),
+        verdict=verdict(not over, "; ".join(over) + f" (goal {GOAL_US:.0f} us)"),
         notes=notes,
         bars=bars,
         ylabel="microseconds",
-        goal_line=20.0,
+        goal_line=GOAL_US,
         seconds=time.perf_counter() - t0,
     )
 
