@@ -377,7 +377,7 @@ def _workload(
     reps: list[Replica], ledger: Ledger, rng: np.random.Generator, now: float, dt: float, scale: float = 1.0
 ) -> tuple[int, int]:
     """``dt`` seconds of stores and lookups (rates times ``scale``) for every
-    replica. Returns (fleet keys looked up, of them found)."""
+    replica. Returns (chunks stored, fleet keys looked up, of them found)."""
     looked = found = 0
     stores = rng.poisson(STORES_PER_S * scale * dt, len(reps))
     for i in np.nonzero(stores)[0].tolist():
@@ -404,7 +404,7 @@ def _workload(
             r.manifest.touch([k for k, h in zip(keys, hit.tolist()) if h])  # S3TierManager.record_use
             looked += len(rows)
             found += int(np.count_nonzero(hit[: len(rows)]))
-    return looked, found
+    return int(stores.sum()), looked, found
 
 
 def _totals(reps: list[Replica]) -> list[dict[str, float]]:
@@ -450,7 +450,7 @@ async def simulate(
     start: list[dict[str, float]] = []
     cpu0 = wall0 = 0.0
     snapshots: list[tuple[int, int]] = []
-    looked = found = 0
+    stored = looked = found = 0
     measuring = False
     wall_start = time.perf_counter()
     while events:
@@ -459,9 +459,9 @@ async def simulate(
             break
         clock.t = t
         if what == "tick":
-            a, b = _workload(reps, ledger, rng, t, TICK_S)
+            a, b, c = _workload(reps, ledger, rng, t, TICK_S)
             if measuring:
-                looked, found = looked + a, found + b
+                stored, looked, found = stored + a, looked + b, found + c
             heapq.heappush(events, (t + TICK_S, 0, -1, "tick"))
             continue
         if what == "mark":
@@ -515,6 +515,7 @@ async def simulate(
         "stores_checked": len(rows),
         "stores_unseen": len(rows) - len(all_seen),
         "snapshots": snapshots,
+        "stored": stored,
         "looked": looked,
         "found": found,
         "keys": ledger.n,
@@ -546,13 +547,27 @@ class Rates:
     list_bps: float
     snapshot_put: float
     """Amortized: the fleet's one snapshot writer's share per replica."""
+    chunk_put: float = 0.0
+    """Chunk shards stored: one create-only PUT each (under the multipart threshold)."""
+    chunk_get: float = 0.0
+    """Chunk shards loaded from S3 (every fleet hit found): one GET each (a shard under ``range_bytes``)."""
     directory: bool = False
     """On an S3 Express directory bucket (its layout, and its prices)."""
 
+    def _prices(self) -> tuple[float, float]:
+        return (PRICE_EXPRESS_PUT, PRICE_EXPRESS_GET) if self.directory else (PRICE_PUT, PRICE_GET)
+
+    @property
+    def manifest_cost_per_hour(self) -> float:
+        """The manifest's requests alone, USD per replica-hour."""
+        put, get = self._prices()
+        return 3600 * ((self.put + self.snapshot_put + self.list) * put + self.get * get)
+
     @property
     def cost_per_hour(self) -> float:
-        put, get = (PRICE_EXPRESS_PUT, PRICE_EXPRESS_GET) if self.directory else (PRICE_PUT, PRICE_GET)
-        return 3600 * ((self.put + self.snapshot_put + self.list) * put + self.get * get)
+        """Every request a replica sends S3: the manifest's and its chunks' PUTs and GETs."""
+        put, get = self._prices()
+        return self.manifest_cost_per_hour + 3600 * (self.chunk_put * put + self.chunk_get * get)
 
 
 def snapshot_period_s(n: int) -> float:
@@ -580,6 +595,8 @@ def rates_of(sim: dict[str, Any]) -> Rates:
         down_bps=(_mean(w, "bytes_get:seg") + _mean(w, "bytes_list:seg")) / s,
         list_bps=_mean(w, "bytes_list:seg") / s,
         snapshot_put=2 / snapshot_period_s(n) / n,  # its PUT and its LIST of snapshots
+        chunk_put=sim["stored"] / n / s * TP,
+        chunk_get=sim["found"] / n / s * TP,
         directory=sim["directory"],
     )
 
@@ -607,6 +624,8 @@ def paper(n: int, at: Rates) -> Rates:
         down_bps=seg_bytes + list_bps,
         list_bps=list_bps,
         snapshot_put=2 / snapshot_period_s(n) / n,
+        chunk_put=at.chunk_put,
+        chunk_get=at.chunk_get,
     )
 
 
@@ -624,7 +643,8 @@ def _row(r: Rates, stale: str, wall: str) -> list[Any]:
         f"{r.keys_per_list:,.0f}",
         f"{r.up_bps / 1e3:.2f} / {r.down_bps / 1e3:.1f}",
         stale,
-        f"{r.cost_per_hour:.4f}",
+        f"{r.chunk_put:.1f} / {r.chunk_get:.1f}",
+        f"{r.manifest_cost_per_hour:.4f} / {r.cost_per_hour:.4f}",
         f"{r.get * r.n:,.0f}",
         wall,
     ]
@@ -948,9 +968,17 @@ def run(work: Path, quick: bool) -> Result:
         "ranks' included (N x TP per publish interval).",
         "Columns: PUT/s, LIST/s, GET/s per replica; segments fetched per poll; keys per listing; "
         "manifest kB/s up (PUT bodies) / down (GET bodies + LIST XML); staleness from a store to the "
-        "last replica seeing it, p50 / p99 / max, virtual s; S3 request cost per replica-hour, USD "
-        "(PUT and LIST $0.005, GET $0.0004 per 1,000, us-east-1); fleet-wide GET/s on the manifest "
+        "last replica seeing it, p50 / p99 / max, virtual s; chunk shards PUT and GET per second; S3 "
+        "request cost per replica-hour, USD (PUT and LIST $0.005, GET $0.0004 per 1,000, us-east-1), of the "
+        "manifest's requests and of all of them (manifest and chunks); fleet-wide GET/s on the manifest "
         "prefix; wall seconds of the run (and virtual seconds per wall second).",
+        f"Chunk requests: one create-only PUT per chunk shard stored (a shard is under the multipart "
+        f"threshold), one GET per chunk shard loaded (a shard under range_bytes is one ranged GET); every "
+        f"fleet key a lookup found is counted as loaded from S3 (none was in a local tier yet), TP {TP}. At "
+        f"N={r10.n}: {r10.chunk_put:.1f} PUT/s and {r10.chunk_get:.1f} GET/s, "
+        f"${r10.cost_per_hour - r10.manifest_cost_per_hour:.4f} of the ${r10.cost_per_hour:.4f} per "
+        f"replica-hour ({100 * (1 - r10.manifest_cost_per_hour / r10.cost_per_hour):.0f}%); at N={big.n} the "
+        f"manifest's share is {100 * big.manifest_cost_per_hour / big.cost_per_hour:.0f}%.",
     ]
     notes.append(
         f"Directory bucket (S3 Express One Zone), N={rd.n}: segments filed under minute prefixes, a poll lists "
@@ -959,8 +987,9 @@ def run(work: Path, quick: bool) -> Result:
         f"same GETs ({rd.get:.1f}/s against {big.get:.1f}) and PUTs; "
         f"{on_directory['stores_unseen']} of {on_directory['stores_checked']} stores unseen at the end. "
         f"Cost at Express request prices (PUT and LIST ${PRICE_EXPRESS_PUT * 1000:.5f}, GET "
-        f"${PRICE_EXPRESS_GET * 1000:.5f} per 1,000): ${rd.cost_per_hour:.4f} per replica-hour against "
-        f"${big.cost_per_hour:.4f} on S3 Standard."
+        f"${PRICE_EXPRESS_GET * 1000:.5f} per 1,000): the manifest's ${rd.manifest_cost_per_hour:.4f} per "
+        f"replica-hour against ${big.manifest_cost_per_hour:.4f} on S3 Standard, all requests "
+        f"${rd.cost_per_hour:.4f} against ${big.cost_per_hour:.4f}."
     )
     for sim in [*sims, on_directory]:
         if sim["stores_unseen"]:
@@ -1051,9 +1080,11 @@ def run(work: Path, quick: bool) -> Result:
         f"{PREFIX_GET_LIMIT:,}/s per prefix: the fleet's N^2 x TP / publish_s GETs reach it at N = "
         f"{n_limit:.0f} (TP 1), {math.sqrt(PREFIX_GET_LIMIT * SETTINGS.publish_s / 8):.0f} (TP 8). PUTs "
         f"({at_paper.put * PAPER_N:,.0f}/s fleet-wide) stay under {PREFIX_PUT_LIMIT:,}/s. "
-        f"Cost ${at_paper.cost_per_hour:.3f} per replica-hour (${at_paper.cost_per_hour * PAPER_N * 730:,.0f} "
-        "a month for the fleet), against "
-        f"${measured[0].cost_per_hour:.4f} at N={measured[0].n}. See ANALYSIS.md, 'Fleet scale (issue 18.4)'.",
+        f"The manifest's requests cost ${at_paper.manifest_cost_per_hour:.3f} per replica-hour "
+        f"(${at_paper.manifest_cost_per_hour * PAPER_N * 730:,.0f} a month for the fleet), against "
+        f"${measured[0].manifest_cost_per_hour:.4f} at N={measured[0].n}; with the chunks' PUTs and GETs "
+        f"(the same per replica at any N) ${at_paper.cost_per_hour:.3f}, against "
+        f"${measured[0].cost_per_hour:.4f}. See ANALYSIS.md, 'Fleet scale (issue 18.4)'.",
     )
     return Result(
         name=NAME,
@@ -1068,7 +1099,8 @@ def run(work: Path, quick: bool) -> Result:
             "keys/listing",
             "kB/s up / down",
             "staleness p50/p99/max (s)",
-            "$/replica-hour",
+            "chunk PUT/s / GET/s",
+            "$/replica-hour: manifest / all",
             "fleet GET/s",
             "wall s (x virtual)",
         ],
