@@ -147,6 +147,8 @@ class Planner:
         self._pending_prefetch: list[LoadPlan] = []
         self._prefetch_queue: dict[str, None] = {}
         """Requests with chunks to prefetch once the budget allows, oldest first."""
+        self._arrived: list[str] = []
+        """Requests queued for prefetch since the last step was planned."""
 
     @classmethod
     def from_config(
@@ -243,6 +245,8 @@ class Planner:
         n_chunks = num_tokens // ct
         start = num_computed_tokens // ct
         if start >= n_chunks:
+            if self._prefetch_queue:
+                self._leave_prefetch_queue(req_id)  # vLLM holds all of it: nothing to fetch
             return 0, False
         keys = self.chain.extend(req, n_chunks)
         if self._prefetching and self._awaits_prefetch(keys, start, n_chunks):
@@ -307,35 +311,47 @@ class Planner:
         *,
         num_prompt_tokens: int | None = None,
         prefix_ids: PrefixIds | None = None,
-    ) -> int:
-        """A request arrived: plan fetching the chunks of its hit that only a
-        remote tier (S3) holds into the nearer tiers (as a load's promotions
-        are), so that once vLLM schedules it the hit is local. No more than
-        ``prefetch_bytes`` of chunk shards are in flight: requests queue for
-        the budget in arrival order (the head of vLLM's queue first), and
-        one vLLM schedules before its turn loads by itself. Its lookups wait
-        for chunks in flight. Returns the chunks planned now."""
+    ) -> None:
+        """A request arrived: fetch the chunks of its hit that only a remote
+        tier (S3) holds into the nearer tiers (as a load's promotions are),
+        so that once vLLM schedules it the hit is local. The fetch is
+        planned with the step (:meth:`plan_step`), after vLLM's lookups: a
+        request that vLLM looks up in the step it arrived in (an idle
+        replica schedules it at once) leaves the queue and loads by itself,
+        for a prefetch would only put a copy and a second load before its
+        first token. No more than ``prefetch_bytes`` of chunk shards are in
+        flight: requests queue for the budget in arrival order (the head of
+        vLLM's queue first), and one vLLM schedules before its turn loads by
+        itself. Its lookups wait for chunks in flight."""
         if self.prefetch_bytes <= 0 or self.chunk_bytes <= 0:
-            return 0
+            return
         req = self._request(req_id, token_ids, num_tokens, num_prompt_tokens, extras, prefix_ids)
         if num_tokens // self.chunk_tokens == 0 or req.load_failed:
-            return 0
+            return
         self._prefetch_queue[req_id] = None
-        planned = self._start_prefetches().get(req_id, 0)
-        if req_id in self._prefetch_queue:  # some or all of it waits for the budget
+        self._arrived.append(req_id)
+
+    def _start_arrived(self) -> None:
+        """Plan the prefetches of the requests that arrived since the last
+        step and are still waiting (vLLM did not schedule them); count the
+        chunks that wait for the budget."""
+        arrived, self._arrived = self._arrived, []
+        self._start_prefetches()
+        for req_id in arrived:
+            req = self._requests.get(req_id)
+            if req is None or req_id not in self._prefetch_queue:  # scheduled, finished, or all started
+                continue
             if not req.queued:  # (behind another request: not looked at yet)
                 _, req.queued = self._prefetch_chunks(req_id, req, 0, self._clock())
             self.counters.add("prefetch_chunks_queued", req.queued)
-        return planned
 
-    def _start_prefetches(self) -> dict[str, int]:
+    def _start_prefetches(self) -> None:
         """Plan the queued requests' chunks, first come first served, while
-        the budget lasts; returns chunks planned by request."""
+        the budget lasts."""
         now = self._clock()
         for key in [k for k, f in self._prefetching.items() if now - f.started > self.prefetch_wait_s]:
             del self._prefetching[key]  # its report never came
         budget = self.prefetch_bytes // self.chunk_bytes - len(self._prefetching)
-        planned: dict[str, int] = {}
         for req_id in list(self._prefetch_queue):
             req = self._requests.get(req_id)
             if req is None or req.load_failed:
@@ -346,12 +362,10 @@ class Planner:
             if chunks:
                 self._pending_prefetch.append(LoadPlan(req_id, tuple(chunks), False))
                 self.counters.add("prefetch_chunks_started", len(chunks))
-                planned[req_id] = len(chunks)
             req.queued = left
             if left:
                 break  # its turn is not over: the next wait behind it
             del self._prefetch_queue[req_id]
-        return planned
 
     def _prefetch_chunks(
         self, req_id: str, req: _Request, budget: int, now: float
@@ -465,6 +479,8 @@ class Planner:
 
     # -- per step ------------------------------------------------------------------
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
+        if self._arrived:
+            self._start_arrived()
         plan = StepPlan(
             loads=self._pending_loads,
             stores=self._pending_stores,

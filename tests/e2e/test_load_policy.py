@@ -100,13 +100,19 @@ def test_cost_policy_computes_a_short_prefix_on_a_slow_s3_and_loads_a_long_one(s
 
 
 QUEUE = [[rng.randrange(3, 2048) for _ in range(8 * CHUNK_TOKENS + 10)] for _ in range(4)]  # 4 prefixes
+ALONE = [rng.randrange(3, 2048) for _ in range(8 * CHUNK_TOKENS + 10)]  # a fifth
+BLOCKER = [rng.randrange(3, 2048) for _ in range(CHUNK_TOKENS // 2)]  # under a chunk: nothing stored
 
 
 def test_prefetch_at_arrival_serves_a_queue_of_s3_prefixes_from_the_cpu_tier(s3_server, model, monkeypatch):
-    """Four requests arrive at once on an engine that runs one at a time; their
-    prefixes are only in S3, which answers late. With prefetch their chunks
-    are fetched into the CPU tier while they wait, and every hit comes from
-    there; without it (the control) every hit comes from S3."""
+    """Four requests arrive at once on an engine that runs one at a time,
+    behind a request that takes its one slot (vLLM looks a waiting request
+    up only once a slot is free); their prefixes are only in S3, which
+    answers late. With prefetch their chunks are fetched into the CPU tier
+    while they wait, and every hit comes from there; without it (the
+    control) every hit comes from S3. A request that arrives alone at the
+    idle engine is looked up at once: it loads from S3 either way, with
+    nothing prefetched."""
     for k, v in REPLICA_ENV.items():
         monkeypatch.setenv(k, v)
     bucket = s3_server.new_bucket()
@@ -125,9 +131,19 @@ def test_prefetch_at_arrival_serves_a_queue_of_s3_prefixes_from_the_cpu_tier(s3_
             engines.append(llm)
             return llm
 
+        first = params.clone()
+        # Still decoding when the queue arrives (its requests reach the
+        # engine while it prefills), done long before S3 answers.
+        first.max_tokens = 4
+
         def burst(llm):
-            outs = llm.generate([{"prompt_token_ids": p} for p in QUEUE], params, use_tqdm=False)
+            prompts = [{"prompt_token_ids": p} for p in [BLOCKER, *QUEUE]]
+            outs = llm.generate(prompts, [first] + [params] * len(QUEUE), use_tqdm=False)[1:]
             return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+        def alone(llm):
+            (out,) = llm.generate([{"prompt_token_ids": ALONE}], params, use_tqdm=False)
+            return list(out.outputs[0].token_ids), out.num_cached_tokens
 
         def close(llm):
             llm.llm_engine.engine_core.shutdown()
@@ -136,13 +152,16 @@ def test_prefetch_at_arrival_serves_a_queue_of_s3_prefixes_from_the_cpu_tier(s3_
         try:
             writer = engine()  # S3 only: computes and stores
             want, _ = burst(writer)
-            assert wait_for_value(writer, "store_chunks_s3", lambda v: v >= chunks) >= chunks
+            want_alone, _ = alone(writer)
+            chunks_alone = len(ALONE) // CHUNK_TOKENS
+            stored = chunks + chunks_alone
+            assert wait_for_value(writer, "store_chunks_s3", lambda v: v >= stored) >= stored
             close(writer)
-            proxy.delay_s = 0.5
+            proxy.delay_s = 1.0
 
             for prefetch in (True, False):
                 llm = engine(cpu_bytes="256MiB", prefetch_bytes="1GiB" if prefetch else 0)
-                assert wait_for_value(llm, "manifest_keys", lambda v: v >= chunks) >= chunks
+                assert wait_for_value(llm, "manifest_keys", lambda v: v >= stored) >= stored
                 outputs, cached = burst(llm)
                 assert outputs == want
                 assert all(c >= 8 * CHUNK_TOKENS for c in cached), cached
@@ -154,6 +173,13 @@ def test_prefetch_at_arrival_serves_a_queue_of_s3_prefixes_from_the_cpu_tier(s3_
                     assert s3kv_value(llm, "prefetch_waits") >= 1
                 else:
                     assert started == 0 and cpu == 0 and s3 == chunks * CHUNK_TOKENS
+                # Alone at the idle engine: an S3 load at once, prefetch or not.
+                tokens, hit = alone(llm)
+                assert tokens == want_alone and hit >= 8 * CHUNK_TOKENS
+                s3_then = s3 + chunks_alone * CHUNK_TOKENS
+                assert wait_for_value(llm, "hit_tokens_s3", lambda v, want=s3_then: v >= want) == s3_then
+                assert s3kv_value(llm, "hit_tokens_cpu") == cpu
+                assert s3kv_value(llm, "prefetch_chunks_started") == started
                 close(llm)
         finally:
             for llm in engines:

@@ -1,6 +1,9 @@
 """Prefetch at arrival, in the planner: what only S3 holds of an arriving
 request's hit is fetched into the nearer tiers within a byte budget, and
-the request's lookups wait for it (no vLLM, no I/O)."""
+the request's lookups wait for it (no vLLM, no I/O). vLLM tells of an
+arrival (``on_new_request``), then schedules a step: its lookups, then the
+step's plan; a prefetch starts with the plan of a step that left the
+request waiting."""
 
 from s3kv.keys import chain_keys
 from s3kv.tiering.placement import Tier
@@ -38,7 +41,12 @@ def prefetching(budget_chunks=16, **kw):
 
 
 def arrive(p, req_id="r", tokens=PROMPT):
-    return p.prefetch(req_id, tokens, len(tokens))
+    p.prefetch(req_id, tokens, len(tokens))
+
+
+def step(p):
+    """vLLM plans a step (requests that arrived wait in its queue): the prefetches handed out."""
+    return p.plan_step([]).prefetch
 
 
 def lookup(p, req_id="r", tokens=PROMPT, computed=0):
@@ -49,8 +57,8 @@ def test_an_arriving_requests_s3_chunks_are_fetched_into_the_nearer_tiers_and_it
     p, index, _ = prefetching(cpu_slots=8, disk_bytes=10 * disk_estimate(SHARD))
     index.update(KEYS)
     put_cpu(p, KEYS[:1])  # chunk 0 is local already
-    assert arrive(p) == 3
-    (job,) = p.plan_step([]).prefetch
+    arrive(p)
+    (job,) = step(p)
     assert job.req_id == "r" and [c.key for c in job.chunks] == KEYS[1:4]
     for c in job.chunks:
         assert c.block_ids == () and c.write_ids == ()  # no KV pages: the promotions only
@@ -65,7 +73,7 @@ def test_an_arriving_requests_s3_chunks_are_fetched_into_the_nearer_tiers_and_it
     assert lookup(p) == (4 * CT, False)
     assert p.counters.totals()["prefetch_chunks_started"] == 3
     assert p.counters.totals()["prefetch_waits"] == 1  # once per request
-    assert p.plan_step([]).prefetch == []  # handed out once
+    assert step(p) == []  # handed out once
 
 
 def test_the_byte_budget_bounds_chunks_in_flight_and_requests_queue_for_it_in_order():
@@ -74,16 +82,16 @@ def test_the_byte_budget_bounds_chunks_in_flight_and_requests_queue_for_it_in_or
     other = list(range(5000, 5000 + 2 * CT + 3))
     other_keys = chain_keys(NS, other, CT)
     index.update(other_keys)
-    assert arrive(p, "a") == 2  # 2 of its 4 chunks: the budget
-    assert arrive(p, "b", other) == 0  # behind a
-    (job,) = p.plan_step([]).prefetch
-    assert [c.key for c in job.chunks] == KEYS[:2]
+    arrive(p, "a")
+    arrive(p, "b", other)
+    (job,) = step(p)  # 2 of a's 4 chunks (the budget); b waits behind a
+    assert job.req_id == "a" and [c.key for c in job.chunks] == KEYS[:2]
     assert p.counters.totals()["prefetch_chunks_queued"] == 2 + 2
     on_written(p, Tier.CPU, {k: 1 for k in KEYS[:2]})
-    (job,) = p.plan_step([]).prefetch  # a's turn goes on first
+    (job,) = step(p)  # a's turn goes on first
     assert job.req_id == "a" and [c.key for c in job.chunks] == KEYS[2:4]
     on_written(p, Tier.CPU, {k: 1 for k in KEYS[2:4]})
-    (job,) = p.plan_step([]).prefetch
+    (job,) = step(p)
     assert job.req_id == "b" and [c.key for c in job.chunks] == other_keys[:2]
     assert p.counters.totals()["prefetch_chunks_started"] == 6
     assert p.counters.totals().get("prefetch_chunks_skipped", 0) == 0
@@ -96,11 +104,12 @@ def test_a_request_scheduled_before_its_turn_loads_by_itself():
     index.update(chain_keys(NS, other, CT))
     arrive(p, "a")
     arrive(p, "b", other)
+    step(p)
     # vLLM reaches b while a's chunks are in flight: b loads from S3.
     assert lookup(p, "b", other) == (2 * CT, True)
     assert p.counters.totals()["prefetch_chunks_skipped"] == 2
     on_written(p, Tier.CPU, {k: 1 for k in KEYS[:2]})
-    (job,) = p.plan_step([]).prefetch[-1:]
+    (job,) = step(p)
     assert job.req_id == "a"  # b left the queue: only a's rest follows
     assert all(c.key in KEYS for c in job.chunks)
 
@@ -109,25 +118,29 @@ def test_nothing_is_prefetched_that_is_local_or_from_a_tier_in_trouble_or_with_t
     p, index, _ = prefetching(cpu_slots=8)
     index.update(KEYS)
     put_cpu(p, KEYS)
-    assert arrive(p) == 0
+    arrive(p)
+    assert step(p) == []
     p, index, _ = prefetching(cpu_slots=8)
     index.update(KEYS)
     on_load_results(p, set(), failed={Tier.S3: 1})  # S3's breaker opens
-    assert arrive(p) == 0
+    arrive(p)
+    assert step(p) == []
     off, index = planner(cpu_slots=8, chunk_bytes=SHARD)  # prefetch_bytes 0
     index.update(KEYS)
-    assert off.prefetch("r", PROMPT, len(PROMPT)) == 0
+    arrive(off)
+    assert step(off) == []
     assert lookup(off) == (4 * CT, True)
     remote_only, index, _ = prefetching()  # no nearer tier to fetch into
     index.update(KEYS)
-    assert arrive(remote_only) == 0
+    arrive(remote_only)
+    assert step(remote_only) == []
 
 
 def test_a_failed_prefetch_ends_the_wait_and_the_request_loads_from_s3():
     p, index, _ = prefetching(cpu_slots=8)
     index.update(KEYS)
     arrive(p)
-    p.plan_step([])
+    step(p)
     on_write_failed(p, Tier.CPU, {k: 1 for k in KEYS})
     assert lookup(p) == (4 * CT, True)  # from S3, as without a prefetch
     assert len(cpu(p)) == 0
@@ -137,11 +150,13 @@ def test_a_prefetch_whose_report_is_lost_stops_holding_the_request_back():
     p, index, clock = prefetching(cpu_slots=8)
     index.update(KEYS)
     arrive(p)
+    step(p)
     assert lookup(p) == (None, False)
     clock.now += p.prefetch_wait_s + 1
     assert lookup(p) == (4 * CT, True)  # from S3
     # The lost copies' slots stay pending (as a lost promotion's do): no second prefetch.
-    assert arrive(p, "again") == 0
+    arrive(p, "again")
+    assert step(p) == []
     assert lookup(p, "again") == (4 * CT, True)
 
 
@@ -149,6 +164,7 @@ def test_every_rank_must_report_a_prefetched_copy():
     p, index, _ = prefetching(world_size=2, cpu_slots=8)
     index.update(KEYS)
     arrive(p)
+    step(p)
     on_written(p, Tier.CPU, {k: 1 for k in KEYS})
     assert lookup(p) == (None, False)  # one rank of two
     on_written(p, Tier.CPU, {k: 1 for k in KEYS})
@@ -169,5 +185,33 @@ def test_arrival_alone_is_not_a_lookup():
     index.update(KEYS)
     exact = PROMPT[: 4 * CT]
     arrive(q, "x", exact)
+    step(q)
     on_written(q, Tier.CPU, {k: 1 for k in KEYS})
     assert lookup(q, "x", exact) == (4 * CT - BS, False)
+
+
+def test_a_request_vllm_schedules_in_the_step_it_arrived_in_loads_at_once_with_nothing_prefetched():
+    """An idle replica looks an arriving request up in that very step: a
+    prefetch would only put a copy into the nearer tiers, the wait for every
+    rank's report of it and a second load before the first token. The
+    request loads from S3 at once (its promotions fill the nearer tiers as
+    any load's do), and nothing is fetched for it."""
+    p, index, _ = prefetching(cpu_slots=8, disk_bytes=10 * disk_estimate(SHARD))
+    index.update(KEYS)
+    arrive(p)
+    assert lookup(p) == (4 * CT, True)  # from S3, no "not yet"
+    p.on_alloc("r", list(range(10)), 4 * CT)
+    plan = p.plan_step([])
+    assert plan.prefetch == []
+    (load,) = plan.loads
+    for c in load.chunks:
+        assert tiers_of(c.sources) == (Tier.S3,)
+        assert tiers_of(c.promote) == (Tier.CPU, Tier.DISK)
+    totals = p.counters.totals()
+    assert totals.get("prefetch_chunks_started", 0) == 0 and totals.get("prefetch_waits", 0) == 0
+    # One whose every chunk vLLM's own cache holds needs nothing fetched either.
+    other = list(range(5000, 5000 + 2 * CT + 3))
+    index.update(chain_keys(NS, other, CT))
+    arrive(p, "cached", other)
+    assert lookup(p, "cached", other, computed=2 * CT) == (0, False)
+    assert step(p) == []
