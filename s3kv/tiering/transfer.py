@@ -59,6 +59,19 @@ def _discard(chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
 
 
 @dataclass
+class _Promotion:
+    """A loaded chunk's copy into a tier that is written from the object."""
+
+    handler: TierHandler
+    place: Place
+    key: bytes
+    blob: bytes
+
+    def save(self, codec: ChunkCodec) -> Coroutine[Any, Any, None]:
+        return self.handler.save(self.place, ChunkData(self.key, codec, blob=self.blob))
+
+
+@dataclass
 class Polled:
     report: TierReport
     """This rank's report since the last poll (counts of 1 per key)."""
@@ -178,7 +191,17 @@ class TransferEngine:
     ) -> None:
         clock = self.meter.clock
         start = clock()
-        attempts = await asyncio.gather(*(self._load_one(c, sink, target) for c in chunks))
+        # A request's copies into tiers written from the object (NVMe) start
+        # once its last chunk is in: their decoding, encoding and writes would
+        # take the cores its other chunks' reads and decodes need. A
+        # prefetch (no job, no pages) writes each copy at once: that is its point.
+        later: list[_Promotion] | None = [] if job_id is not None else None
+        try:
+            attempts = await asyncio.gather(*(self._load_one(c, sink, target, later) for c in chunks))
+        except BaseException:  # cancelled (the engine is closing): the copies never start
+            for promotion in later or ():
+                self.report.failed(promotion.place.tier, promotion.key, started=False)
+            raise
         failed = [c for c, a in zip(chunks, attempts) if a is None]
         if not failed and self.s.rank == 0:  # one observation per request, not per rank
             took = clock() - start
@@ -189,20 +212,28 @@ class TransferEngine:
                 self.report.timed(timing)
         if job_id is not None:
             self.report.finished(job_id, failed)
+        for promotion in later or ():
+            self._loop.track(promotion.save(self.codec))  # type: ignore[arg-type]
 
     async def _load_one(
-        self, chunk: LoadChunk, sink: ChunkSink, target: ChunkTarget | None
+        self,
+        chunk: LoadChunk,
+        sink: ChunkSink,
+        target: ChunkTarget | None,
+        later: list[_Promotion] | None = None,
     ) -> Attempt | None:
-        """Load one chunk: the attempt at the tier it came from, or None if it failed."""
+        """Load one chunk: the attempt at the tier it came from, or None if it
+        failed. Its copies into tiers written from the object go to ``later``
+        (the job starts them), or start now."""
         key = chunk.key
         promote = [(self.handlers.get(p.tier), p) for p in chunk.promote]
         fills = [(h, p) for h, p in promote if h is not None and h.takes_pages]  # filled as layers load
-        later = [(h, p) for h, p in promote if h is None or not h.takes_pages]  # written from the object
+        copies = [(h, p) for h, p in promote if h is None or not h.takes_pages]  # written from the object
         sinks = [h.open_fill(p, key) for h, p in fills]
         try:
             deadline = time.monotonic() + self.s.load_timeout_s
             source, nbytes, blob, attempt = await self._load_from_sources(
-                chunk, sink, target, sinks, bool(later), deadline
+                chunk, sink, target, sinks, bool(copies), deadline
             )
         except Exception as e:  # every failure becomes a recompute, never an engine error
             kind = error_kind(e)
@@ -222,11 +253,13 @@ class TransferEngine:
             h.close_fill(p, key)
             self.report.written(p.tier, key)
             self.counters.add(f"promote_chunks_{p.tier.value}")
-        for h, p in later:
-            if blob is not None and h is not None:
-                self._loop.track(h.save(p, ChunkData(key, self.codec, blob=blob)))  # type: ignore[arg-type]
-            else:
+        for h, p in copies:
+            if blob is None or h is None:
                 self.report.failed(p.tier, key)
+            elif later is not None:
+                later.append(_Promotion(h, p, key, blob))
+            else:
+                self._loop.track(_Promotion(h, p, key, blob).save(self.codec))  # type: ignore[arg-type]
         return attempt
 
     async def _load_from_sources(

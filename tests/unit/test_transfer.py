@@ -259,6 +259,54 @@ def test_s3_load_promotes_to_cpu_slot_and_disk(tmp_path, disk_codec):
     e.close()
 
 
+class HeldGets(MemoryStore):
+    """GETs of object ``held`` wait until the test sets ``release``."""
+
+    def __init__(self):
+        super().__init__()
+        self.held, self.release = None, threading.Event()
+
+    async def get(self, key, range=None):
+        if key == self.held:
+            await asyncio.to_thread(self.release.wait)
+        return await super().get(key, range)
+
+
+def test_a_loads_copies_into_the_nvme_tier_start_once_its_last_chunk_is_in(tmp_path):
+    """A copy written from the object (decoded, encoded in the disk's codec,
+    written) would take the cores the load's other chunks need: the copies
+    a request's load promotes into the NVMe tier start once its last chunk
+    is in, not as each chunk is."""
+    store = HeldGets()
+    first, second = b"a" * 16, b"b" * 16
+    e = stored_chunk(store, first, 1, disk_path=tmp_path)
+    e.submit_store(store_job(second, 2))
+    wait_for(e, lambda a: second in a.written.get(Tier.S3, {}))
+    handler = e.handlers[Tier.DISK]
+    begun = []  # (key, chunks the load had in when its copy began)
+    save = handler.save
+
+    def recording_save(place, data, start=None):
+        begun.append((data.key, e.counters.totals().get("load_chunks_s3", 0)))
+        return save(place, data, start)
+
+    handler.save = recording_save
+    store.held = e.chunk_id(second).object_key
+    loads = [chunk(first, Tier.S3, promote_disk=True), chunk(second, Tier.S3, promote_disk=True)]
+    e.submit_load("j", loads, lambda *a: None)
+    try:
+        wait_until("the first chunk to be in", lambda: e.counters.totals().get("load_chunks_s3", 0) == 1)
+        e.spawn(asyncio.sleep(0)).result(timeout=60)  # the loop is past the first chunk's end
+        assert begun == []  # its copy waits for the second chunk
+    finally:
+        store.release.set()
+    acc = wait_for(e, lambda a: "j" in a.finished_loads and len(a.written.get(Tier.DISK, {})) == 2)
+    assert acc.finished_loads["j"] == []
+    assert sorted(begun) == [(first, 2), (second, 2)]
+    assert files(e).path(first).exists() and files(e).path(second).exists()
+    e.close()
+
+
 def test_disk_miss_falls_back_to_s3_and_reports_the_disk(tmp_path):
     store = MemoryStore()
     key = b"f" * 16
