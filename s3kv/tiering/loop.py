@@ -79,7 +79,10 @@ STORE_NICE = 10
 """Niceness of the write-through threads (Linux: per thread)."""
 
 
-def _background_priority() -> None:
+def background_thread() -> None:
+    """Initializer of threads that do background work (write-through
+    encoding, NVMe writes): unbound, at :data:`STORE_NICE`, so that they
+    take a core only when the forward and the loads leave it."""
     unbind_thread()
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICE)
@@ -110,7 +113,7 @@ class JobLoop(BackgroundLoop):
             threads, thread_name_prefix="s3kv-codec", initializer=unbind_thread
         )
         self.background_threads = concurrent.futures.ThreadPoolExecutor(
-            store_threads(threads), thread_name_prefix="s3kv-store", initializer=_background_priority
+            store_threads(threads), thread_name_prefix="s3kv-store", initializer=background_thread
         )
         self._lock = threading.Lock()
         self._pending: set[concurrent.futures.Future[Any]] = set()

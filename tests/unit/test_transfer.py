@@ -489,19 +489,25 @@ def test_no_write_reaches_pages_after_a_timeout():
     e.close()
 
 
-def test_write_through_runs_at_background_priority():
-    """Encoding and NVMe writes must not take CPU from the forward or loads."""
+def test_write_through_runs_at_background_priority(tmp_path):
+    """Encoding and NVMe writes (a store's, and the copies a load promotes)
+    must not take CPU from the forward or loads; NVMe reads must not wait
+    behind them."""
     import threading
 
     from s3kv.tiering.loop import STORE_NICE
 
     if os.nice(0) >= STORE_NICE:
         pytest.skip("the tests already run at a lower priority than s3kv's store threads")
-    e = engine(FlakyStore())
+    e = engine(FlakyStore(), disk_path=tmp_path)
     nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
     background = e._loop.run(e._loop.in_background(nice), timeout=5)
     foreground = e._loop.run(e._loop.in_threads(nice), timeout=5)
     assert background > foreground
+    disk = e.handlers[Tier.DISK]
+    disk_writes = e._loop.run(disk.run(nice, write=True), timeout=5)
+    disk_reads = e._loop.run(disk.run(nice), timeout=5)
+    assert disk_writes == background and disk_reads == foreground
     e.close(0.1)
 
 

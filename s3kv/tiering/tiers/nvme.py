@@ -24,7 +24,7 @@ from s3kv.tiering import disk
 from s3kv.tiering.breaker import BACKOFF_S, PROBE_TIMEOUT_S
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.disk import DiskTier, directory_bytes
-from s3kv.tiering.loop import unbind_thread
+from s3kv.tiering.loop import background_thread, unbind_thread
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, TierReport
 from s3kv.tiering.tiers.base import (
@@ -350,9 +350,13 @@ class NvmeHandler(TierHandler):
         self.files = files
         self.timeout_s = timeout_s
         self.write_queue_s = write_queue_s
+        # Writes (write-through, and the copies loads promote) are background
+        # work: at a lower priority, they never take a core from a forward.
         self._threads = {
             write: concurrent.futures.ThreadPoolExecutor(
-                DISK_THREADS, thread_name_prefix=f"s3kv-disk-{name}", initializer=unbind_thread
+                DISK_THREADS,
+                thread_name_prefix=f"s3kv-disk-{name}",
+                initializer=background_thread if write else unbind_thread,
             )
             for write, name in ((False, "read"), (True, "write"))
         }
