@@ -8,7 +8,8 @@ read back and decoded into per-layer page bytes (one 256-token layer frame,
 thread over every frame: no codec, zstd at several levels with and without
 s3kv's byte shuffle (bf16: item size 2), and s3kv's own path, the engine's
 ``ChunkCodec.encode``/``decode`` (the one chunk reader set to the pages:
-every check included).
+every check included), decoding into the pages of a host KV cache through
+the worker's sink and target, as a load does.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import Bar, Result, main_for, median, run_replica, verdict
+from benchmarks.load_path import BLOCK_SIZE
 
 NAME = "codec"
 TITLE = "Codec: encode/decode MB/s per core and ratio, on KV pages from the vLLM CPU engine"
 GOAL_MBS = 2000.0
 GOAL = (
-    "decoding never bounds a load: s3kv's default codec (checksummed, as loads decode it) decodes "
-    f">= {GOAL_MBS / 1000:.0f} GB/s of KV per core (issue 17)"
+    "decoding never bounds a load: s3kv's default codec (checksummed and into the KV pages, as loads "
+    f"decode it) decodes >= {GOAL_MBS / 1000:.0f} GB/s of KV per core (issue 17)"
 )
 LEVELS = (-3, 1, 3, 9)
 CHUNK_TOKENS = 256
@@ -95,6 +97,41 @@ def _per_second(fn: Callable[[], Any], nbytes: int, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return nbytes / median(times) / 1e6
+
+
+def _kv_cache_for(
+    frame_bytes: int, n_layers: int, n_chunks: int
+) -> tuple[Any, dict[str, list[tuple[int, ...]]]]:
+    """A host KV cache (s3kv's :class:`~s3kv.connector.pages.PageIO` over one
+    tensor a layer, the block axis first as in vLLM's CPU layout) with room
+    for ``n_chunks`` chunks twice over, and two placements of the chunks'
+    blocks: consecutive (a fresh request's) and scattered (no two
+    neighbours: a cache whose free blocks are mixed up)."""
+    import torch
+
+    from s3kv.connector.pages import PageIO
+
+    per = CHUNK_TOKENS // BLOCK_SIZE
+    num_blocks = 2 * n_chunks * per + 1
+    names = [f"layer.{i}" for i in range(n_layers)]
+    caches = {n: torch.zeros((num_blocks, frame_bytes // per), dtype=torch.uint8) for n in names}
+    pages = PageIO(caches, names, num_blocks)
+    consecutive = [tuple(range(c * per, (c + 1) * per)) for c in range(n_chunks)]
+    perm = random.Random(3).sample(range(0, num_blocks, 2), n_chunks * per)
+    scattered = [tuple(perm[c * per : (c + 1) * per]) for c in range(n_chunks)]
+    return pages, {"consecutive": consecutive, "scattered": scattered}
+
+
+def _into_pages(pages: Any, block_ids: tuple[int, ...]) -> Any:
+    """A load attempt's way into ``block_ids`` of the KV cache, as the worker
+    builds it: the Gate over its sink (PageIO.write) and target (PageIO.target)."""
+    from s3kv.tiering.tiers.base import Gate
+
+    n = len(block_ids)
+    return Gate(
+        [lambda layer, data: pages.write(layer, block_ids, 0, n, data)],
+        lambda layer: pages.target(layer, block_ids, 0, n),
+    )
 
 
 def run(work: Path, quick: bool) -> Result:
@@ -195,7 +232,12 @@ def run(work: Path, quick: bool) -> Result:
 
     fleet = FleetKeys(["benchmark-fleet-secret-0123456789abcdef"])
 
-    def s3kv_rows(codec_name: str, level: int, keys: FleetKeys | None = None) -> float:
+    # A host KV cache shaped like the engine's, for s3kv's decodes to land in
+    # as a load's do: the worker's sink and target (PageIO.write and
+    # PageIO.target) behind a load attempt's Gate.
+    kv_pages, placements = _kv_cache_for(frames[0].nbytes, len(chunks[0][1]), len(chunks))
+
+    def s3kv_rows(codec_name: str, level: int, keys: FleetKeys | None = None) -> dict[str, float]:
         # One engine's codec per chunk (they are one engine's pages): what S3
         # and disk loads decode with, and what stores encode with.
         engines = [
@@ -220,29 +262,33 @@ def run(work: Path, quick: bool) -> Result:
             for (key, engine), (_h, layers) in zip(engines, chunks):
                 blobs.append(engine.encode(key, layers))
 
-        def decode_all() -> None:
-            for (key, engine), blob in zip(engines, blobs):
-                engine.decode(key, blob, lambda _i, _page: None, "chunk", scratch=True)
+        def decode_all(blocks: list[tuple[int, ...]]) -> None:
+            for (key, engine), blob, ids in zip(engines, blobs, blocks):
+                engine.decode(key, blob, _into_pages(kv_pages, ids), "chunk", scratch=True)
 
         enc = _per_second(encode_all, raw, repeats)
-        dec = _per_second(decode_all, raw, repeats)
-        for (key, engine), (_h, layers), blob in zip(engines[:1], chunks, blobs):
-            got: dict[int, np.ndarray] = {}
-            engine.decode(key, blob, got.__setitem__, "chunk")
-            if sorted(got) != list(range(len(layers))) or not all(
-                np.array_equal(got[i], a) for i, a in enumerate(layers)
-            ):
-                raise AssertionError(f"s3kv {codec_name}: decode does not give back the pages")
+        decs = {}
+        for placement, blocks in placements.items():
+            decs[placement] = _per_second(lambda blocks=blocks: decode_all(blocks), raw, repeats)
+            for i, ((_h, layers), ids) in enumerate(zip(chunks, blocks)):  # every chunk's pages landed
+                for layer, a in enumerate(layers):
+                    got = np.empty_like(a)
+                    kv_pages.read_into(layer, ids, got)
+                    if not np.array_equal(got, a):
+                        raise AssertionError(
+                            f"s3kv {codec_name}: chunk {i} layer {layer} did not land in its pages ({placement})"
+                        )
         ratio = raw / sum(len(b) for b in blobs)
         name = {"none": "none", "zstd": f"zstd {level} + shuffle", "blosc2": f"blosc2 zstd {level}"}[
             codec_name
         ] + (", MAC" if keys else "")
-        label = f"s3kv encode/decode, {name}"
-        rows.append([label, round(ratio, 3), round(enc), round(dec), "yes" if dec >= GOAL_MBS else "no"])
-        if ratio > 1.01:
-            bars.append(Bar(f"s3kv {name}", round(dec)))
-        print(f"  {label:40s} ratio {ratio:6.3f}  encode {enc:7.0f} MB/s  decode {dec:7.0f} MB/s")
-        return dec
+        for placement, d in decs.items():
+            label = f"s3kv encode/decode into pages ({placement} blocks), {name}"
+            rows.append([label, round(ratio, 3), round(enc), round(d), "yes" if d >= GOAL_MBS else "no"])
+            if ratio > 1.01:
+                bars.append(Bar(f"s3kv {name}, {placement}", round(d)))
+            print(f"  {label:60s} ratio {ratio:6.3f}  encode {enc:7.0f} MB/s  decode {d:7.0f} MB/s")
+        return decs
 
     from s3kv.config import DEFAULTS
 
@@ -250,7 +296,9 @@ def run(work: Path, quick: bool) -> Result:
     decs = {name: s3kv_rows(name, 1) for name in ("zstd", "blosc2")}
     s3kv_rows("none", 1, fleet)
     signed = {name: s3kv_rows(name, 1, fleet) for name in ("zstd", "blosc2")}
-    default_dec, signed_dec = decs[DEFAULTS.codec], signed[DEFAULTS.codec]
+    by_placement = decs[DEFAULTS.codec]
+    slower = min(by_placement, key=by_placement.__getitem__)
+    default_dec, signed_dec = by_placement[slower], signed[DEFAULTS.codec][slower]
 
     # Where the default decode's time goes, each step alone over every frame.
     c1 = zstandard.ZstdCompressor(level=1, write_content_size=True)
@@ -281,12 +329,20 @@ def run(work: Path, quick: bool) -> Result:
         "shuffle, decode the unshuffle into a new array (as s3kv's reader does). 'none (a copy)' is a "
         "memcpy into a new buffer: the floor any decode pays.",
         "s3kv rows run the engine's ChunkCodec.encode / decode (the one chunk reader, set to the "
-        "pages, decoding into its reused buffer as loads do) on whole chunks (8 frames): JSON header, "
-        "xxh3_64 of every frame, identity, page format and length checks, then zstd level 1 after "
-        "s3kv's numpy byte shuffle, or blosc2 (its SIMD shuffle and zstd level 1 in one C pass), "
-        f"item size 2 (the bf16 KV cache's). The default codec is {DEFAULTS.codec}.",
-        "blosc2 rows decode into one reused buffer of a frame's size (what the s3kv reader does); the "
-        "other raw rows into a new array.",
+        "pages) on whole chunks (8 frames): JSON header, xxh3_64 of every frame, identity, page format "
+        "and length checks, then zstd level 1 after s3kv's numpy byte shuffle, or blosc2 (its SIMD "
+        "shuffle and zstd level 1 in one C pass), item size 2 (the bf16 KV cache's). The default codec "
+        f"is {DEFAULTS.codec}.",
+        "s3kv's decode rows end in the KV pages, as loads do: each chunk goes through a load attempt's "
+        "Gate over the worker's sink and target (PageIO.write, PageIO.target) into a host KV cache with "
+        f"the block axis first ({BLOCK_SIZE}-token blocks, {CHUNK_TOKENS // BLOCK_SIZE} a chunk). "
+        "'consecutive': a chunk's blocks are one run, so a frame is read or decoded straight into "
+        "the pages; 'scattered': no two of its blocks are neighbours, so a compressed frame is "
+        "decoded into the thread's scratch buffer and copied into the pages run by run (codec none "
+        "is copied run by run from the object). Each chunk's pages are checked after the timing. "
+        "The goal is judged on the slower of the two.",
+        "Raw blosc2 rows decode into one reused buffer of a frame's size; the other raw rows into a "
+        "new array.",
         "The plot shows the decode rate of the variants that compress (ratio > 1.01); the others "
         "(no codec, and negative levels without shuffle, which store the pages as they are) decode at "
         "memcpy speed and are in the table only.",
@@ -316,8 +372,10 @@ def run(work: Path, quick: bool) -> Result:
         rows=rows,
         verdict=verdict(
             met,
-            f"s3kv's default ({DEFAULTS.codec}) decodes {default_dec:.0f} MB/s per core "
-            f"({default_dec / GOAL_MBS:.2f}x)",
+            f"s3kv's default ({DEFAULTS.codec}) decodes into the pages at {default_dec:.0f} MB/s per core "
+            f"({default_dec / GOAL_MBS:.2f}x; {slower} blocks, "
+            + ", ".join(f"{k} {v:.0f}" for k, v in by_placement.items() if k != slower)
+            + ")",
         ),
         notes=notes,
         bars=bars,
