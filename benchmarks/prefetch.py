@@ -15,6 +15,12 @@ arrives, while the batch runs.
 (Submitted to an idle engine instead, the N would all be looked up at
 once, their asynchronous loads needing no running slot: nothing left for
 a prefetch to hide.)
+
+The three variants' engines (off, on, a 32 MiB budget) are alive at once
+(``benchmarks._multi_runner``: one driver, a process per engine) and take
+the bursts in turns, the order turning with each burst, so that the
+machine's drift over the run falls on each alike (engines started one
+after another drift 20% apart here).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Bar, Result, main_for, run_replica, s3kv_transfer_config, verdict
+from benchmarks.common import ROOT, Bar, Result, main_for, run_replica, s3kv_transfer_config, verdict
 
 NAME = "prefetch"
 TITLE = "TTFT of a burst of requests whose prefixes are only in S3: prefetch at arrival vs none"
@@ -48,6 +54,11 @@ BLOCKER_TOKENS = 48
 BURSTS = 3
 """Bursts per engine, each of prompts of its own (their chunks only in S3):
 one burst's mean moves by several percent from run to run."""
+CPU_BYTES = "1GiB"
+"""Each engine's CPU tier: every burst's chunks fit (3 x 8 x 8 chunk shards of 2 MiB)."""
+KV_CACHE_BYTES = 512 << 20
+"""Each engine's KV cache (three are alive at once): a burst's 10 requests fit."""
+VARIANTS = {"off": {"prefetch_bytes": 0}, "on": {}, "on, 32 MiB": {"prefetch_bytes": "32MiB"}}
 
 
 def _s3kv(endpoint: str, **extra: Any) -> dict[str, Any]:
@@ -74,7 +85,7 @@ def run(work: Path, quick: bool) -> Result:
         for _ in range(BLOCKERS)
     ]
     engine = {
-        "gpu_memory_utilization": 0.15,
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
         "max_model_len": MAX_MODEL_LEN,
         "enforce_eager": True,
         "enable_prefix_caching": False,
@@ -90,8 +101,12 @@ def run(work: Path, quick: bool) -> Result:
             **extra,
         }
 
-    variants = {"off": {"prefetch_bytes": 0}, "on": {}, "on, 32 MiB": {"prefetch_bytes": "32MiB"}}
+    from s3kv.demo import run_replica as run_module
+
+    variants = VARIANTS
+    names = list(variants)
     runs: dict[tuple[int, str], dict[str, Any]] = {}
+    orders: dict[int, list[list[str]]] = {}
     server = LoopbackS3().start()
     try:
         server.create_bucket(BUCKET)
@@ -99,11 +114,35 @@ def run(work: Path, quick: bool) -> Result:
             writer = run_replica(work, "prefetch-writer", spec(_s3kv(proxy.endpoint_url), prompts=prompts))
             for delay in delays_ms:
                 proxy.delay_s = delay / 1000
-                for variant, extra in variants.items():
-                    name = f"prefetch-{variant.replace(', ', '-').replace(' ', '')}-{delay}ms"
-                    kv = _s3kv(proxy.endpoint_url, cpu_bytes="2GiB", **extra)
-                    bursts = [[*blockers, *prompts[b * n : (b + 1) * n]] for b in range(repeats)]
-                    runs[(delay, variant)] = run_replica(work, name, spec(kv, prompts=[], bursts=bursts))
+                # Burst b goes to every variant's engine in turn, the order turning with b.
+                orders[delay] = [names[b % len(names) :] + names[: b % len(names)] for b in range(repeats)]
+                turns = [
+                    {"engine": variant, "prompts": [*blockers, *prompts[b * n : (b + 1) * n]]}
+                    for b in range(repeats)
+                    for variant in orders[delay][b]
+                ]
+                side = {
+                    "engines": {
+                        variant: {
+                            "model": model,
+                            "engine_args": engine,
+                            "kv_transfer_config": _s3kv(proxy.endpoint_url, cpu_bytes=CPU_BYTES, **extra),
+                        }
+                        for variant, extra in variants.items()
+                    },
+                    "max_tokens": MAX_TOKENS,
+                    "turns": turns,
+                }
+                result = run_module(
+                    work, f"prefetch-{delay}ms", side, module="benchmarks._multi_runner", cwd=ROOT
+                )
+                for variant in names:  # its bursts in order, as one engine's run
+                    mine = [t for t in result["turns"] if t["engine"] == variant]
+                    runs[(delay, variant)] = {
+                        "ttft_s": [x for t in mine for x in t["ttft_s"]],
+                        "outputs": [x for t in mine for x in t["outputs"]],
+                        "metrics": result["engines"][variant]["metrics"],
+                    }
     finally:
         server.stop()
     shutil.rmtree(work / "model", ignore_errors=True)
@@ -161,7 +200,8 @@ def run(work: Path, quick: bool) -> Result:
         f"{repeats} burst(s) per engine, one after another, each of {n} requests of {PROMPT_TOKENS} tokens (8 "
         f"chunks of {CHUNK_TOKENS} each in S3, distinct prefixes: no burst finds another's in the CPU tier), "
         f"{MAX_TOKENS} greedy tokens each, submitted at once to an engine with max_num_seqs=2, a "
-        f"2 GiB CPU tier and vLLM's prefix cache off, behind {BLOCKERS} requests of {BLOCKER_PROMPT_TOKENS} "
+        f"{CPU_BYTES} CPU tier, a {KV_CACHE_BYTES >> 20} MiB KV cache and vLLM's prefix cache off, behind "
+        f"{BLOCKERS} requests of {BLOCKER_PROMPT_TOKENS} "
         f"tokens decoding {BLOCKER_TOKENS} (the running batch, full when the burst arrives; not counted); "
         "TTFT is vLLM's first_token_latency (from each request's arrival). Outputs are checked against the "
         "writer's (which computed them).",
@@ -172,6 +212,12 @@ def run(work: Path, quick: bool) -> Result:
         "lookup waits for them, so its hit is a CPU-tier load.",
         "mean TTFT: over every burst's requests; hit tokens: from the scheduler side's counters (by the tier "
         "each load came from), over every burst.",
+        "Interleaved: per S3 delay, the three variants' engines are alive at once (a process each, one "
+        "driver) and take "
+        "each burst in turn (after each turn the engine's uploads and copies drain), the order turning with "
+        "each burst: "
+        + "; ".join(f"{d} ms " + ", ".join("/".join(order) for order in orders[d]) for d in delays_ms)
+        + ".",
         "Each burst's mean TTFT over the same burst's without prefetch (the same prompts): "
         + "; ".join(spread),
         "Variants: 'on' has the default prefetch_bytes (1 GiB: every chunk of the burst at once here, a "
