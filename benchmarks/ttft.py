@@ -3,8 +3,13 @@ from each s3kv tier, versus vLLM's built-in ExampleConnector.
 
 The model is the demo's random-weights Llama (1024 wide, 8 layers, bf16)
 with room for 9216 positions, so an 8192-token prefill takes seconds here.
-Every engine is its own process (s3kv.connector.replica), all with the same
-engine arguments (vLLM's prefix cache off, the whole prompt in one step):
+A prompt is 8192 tokens and two more: every hit (s3kv's from any tier,
+ExampleConnector's, vLLM's own prefix cache) loads the 8192 and leaves vLLM
+the two to compute, so the hits do equal work (ExampleConnector loads
+the whole blocks before the prompt's second-to-last token, and finds
+nothing for a prompt one token past a block boundary). Every engine has the
+same engine arguments (vLLM's prefix cache off, the whole prompt in one
+step):
 
 - ``recompute``: s3kv, a fresh engine with empty tiers (CPU tier big enough
   for every prompt, an NVMe directory, the loopback S3 bucket): it computes
@@ -13,7 +18,12 @@ engine arguments (vLLM's prefix cache off, the whole prompt in one step):
   (a synchronous layer-by-layer load);
 - ``nvme``: a restarted engine on the same disk directory, no CPU tier (the
   files' pages are dropped from the page cache first: cold reads);
-- ``s3``: a restarted engine with an empty disk directory and no CPU tier;
+- ``s3``: an engine whose only tier is S3 (no CPU or NVMe tier, prefetch
+  off): its hits are S3 loads, which the workers' counters must show;
+- ``s3_default``: an engine with s3kv's default tiers (an empty NVMe
+  directory, prefetch on), loading the same prompts from S3: what a user
+  gets. It and ``s3`` run side by side (``benchmarks._multi_runner``: both
+  engines alive, taking turns, the order turning with each prompt);
 - ``example``: vLLM's ExampleConnector (safetensors files per layer, loaded
   synchronously in ``start_load_kv``): an engine computes and saves, a
   restarted one loads;
@@ -23,7 +33,7 @@ engine arguments (vLLM's prefix cache off, the whole prompt in one step):
 Each engine first serves a short warm-up prompt (a hit where the engine
 loads) that is not counted. Figures are medians over distinct prompts of
 the same length; ratios are to vLLM's own recompute (no connector) in the
-same run.
+same run. Each s3kv row says which tier its hits were loaded from.
 """
 
 from __future__ import annotations
@@ -36,28 +46,33 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Bar, Result, main_for, median, run_replica, s3kv_transfer_config, verdict
+from benchmarks.common import ROOT, Bar, Result, main_for, median, run_replica, s3kv_transfer_config, verdict
 
 NAME = "ttft"
 TITLE = "TTFT of an 8k-token prompt: recompute vs s3kv's CPU, NVMe and S3 tiers vs vLLM's ExampleConnector"
 GOAL = (
     "s3kv hit TTFT <= 0.1x recompute from CPU, <= 0.2x from NVMe, <= 0.3x from S3; "
-    "s3kv's NVMe hit <= 0.5x ExampleConnector's hit"
+    "s3kv's NVMe hit <= 0.5x ExampleConnector's hit (equal work); the default config's S3 hit "
+    "<= 1.1x an S3-only engine's (a lower tier and prefetch never slow an idle replica's hit)"
 )
 
 BUCKET = "bench"
 CHUNK_TOKENS = 256
 WARMUP_TOKENS = 512
 MAX_TOKENS = 8
-GOALS = {"cpu": 0.1, "nvme": 0.2, "s3": 0.3}
+TAIL_TOKENS = 2
+"""Tokens past the last chunk (and block) boundary: what every hit leaves vLLM to compute."""
+GOALS = {"cpu": 0.1, "nvme": 0.2, "s3": 0.3, "s3_default": 0.3}
 GOAL_VS_EXAMPLE = 0.5
+GOAL_DEFAULT_VS_S3 = 1.1
 LABELS = {
     "recompute": "s3kv, empty tiers: computes and stores",
     "vllm": "recompute (vLLM, no connector)",
     "vllm_hit": "vLLM's own prefix cache hit (no connector)",
     "cpu": "s3kv hit: CPU tier",
     "nvme": "s3kv hit: NVMe tier",
-    "s3": "s3kv hit: S3",
+    "s3": "s3kv hit: S3 (S3 the only tier, prefetch off)",
+    "s3_default": "s3kv hit from S3, default config (NVMe tier, prefetch on)",
     "example_save": "ExampleConnector: compute + save",
     "example": "ExampleConnector: hit",
 }
@@ -66,14 +81,16 @@ REFERENCE: dict[str, str | None] = {
     "vllm": "recompute",
     "vllm_hit": None,
     "cpu": "vllm_hit",
-    "nvme": "recompute",
-    "s3": "recompute",
+    "nvme": "vllm_hit",
+    "s3": "vllm_hit",
+    "s3_default": "vllm_hit",
     "example_save": "recompute",
     "example": "vllm_hit",
 }
-"""Whose outputs each row's must equal: the recompute, or (for rows that
-compute the prompt's last block on top of loaded KV) vLLM's own prefix-cache
+"""Whose outputs each row's must equal: the recompute, or (for hits, which
+compute the prompt's last tokens on top of loaded KV) vLLM's own prefix-cache
 hit, which splits the prompt the same way."""
+ROWS = ("vllm", "recompute", "vllm_hit", "cpu", "nvme", "s3", "s3_default", "example_save", "example")
 
 
 def _engine_args(max_model_len: int) -> dict[str, Any]:
@@ -127,7 +144,55 @@ def _worker_total(result: dict[str, Any], name: str) -> float:
 def _defaults() -> str:
     from s3kv.config import DEFAULTS as d
 
-    return f"codec {d.codec} level {d.zstd_level} on S3, {d.disk_codec} on the NVMe tier, {d.chunk_tokens}-token chunks"
+    return (
+        f"codec {d.codec} level {d.zstd_level} on S3, {d.disk_codec} on the NVMe tier, "
+        f"{d.chunk_tokens}-token chunks, prefetch_bytes {d.prefetch_bytes >> 20} MiB"
+    )
+
+
+TIER_COUNTERS = {"CPU": "load_chunks_cpu", "NVMe": "load_chunks_disk", "S3": "load_chunks_s3"}
+
+
+def _loaded(counts: dict[str, float]) -> str:
+    """Chunk shards loaded, by tier (a prefetch's S3 fetches count as S3 loads)."""
+    return (
+        ", ".join(f"{t} {counts.get(c, 0):.0f}" for t, c in TIER_COUNTERS.items() if counts.get(c, 0))
+        or "none"
+    )
+
+
+def _side_by_side(
+    work: Path, model: str, engines: dict[str, dict[str, Any]], warm: list[int], prompts: list[list[int]]
+) -> dict[str, dict[str, Any]]:
+    """Engines alive at once taking turns: the warm-up on each, then each
+    prompt on each, the order turning with every prompt. Per engine, the
+    measured turns' ``ttft_s``, ``outputs``, ``num_cached_tokens``, the
+    worker counters each moved (``turn_workers``), and its ``metrics``."""
+    from s3kv.demo import run_replica as run_module
+
+    names = list(engines)
+    turns = [{"engine": e, "prompts": [warm]} for e in names]
+    for i, prompt in enumerate(prompts):
+        k = i % len(names)
+        turns += [{"engine": e, "prompts": [prompt]} for e in names[k:] + names[:k]]
+    spec = {
+        "engines": {e: {"model": model, **kv} for e, kv in engines.items()},
+        "max_tokens": MAX_TOKENS,
+        "turns": turns,
+    }
+    result = run_module(work, "ttft-s3-side-by-side", spec, module="benchmarks._multi_runner", cwd=ROOT)
+    out: dict[str, dict[str, Any]] = {}
+    for e in names:
+        mine = [t for t in result["turns"] if t["engine"] == e][1:]  # not the warm-up
+        out[e] = {
+            "ttft_s": [t["ttft_s"][0] for t in mine],
+            "outputs": [t["outputs"][0] for t in mine],
+            "num_cached_tokens": [t["num_cached_tokens"][0] for t in mine],
+            "turn_workers": [t["workers"] for t in mine],
+            "metrics": result["engines"][e]["metrics"],
+            "workers": result["engines"][e]["workers"],
+        }
+    return out
 
 
 def run(work: Path, quick: bool) -> Result:
@@ -135,7 +200,7 @@ def run(work: Path, quick: bool) -> Result:
     from s3kv.demo.model import DEMO_SPEC, build_model
 
     started = time.perf_counter()
-    tokens = 4096 if quick else 8192
+    tokens = (4096 if quick else 8192) + TAIL_TOKENS  # what every hit leaves vLLM to compute
     n = 1 if quick else 3
     max_model_len = 8448
     model = str(build_model(work / "model-8k", **{**DEMO_SPEC, "max_position_embeddings": 9216}))
@@ -172,8 +237,24 @@ def run(work: Path, quick: bool) -> Result:
         evicted = drop_page_cache(disk)
         b = run_replica(work, "ttft-nvme", spec(_s3kv(ep, disk_path=str(disk)), [warm, *prompts]))
         runs["nvme"] = (b, first)
-        c = run_replica(work, "ttft-s3", spec(_s3kv(ep, disk_path=str(empty_disk)), [warm, *prompts]))
-        runs["s3"] = (c, first)
+        # Two engines alive at once (their KV caches sized, not a share of
+        # memory each): S3 the only tier, and the defaults.
+        args = {**_engine_args(max_model_len), "kv_cache_memory_bytes": 1 << 30}
+        args.pop("gpu_memory_utilization")
+        both = _side_by_side(
+            work,
+            model,
+            {
+                "s3": {"engine_args": args, "kv_transfer_config": _s3kv(ep, prefetch_bytes=0)},
+                "s3_default": {
+                    "engine_args": args,
+                    "kv_transfer_config": _s3kv(ep, disk_path=str(empty_disk)),
+                },
+            },
+            warm,
+            prompts,
+        )
+        runs["s3"], runs["s3_default"] = (both["s3"], slice(0, n)), (both["s3_default"], slice(0, n))
     finally:
         server.stop()
     d = run_replica(work, "ttft-example-save", spec(_example(example_dir), [warm, *prompts]))
@@ -182,19 +263,30 @@ def run(work: Path, quick: bool) -> Result:
     e = run_replica(work, "ttft-example-load", spec(_example(example_dir), [warm, *prompts]))
     runs["example"] = (e, first)
     # No connector, vLLM's own prefix cache on: a recompute, then hits that
-    # compute the same last block as the CPU tier and ExampleConnector do.
+    # compute the same last tokens as every other hit here.
     f = run_replica(work, "ttft-vllm", spec(None, [warm, *prompts, *prompts], enable_prefix_caching=True))
     runs["vllm"], runs["vllm_hit"] = (f, first), (f, second)
     for p in (disk, empty_disk, example_dir):
         shutil.rmtree(p, ignore_errors=True)
 
+    per_prompt = (tokens - TAIL_TOKENS) // CHUNK_TOKENS
+    warm_chunks = WARMUP_TOKENS // CHUNK_TOKENS
+    # Where each s3kv row's hits came from, from the workers' counters.
+    loaded = {
+        "cpu": {k: _worker_total(a, k) for k in TIER_COUNTERS.values()},
+        "nvme": {k: _worker_total(b, k) for k in TIER_COUNTERS.values()},
+        **{
+            key: {k: sum(w.get(k, 0) for w in both[key]["turn_workers"]) for k in TIER_COUNTERS.values()}
+            for key in ("s3", "s3_default")
+        },
+    }
     ttft = {key: median(r["ttft_s"][sl]) for key, (r, sl) in runs.items()}
     outputs = {key: r["outputs"][sl] for key, (r, sl) in runs.items()}
     base = ttft["vllm"]
     rows: list[list[Any]] = []
     bars: list[Bar] = []
     wrong: list[str] = []
-    for key in ("vllm", "recompute", "vllm_hit", "cpu", "nvme", "s3", "example_save", "example"):
+    for key in ROWS:
         r, sl = runs[key]
         ref = REFERENCE[key]
         if ref is None:  # the reference itself; say whether the split changed any token
@@ -221,14 +313,36 @@ def run(work: Path, quick: bool) -> Result:
                 round(ttft[key] * 1000, 1),
                 round(ratio, 3),
                 min(r["num_cached_tokens"][sl]),
+                _loaded(loaded[key]) if key in loaded else "",
                 cell,
                 f"<= {goal}x" if goal else "",
             ]
         )
         bars.append(Bar(key, round(ratio, 3)))
     vs_example = ttft["nvme"] / ttft["example"]
+    default_vs_s3 = ttft["s3_default"] / ttft["s3"]
+    per_turn = [d / s for d, s in zip(runs["s3_default"][0]["ttft_s"], runs["s3"][0]["ttft_s"], strict=True)]
     rows.append(
-        ["s3kv NVMe hit / ExampleConnector hit", "", round(vs_example, 3), "", "", f"<= {GOAL_VS_EXAMPLE}x"]
+        [
+            "s3kv NVMe hit / ExampleConnector hit",
+            "",
+            round(vs_example, 3),
+            "",
+            "",
+            "",
+            f"<= {GOAL_VS_EXAMPLE}x",
+        ]
+    )
+    rows.append(
+        [
+            "s3kv S3 hit: default config / S3 only",
+            "",
+            round(default_vs_s3, 3),
+            "",
+            "",
+            "",
+            f"<= {GOAL_DEFAULT_VS_S3}x",
+        ]
     )
 
     misses = []
@@ -242,21 +356,41 @@ def run(work: Path, quick: bool) -> Result:
             f"({ttft['nvme'] * 1000:.0f} vs {ttft['example'] * 1000:.0f} ms; goal {GOAL_VS_EXAMPLE}x, "
             f"{vs_example / GOAL_VS_EXAMPLE:.2f}x over)"
         )
+    if default_vs_s3 > GOAL_DEFAULT_VS_S3:
+        misses.append(
+            f"the default config's S3 hit is {default_vs_s3:.3f}x the S3-only engine's "
+            f"({ttft['s3_default'] * 1000:.0f} vs {ttft['s3'] * 1000:.0f} ms; goal {GOAL_DEFAULT_VS_S3}x)"
+        )
     misses += [f"{LABELS[key]}: outputs differ from vLLM's (recompute and prefix-cache hit)" for key in wrong]
 
-    per_prompt = tokens // CHUNK_TOKENS
-    warm_chunks = WARMUP_TOKENS // CHUNK_TOKENS
-    loaded = {
-        "CPU": (_worker_total(a, "load_chunks_cpu"), n * per_prompt),
-        "NVMe": (_worker_total(b, "load_chunks_disk"), n * per_prompt + warm_chunks),
-        "S3": (_worker_total(c, "load_chunks_s3"), n * per_prompt + warm_chunks),
-    }
     # A row whose hits did not come from its tier measures something else.
-    misses = [
-        f"invalid: the {tier} row loaded {got:.0f} of {want} chunk shards from its tier"
-        for tier, (got, want) in loaded.items()
-        if got < want
-    ] + misses
+    expected = {
+        "cpu": ("load_chunks_cpu", n * per_prompt),
+        "nvme": ("load_chunks_disk", n * per_prompt + warm_chunks),
+        "s3": ("load_chunks_s3", n * per_prompt),
+    }
+    invalid = [
+        f"invalid: the {key} row loaded {_loaded(loaded[key])} chunk shards, expected {want} from "
+        f"{next(t for t, c in TIER_COUNTERS.items() if c == counter)} alone"
+        for key, (counter, want) in expected.items()
+        if loaded[key].get(counter, 0) < want or sum(loaded[key].values()) != loaded[key].get(counter, 0)
+    ]
+    # Every hit row must have loaded the whole prompt but its tail (equal work).
+    invalid += [
+        f"invalid: {LABELS[key]} had {min(runs[key][0]['num_cached_tokens'][runs[key][1]])} tokens cached, "
+        f"not {tokens - TAIL_TOKENS}"
+        for key in ("vllm_hit", "cpu", "nvme", "s3", "s3_default", "example")
+        if min(runs[key][0]["num_cached_tokens"][runs[key][1]]) != tokens - TAIL_TOKENS
+    ]
+    misses = invalid + misses
+    dm = both["s3_default"]["metrics"]
+    default_how = (
+        f"its hits planned from S3 {dm.get('vllm:s3kv_hit_tokens_s3', 0):.0f} tokens, from NVMe "
+        f"{dm.get('vllm:s3kv_hit_tokens_disk', 0):.0f} (warm-up included), "
+        f"{dm.get('vllm:s3kv_prefetch_chunks_started', 0):.0f} chunks prefetched, "
+        f"{sum(w.get('store_chunks_disk', 0) for w in both['s3_default']['turn_workers']):.0f} copied into "
+        "its NVMe tier"
+    )
     notes = [
         f"{tokens}-token prompts{' (quick run: a shorter prompt, one repeat; a hit saves less of it)' if quick else ''}; each row is "
         f"the median of {n} distinct prompt(s), after one uncounted {WARMUP_TOKENS}-token warm-up request "
@@ -265,28 +399,45 @@ def run(work: Path, quick: bool) -> Result:
         "Model: the demo's random Llama (hidden 1024, 8 layers, 16 heads / 4 KV heads, bf16), "
         f"max_model_len {max_model_len}, the whole prompt in one step, vLLM's prefix cache off except in the "
         "no-connector engine, one OpenMP thread bound to core 0 (VLLM_CPU_OMP_THREADS_BIND=0, as in every "
-        f"benchmark here); s3kv with its defaults ({_defaults()}).",
-        "Chunk shards loaded, from the workers' counters (loaded / expected with the warm-up): "
-        + ", ".join(f"{tier} {got:.0f}/{want}" for tier, (got, want) in loaded.items())
-        + ".",
-        "A CPU-tier hit, ExampleConnector and vLLM's own prefix cache leave vLLM the prompt's last block "
-        "(128 tokens) to compute; an NVMe or S3 hit (asynchronous) loads every full chunk and vLLM "
-        "recomputes only the last token.",
+        f"benchmark here); s3kv with its defaults ({_defaults()}) except where a row says.",
+        f"Equal work: a prompt is a multiple of the chunk and the block and {TAIL_TOKENS} tokens more, so "
+        f"every hit (s3kv's from any tier, ExampleConnector's, vLLM's own prefix cache) loads "
+        f"{tokens - TAIL_TOKENS} tokens and vLLM computes the last {TAIL_TOKENS} (ExampleConnector loads the "
+        "whole blocks before the prompt's second-to-last token; at 8192 tokens it loaded 8064 and computed "
+        "128 where s3kv computed 1).",
+        "'loaded from': chunk shards the row's measured requests loaded, by tier, from the workers' counters "
+        "(a prefetch's fetches from S3 count as S3 loads). The S3 row's engine has S3 as its only tier and "
+        "prefetch off, and must have loaded every chunk from S3 and nothing else; the CPU and NVMe rows "
+        "likewise from theirs.",
+        "S3 rows side by side: the S3-only engine and the default-config engine (an empty NVMe directory, "
+        "prefetch on) are alive at once (benchmarks._multi_runner: a process each, one driver) and take "
+        "turns, the order turning with each prompt, each idle when its request arrives (the turn before "
+        "drained), KV cache 1 GiB each. Per prompt, default / S3 only: "
+        + ", ".join(f"{x:.3f}x" for x in per_turn)
+        + f". The default-config engine: {default_how}.",
         "Correctness: each row's greedy tokens must equal those of vLLM computing the same prompt, either as "
-        "a full recompute or as a hit of its own prefix cache (the last block computed on cached KV): a "
+        "a full recompute or as a hit of its own prefix cache (the last tokens computed on cached KV): a "
         "random model's near-ties flip with the split of the prompt (a full prefill vs cached KV plus a "
         "short one), so either is a legitimate answer, while wrong KV matches neither.",
         f"NVMe: {evicted} files written back and dropped from the page cache (posix_fadvise) before the "
         "restarted engine reads them (ExampleConnector's files likewise), so both read the device. S3 is "
         "moto on loopback (objects in RAM): its CPU time comes out of the same 2 cores as the engine's and "
         "s3kv's, which a remote S3 would not.",
-        f"Six engines start (~30-40 s each here), which bounds the run time{' even of a quick run' if quick else ''}.",
+        f"Seven engines start (~30-40 s each here), which bounds the run time{' even of a quick run' if quick else ''}.",
     ]
     return Result(
         name=NAME,
         title=TITLE,
         goal=GOAL,
-        columns=["path", "TTFT ms (median)", "x recompute", "cached tokens (min)", "outputs", "goal"],
+        columns=[
+            "path",
+            "TTFT ms (median)",
+            "x recompute",
+            "cached tokens (min)",
+            "loaded from",
+            "outputs",
+            "goal",
+        ],
         rows=rows,
         verdict=verdict(not misses, "; ".join(misses)),
         notes=notes,
