@@ -1,7 +1,7 @@
 """Load path: s3kv moving chunks into a KV cache tensor versus plain clients
 moving the same bytes from the same place.
 
-- S3: s3kv's :class:`~s3kv.tiering.transfer.TransferEngine` loads every chunk
+- S3: s3kv's :class:`~s3kv.tiering.worker.transfer.TransferEngine` loads every chunk
   of one job from a loopback S3 server (moto) with ``sources=[S3]`` and the
   worker's own sink and target (:meth:`s3kv.connector.pages.PageIO.target`:
   each layer's frame read or copied straight into the KV tensor, per run of
@@ -242,10 +242,10 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     from s3kv.keys import Namespace
     from s3kv.stores.factory import make_store
     from s3kv.tiering.chunks import ChunkData
-    from s3kv.tiering.disk import shard_path
     from s3kv.tiering.placement import Tier
     from s3kv.tiering.plan import LoadChunk, Place
-    from s3kv.tiering.transfer import EngineSettings, TransferEngine
+    from s3kv.tiering.tiers.nvme.files import shard_path
+    from s3kv.tiering.worker.transfer import EngineSettings, TransferEngine
 
     n_chunks = 16 if quick else 64
     repeats = 3 if quick else 9

@@ -4,7 +4,7 @@ A stand-in for vLLM's CPU forward (torch matmuls and activations, one
 thread bound to core 0, as VLLM_CPU_OMP_THREADS_BIND=0 binds it) runs
 steps back to back; at step 5 of every trial eight chunks of 2 MiB (8
 layers of 256 KiB, the demo model's 256-token chunks) are handed to s3kv's
-:class:`~s3kv.tiering.transfer.TransferEngine` for write-through to a
+:class:`~s3kv.tiering.worker.transfer.TransferEngine` for write-through to a
 loopback S3 (moto, kept on the other core as a remote S3 would be) and an
 NVMe directory, as a chunk-fill step of the store-path benchmark does.
 
@@ -72,7 +72,7 @@ def child(nice: int | None, off_forward: bool, trials: int, work: Path) -> dict[
     from s3kv.stores.factory import make_store
     from s3kv.tiering.placement import Tier
     from s3kv.tiering.plan import Place
-    from s3kv.tiering.transfer import EngineSettings, StoreJob, TransferEngine
+    from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine
 
     if nice is not None:
         loop.STORE_NICE = nice

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 TIERS = ("cpu", "disk", "s3")
 CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 """Upper bounds, in tokens of context, of the cost model's prefill-rate
-buckets (``s3kv.tiering.cost``); longer contexts share the last one."""
+buckets (``s3kv.tiering.scheduler.cost``); longer contexts share the last one."""
 
 
 @dataclass(frozen=True)

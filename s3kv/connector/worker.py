@@ -30,10 +30,10 @@ from s3kv.manifest.protocol import manifest_prefix, rank_writer
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
-from s3kv.tiering.hostpool import HostPool, slots_for
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, LoadPlan, LoadTiming, StepTiming, StepTokens, StoreChunk, TierReport
-from s3kv.tiering.transfer import EngineSettings, StoreJob, TransferEngine
+from s3kv.tiering.worker.hostpool import HostPool, slots_for
+from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,4 +1,4 @@
-"""What a worker measures of its loads for the cost model (:mod:`s3kv.tiering.cost`).
+"""What a worker measures of its loads for the cost model (:mod:`s3kv.tiering.scheduler.cost`).
 
 Each chunk's attempt at a tier is timed by itself: from when that tier was
 asked to when it answered. A chunk that falls back from a failing nearer

@@ -18,7 +18,7 @@ import pytest
 
 from s3kv.chunk_reader import decode_chunk
 from s3kv.keys import parse_object_key
-from s3kv.tiering import disk as disk_tier
+from s3kv.tiering.tiers.nvme import files as disk_tier
 from tests.conftest import free_port
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import CHUNK_TOKENS, chunk_objects, kv_config, metric, run_replica, worker_total

@@ -332,10 +332,10 @@ def test_settings_objects_are_cut_from_the_config():
     from s3kv.manifest.sync import SyncSettings
     from s3kv.stores.s3 import S3Options
     from s3kv.tiering.placement import TierIndex
-    from s3kv.tiering.planner import Planner
+    from s3kv.tiering.scheduler.planner import Planner
     from s3kv.tiering.tiers.base import EngineSettings
-    from s3kv.tiering.tiers.nvme import NvmeTierManager
-    from s3kv.tiering.tiers.s3 import S3TierManager
+    from s3kv.tiering.tiers.nvme.tier import NvmeTierManager
+    from s3kv.tiering.tiers.s3.tier import S3TierManager
 
     c = _not_defaults()
     assert S3Options.from_config(c) == S3Options(

@@ -8,10 +8,10 @@ import pytest
 from s3kv.config import parse_config
 from s3kv.errors import ConfigError
 from s3kv.keys import chain_keys
-from s3kv.tiering.cost import EXPLORE_S, PRIORS, CostModel, context_bucket
 from s3kv.tiering.meter import LoadMeter
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadTiming, StepTiming, TierReport
+from s3kv.tiering.scheduler.cost import EXPLORE_S, PRIORS, CostModel, context_bucket
 from tests.unit.test_planner import CT, NS, SHARD, on_load_results, planner, put_cpu, sched
 
 LONG = list(range(10, 10 + 40 * CT + 7))  # 40 full chunks

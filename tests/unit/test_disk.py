@@ -30,10 +30,10 @@ from s3kv.stores.local import (
     partial_writer,
     writer_namespace,
 )
-from s3kv.tiering import disk
 from s3kv.tiering.chunks import ChunkData
-from s3kv.tiering.disk import DiskTier
-from s3kv.tiering.tiers.nvme import NvmeHandler, open_disk, release_lock
+from s3kv.tiering.tiers.nvme import files as disk
+from s3kv.tiering.tiers.nvme.files import DiskTier
+from s3kv.tiering.tiers.nvme.tier import NvmeHandler, open_disk, release_lock
 from tests.tiers.conformance import NAMESPACE, Calls, key_of, make_chunk, make_codec, read_raw
 
 BUSY_BOUND_S = 120

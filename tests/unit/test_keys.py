@@ -111,7 +111,7 @@ def test_one_chunk_name_in_s3_and_on_nvme(tmp_path):
     """The S3 object key is the prefix and the NVMe file's path below
     ``disk_path``; both parse back with the one parser, which takes exactly
     the names s3kv builds."""
-    from s3kv.tiering.disk import shard_path
+    from s3kv.tiering.tiers.nvme.files import shard_path
 
     key = chain_keys(NS, TOKENS, 64)[0]
     path = chunk_path(NS.id, key, 3)

@@ -6,10 +6,10 @@ from s3kv.manifest import Manifest
 from s3kv.manifest.keyset import fingerprints
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, ScheduledRequest, TierReport
-from s3kv.tiering.planner import Planner
-from s3kv.tiering.tiers.cpu import CpuTierManager
-from s3kv.tiering.tiers.nvme import NvmeTierManager, disk_estimate
-from s3kv.tiering.tiers.s3 import BAD_KEY_RETRY_S, S3TierManager
+from s3kv.tiering.scheduler.planner import Planner
+from s3kv.tiering.tiers.cpu.tier import CpuTierManager
+from s3kv.tiering.tiers.nvme.tier import NvmeTierManager, disk_estimate
+from s3kv.tiering.tiers.s3.tier import BAD_KEY_RETRY_S, S3TierManager
 
 NS = Namespace.from_fields({"model": "m"})
 CT, BS = 64, 32  # 2 blocks a chunk
@@ -634,7 +634,7 @@ def test_tier_changes_become_events_with_tokens_and_parent():
 def test_prefix_ids_key_a_known_prefix_without_hashing(monkeypatch):
     """vLLM's block hashes name prefixes: a second request with a known
     prefix takes its chunk keys from the memo, and only hashes the rest."""
-    import s3kv.tiering.keychain as keychain_mod
+    import s3kv.tiering.scheduler.keychain as keychain_mod
 
     p, _ = planner()
     shared, tail_a, tail_b = list(range(3 * CT)), [7] * CT, [9] * CT

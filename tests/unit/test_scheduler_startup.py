@@ -110,7 +110,7 @@ def test_missing_credentials_fail_startup(s3_server, tmp_path):
 
 
 def test_local_only_needs_no_bucket_and_rebuilds_its_disk_index(tmp_path, patient_startup):
-    from s3kv.tiering.disk import shard_path
+    from s3kv.tiering.tiers.nvme.files import shard_path
 
     key = b"\x07" * 16
     namespace = LAYOUT.namespace(resolve_identity(LAYOUT.model))

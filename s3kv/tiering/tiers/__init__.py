@@ -1,14 +1,14 @@
-"""The tiers below vLLM's KV cache, one module each (manager and handler together).
+"""The tiers below vLLM's KV cache, a wing (package) each: cpu/, nvme/, s3/.
 
-A new tier is one module here with a manager and a handler: its handler
+A new tier is one wing here with a manager and a handler: its handler
 registers in :data:`HANDLERS`, its manager in the list the scheduler side
 builds (``s3kv.connector.scheduler``), both nearest tier first.
 """
 
 from s3kv.tiering.tiers.base import TierHandler
-from s3kv.tiering.tiers.cpu import CpuHandler
-from s3kv.tiering.tiers.nvme import NvmeHandler
-from s3kv.tiering.tiers.s3 import S3Handler
+from s3kv.tiering.tiers.cpu.tier import CpuHandler
+from s3kv.tiering.tiers.nvme.tier import NvmeHandler
+from s3kv.tiering.tiers.s3.tier import S3Handler
 
 HANDLERS: tuple[type[TierHandler], ...] = (CpuHandler, NvmeHandler, S3Handler)
 """The tiers a worker may hold, nearest first."""

@@ -27,9 +27,9 @@ from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.breaker import Breaker
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
-from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import LoadChunk, LoadTiming, Place, TierEvent, TierReport
+from s3kv.tiering.worker.hostpool import HostPool
 
 # -- scheduler side ---------------------------------------------------------------
 

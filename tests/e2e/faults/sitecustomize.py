@@ -13,7 +13,7 @@ if _limit:
     import errno
     import threading
 
-    from s3kv.tiering import disk as _disk
+    from s3kv.tiering.tiers.nvme import files as _disk
 
     _written = [0]
     _lock = threading.Lock()
@@ -36,7 +36,7 @@ _delay = os.environ.get("S3KV_FAULT_DISK_READ_DELAY_S")
 if _delay:
     import time as _time
 
-    from s3kv.tiering import disk as _disk_mod
+    from s3kv.tiering.tiers.nvme import files as _disk_mod
 
     if os.environ.get("S3KV_FAULT_DISK_READ_DELAY_AT") == "frame":
         _real_preadv_all = _disk_mod.preadv_all

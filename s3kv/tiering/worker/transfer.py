@@ -29,7 +29,6 @@ from s3kv.keys import object_key
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId
-from s3kv.tiering.hostpool import HostPool
 from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.meter import Attempt, LoadMeter
 from s3kv.tiering.placement import Tier
@@ -43,6 +42,7 @@ from s3kv.tiering.tiers.base import (
     WorkerEnv,
     error_kind,
 )
+from s3kv.tiering.worker.hostpool import HostPool
 
 log = logging.getLogger("s3kv.transfer")
 

@@ -11,10 +11,10 @@ from s3kv.chunk_reader import FrameSink
 from s3kv.errors import ConfigError, NotFound
 from s3kv.stats import Counters
 from s3kv.tiering.chunks import ChunkData
-from s3kv.tiering.hostpool import HostPool, slots_for
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.base import IndexedTierManager, RankReport, TierHandler, WorkerEnv
+from s3kv.tiering.worker.hostpool import HostPool, slots_for
 from s3kv.units import format_size
 
 # -- scheduler side ---------------------------------------------------------------

@@ -20,10 +20,8 @@ from s3kv.chunk_reader import FrameSink
 from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.errors import StorageFull
 from s3kv.stats import Counters
-from s3kv.tiering import disk
 from s3kv.tiering.breaker import BACKOFF_S, PROBE_TIMEOUT_S
 from s3kv.tiering.chunks import ChunkData
-from s3kv.tiering.disk import DiskTier, directory_bytes
 from s3kv.tiering.loop import background_thread, unbind_thread
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, TierReport
@@ -35,6 +33,8 @@ from s3kv.tiering.tiers.base import (
     WorkerEnv,
     probe_timeout_s,
 )
+from s3kv.tiering.tiers.nvme import files as disk
+from s3kv.tiering.tiers.nvme.files import DiskTier, directory_bytes
 from s3kv.units import format_size
 
 # -- scheduler side ---------------------------------------------------------------
@@ -324,7 +324,7 @@ and writes queued behind slow writes never hold up a read."""
 
 
 class NvmeHandler(TierHandler):
-    """The directory's files (:class:`~s3kv.tiering.disk.DiskTier`), on
+    """The directory's files (:class:`~s3kv.tiering.tiers.nvme.files.DiskTier`), on
     threads of their own. A read or write slower than ``timeout_s`` from
     when a thread starts it fails for the disk's sake; a read that waits
     that long for a thread gives up (the next source serves it), blaming the

@@ -22,8 +22,6 @@ from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.keys import Namespace
 from s3kv.manifest.keyset import EMPTY
 from s3kv.stats import Counters
-from s3kv.tiering.cost import CostModel
-from s3kv.tiering.keychain import ChainKeys, ExtrasFn, PrefixIds
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import (
     LoadChunk,
@@ -35,8 +33,10 @@ from s3kv.tiering.plan import (
     TierEvent,
     TierReport,
 )
-from s3kv.tiering.ranks import RankCount
-from s3kv.tiering.stack import TierStack
+from s3kv.tiering.scheduler.cost import CostModel
+from s3kv.tiering.scheduler.keychain import ChainKeys, ExtrasFn, PrefixIds
+from s3kv.tiering.scheduler.ranks import RankCount
+from s3kv.tiering.scheduler.stack import TierStack
 from s3kv.tiering.tiers.base import TierEvents, TierManager
 
 
