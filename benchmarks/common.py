@@ -1,6 +1,6 @@
 """What every benchmark shares: its result type, medians, the machine, and
 the piece that starts engines (the loopback S3 server is
-s3kv.demo.loopback_s3's).
+s3kv.testing.loopback_s3's).
 
 A benchmark module has ``NAME``, ``TITLE``, ``GOAL`` and
 ``run(work: Path, quick: bool) -> Result``; ``python -m benchmarks`` runs
@@ -192,7 +192,7 @@ def start_server(kind: str, work: Path) -> tuple[Any, dict[str, str], list[int]]
 
         gw = RadosGW(work / "radosgw").start()
         return gw, gw.env(), gw.pids()
-    from s3kv.demo.loopback_s3 import LoopbackS3
+    from s3kv.testing.loopback_s3 import LoopbackS3
 
     server = LoopbackS3().start()
     creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}

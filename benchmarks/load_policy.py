@@ -4,7 +4,7 @@ against always loading and against recomputing, side by side in one engine.
 Every measured prompt is in the bucket (a writer engine computed and
 stored it). For each S3 delay, one engine reads through a loopback proxy
 that holds the first byte of every object GET back by 0, 50 or 200 ms, as
-a distant bucket would (:class:`s3kv.demo.latency_proxy.LatencyProxy`). It
+a distant bucket would (:class:`s3kv.testing.latency_proxy.LatencyProxy`). It
 has no CPU or NVMe tier and vLLM's prefix cache off, so each request
 either loads its prefix from S3 again or computes it, and it runs each
 prompt three ways, interleaved (the order turns with each repeat):
@@ -77,9 +77,9 @@ def _request(prompt: list[int], way: str) -> Any:
 
 
 def run(work: Path, quick: bool) -> Result:
-    from s3kv.demo.latency_proxy import LatencyProxy
-    from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.demo.model import DEMO_SPEC, build_model
+    from s3kv.testing.latency_proxy import LatencyProxy
+    from s3kv.testing.loopback_s3 import LoopbackS3
 
     started = time.perf_counter()
     lengths = (256, 1024, 4096) if quick else (256, 512, 1024, 2048, 4096, 8192)

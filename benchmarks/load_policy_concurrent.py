@@ -3,7 +3,7 @@ policy against always loading (and recomputing), side by side in one engine.
 
 A writer engine computes and stores every prompt. Then, for each S3 delay
 (a loopback proxy holds each object GET's first byte back,
-:class:`s3kv.demo.latency_proxy.LatencyProxy`), a fresh replica on that
+:class:`s3kv.testing.latency_proxy.LatencyProxy`), a fresh replica on that
 bucket (no CPU or NVMe tier, vLLM's prefix cache off: every hit is S3's)
 takes streams of the same :data:`REQUESTS` prompts with :data:`IN_FLIGHT`
 in flight, the next sent as one finishes (a client's concurrency, as
@@ -66,9 +66,9 @@ def _request(prompt: list[int], way: str) -> Any:
 
 
 def run(work: Path, quick: bool) -> Result:
-    from s3kv.demo.latency_proxy import LatencyProxy
-    from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.demo.model import DEMO_SPEC, build_model
+    from s3kv.testing.latency_proxy import LatencyProxy
+    from s3kv.testing.loopback_s3 import LoopbackS3
 
     started = time.perf_counter()
     lengths = (256, 1024) if quick else (256, 1024, 2048)

@@ -3,7 +3,7 @@ without prefetch at arrival.
 
 A writer engine computes and stores every burst's prompts (distinct 2k-token
 prefixes). Then, for each S3 delay (a loopback proxy holds each object
-GET's first byte back, :class:`s3kv.demo.latency_proxy.LatencyProxy`),
+GET's first byte back, :class:`s3kv.testing.latency_proxy.LatencyProxy`),
 engines with a CPU tier and room for only two running requests
 (``max_num_seqs=2``) take bursts, one after another, each of prompts of
 its own: two short requests that decode for a while (the running batch,
@@ -66,9 +66,9 @@ def _s3kv(endpoint: str, **extra: Any) -> dict[str, Any]:
 
 
 def run(work: Path, quick: bool) -> Result:
-    from s3kv.demo.latency_proxy import LatencyProxy
-    from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.demo.model import DEMO_SPEC, build_model
+    from s3kv.testing.latency_proxy import LatencyProxy
+    from s3kv.testing.loopback_s3 import LoopbackS3
 
     started = time.perf_counter()
     n = 6 if quick else 8

@@ -1,6 +1,6 @@
 """Ceph's radosgw on loopback: a second, real S3 server for the benchmarks.
 
-Why: the loopback figures measured against moto (:mod:`s3kv.demo.loopback_s3`)
+Why: the loopback figures measured against moto (:mod:`s3kv.testing.loopback_s3`)
 are bounded by moto itself. moto is a Python server: each request costs it
 about as much CPU as it costs the client, on the same cores, and it closes
 the connection after each answer, so a figure taken against it says as much
@@ -54,7 +54,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from s3kv.demo.loopback_s3 import free_port
+from s3kv.testing.loopback_s3 import free_port
 
 _PACKAGE_NAMES = """
     ceph-common ceph-base ceph-mon ceph-osd radosgw librados2 librbd1 librgw2 libradosstriper1 libcephfs2
@@ -247,7 +247,7 @@ class RadosGW:
     Keep ``root`` short: the daemons' control sockets live under it, and a
     Unix socket path has at most 107 bytes.
 
-    Same use as :class:`s3kv.demo.loopback_s3.LoopbackS3`, except that
+    Same use as :class:`s3kv.testing.loopback_s3.LoopbackS3`, except that
     radosgw checks credentials: pass :meth:`env` (or :attr:`access_key` and
     :attr:`secret_key`) to clients.
     """
@@ -344,7 +344,7 @@ class RadosGW:
         return name
 
     create_bucket = new_bucket
-    """The name :class:`~s3kv.demo.loopback_s3.LoopbackS3` gives it."""
+    """The name :class:`~s3kv.testing.loopback_s3.LoopbackS3` gives it."""
 
     # ------------------------------------------------------------ start-up steps
 

@@ -114,8 +114,8 @@ def run_batches(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(work: Path, quick: bool) -> Result:
-    from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.demo.model import DEMO_SPEC, build_model
+    from s3kv.testing.loopback_s3 import LoopbackS3
 
     started = time.perf_counter()
     prompt_tokens, max_tokens = (240, 300) if quick else (480, 300)

@@ -67,9 +67,9 @@ def child(nice: int | None, off_forward: bool, trials: int, work: Path) -> dict[
     import s3kv.tiering.loop as loop
     from s3kv.chunk_reader import PageFormat
     from s3kv.config import S3KVConfig
-    from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.keys import Namespace
     from s3kv.stores.factory import make_store
+    from s3kv.testing.loopback_s3 import LoopbackS3
     from s3kv.tiering.placement import Tier
     from s3kv.tiering.plan import Place
     from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine

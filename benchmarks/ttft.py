@@ -196,8 +196,8 @@ def _side_by_side(
 
 
 def run(work: Path, quick: bool) -> Result:
-    from s3kv.demo.loopback_s3 import LoopbackS3
     from s3kv.demo.model import DEMO_SPEC, build_model
+    from s3kv.testing.loopback_s3 import LoopbackS3
 
     started = time.perf_counter()
     tokens = (4096 if quick else 8192) + TAIL_TOKENS  # what every hit leaves vLLM to compute

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from s3kv.demo.loopback_s3 import LoopbackS3, free_port  # noqa: F401 (tests import free_port from here)
+from s3kv.testing.loopback_s3 import LoopbackS3, free_port  # noqa: F401 (tests import free_port from here)
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")

@@ -4,7 +4,7 @@ Replica A serves a family of prompts that share a long prefix and stores
 their KV chunks; a fresh replica B (a new engine process, cold) serves the
 same prompts and loads those chunks instead of computing them. With no bucket
 given, an S3-compatible server (moto) is started on loopback
-(:mod:`s3kv.demo.loopback_s3`). Each replica is a run of the replica tool,
+(:mod:`s3kv.testing.loopback_s3`). Each replica is a run of the replica tool,
 :mod:`s3kv.connector.replica`, through :func:`run_replica`.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from s3kv.config import DEFAULTS
-from s3kv.demo.loopback_s3 import LoopbackS3
+from s3kv.testing.loopback_s3 import LoopbackS3
 from s3kv.units import format_size
 
 

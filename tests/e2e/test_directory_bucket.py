@@ -17,12 +17,12 @@ import uuid
 import pytest
 
 from s3kv.config import DEFAULTS
-from s3kv.demo.latency_proxy import LatencyProxy
 from s3kv.keys import Namespace, chain_keys, fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import protocol as mp
 from s3kv.manifest.keyset import Manifest
 from s3kv.manifest.sync import ManifestSync
 from s3kv.stores.s3 import S3Options, S3Store
+from s3kv.testing.latency_proxy import LatencyProxy
 from tests.conftest import load_manifest
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import CHUNK_TOKENS, chunk_objects, metric, run_replica, worker_total

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from s3kv.demo.latency_proxy import LatencyProxy
+from s3kv.testing.latency_proxy import LatencyProxy
 from tests.e2e.harness import (
     CHUNK_TOKENS,
     REPLICA_ENV,

@@ -247,9 +247,9 @@ def test_gc_on_a_directory_bucket_tells_replicas_and_lists_as_s3_express_allows(
     import numpy as np
 
     from s3kv.cli import main
-    from s3kv.demo.latency_proxy import LatencyProxy
     from s3kv.manifest import format as mf
     from s3kv.manifest import protocol as mp
+    from s3kv.testing.latency_proxy import LatencyProxy
 
     ds = dataset.build(seeded_s3, sizes=(120, 80), tp=(1, 2), directory=True)
     expect = expected_max_age(ds, 14 * DAY)

@@ -267,7 +267,7 @@ def test_the_tools_on_a_directory_bucket_list_as_s3_express_allows(seeded_s3, ca
     the same answers as on a general-purpose bucket, and no listing that a
     directory bucket would refuse."""
     from s3kv.cli import main
-    from s3kv.demo.latency_proxy import LatencyProxy
+    from s3kv.testing.latency_proxy import LatencyProxy
 
     ds = dataset.build(seeded_s3, sizes=(120, 80), tp=(1, 2), seed=11, directory=True)
     with LatencyProxy(seeded_s3.endpoint_url, directory=True) as proxy:

@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from s3kv.demo.latency_proxy import LatencyProxy
 from s3kv.errors import S3KVError
 from s3kv.manifest import protocol as mp
 from s3kv.manifest.keyset import Manifest
 from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.stores.s3 import S3Options, S3Store
+from s3kv.testing.latency_proxy import LatencyProxy
 
 BASE = "fleet/" + "ef" * 16 + "/manifest/"
 SKEW_S = 60

@@ -347,7 +347,7 @@ async def test_max_connections_caps_the_requests_in_flight(s3_server, bucket, st
     flight (obstore's own setting capped only its idle pool: 64 opened)."""
     import asyncio
 
-    from s3kv.demo.latency_proxy import LatencyProxy
+    from s3kv.testing.latency_proxy import LatencyProxy
 
     client = s3_server.client()
     for i in range(64):

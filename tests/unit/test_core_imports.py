@@ -44,6 +44,9 @@ CORE = [
     "s3kv.ops.verify",
     "s3kv.ops.report",
     "s3kv.demo",
+    "s3kv.testing",
+    "s3kv.testing.loopback_s3",
+    "s3kv.testing.latency_proxy",
 ]
 
 

@@ -31,7 +31,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from s3kv.demo.loopback_s3 import free_port
+from s3kv.testing.loopback_s3 import free_port
 
 _HOP_BY_HOP = {
     "connection",

@@ -1,0 +1,9 @@
+"""Harness for the tests, the benchmarks and the demo; the connector and the
+``s3kv`` tools for a bucket never import it.
+
+- :mod:`s3kv.testing.loopback_s3`: moto's S3 server in a child process on
+  127.0.0.1 (objects in memory; not a store for production data).
+- :mod:`s3kv.testing.latency_proxy`: a loopback proxy in front of it that
+  delays each object GET's first byte (a distant bucket) or plays an S3
+  Express directory bucket.
+"""
