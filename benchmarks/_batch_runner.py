@@ -3,11 +3,11 @@ their decode steps (the store-path benchmark's engine).
 
     python -m benchmarks._batch_runner SPEC.json RESULT.json
 
-SPEC is s3kv.connector.replica's (``model``, ``engine_args``,
+SPEC is s3kv.testing.replica's (``model``, ``engine_args``,
 ``kv_transfer_config``, ``max_tokens``) with ``batches`` (a list of lists of
 token prompts) instead of ``prompts``: each batch is one ``llm.generate``
 call, so its requests prefill and decode together. The engine starts with
-the same arguments as replica.py's.
+the same arguments as s3kv.connector.replica's.
 
 Step times come from the engine core's own clock: every step's outputs
 (``EngineCoreOutputs``) carry the monotonic time they were made, so the
@@ -18,7 +18,7 @@ public API gives per-step times. A step is a *decode step of the whole
 batch* when it and the step before it both gave every request of the batch
 a token: no prefill is in it. RESULT has, per batch, those steps' times,
 the wall time of ``llm.generate`` and the outputs, and at the end s3kv's
-counters (metrics and the workers' drained totals, as replica.py reports
+counters (metrics and the workers' drained totals, as s3kv.connector.replica reports
 them).
 """
 
@@ -89,6 +89,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from s3kv.connector.replica import main
+    from s3kv.testing.replica import main
 
     sys.exit(main(run_spec=run, prog="benchmarks._batch_runner"))

@@ -8,7 +8,7 @@ apart, drift 20% here).
 SPEC:
 
 - ``engines``: name -> ``{"model", "engine_args", "kv_transfer_config"}``
-  (s3kv.connector.replica's keys), each run by a process of its own (its
+  (s3kv.testing.replica's keys), each run by a process of its own (its
   own Prometheus registry: vLLM's metrics are per process), started one
   after another; an engine not at work is idle;
 - ``max_tokens``: tokens generated per request (EOS ignored, greedy);
@@ -136,6 +136,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from s3kv.connector.replica import main
+    from s3kv.testing.replica import main
 
     sys.exit(main(run_spec=run, prog="benchmarks._multi_runner"))

@@ -127,8 +127,8 @@ def bench_env() -> None:
 
 
 def run_replica(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """One engine process running ``spec`` (see s3kv.connector.replica)."""
-    from s3kv.demo import run_replica as run
+    """One engine process running ``spec`` (see s3kv.testing.replica)."""
+    from s3kv.testing.replica import run_replica as run
 
     return run(work, name, spec)
 

@@ -101,7 +101,7 @@ def run(work: Path, quick: bool) -> Result:
             **extra,
         }
 
-    from s3kv.demo import run_replica as run_module
+    from s3kv.testing.replica import run_replica as run_module
 
     variants = VARIANTS
     names = list(variants)

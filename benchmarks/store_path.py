@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, Bar, Result, main_for, median, verdict
-from s3kv.demo import run_replica, worker_total
+from s3kv.testing.replica import run_replica, worker_total
 
 NAME = "store_path"
 TITLE = "Store path: decode step time with s3kv storing vs without a connector"

@@ -168,7 +168,7 @@ def _side_by_side(
     prompt on each, the order turning with every prompt. Per engine, the
     measured turns' ``ttft_s``, ``outputs``, ``num_cached_tokens``, the
     worker counters each moved (``turn_workers``), and its ``metrics``."""
-    from s3kv.demo import run_replica as run_module
+    from s3kv.testing.replica import run_replica as run_module
 
     names = list(engines)
     turns = [{"engine": e, "prompts": [warm]} for e in names]

@@ -1,52 +1,11 @@
-"""The replica tool: one vLLM engine runs a list of token prompts and reports
-what happened, as JSON.
-
-    python -m s3kv.connector.replica SPEC.json RESULT.json
-
-The demo, the end-to-end tests and the benchmarks start each replica as a
-fresh process with it (:func:`s3kv.demo.run_replica` does). Prompts run one
-at a time, greedily, so that each request's TTFT is its own and a later
-prompt may hit what an earlier one stored.
-
-SPEC, a JSON object:
-
-- ``model``: the model path or hub name (no tokenizer is loaded).
-- ``engine_args``: more keyword arguments of ``vllm.LLM`` (optional).
-- ``kv_transfer_config``: vLLM's ``--kv-transfer-config`` as an object, or
-  null: no connector (the baseline).
-- ``prompts``: each a list of token ids, or ``{"after": i, "append": [...]}``,
-  the next turn of a chat: prompt i, its output, then ``append``, or
-  ``{"prompt": [...], "kv_transfer_params": {...}, "skip_reading_prefix_cache":
-  true, "max_tokens": n}``: token ids sent with vLLM's per-request connector
-  parameters, computed whatever any cache holds, and/or generating their
-  own number of tokens (all optional).
-- ``max_tokens``: tokens generated per prompt (default 16, EOS ignored).
-- ``logprobs``: how many of the likeliest tokens to report at each
-  generated position (optional; RESULT's ``logprobs``).
-- ``flush_prompt``: a prompt run after the drain (optional), so that
-  Prometheus sees what the drained uploads counted.
-- ``bursts``: optional; a list of bursts, each a list of prompts (token
-  ids, or ``{"prompt": ...}`` objects as above) submitted at once (one
-  ``generate`` call: they queue in vLLM's scheduler), one burst after
-  another once ``prompts`` ran. Their results follow the prompts' in
-  RESULT's lists, in order (``ttft_s``: from each request's arrival).
-- ``in_flight``: optional; with it, a burst's requests reach the engine
-  no more than this many at once, the next as one finishes (a client
-  keeping that many requests in flight) instead of all at once.
-
-RESULT, a JSON object:
-
-- ``outputs``: each prompt's generated token ids.
-- ``ttft_s``: each prompt's time to first token (vLLM's, else the wall time).
-- ``num_cached_tokens``: each prompt's prefix-cache hit, in tokens.
-- ``logprobs`` (with SPEC's ``logprobs``): each prompt's, per generated
-  token, ``[token, logprob]`` pairs, likeliest first.
-- ``metrics``: see :func:`metrics`.
-- ``workers``: with a connector, each rank's s3kv totals
-  (``Counters.totals()``) and ``drained``, after waiting up to
-  :data:`DRAIN_TIMEOUT_S` for its pending uploads; ``{}`` for a rank whose
-  connector is not s3kv's.
-- ``startup_s``: seconds to build the engine.
+"""The engine side of the replica tool (:mod:`s3kv.testing.replica`, whose
+docstring describes SPEC and RESULT): :func:`run` builds one ``vllm.LLM``
+with SPEC's connector and runs its prompts one at a time, greedily, so that
+each request's TTFT is its own and a later prompt may hit what an earlier
+one stored; then each rank waits for its pending uploads
+(:class:`S3KVWorkerExtension`) and reports its s3kv totals. It lives in the
+connector package because it imports vLLM; the command, the process it runs
+in and the spec files are the harness's.
 
 With a connector, the engine gets ``worker_extension_cls``
 :class:`S3KVWorkerExtension` unless the spec names its own.
@@ -54,8 +13,6 @@ With a connector, the engine gets ``worker_extension_cls``
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from typing import Any
 
@@ -170,7 +127,7 @@ def _in_flight(llm: Any, name: str, burst: list[Any], params: Any, limit: int) -
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run SPEC in this process and return RESULT (both in the module docstring)."""
+    """Run SPEC in this process and return RESULT (both in :mod:`s3kv.testing.replica`)."""
     from vllm import LLM, SamplingParams
 
     engine_args = dict(spec.get("engine_args", {}))
@@ -244,23 +201,3 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
     del llm
     return result
-
-
-def main(argv: list[str] | None = None, run_spec: Any = None, prog: str = "s3kv.connector.replica") -> int:
-    """``python -m PROG SPEC.json RESULT.json``: ``run_spec`` (default :func:`run`)
-    on the spec, its return value written as RESULT. Other runners with
-    their own SPEC and RESULT reuse it (benchmarks/_batch_runner.py)."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print(f"usage: python -m {prog} SPEC.json RESULT.json", file=sys.stderr)
-        return 2
-    with open(args[0]) as f:
-        spec = json.load(f)
-    result = (run_spec or run)(spec)
-    with open(args[1], "w") as f:
-        json.dump(result, f)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,23 +5,20 @@ their KV chunks; a fresh replica B (a new engine process, cold) serves the
 same prompts and loads those chunks instead of computing them. With no bucket
 given, an S3-compatible server (moto) is started on loopback
 (:mod:`s3kv.testing.loopback_s3`). Each replica is a run of the replica tool,
-:mod:`s3kv.connector.replica`, through :func:`run_replica`.
+:mod:`s3kv.testing.replica`, through its :func:`~s3kv.testing.replica.run_replica`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from s3kv.config import DEFAULTS
 from s3kv.testing.loopback_s3 import LoopbackS3
+from s3kv.testing.replica import run_replica, worker_total
 from s3kv.units import format_size
 
 
@@ -44,38 +41,6 @@ def _prompts(o: DemoOptions) -> list[list[int]]:
     rng = random.Random(7)
     shared = [rng.randrange(3, 2000) for _ in range(o.shared_tokens)]
     return [shared + [rng.randrange(3, 2000) for _ in range(o.unique_tokens)] for _ in range(o.prompts)]
-
-
-def run_replica(
-    workdir: Path,
-    name: str,
-    spec: dict[str, Any],
-    module: str = "s3kv.connector.replica",
-    cwd: Path | None = None,
-) -> dict[str, Any]:
-    """Run ``spec`` in a fresh engine process (``python -m module SPEC RESULT``,
-    formats in :mod:`s3kv.connector.replica`) and return its RESULT. Its
-    spec, result and log are ``workdir/name.*``; SystemExit, with the log's
-    end, if it fails."""
-    spec_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("spec.json", "result.json", "log"))
-    spec_path.write_text(json.dumps(spec))
-    print(f"  starting replica {name} (a new vLLM engine; log: {log_path}) ...", flush=True)
-    with open(log_path, "w") as log:
-        rc = subprocess.call(
-            [sys.executable, "-m", module, str(spec_path), str(out_path)],
-            cwd=cwd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    if rc != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
-        raise SystemExit(f"replica {name} failed (exit {rc}); end of its log:\n{tail}")
-    return json.loads(out_path.read_text())
-
-
-def worker_total(result: dict[str, Any], name: str) -> float:
-    """A worker counter of a replica's RESULT, summed over its ranks."""
-    return sum(w.get(name, 0) for w in result["workers"])
 
 
 def run_demo(o: DemoOptions) -> int:

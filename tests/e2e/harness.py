@@ -98,7 +98,7 @@ def start_replica(
         [
             sys.executable,
             "-m",
-            "s3kv.connector.replica",
+            "s3kv.testing.replica",
             str(spec_path),
             str(workdir / f"{name}.result.json"),
         ],

@@ -47,6 +47,7 @@ CORE = [
     "s3kv.testing",
     "s3kv.testing.loopback_s3",
     "s3kv.testing.latency_proxy",
+    "s3kv.testing.replica",
 ]
 
 
