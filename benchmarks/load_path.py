@@ -85,12 +85,13 @@ class Case:
         # What a plain client knows of each object: its key, size and where
         # each layer's bytes sit in it (from the header, once, untimed).
         from s3kv import codec as c
+        from s3kv.testing.chunks import chunk_id
 
         self.layout = []
         for chunk, blob in zip(chunks, blobs):
             h = c.parse_header(blob)
             self.layout.append(
-                (engine.chunk_id(chunk.key).object_key, len(blob), [(f.offset, f.length) for f in h.frames])
+                (chunk_id(engine, chunk.key).object_key, len(blob), [(f.offset, f.length) for f in h.frames])
             )
 
 
@@ -241,6 +242,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     from s3kv.connector.pages import PageIO
     from s3kv.keys import Namespace
     from s3kv.stores.factory import make_store
+    from s3kv.testing.chunks import chunk_id
     from s3kv.tiering.chunks import ChunkData
     from s3kv.tiering.placement import Tier
     from s3kv.tiering.plan import LoadChunk, Place
@@ -330,7 +332,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
                 layers = [u.index_select(0, idx).contiguous().view(-1).numpy() for u in exp_u8]
                 data = ChunkData(key, engine.codec, layers=layers)
                 blob = data.blob
-                put.put_object(Bucket=BUCKET, Key=engine.chunk_id(key).object_key, Body=blob)
+                put.put_object(Bucket=BUCKET, Key=chunk_id(engine, key).object_key, Body=blob)
                 files = engine.handlers[Tier.DISK].files  # type: ignore[attr-defined]
                 files.write(key, data)
                 _fsync(files.path(key))

@@ -21,6 +21,7 @@ from s3kv.auth import FleetKeys
 from s3kv.errors import CorruptChunk, NotFound, PermissionDenied, Throttled, Transient
 from s3kv.stores.base import GetResult
 from s3kv.stores.memory import MemoryStore
+from s3kv.testing.chunks import chunk_id
 from s3kv.tiering.chunks import ChunkCodec
 from s3kv.tiering.placement import Tier
 from tests.unit.test_codec import plugin_frame, special_frame, watch_python
@@ -92,7 +93,7 @@ def test_a_decompression_bomb_is_refused_before_any_allocation():
     key = b"b" * 16
     store = MemoryStore()
     e = stored_chunk(store, key, 1)
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     # A small object whose every frame claims 64 GiB, in a header whose raw
     # lengths say the same, then one whose header says the page size but
     # whose zstd frames still claim 64 GiB.
@@ -151,7 +152,7 @@ def test_truncation_at_a_frame_boundary_and_416_are_corrupt(store_cls):
     key = b"t" * 16
     store = store_cls()
     e = stored_chunk(store, key, 2)
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     put(store, name, _truncated_at_a_frame_boundary(get(store, name), 1))
     e.submit_load("j", [chunk(key)], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
@@ -178,7 +179,7 @@ def test_a_bad_disk_copy_falls_back_to_s3(tmp_path):
         lambda b: rewrite_header(b, shuffle=0),
         lambda b: b[:100],
     ):
-        good = get(store, e.chunk_id(key).object_key)
+        good = get(store, chunk_id(e, key).object_key)
         path.write_bytes(damage(good))
         got = {}
         e.submit_load(
@@ -199,7 +200,7 @@ def test_a_bad_shuffle_value_in_s3_is_corrupt():
     key = b"s" * 16
     store = MemoryStore()
     e = stored_chunk(store, key, 3)
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     put(store, name, rewrite_header(get(store, name), shuffle=3))
     e.submit_load("j", [chunk(key)], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
@@ -221,7 +222,7 @@ def test_without_delete_permission_a_corrupt_object_is_reported_bad():
     key = b"q" * 16
     store = NoDelete()
     e = stored_chunk(store, key, 4)
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     blob = bytearray(get(store, name))
     blob[-5] ^= 1
     put(store, name, bytes(blob))
@@ -244,7 +245,7 @@ def test_a_corrupt_object_rewritten_meanwhile_is_not_deleted():
     key = b"r" * 16
     store = RewritesBeforeDelete()
     e = stored_chunk(store, key, 5)
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     store.good = get(store, name)
     put(store, name, _truncated_at_a_frame_boundary(store.good, 0))
     e.submit_load("j", [chunk(key)], lambda *a: None)
@@ -318,7 +319,7 @@ def test_a_forged_object_in_the_way_of_a_store_is_replaced_not_published():
     store = MemoryStore()
     e = engine(store, keys=keys())
     log = put_log(e)
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     forger = engine(MemoryStore())  # valid checksums, no secret, other KV
     put(store, name, forger.codec.encode(key, layers(99)))
     forger.close()
@@ -334,7 +335,7 @@ def test_a_forged_object_that_cannot_be_deleted_is_never_published():
     key = b"g" * 16
     store = NoDelete()
     e = engine(store, keys=keys())
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     put(store, name, ChunkCodec("n" * 32, 0, LAYERS, FMT).encode(key, layers(99)))
     e.submit_store(job(key, layers(1), s3=True))
     acc = wait_for(e, lambda a: key in a.failed.get(Tier.S3, ()) or key in a.written.get(Tier.S3, {}))
@@ -471,7 +472,7 @@ def _load(store, key, e):
     from s3kv.tiering.chunks import load_chunk
 
     return asyncio.run(
-        load_chunk(store, e.chunk_id(key), lambda *a: None, chunk_codec=e.codec, range_bytes=PAGE + 200)
+        load_chunk(store, chunk_id(e, key), lambda *a: None, chunk_codec=e.codec, range_bytes=PAGE + 200)
     )
 
 
@@ -481,7 +482,7 @@ def test_a_network_fault_is_transient_never_corrupt(fault, at):
     key = b"n" * 16
     store = Faulty(fault, at=0)
     e = stored_chunk(store, key, 6)
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     good = get(store, name)
     store.gets, store.at = 0, at
     with pytest.raises(Transient) as raised:
@@ -510,7 +511,7 @@ def test_a_416_and_memory_error_are_corrupt_with_the_etag_read(at):
     ):
         store = Faulty(fault, at=0)
         e = stored_chunk(store, key, 7)
-        name = e.chunk_id(key).object_key
+        name = chunk_id(e, key).object_key
         etag = asyncio.run(store.head(name)).etag
         store.gets, store.at = 0, at
         with pytest.raises(CorruptChunk, match=why) as raised:
@@ -543,7 +544,7 @@ def test_bad_bytes_are_corrupt_whatever_the_check_raises(monkeypatch):
     key = b"c" * 16
     store = MemoryStore()
     e = stored_chunk(store, key, 9)
-    etag = asyncio.run(store.head(e.chunk_id(key).object_key)).etag
+    etag = asyncio.run(store.head(chunk_id(e, key).object_key)).etag
 
     def broken(*a, **kw):
         raise IndexError("a check that did not expect these bytes")
@@ -563,7 +564,7 @@ def test_an_object_of_a_newer_format_is_missing_not_corrupt():
     key = b"v" * 16
     store = MemoryStore()
     e = stored_chunk(store, key, 10)
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     newer = bytearray(get(store, name))
     newer[4:6] = (4).to_bytes(2, "little")
     put(store, name, bytes(newer))
@@ -582,16 +583,16 @@ def test_read_header_reads_and_classifies_as_loads_do():
     key = b"k" * 16
     store = Faulty(ConnectionResetError(104, "reset"), at=0)
     e = stored_chunk(store, key, 11)
-    name = e.chunk_id(key).object_key
-    got = asyncio.run(read_header(store, e.chunk_id(key), chunk_codec=e.codec, prefetch=64))
+    name = chunk_id(e, key).object_key
+    got = asyncio.run(read_header(store, chunk_id(e, key), chunk_codec=e.codec, prefetch=64))
     assert got.etag == asyncio.run(store.head(name)).etag and got.size == len(get(store, name))
     assert len(got.header.frames) == LAYERS and got.data == get(store, name)[: len(got.data)]
     store.gets, store.at = 0, 2  # the header's second GET (64 bytes were not all of it)
     with pytest.raises(Transient, match="ConnectionResetError"):
-        asyncio.run(read_header(store, e.chunk_id(key), chunk_codec=e.codec, prefetch=64))
+        asyncio.run(read_header(store, chunk_id(e, key), chunk_codec=e.codec, prefetch=64))
     put(store, name, get(store, name)[:100])
     with pytest.raises(CorruptChunk) as raised:
-        asyncio.run(read_header(store, e.chunk_id(key), chunk_codec=e.codec, prefetch=64))
+        asyncio.run(read_header(store, chunk_id(e, key), chunk_codec=e.codec, prefetch=64))
     assert raised.value.etag == asyncio.run(store.head(name)).etag
     e.close()
 
@@ -618,7 +619,7 @@ def test_a_network_fault_checking_an_object_in_the_way_never_deletes_it(fault):
     key = b"j" * 16
     store = FaultyGets(fault)
     e = engine(store, keys=keys())
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     good = e.codec.encode(key, layers(1))
     put(store, name, good)
     e.submit_store(job(key, layers(1), s3=True))
@@ -669,9 +670,9 @@ def test_a_blosc2_chunk_s3kv_never_writes_fails_the_load_and_leaves_the_pages_al
     good, bad = b"g" * 16, b"h" * 16
     blob = e.codec.encode(good, layers(1))
     client = s3_server.client()
-    client.put_object(Bucket=bucket, Key=e.chunk_id(good).object_key, Body=blob)
+    client.put_object(Bucket=bucket, Key=chunk_id(e, good).object_key, Body=blob)
     forged = with_frames(e.codec.encode(bad, layers(2)), [HOSTILE_OBJECTS[kind](PAGE)] * LAYERS)
-    client.put_object(Bucket=bucket, Key=e.chunk_id(bad).object_key, Body=forged)
+    client.put_object(Bucket=bucket, Key=chunk_id(e, bad).object_key, Body=forged)
     runs = watch_python(tmp_path, monkeypatch)
 
     for key, job_id in ((good, "good"), (bad, "bad")):

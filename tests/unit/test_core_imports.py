@@ -48,6 +48,7 @@ CORE = [
     "s3kv.testing.loopback_s3",
     "s3kv.testing.latency_proxy",
     "s3kv.testing.replica",
+    "s3kv.testing.chunks",
 ]
 
 

@@ -16,6 +16,7 @@ from s3kv.errors import Throttled, Transient
 from s3kv.keys import object_key
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
+from s3kv.testing.chunks import chunk_id
 from s3kv.tiering.chunks import plan_ranges
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, TierReport
@@ -224,7 +225,7 @@ def test_write_through_to_every_tier_then_load_from_each(tmp_path):
     e.submit_store(job(key, slot_views, slot=1, disk=True, s3=True))
     acc = wait_for(e, lambda a: all(key in a.written.get(t, {}) for t in Tier) and a.released)
     assert acc.released == [key]  # the slot may be reused once encoded
-    assert files(e).path(key).is_file() and asyncio.run(store.exists(e.chunk_id(key).object_key))
+    assert files(e).path(key).is_file() and asyncio.run(store.exists(chunk_id(e, key).object_key))
     assert acc.written[Tier.DISK][key] == files(e).path(key).stat().st_size
     for tier, kw in ((Tier.CPU, {"cpu_slot": 1}), (Tier.DISK, {}), (Tier.S3, {})):
         got = {}
@@ -247,7 +248,7 @@ def test_s3_load_promotes_to_cpu_slot_and_disk(tmp_path, disk_codec):
     assert acc.finished_loads["j"] == [] and key in acc.written[Tier.CPU]
     assert pool(e).holds(0, key)
     assert all((v == d).all() for v, d in zip(pool(e).layer_views(0), layers(8)))
-    s3_object = asyncio.run(store.get(e.chunk_id(key).object_key))
+    s3_object = asyncio.run(store.get(chunk_id(e, key).object_key))
     blob = files(e).path(key).read_bytes()
     if disk_codec == e.codec.codec:  # the promoted file is the S3 object, byte for byte
         assert blob == s3_object
@@ -291,7 +292,7 @@ def test_a_loads_copies_into_the_nvme_tier_start_once_its_last_chunk_is_in(tmp_p
         return save(place, data, start)
 
     handler.save = recording_save
-    store.held = e.chunk_id(second).object_key
+    store.held = chunk_id(e, second).object_key
     loads = [chunk(first, Tier.S3, promote_disk=True), chunk(second, Tier.S3, promote_disk=True)]
     e.submit_load("j", loads, lambda *a: None)
     try:
@@ -438,7 +439,7 @@ def test_corrupt_object_is_reported_deleted_and_never_written():
     store = MemoryStore()
     key = b"c" * 16
     e = stored_chunk(store, key, 3)
-    name = e.chunk_id(key).object_key
+    name = chunk_id(e, key).object_key
     blob = bytearray(asyncio.run(store.get(name)))
     blob[-10] ^= 0xFF  # last layer's frame
     asyncio.run(store.put(name, bytes(blob)))
@@ -582,7 +583,7 @@ def test_a_403_on_one_object_drops_the_key_without_blaming_s3():
     inner = MemoryStore()
     stored_chunk(inner, key, 1).close()
     e = engine(WrappedStore(inner))
-    e.s3.denied.add(e.chunk_id(key).object_key)  # a bucket policy or KMS key for its prefix
+    e.s3.denied.add(chunk_id(e, key).object_key)  # a bucket policy or KMS key for its prefix
     c = chunk(key)
     e.submit_load("j", [c], lambda *a: None)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)

@@ -25,10 +25,9 @@ import numpy as np
 
 from s3kv.chunk_reader import FrameSink, PageFormat, PageTarget
 from s3kv.errors import GaveUp, NotFound
-from s3kv.keys import object_key
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
-from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId
+from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.meter import Attempt, LoadMeter
 from s3kv.tiering.placement import Tier
@@ -160,11 +159,6 @@ class TransferEngine:
         for old in self.handlers.values():
             old.close()
         self.handlers = {h.tier: h for h in handlers}
-
-    def chunk_id(self, key: bytes) -> ChunkId:
-        assert self.namespace is not None, "no namespace yet"
-        ns, rank = self.namespace, self.s.rank
-        return ChunkId(object_key(self.s.prefix, ns, key, rank), ns, key.hex(), rank)
 
     def takes_pages(self, place: Place) -> bool:
         """Does ``place``'s tier store a chunk's pages as they are (a store's are copied straight in)?"""
