@@ -122,9 +122,8 @@ class PageIO:
         ``resident``: every page mapped now, for a buffer that lives as long
         as the worker (the CPU tier). Pinned memory is; plain memory would
         otherwise be mapped by the loads that first write each slot, a page
-        fault at a time, and a busy worker's faults are slow: on the CPU
-        build, copying a frame into a fresh CPU slot ran at 40 MB/s, and a
-        load from S3 that filled a CPU slot as well took 5x as long."""
+        fault at a time, and a busy worker's faults are slow enough to
+        dominate a load that fills a CPU slot."""
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and self.on_device)
         if resident and not buf.is_pinned():
             buf.zero_()
@@ -213,9 +212,8 @@ class PageIO:
         ``staging`` into ``block_ids[first:last]`` on the side stream, after
         ``after``: the frame crosses in one H2D copy into device scratch, then
         one kernel puts its pages in place (a copy for one run of consecutive
-        blocks, ``index_copy_`` otherwise). One H2D copy per run was bound by
-        the launches: on an H200, 14 GB/s for runs of 16 blocks and 2.7 GB/s
-        for scattered ones, against 55 GB/s for one pinned copy. torch's
+        blocks, ``index_copy_`` otherwise): one H2D copy per run of blocks
+        would be bound by the copies' launches, scattered blocks most. torch's
         allocators keep ``staging`` and the scratch until the copies ran."""
         if first >= last:
             return
@@ -257,8 +255,8 @@ class PageIO:
         n = len(block_ids)
         if self._stream is None:
             # numpy, one copy per run of consecutive blocks: torch's uint8
-            # index_copy_ moves ~0.8 GB/s and starts OpenMP work from every
-            # codec thread, which collapses on a busy CPU.
+            # index_copy_ is slow on the CPU and starts OpenMP work from
+            # every codec thread, which collapses on a busy CPU.
             dst = layer.u8.numpy()
             pages = np.asarray(data).reshape(layer.shape_for(n))
             for i, j in _runs(block_ids, first, last):

@@ -6,9 +6,10 @@ which this subclasses), where they are rare and where obstore lacks the
 conditions s3kv needs (a conditional delete, a create-only multipart
 complete).
 
-``benchmarks/s3_clients.py`` chose obstore: against aiobotocore and awscrt
-on one server it took the least client CPU per GB on GETs and PUTs and the
-most MB/s on GETs.
+Why obstore: chunk GETs and PUTs are most of a replica's S3 work, and they
+share the CPU with the forward and the codec threads; obstore keeps them
+off the GIL at the least client CPU per byte of the clients
+``benchmarks/s3_clients.py`` compares (its goal keeps the choice checked).
 
 What it keeps of the aiobotocore store, so that callers cannot tell:
 

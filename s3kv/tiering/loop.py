@@ -92,10 +92,9 @@ def store_threads(threads: int) -> int:
     """Write-through (encoding) threads beside ``threads`` codec threads:
     half as many, and no more than the cores a forward leaves (one fewer
     than the process may use), at least one. This paces a burst of stores:
-    on two cores its chunks are encoded one after another, while their
-    NVMe writes and PUTs still overlap. Measured there (store-path engines,
-    alternating, two each): the worst decode step of a batch 1.5-1.9x its
-    median with one thread, 1.7-2.6x with two."""
+    where cores are few its chunks are encoded one after another, leaving
+    the forward its cores so that decode steps stay even, while their NVMe
+    writes and PUTs still overlap."""
     cores = len(_ALLOWED_CPUS) if _ALLOWED_CPUS else (os.cpu_count() or 1)
     return max(1, min(threads // 2, cores - 1))
 
