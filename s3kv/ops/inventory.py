@@ -48,7 +48,7 @@ from s3kv.manifest.protocol import (
     name_ts,
     parse_name,
 )
-from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
+from s3kv.stores.base import HEAD_BYTES, ByteRange, ObjectMeta, ObjectStore
 
 LOCK_NAME = "gc.lock"
 
@@ -198,8 +198,6 @@ class Inventory:
 
 Progress = Callable[[int], None]
 """Called with how many more objects were listed."""
-
-HEAD_BYTES = 64 << 10
 
 
 async def read_head_bytes(store: ObjectStore, key: str, length_of: Callable[[bytes], int]) -> bytes:
