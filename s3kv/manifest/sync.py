@@ -67,7 +67,8 @@ from s3kv.manifest.protocol import (
     replica_of,
     snapshot_name,
 )
-from s3kv.manifest.publish import PARTIAL_TTL_MS, RankTally, SegmentWriter, rank_fields
+from s3kv.manifest.ranks import PARTIAL_TTL_MS, RankTally, rank_fields
+from s3kv.manifest.writer import SegmentWriter
 from s3kv.stats import Counters
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode
 

@@ -71,7 +71,7 @@ from s3kv.manifest.protocol import (
     record_hour,
     snapshot_name,
 )
-from s3kv.manifest.publish import RankTally, rank_fields
+from s3kv.manifest.ranks import RankTally, rank_fields
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
 from s3kv.ops.chunks import check_object
 from s3kv.ops.inventory import (

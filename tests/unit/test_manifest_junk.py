@@ -16,9 +16,9 @@ from s3kv.errors import S3KVError
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
 from s3kv.manifest.keyset import Manifest
-from s3kv.manifest.publish import REPUBLISH_MAX
 from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.manifest.tombstones import publish_tombstones
+from s3kv.manifest.writer import REPUBLISH_MAX
 from s3kv.ops.inventory import NamespaceInfo
 from s3kv.stores.base import ObjectMeta, PutMode
 from s3kv.stores.memory import MemoryStore
