@@ -397,8 +397,9 @@ class Manifest:
 
     def __init__(self, merge_at: int = 1 << 16) -> None:
         self.fps = FingerprintSet(merge_at)
-        self.journal: Journal | None = None
-        """Told of this replica's own additions and uses, to publish them."""
+        self.sync: Sync | None = None
+        """Told of this replica's own additions, uses and bad objects, to
+        publish them to the fleet (a :class:`~s3kv.manifest.sync.ManifestSync`)."""
         self.bad: set[int] = set()
         """Fingerprints of chunks some replica found corrupt in S3 and could
         not delete: a store that finds such an object there (a 412) must not
@@ -427,8 +428,8 @@ class Manifest:
         of it, from here unless ``publish`` is False (its workers published it)."""
         fp = fingerprint(key)
         self.fps.add(fp)
-        if publish and self.journal is not None:
-            self.journal.stored(fp)
+        if publish and self.sync is not None:
+            self.sync.stored(fp)
 
     def update(self, keys: Iterable[bytes]) -> None:
         for key in keys:
@@ -447,16 +448,18 @@ class Manifest:
         fp = fingerprint(key)
         self.bad.add(fp)
         self.fps.discard(fp)
-        if self.journal is not None:
-            self.journal.bad(fp, name, etag)
+        if self.sync is not None:
+            self.sync.bad(fp, name, etag)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """These chunks were used: recorded for gc's least-recently-used policy."""
-        if self.journal is not None and keys:
-            self.journal.used(fingerprints(keys))
+        if self.sync is not None and keys:
+            self.sync.used(fingerprints(keys))
 
 
-class Journal(Protocol):
+class Sync(Protocol):
+    """What :class:`Manifest` tells of this replica's own changes (:attr:`Manifest.sync`)."""
+
     def stored(self, fp: int) -> None: ...
 
     def used(self, fps: np.ndarray) -> None: ...

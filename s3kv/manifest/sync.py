@@ -182,7 +182,7 @@ class ManifestSync:
         self.loaded = False
         self.refreshed_at: float | None = None
         """Wall time the manifest was last up to date with S3 (every segment listed was read)."""
-        manifest.journal = self
+        manifest.sync = self
 
     @property
     def clock_ms(self) -> int:

@@ -102,7 +102,7 @@ def test_changes_during_a_merge_are_not_lost():
     assert set(s.array().tolist()) == ref
 
 
-def test_manifest_keys_and_journal():
+def test_manifest_keys_and_sync():
     m = Manifest()
     told = []
 
@@ -114,7 +114,7 @@ def test_manifest_keys_and_journal():
             told.append(("used", arr.tolist()))
 
     k1, k2 = b"\x01" * 16, b"\x02" * 16
-    m.journal = J()
+    m.sync = J()
     m.add(k1)
     assert k1 in m and k2 not in m and m.present([k2, k1]).tolist() == [False, True]
     m.touch([k1, k2])
