@@ -34,8 +34,8 @@ from collections.abc import Callable
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS
 from s3kv.manifest import format as mf
+from s3kv.manifest.arrays import as_sorted_unique
 from s3kv.manifest.journal import RankJournal
-from s3kv.manifest.keyset import as_sorted_unique
 from s3kv.manifest.protocol import HybridClock, rank_writer
 from s3kv.manifest.writer import SegmentWriter
 from s3kv.stats import Counters

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from s3kv.errors import CorruptManifest
-from s3kv.manifest.keyset import as_sorted_unique
+from s3kv.manifest.arrays import as_sorted_unique
 
 MAX_RANKS = 64
 """A rank segment naming more ranks than this is garbage."""

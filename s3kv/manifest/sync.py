@@ -52,7 +52,8 @@ from s3kv.errors import (
     UnsignedManifest,
 )
 from s3kv.manifest import format as mf
-from s3kv.manifest.keyset import Manifest, as_sorted_unique
+from s3kv.manifest.arrays import as_sorted_unique
+from s3kv.manifest.keyset import Manifest
 from s3kv.manifest.listing import SegmentLister
 from s3kv.manifest.protocol import (
     SEGMENTS,

@@ -58,7 +58,7 @@ from s3kv.errors import (
 )
 from s3kv.keys import fingerprint, parse_object_key
 from s3kv.manifest import format as mf
-from s3kv.manifest.keyset import as_sorted_unique
+from s3kv.manifest.arrays import as_sorted_unique
 from s3kv.manifest.protocol import (
     SEGMENTS,
     Horizon,

@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from s3kv.manifest.keyset import FingerprintSet, apply_to, overlay, resolve
+from s3kv.manifest.keyset import FingerprintSet
 
 U64_MAX = 2**64 - 1
 
@@ -148,17 +148,6 @@ def test_later_operations_win_in_every_order():
     s.update_many([([3], []), ([], [3]), ([4], [4]), ([], [6]), ([6], [])])
     assert s.present(arr([1, 2, 3, 4, 6])).tolist() == [True, False, False, False, True]
     assert len(s) == 2
-
-
-def test_array_helpers():
-    fps, present = resolve([(np.array([3, 1, 3], dtype=np.uint64), [1, 9]), ([9, 4], [])])
-    assert fps.tolist() == [1, 3, 4, 9] and present.tolist() == [False, True, True, True]
-    delta, state = overlay(
-        arr([2, 4, 6]), np.array([True, False, True]), arr([1, 4, 7]), np.array([False] * 3)
-    )
-    assert delta.tolist() == [1, 2, 4, 6, 7] and state.tolist() == [False, True, False, True, False]
-    out = apply_to(arr([2, 4, 6, 8]), arr([1, 4, 5, 8, 9]), np.array([True, False, True, True, True]))
-    assert out.tolist() == [1, 2, 5, 6, 8, 9]
 
 
 def test_bulk_writers_do_not_alias_the_callers_arrays():

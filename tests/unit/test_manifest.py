@@ -12,7 +12,7 @@ import pytest
 from s3kv.errors import CorruptManifest
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
-from s3kv.manifest.keyset import FingerprintSet, Manifest, delete_sorted, fingerprints, insert_sorted
+from s3kv.manifest.keyset import FingerprintSet, Manifest, fingerprints
 from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
@@ -61,13 +61,6 @@ def test_fingerprint_set_counts_members_exactly():
     assert len(s) == 6 == int(s.present(np.arange(10, dtype=np.uint64)).sum())
     s.merge()
     assert len(s) == len(s.array()) == 6
-
-
-def test_sorted_insert_and_delete_keep_arrays_sorted_and_unique():
-    base = fps(2, 4, 6)
-    assert insert_sorted(base, fps(5, 4, 1, 7, 5)).tolist() == [1, 2, 4, 5, 6, 7]
-    assert delete_sorted(base, fps(4, 9, 2)).tolist() == [6]
-    assert delete_sorted(base, fps(9)) is base
 
 
 def test_changes_during_a_merge_are_not_lost():
