@@ -8,7 +8,7 @@ A rank segment says so in its header (``meta["rank"]``, ``meta["ranks"]``,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -45,9 +45,12 @@ class RankTally:
     first segment that named it, so a snapshot's horizon stays before it
     (a reader starting from that snapshot reads that segment again)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: Callable[[int], Iterable[int]] | None = None) -> None:
         self._partial: dict[int, tuple[int, int, str]] = {}
         """fingerprint -> (ranks' bit mask, ranks, first segment's name)."""
+        self._held = held
+        """The ranks known to hold a chunk's shard besides what segments say
+        (gc: the rank objects its listing holds), counted as named."""
 
     def __len__(self) -> int:
         return len(self._partial)
@@ -60,6 +63,9 @@ class RankTally:
         for fp in fps:
             mask, _, first = self._partial.get(fp, (0, ranks, name))
             mask |= 1 << rank
+            for held in self._held(fp) if self._held is not None else ():
+                if held < ranks:
+                    mask |= 1 << held
             if mask == full:
                 self._partial.pop(fp, None)
                 whole.append(fp)

@@ -359,9 +359,9 @@ def test_an_object_emptied_since_it_was_listed_is_garbage_but_a_bug_is_not(caplo
         run(store.put(name, segment(key(1))))
     b = replica(store, clock, "bbbb")
     run(b.load())
-    assert skipped(b) == {"garbage": 1} and emptied in b._skipped
+    assert skipped(b) == {"garbage": 1} and emptied in b.reader.skipped
     # A ValueError from a bug is no "object shrank": it is an error, retried, then given up on.
-    assert buggy not in b._skipped and buggy in b._retry and "a bug" in caplog.text
+    assert buggy not in b.reader.skipped and buggy in b.reader.retry and "a bug" in caplog.text
     for _ in range(2):
         run(b.refresh())
-    assert b._skipped[buggy] == "failed" and skipped(b) == {"garbage": 1}
+    assert b.reader.skipped[buggy] == "failed" and skipped(b) == {"garbage": 1}
