@@ -70,8 +70,8 @@ def resolve(
         return np.insert(added, pos, removed), np.insert(np.ones(len(added), dtype=bool), pos, False)
     parts: list[np.ndarray] = []
     states: list[np.ndarray] = []
-    for added, removed in changes:
-        a, r = as_array(added), as_array(removed)
+    for adds, removes in changes:
+        a, r = as_array(adds), as_array(removes)
         parts += [a, r]
         states += [np.ones(len(a), dtype=bool), np.zeros(len(r), dtype=bool)]
     if not parts:

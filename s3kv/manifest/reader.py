@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS
@@ -197,7 +197,7 @@ class ObjectReader:
             return obj
         return None
 
-    async def segments(self, items: list[tuple[str, int | None]]) -> list[tuple[str, mf.ManifestObject]]:
+    async def segments(self, items: Sequence[tuple[str, int | None]]) -> list[tuple[str, mf.ManifestObject]]:
         """Fetch segments (name, listed size): the ones that read, in name order."""
         sem = asyncio.Semaphore(self.fetch_concurrency)
 

@@ -343,9 +343,9 @@ async def execute(
         if inv.namespaces[ns].chunks:
             continue
         objs = [o.key for o in p.namespace_objects if o.key.startswith(inv.namespaces[ns].base)]
-        bad = await delete_keys(store, objs, concurrency=concurrency, lease=lease)
-        result.failed += bad
-        if not bad:
+        undeleted = await delete_keys(store, objs, concurrency=concurrency, lease=lease)
+        result.failed += undeleted
+        if not undeleted:
             result.namespaces_removed.append(ns)
     # 4. Abandoned multipart uploads.
     for upload in p.uploads:
