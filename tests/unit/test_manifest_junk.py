@@ -335,6 +335,33 @@ def test_gc_compaction_keeps_future_stamps_out_of_its_snapshot():
     assert b.counters.totals().get("manifest_segments_loaded", 0) == 0  # the snapshot covered them
 
 
+def test_gc_compaction_prunes_snapshots_as_replicas_do():
+    """gc keeps the newest few snapshots by the replicas' rule: a junk
+    far-future one is not counted among them, and a name that is no
+    snapshot's is not gc's to delete."""
+    from s3kv.ops import gc
+    from s3kv.ops.inventory import scan
+
+    clock = [T]
+    store = MemoryStore()
+    real_history(store, clock, snapshot=False)
+    now_ms = int(clock[0] * 1000)
+    body = mf.encode(mf.ManifestObject("snapshot", meta={"horizon": "", "recent": []}))
+    real = [mp.snapshot_name(BASE, now_ms - h * mp.HOUR_MS, "w0") for h in (4, 3, 2, 1)]
+    future = mp.snapshot_name(BASE, now_ms + FUTURE_MS, "futr")
+    foreign = BASE + "snap/" + mp.stamp(now_ms - 5 * mp.HOUR_MS) + "-not a writer"
+    for name in (*real, future, foreign):
+        run(store.put(name, body))
+    inv = run(scan(store, "pfx"))
+    result = run(
+        gc.execute(store, inv, gc.plan(inv, gc.Policy(), clock[0]), lease=None, clock=lambda: clock[0])
+    )
+    assert result.snapshots_written == 1 and result.snapshots_deleted == 2
+    left = set(run(store.list_keys(BASE + "snap/")))
+    assert left - {future, foreign} == {*real[2:], *(n for n in left if "-gc" in n)}
+    assert {future, foreign} <= left and len(left) == 5
+
+
 class _FailingGets(MemoryStore):
     """GETs of the named objects raise the given error."""
 
