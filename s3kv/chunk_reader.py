@@ -40,8 +40,7 @@ from s3kv.auth import FleetKeys
 from s3kv.descriptor import ChunkPages
 from s3kv.errors import CorruptChunk, RangeNotSatisfiable, Unchecked, Unsigned
 from s3kv.keys import parse_object_key
-from s3kv.ops.inventory import HEAD_BYTES
-from s3kv.stores.base import ByteRange, GetResult, ObjectStore
+from s3kv.stores.base import HEAD_BYTES, ByteRange, GetResult, ObjectStore
 
 FrameSink = Callable[[int, np.ndarray], None]
 """Called once per layer with that layer's decoded page bytes (uint8). With

@@ -27,7 +27,7 @@ import numpy as np
 import xxhash
 
 from s3kv.errors import CorruptManifest, UnsignedManifest, UnsupportedManifestVersion
-from s3kv.manifest.keyset import EMPTY, as_sorted_unique
+from s3kv.manifest.arrays import EMPTY, as_sorted_unique
 
 if TYPE_CHECKING:
     from s3kv.auth import FleetKeys

@@ -245,9 +245,9 @@ async def _publish(
     from s3kv.errors import CorruptChunk, NotFound
     from s3kv.keys import fingerprint, object_key
     from s3kv.manifest import format as mf
-    from s3kv.manifest.keyset import as_sorted_unique
+    from s3kv.manifest.arrays import as_sorted_unique
     from s3kv.manifest.protocol import HybridClock
-    from s3kv.manifest.publish import SegmentWriter
+    from s3kv.manifest.writer import SegmentWriter
     from s3kv.stores.factory import make_store
 
     config = parse_config(info["config"])

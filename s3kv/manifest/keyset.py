@@ -30,9 +30,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from s3kv.keys import fingerprint
-
-EMPTY = np.empty(0, dtype=np.uint64)
-_NO_STATE = np.empty(0, dtype=bool)
+from s3kv.manifest.arrays import EMPTY, NO_STATE, apply_to, lookup, member, overlay, positions, resolve
 
 
 def fingerprints(keys: Sequence[bytes]) -> np.ndarray:
@@ -40,121 +38,6 @@ def fingerprints(keys: Sequence[bytes]) -> np.ndarray:
     if not keys:
         return EMPTY
     return np.frombuffer(b"".join(k[:8] for k in keys), dtype=">u8").astype(np.uint64)
-
-
-def _as_array(values: Iterable[int] | np.ndarray) -> np.ndarray:
-    if isinstance(values, np.ndarray):
-        return values.astype(np.uint64, copy=False)
-    return np.array(values if isinstance(values, (list, tuple)) else list(values), dtype=np.uint64)
-
-
-def as_sorted_unique(values: Iterable[int] | np.ndarray) -> np.ndarray:
-    arr = _as_array(values)
-    if len(arr) < 2 or (arr[1:] > arr[:-1]).all():  # already so (a snapshot): O(n), no sort
-        return arr
-    return np.unique(arr)
-
-
-def _positions(base: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where ``values`` (sorted, unique) go in ``base``, and which are there."""
-    pos = np.searchsorted(base, values)
-    found = np.zeros(len(values), dtype=bool)
-    inside = pos < len(base)
-    found[inside] = base[pos[inside]] == values[inside]
-    return pos, found
-
-
-def insert_sorted(base: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``base`` with ``values`` added, still sorted and unique: one O(n) copy,
-    not a sort of millions of keys."""
-    values = np.unique(values)
-    pos, found = _positions(base, values)
-    return np.insert(base, pos[~found], values[~found])
-
-
-def delete_sorted(base: np.ndarray, values: np.ndarray) -> np.ndarray:
-    values = np.unique(values)
-    pos, found = _positions(base, values)
-    return np.delete(base, pos[found]) if found.any() else base
-
-
-def resolve(
-    changes: Sequence[tuple[np.ndarray | Iterable[int], np.ndarray | Iterable[int]]],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Bulk changes as one ``(fingerprints, present)`` pair, the fingerprints
-    sorted and unique: what applying ``changes`` in order leaves, each
-    ``(added, removed)`` adding, then removing; a later operation on a
-    fingerprint beats an earlier one. New arrays, never the inputs."""
-    if len(changes) == 1:
-        added, removed = as_sorted_unique(changes[0][0]), as_sorted_unique(changes[0][1])
-        if not len(removed):
-            return (added.copy() if added is changes[0][0] else added), np.ones(len(added), dtype=bool)
-        if not len(added):
-            return (removed.copy() if removed is changes[0][1] else removed), np.zeros(
-                len(removed), dtype=bool
-            )
-        added = added[~_positions(removed, added)[1]]  # the removal comes second: it wins
-        pos = np.searchsorted(added, removed)
-        return np.insert(added, pos, removed), np.insert(np.ones(len(added), dtype=bool), pos, False)
-    parts: list[np.ndarray] = []
-    states: list[np.ndarray] = []
-    for added, removed in changes:
-        a, r = _as_array(added), _as_array(removed)
-        parts += [a, r]
-        states += [np.ones(len(a), dtype=bool), np.zeros(len(r), dtype=bool)]
-    if not parts:
-        return EMPTY, _NO_STATE
-    # Reversed, the first occurrence of a fingerprint is its last operation.
-    fps, first = np.unique(np.concatenate(parts)[::-1], return_index=True)
-    return fps, np.concatenate(states)[::-1][first]
-
-
-def overlay(
-    delta: np.ndarray, state: np.ndarray, fps: np.ndarray, present: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(delta, state)`` with ``(fps, present)`` (sorted, unique) laid over
-    it: where both name a fingerprint, ``present`` wins. New arrays; the
-    inputs are never written to (readers may hold them)."""
-    if not len(delta):
-        return fps, present
-    if not len(fps):
-        return delta, state
-    pos, found = _positions(delta, fps)
-    state = state.copy()
-    state[pos[found]] = present[found]
-    new = ~found
-    if not np.count_nonzero(new):
-        return delta, state
-    return np.insert(delta, pos[new], fps[new]), np.insert(state, pos[new], present[new])
-
-
-def _member(arr: np.ndarray, fps: np.ndarray) -> np.ndarray:
-    """Which of ``fps`` are in ``arr`` (sorted, unique)."""
-    return _lookup(arr, fps)[1] if len(arr) else np.zeros(len(fps), dtype=bool)
-
-
-def apply_to(base: np.ndarray, fps: np.ndarray, present: np.ndarray) -> np.ndarray:
-    """``base`` (sorted, unique) with ``fps[present]`` in it and ``fps[~present]``
-    not: one search of ``fps`` through ``base``, at most two O(n) copies."""
-    if not len(fps):
-        return base
-    pos, found = _positions(base, fps)
-    drop, add = found & ~present, ~found & present
-    out = np.delete(base, pos[drop]) if drop.any() else base
-    if add.any():
-        at = pos[add]
-        # Each deletion before an insertion point moves it one place down.
-        out = np.insert(out, at - np.searchsorted(pos[drop], at), fps[add])
-    return out
-
-
-def _lookup(arr: np.ndarray, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where each of ``fps`` (any order) would be in ``arr`` (sorted, not
-    empty), and which are there. Method calls and ``take(mode="clip")``, not
-    ``np.searchsorted`` and ``np.minimum``: the hot path pays numpy's call
-    overhead per call, which at 32 keys is most of the cost."""
-    idx = arr.searchsorted(fps)
-    return idx, arr.take(idx, mode="clip") == fps
 
 
 def _set_array(s: set[int]) -> np.ndarray:
@@ -173,9 +56,9 @@ class _View(NamedTuple):
 
     def present(self, fps: np.ndarray) -> np.ndarray:
         base, delta, state = self
-        hit = _member(base, fps)
+        hit = member(base, fps)
         if len(delta):
-            idx, found = _lookup(delta, fps)
+            idx, found = lookup(delta, fps)
             if np.count_nonzero(found):
                 hit[found] = state[idx[found]]
         return hit
@@ -195,7 +78,7 @@ class FingerprintSet:
 
     def __init__(self, merge_at: int = 1 << 16) -> None:
         self.merge_at = merge_at
-        self._view = _View(EMPTY, EMPTY, _NO_STATE)
+        self._view = _View(EMPTY, EMPTY, NO_STATE)
         self._added: set[int] = set()
         self._removed: set[int] = set()
         """Single changes, each newer than the delta's and the base's word on
@@ -336,7 +219,7 @@ class FingerprintSet:
         if not members:
             return np.empty(0, dtype=np.intp), set()
         arr = _set_array(members)
-        pos, found = _positions(fps, arr)
+        pos, found = positions(fps, arr)
         if not np.count_nonzero(found):
             return np.empty(0, dtype=np.intp), set()
         return pos[found], set(arr[found].tolist())
@@ -348,7 +231,7 @@ class FingerprintSet:
             view = self._view
             n = len(base)
             if len(view.delta):
-                in_base = _member(base, view.delta)
+                in_base = member(base, view.delta)
                 n += int(np.count_nonzero(view.state & ~in_base)) - int(
                     np.count_nonzero(~view.state & in_base)
                 )
@@ -377,13 +260,11 @@ class FingerprintSet:
             if not (added or removed or len(view.delta)):
                 return
             ops = (
-                resolve([(_set_array(added), _set_array(removed))])
-                if added or removed
-                else (EMPTY, _NO_STATE)
+                resolve([(_set_array(added), _set_array(removed))]) if added or removed else (EMPTY, NO_STATE)
             )
             base = apply_to(view.base, *overlay(view.delta, view.state, *ops))
             with self._lock:
-                self._view = _View(base, EMPTY, _NO_STATE)
+                self._view = _View(base, EMPTY, NO_STATE)
                 # What changed while merging stays in the sets: values tell
                 # the merged members from the newer ones (only single
                 # writers ran meanwhile, and each leaves an fp in one set).
@@ -397,8 +278,9 @@ class Manifest:
 
     def __init__(self, merge_at: int = 1 << 16) -> None:
         self.fps = FingerprintSet(merge_at)
-        self.journal: Journal | None = None
-        """Told of this replica's own additions and uses, to publish them."""
+        self.sync: Sync | None = None
+        """Told of this replica's own additions, uses and bad objects, to
+        publish them to the fleet (a :class:`~s3kv.manifest.sync.ManifestSync`)."""
         self.bad: set[int] = set()
         """Fingerprints of chunks some replica found corrupt in S3 and could
         not delete: a store that finds such an object there (a 412) must not
@@ -427,8 +309,8 @@ class Manifest:
         of it, from here unless ``publish`` is False (its workers published it)."""
         fp = fingerprint(key)
         self.fps.add(fp)
-        if publish and self.journal is not None:
-            self.journal.stored(fp)
+        if publish and self.sync is not None:
+            self.sync.stored(fp)
 
     def update(self, keys: Iterable[bytes]) -> None:
         for key in keys:
@@ -447,16 +329,18 @@ class Manifest:
         fp = fingerprint(key)
         self.bad.add(fp)
         self.fps.discard(fp)
-        if self.journal is not None:
-            self.journal.bad(fp, name, etag)
+        if self.sync is not None:
+            self.sync.bad(fp, name, etag)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """These chunks were used: recorded for gc's least-recently-used policy."""
-        if self.journal is not None and keys:
-            self.journal.used(fingerprints(keys))
+        if self.sync is not None and keys:
+            self.sync.used(fingerprints(keys))
 
 
-class Journal(Protocol):
+class Sync(Protocol):
+    """What :class:`Manifest` tells of this replica's own changes (:attr:`Manifest.sync`)."""
+
     def stored(self, fp: int) -> None: ...
 
     def used(self, fps: np.ndarray) -> None: ...

@@ -11,7 +11,7 @@ more on the worker's shutdown path (bounded by ``shutdown_flush_s``).
 Each rank publishes its own shards. With one rank (TP 1) a rank segment is
 an ordinary segment. With several, it says so in its header
 (``meta["rank"]``, ``meta["ranks"]``) and readers count a chunk only once
-every rank's segment has named it (:class:`RankTally`): a chunk is usable
+every rank's segment has named it (:class:`~s3kv.manifest.ranks.RankTally`): a chunk is usable
 only when every rank's shard is there.
 
 Stamps follow the manifest's hybrid clock
@@ -26,87 +26,22 @@ replica (:func:`~s3kv.manifest.protocol.replica_of`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-
-import numpy as np
+from collections.abc import Callable
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS
-from s3kv.errors import AlreadyExists, CorruptManifest
 from s3kv.manifest import format as mf
+from s3kv.manifest.arrays import as_sorted_unique
 from s3kv.manifest.journal import RankJournal
-from s3kv.manifest.keyset import as_sorted_unique
-from s3kv.manifest.protocol import HybridClock, rank_writer, segment_name
+from s3kv.manifest.protocol import HybridClock, rank_writer
+from s3kv.manifest.writer import SegmentWriter
 from s3kv.stats import Counters
-from s3kv.stores.base import ObjectStore, PutMode
+from s3kv.stores.base import ObjectStore
 
 log = logging.getLogger("s3kv.manifest")
-
-REPUBLISH_MAX = 2
-"""Times a segment is published again after a slow PUT, at most."""
-MAX_RANKS = 64
-"""A rank segment naming more ranks than this is garbage."""
-PARTIAL_TTL_MS = 15 * 60 * 1000
-"""A chunk some ranks published but the others never did after this long
-is forgotten (a rank's PUT failed: the chunk is not whole)."""
-
-
-class SegmentWriter:
-    """Writes segments under one writer id: stamps from ``next_ts`` (the
-    owner's hybrid clock), create-only PUTs, and publishing again under a
-    fresh stamp when a PUT was so slow that readers' floors may have passed
-    it."""
-
-    def __init__(
-        self,
-        store: ObjectStore,
-        base: str,
-        writer: str,
-        next_ts: Callable[[], int],
-        *,
-        keys: FleetKeys | None = None,
-        skew_s: float = DEFAULTS.manifest_clock_skew_s,
-        clock: Callable[[], float] = time.time,
-        counters: Counters | None = None,
-    ) -> None:
-        self.store = store
-        self.base = base
-        self.writer = writer
-        self.keys = keys
-        self._next_ts = next_ts
-        self._skew_s = skew_s
-        self._clock = clock
-        self.counters = counters or Counters()
-        self._seq = 0
-
-    def next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    async def put(self, segment: mf.ManifestObject) -> list[tuple[str, int]]:
-        """Write ``segment``; returns the (name, stamp) of each copy written."""
-        body = mf.encode(segment, self.keys)
-        written: list[tuple[str, int]] = []
-        for _ in range(1 + REPUBLISH_MAX):
-            ts = self._next_ts()
-            name = segment_name(self.base, ts, self.writer, self.next_seq(), directory=self.store.directory)
-            with contextlib.suppress(AlreadyExists):  # names are ours alone: a retried PUT
-                await self.store.put(name, body, mode=PutMode.CREATE)
-            written.append((name, ts))
-            self.counters.add("manifest_segments_published")
-            # A PUT slower than half the margin may land behind other readers'
-            # floors: publish the same keys again under a fresh stamp (a
-            # couple of times at most: S3 that slow delays every replica).
-            if self._clock() * 1000 - ts <= self._skew_s * 500:
-                return written
-        log.warning(
-            "s3kv: manifest segment PUTs keep taking over %.0f s; not publishing it again", self._skew_s / 2
-        )
-        return written
 
 
 class ShardPublisher:
@@ -227,64 +162,3 @@ class ShardPublisher:
             except Exception as e:
                 self.counters.add("manifest_errors")
                 log.warning("s3kv: publishing rank %d's stores failed (%s); trying again", self.rank, e)
-
-
-def rank_fields(meta: dict[str, object]) -> tuple[int, int] | None:
-    """A rank segment's (rank, ranks) when it has more than one rank; None
-    for an ordinary segment. Raises CorruptManifest for nonsense."""
-    if "ranks" not in meta and "rank" not in meta:
-        return None
-    rank, ranks = meta.get("rank"), meta.get("ranks")
-    if (
-        not isinstance(rank, int)
-        or not isinstance(ranks, int)
-        or isinstance(rank, bool)
-        or isinstance(ranks, bool)
-        or not 0 <= rank < ranks <= MAX_RANKS
-    ):
-        raise CorruptManifest(f"rank segment with rank {rank!r} of {ranks!r}")
-    return (rank, ranks) if ranks > 1 else None
-
-
-class RankTally:
-    """Chunks named by some ranks' segments but not yet by all: a chunk
-    becomes live once every rank has named it. Remembers, per chunk, the
-    first segment that named it, so a snapshot's horizon stays before it
-    (a reader starting from that snapshot reads that segment again)."""
-
-    def __init__(self) -> None:
-        self._partial: dict[int, tuple[int, int, str]] = {}
-        """fingerprint -> (ranks' bit mask, ranks, first segment's name)."""
-
-    def __len__(self) -> int:
-        return len(self._partial)
-
-    def add(self, name: str, rank: int, ranks: int, fps: Iterable[int]) -> np.ndarray:
-        """Segment ``name`` of ``rank`` (of ``ranks``) named ``fps``: the
-        fingerprints that are now whole."""
-        full = (1 << ranks) - 1
-        whole: list[int] = []
-        for fp in fps:
-            mask, _, first = self._partial.get(fp, (0, ranks, name))
-            mask |= 1 << rank
-            if mask == full:
-                self._partial.pop(fp, None)
-                whole.append(fp)
-            else:
-                self._partial[fp] = (mask, ranks, min(first, name))
-        return as_sorted_unique(whole)
-
-    def discard(self, fps: Iterable[int]) -> None:
-        for fp in fps:
-            self._partial.pop(fp, None)
-
-    def oldest(self) -> str | None:
-        """The name of the oldest segment a partial chunk depends on."""
-        return min((first for _, _, first in self._partial.values()), default=None)
-
-    def expire(self, before: str) -> int:
-        """Forget chunks whose first segment sorts before ``before``."""
-        old = [fp for fp, (_, _, first) in self._partial.items() if first < before]
-        for fp in old:
-            del self._partial[fp]
-        return len(old)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from s3kv.errors import AlreadyExists, S3KVError
 from s3kv.keys import fingerprint
 from s3kv.manifest import format as mf
-from s3kv.manifest.keyset import as_sorted_unique
+from s3kv.manifest.arrays import as_sorted_unique
 from s3kv.manifest.listing import SegmentLister
 from s3kv.manifest.protocol import Stamps, segment_name
 from s3kv.stores.base import ObjectStore, PutMode

@@ -21,8 +21,7 @@ from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import ChunkReader, check_bounds, ops_reader
 from s3kv.descriptor import ChunkPages
 from s3kv.errors import CorruptChunk, Precondition, RangeNotSatisfiable, Unsigned
-from s3kv.ops.inventory import HEAD_BYTES
-from s3kv.stores.base import ByteRange, ObjectStore
+from s3kv.stores.base import HEAD_BYTES, ByteRange, ObjectStore
 from s3kv.tiering.chunks import plan_ranges
 
 RANGE_BYTES = 8 << 20

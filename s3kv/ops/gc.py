@@ -17,14 +17,18 @@ that, whatever selected it. A chunk is deleted whole (every rank's object).
 2. DeleteObjects in batches of 1000, a bounded number at once;
 3. a retired namespace with no chunk left loses its manifest and descriptor;
 4. incomplete multipart uploads older than a bound are aborted;
-5. compaction: a snapshot of the namespace's live keys (the listing is the
-   truth, plus keys in segments written since the listing began), then the
-   segments it covers that are older than ``segment_min_age_s`` are deleted,
-   snapshots beyond the newest few pruned, and each closed hour's access
-   records merged into one object (keeping only live keys). A segment or
-   snapshot it needs that gc cannot read (a 403, a 503, or larger than the
-   replicas' ``manifest_max_bytes``, past which gc reads no manifest object)
-   skips that namespace's compaction this run; the others go on.
+5. compaction (:mod:`s3kv.ops.compaction`): a snapshot of the namespace's
+   live keys (the listing is the truth, plus keys in segments written since
+   the listing began), then the segments it covers that are older than
+   ``segment_min_age_s`` are deleted, snapshots beyond the newest few
+   pruned, and each closed hour's access records merged into one object
+   (keeping only live keys). A segment or snapshot it needs that gc cannot
+   read (a 403, a 503, or larger than the replicas' ``manifest_max_bytes``,
+   past which gc reads no manifest object) skips that namespace's
+   compaction this run; the others go on.
+
+Before all that, the chunk objects replicas reported bad and that are still
+bad (:mod:`s3kv.ops.reported`) are deleted.
 
 A replica that loads a chunk between the listing and the tombstone reaching
 it gets a load error and recomputes: the cache is a hint, never a source of
@@ -33,61 +37,26 @@ wrong tokens.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS
-from s3kv.descriptor import ChunkPages
-from s3kv.errors import (
-    CorruptChunk,
-    CorruptManifest,
-    NotFound,
-    PermissionDenied,
-    Precondition,
-    S3KVError,
-    TooLarge,
-    Transient,
-    UnsignedManifest,
-    UnsignedWrite,
-    UnsupportedFormat,
-)
-from s3kv.keys import fingerprint, parse_object_key
-from s3kv.manifest import format as mf
-from s3kv.manifest.keyset import as_sorted_unique
-from s3kv.manifest.protocol import (
-    SEGMENTS,
-    Horizon,
-    Stamps,
-    access_hour,
-    access_name,
-    gc_writer_id,
-    is_segment,
-    name_ts,
-    record_hour,
-    snapshot_name,
-)
-from s3kv.manifest.publish import RankTally, rank_fields
+from s3kv.errors import S3KVError, UnsignedWrite
+from s3kv.manifest.protocol import gc_writer_id
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
-from s3kv.ops.chunks import check_object
-from s3kv.ops.inventory import (
-    Chunk,
-    Inventory,
-    NamespaceInfo,
-    manifest_signed,
-    read_manifest,
-    read_manifest_head,
-)
+from s3kv.ops import compaction
+from s3kv.ops.inventory import Chunk, Inventory, NamespaceInfo, manifest_signed
 from s3kv.ops.lock import Lease
-from s3kv.stores.base import ObjectMeta, ObjectStore, PutMode, Upload
+from s3kv.ops.reported import BadFound, BadObject, delete_bad, find_bad
+from s3kv.stores.base import ObjectMeta, ObjectStore, Upload
+
+__all__ = ["BadFound", "BadObject", "Plan", "Policy", "Result", "execute", "find_bad", "monthly_cost", "plan"]
 
 DEFAULT_PRICE_PER_GIB_MONTH = 0.023
 """S3 Standard, us-east-1, first 50 TB (USD per GiB-month)."""
-SNAPSHOTS_KEPT = 3
 
 
 @dataclass(frozen=True)
@@ -282,6 +251,19 @@ class Result:
     """Access records not merged this run, left as they are: gc may not read
     one, reading it failed, or it is larger than ``manifest_max_bytes``."""
 
+    def add(self, done: compaction.Compacted) -> None:
+        """Count what a namespace's compaction did."""
+        self.snapshots_written += done.snapshots_written
+        self.segments_deleted += done.segments_deleted
+        self.snapshots_deleted += done.snapshots_deleted
+        self.access_merged += done.access_merged
+        self.access_skipped += done.access_skipped
+        self.orphans_published += done.orphans_published
+        self.orphans_refused += done.orphans_refused
+        self.orphans_skipped += done.orphans_skipped
+        self.unsigned += done.unsigned
+        self.failed += done.failed
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "deleted": self.deleted,
@@ -304,113 +286,6 @@ class Result:
 
 
 Progress = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class BadObject:
-    """A chunk object a replica reported bad, that gc found corrupt too."""
-
-    ns: str
-    key: bytes
-    name: str
-    etag: str | None
-    """The ETag gc read: it deletes only that version."""
-    reason: str
-
-
-@dataclass
-class BadFound:
-    """What gc made of the chunk objects replicas reported bad."""
-
-    objects: list[BadObject] = field(default_factory=list)
-    """Those still there that still fail to verify."""
-    skipped: int = 0
-    """Those gc did not judge this run: it may not read one (a 403: another
-    KMS key, a bucket policy) or reading it failed (a 503). Judged again the
-    next run."""
-    segments_skipped: int = 0
-    """Segments whose reports gc did not read this run, so (a 403, a 503), or
-    larger than ``manifest_max_bytes``."""
-
-
-async def find_bad(
-    store: ObjectStore,
-    inv: Inventory,
-    *,
-    keys: FleetKeys | None = None,
-    concurrency: int = 8,
-    manifest_max_bytes: int = DEFAULTS.manifest_max_bytes,
-) -> BadFound:
-    """The chunk objects replicas reported bad (in their segments' ``bad``
-    lists) that are still there and still fail to verify; an object that
-    reads well now (stored again since, or named by a bogus record) is not
-    bad. One gc may not read, or that fails to read, is skipped and counted:
-    it does not stop the run. Reads only."""
-    named: dict[str, str] = {}
-    out = BadFound()
-    for ns, info in inv.namespaces.items():
-        for m in info.segments:
-            try:
-                meta = (await read_manifest_head(store, m, keys, manifest_max_bytes))[3]
-            except (NotFound, CorruptManifest):
-                continue
-            except (PermissionDenied, Transient, TooLarge) as e:
-                if isinstance(e, PermissionDenied) and e.credentials:
-                    raise  # S3 refuses gc itself, not this object
-                out.segments_skipped += 1
-                continue
-            for entry in meta.get("bad") or ():
-                if isinstance(entry, list) and entry and isinstance(entry[0], str):
-                    name = entry[0]
-                    parsed = parse_object_key(name)
-                    if name.startswith(info.base) and parsed is not None and parsed[0] == ns:
-                        named[name] = ns
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(name: str, ns: str) -> BadObject | None:
-        key = parse_object_key(name)[1]  # type: ignore[index]
-        async with sem:
-            try:
-                # The head first (most bad objects fail there: forged,
-                # unsigned, torn, misnamed), then the frames a range at a
-                # time, no more than the descriptor's pages.
-                await check_object(store, name, _pages(inv.namespaces[ns]), keys, sound_first=False)
-            except (NotFound, Precondition):
-                return None  # gone, or stored again while read
-            except UnsupportedFormat:
-                return None  # a newer s3kv's object, or one not decoded: never deleted
-            except CorruptChunk as e:
-                return BadObject(ns, key, name, e.etag, str(e))
-            except (PermissionDenied, Transient) as e:
-                if isinstance(e, PermissionDenied) and e.credentials:
-                    raise  # S3 refuses gc itself, not this object
-                out.skipped += 1
-        return None
-
-    found = await asyncio.gather(*(one(n, ns) for n, ns in sorted(named.items())))
-    out.objects = [b for b in found if b is not None]
-    return out
-
-
-async def delete_bad(store: ObjectStore, inv: Inventory, bad: Iterable[BadObject], result: Result) -> None:
-    """Delete bad objects, each only if it is still the version gc read
-    (If-Match); then a replica may store the chunk again."""
-    for b in bad:
-        try:
-            if b.etag is None:
-                raise NotImplementedError("no ETag")
-            await store.delete_if(b.name, b.etag)
-        except (NotFound, Precondition):
-            continue  # gone, or rewritten since gc read it
-        except (S3KVError, NotImplementedError):
-            result.failed.append(b.name)
-            continue
-        result.bad_deleted += 1
-        chunk = inv.namespaces[b.ns].chunks.get(b.key)
-        if chunk is not None:
-            chunk.objects = [o for o in chunk.objects if o.key != b.name]
-            if not chunk.objects:
-                del inv.namespaces[b.ns].chunks[b.key]
 
 
 async def execute(
@@ -438,7 +313,7 @@ async def execute(
                     "must be signed too: give gc the fleet secret (S3KV_AUTH_KEY or --auth-key-file)"
                 )
     # 0. Bad objects replicas could not delete (their keys are tombstoned already).
-    await delete_bad(store, inv, bad, result)
+    result.bad_deleted, result.failed = await delete_bad(store, inv, bad)
     stamps = {ns: inv.namespaces[ns].stamps(writer, skew_s=p.policy.skew_s, clock=clock) for ns in p.scope}
     by_ns: dict[str, list[Deletion]] = {}
     for d in p.deletions:
@@ -468,9 +343,9 @@ async def execute(
         if inv.namespaces[ns].chunks:
             continue
         objs = [o.key for o in p.namespace_objects if o.key.startswith(inv.namespaces[ns].base)]
-        bad = await delete_keys(store, objs, concurrency=concurrency, lease=lease)
-        result.failed += bad
-        if not bad:
+        undeleted = await delete_keys(store, objs, concurrency=concurrency, lease=lease)
+        result.failed += undeleted
+        if not undeleted:
             result.namespaces_removed.append(ns)
     # 4. Abandoned multipart uploads.
     for upload in p.uploads:
@@ -483,309 +358,29 @@ async def execute(
             result.failed.append(upload.key)
     # 5. Compaction.
     if p.policy.compact:
+        settings = compaction.Settings(
+            p.policy.skew_s, p.policy.manifest_max_bytes, p.policy.segment_min_age_s, concurrency, keys
+        )
         for ns in p.scope:
             if ns in p.retired:
                 continue
             if lease is not None:
                 lease.check()
+            done = compaction.Compacted()
             try:
-                await compact(
-                    store, inv, inv.namespaces[ns], p, stamps[ns], result, concurrency, clock, lease, keys
+                await compaction.compact(
+                    store,
+                    inv.namespaces[ns],
+                    stamps[ns],
+                    settings,
+                    done,
+                    since_s=inv.started_at,
+                    changed=ns in result.deleted,
+                    clock=clock,
+                    lease=lease,
                 )
-            except _Unread as e:
+            except compaction.Unread as e:
                 result.compactions_skipped[ns] = str(e)
+            finally:
+                result.add(done)
     return result
-
-
-def _whole(
-    tally: RankTally, name: str, ranks: tuple[int, int], fps: list[int], by_fp: dict[int, Chunk]
-) -> list[int]:
-    """The fingerprints of a rank segment that are whole, counting the
-    ranks whose objects the listing holds as named too."""
-    for fp in fps:
-        chunk = by_fp.get(fp)
-        for o in chunk.objects if chunk is not None else ():
-            parsed = parse_object_key(o.key)
-            if parsed is not None and parsed[2] < ranks[1]:
-                tally.add("", parsed[2], ranks[1], [fp])
-    return tally.add(name, *ranks, fps).tolist()
-
-
-def _pages(info: NamespaceInfo) -> ChunkPages | None:
-    """The pages the namespace's descriptor names, if it does."""
-    return info.described.pages if info.described is not None else None
-
-
-def _complete(chunk: Chunk, tp: int | None) -> bool:
-    """Whether every rank's object of ``chunk`` is listed (``.r0`` to
-    ``.r{tp-1}``); with the TP size unknown, any chunk may be."""
-    if tp is None:
-        return True
-    ranks = {parsed[2] for o in chunk.objects if (parsed := parse_object_key(o.key)) is not None}
-    return ranks.issuperset(range(tp))
-
-
-class _Unread(Exception):
-    """A segment or snapshot a namespace's compaction needs, unread: the
-    compaction stops (:attr:`Result.compactions_skipped`), the run goes on."""
-
-
-@contextlib.contextmanager
-def _needed(name: str) -> Iterator[None]:
-    """Reading manifest object ``name``, which the compaction needs: one gc
-    may not read (a 403) or that failed to read (a 503) raises
-    :class:`_Unread` (another role, or a later try, may read it: a snapshot
-    without it could lose its keys); a 403 that refuses gc's own credentials
-    stops the run. One larger than ``manifest_max_bytes`` is corrupt to the
-    compaction, as to every replica (they skip it unread): a junk object
-    under a segment's name cannot stop a namespace's compaction."""
-    try:
-        yield
-    except TooLarge as e:
-        raise CorruptManifest(str(e) if name in str(e) else f"{name}: {e}") from e
-    except (PermissionDenied, Transient) as e:
-        if isinstance(e, PermissionDenied) and e.credentials:
-            raise  # S3 refuses gc itself, not this object
-        raise _Unread(str(e) if name in str(e) else f"{name}: {e}") from e
-
-
-async def _orphans(
-    store: ObjectStore,
-    info: NamespaceInfo,
-    listed: dict[int, Chunk],
-    snapshot: ObjectMeta | None,
-    new: list[ObjectMeta],
-    segment: Callable[[ObjectMeta], Awaitable[mf.ManifestObject]],
-    keys: FleetKeys | None,
-    concurrency: int,
-    max_bytes: int,
-) -> dict[int, bool | None]:
-    """Complete chunks in the listing that neither the newest snapshot nor a
-    segment after it names (a replica killed before it published them), and
-    whether every rank's object verifies (header, frames and, with the fleet
-    secret, MAC): gc's compaction adds those that do, so a bucket filled by
-    replicas that died never stays invisible. None for a chunk not judged
-    this run: one of its objects gc may not read (a 403: another KMS key, a
-    bucket policy), that failed to read (a 503), changed while read, or that
-    it does not decode (:class:`~s3kv.errors.Unchecked`); or every chunk of
-    a namespace whose descriptor does not say its TP size, so that no chunk
-    is taken for whole without every rank's object."""
-    named: set[int] = set()
-    if snapshot is not None:
-        # None that reads: every chunk is checked; one unread: no compaction.
-        with _needed(snapshot.key), contextlib.suppress(NotFound, CorruptManifest):
-            named.update((await read_manifest(store, snapshot, keys, max_bytes)).added.tolist())
-    for m in new:
-        try:
-            named.update((await segment(m)).added.tolist())
-        except (NotFound, CorruptManifest):
-            continue
-    todo = {fp: c for fp, c in listed.items() if fp not in named}
-    tp, pages = info.tp_size, _pages(info)
-    sem = asyncio.Semaphore(concurrency)
-
-    async def sound(chunk: Chunk) -> bool | None:
-        if tp is None:
-            return None
-        by_rank = {p[2]: o for o in chunk.objects if (p := parse_object_key(o.key)) is not None}
-        for rank in range(tp):
-            async with sem:
-                try:
-                    await check_object(store, by_rank[rank].key, pages, keys, sound_first=False)
-                except NotFound:
-                    return False
-                except (UnsupportedFormat, PermissionDenied, Transient, Precondition) as e:
-                    if isinstance(e, PermissionDenied) and e.credentials:
-                        raise  # S3 refuses gc itself, not this object
-                    return None
-                except CorruptChunk:
-                    return False
-        return True
-
-    oks = await asyncio.gather(*(sound(c) for c in todo.values()))
-    return dict(zip(todo, oks))
-
-
-async def compact(
-    store: ObjectStore,
-    inv: Inventory,
-    info: NamespaceInfo,
-    p: Plan,
-    stamps: Stamps,
-    result: Result,
-    concurrency: int,
-    clock: Callable[[], float],
-    lease: Lease | None = None,
-    keys: FleetKeys | None = None,
-) -> None:
-    """Compact one namespace's manifest (step 5 of :func:`execute`). A
-    segment or snapshot it needs that it cannot read raises :class:`_Unread`:
-    one the new snapshot needs, before it is written; the snapshot under
-    which segments are pruned, before anything is."""
-    now_ms = int(clock() * 1000)
-    skew_ms = int(p.policy.skew_s * 1000)
-    max_bytes = p.policy.manifest_max_bytes
-    # Segments by name, none stamped in the future: the newest becomes the
-    # new snapshot's horizon, and replicas refuse a horizon in the future
-    # (and read every segment after one that names no segment).
-    segments = sorted(
-        [
-            m
-            async for m in store.list(info.manifest_base + SEGMENTS)
-            if is_segment(info.manifest_base, m.key, directory=store.directory)
-            and not stamps.in_future(m.key)
-        ],
-        key=lambda m: m.key,
-    )
-    stamps.seen(m.key for m in segments)
-    snapshots = sorted(info.snapshots, key=lambda m: m.key)
-
-    async def head(m: ObjectMeta) -> dict[str, Any] | None:
-        try:
-            with _needed(m.key):
-                return (await read_manifest_head(store, m, keys, max_bytes))[3]
-        except PermissionDenied:
-            raise  # refused for gc's own credentials (_needed let it through)
-        except S3KVError:  # gone, corrupt or oversized, of a newer format: no horizon
-            return None
-
-    newest = await head(snapshots[-1]) if snapshots else None
-    covered = Horizon.of(newest or {})
-    new = [m for m in segments if not covered.covers(m.key)]
-    listed = {fingerprint(k): c for k, c in info.chunks.items() if _complete(c, info.tp_size)}
-    reads: dict[str, mf.ManifestObject | S3KVError] = {}
-
-    async def segment(m: ObjectMeta) -> mf.ManifestObject:
-        """A segment, read once a compaction (the orphan check and the live
-        set both need the recent ones); raises as decoding it did."""
-        if m.key not in reads:
-            try:
-                with _needed(m.key):
-                    reads[m.key] = await read_manifest(store, m, keys, max_bytes)
-            except (NotFound, CorruptManifest) as e:
-                reads[m.key] = e
-        got = reads[m.key]
-        if isinstance(got, S3KVError):
-            raise got
-        return got
-
-    orphans = await _orphans(
-        store, info, listed, snapshots[-1] if snapshots else None, new, segment, keys, concurrency, max_bytes
-    )
-    live: set[int] | None = None
-    if new or info.id in result.deleted or any(orphans.values()):
-        # The live keys: the listing (chunks with every rank; those no
-        # manifest object named only if they verify), less what was deleted,
-        # plus keys in segments written since the listing began (their
-        # objects may have been stored after it), in name order.
-        live = set(listed) - {fp for fp, ok in orphans.items() if ok is not True}
-        since = min(int(inv.started_at * 1000), stamps.max_listed) - skew_ms
-        tally, by_fp = RankTally(), {fingerprint(k): c for k, c in info.chunks.items()}
-        for m in [m for m in segments if (name_ts(m.key) or 0) >= since]:
-            try:
-                obj = await segment(m)
-                ranks = rank_fields(obj.meta)
-            except UnsignedManifest:
-                result.unsigned.append(m.key)
-                continue
-            except (NotFound, CorruptManifest):
-                continue
-            added = obj.added.tolist()
-            if ranks is not None:  # whole once every rank is named here or listed
-                added = _whole(tally, m.key, ranks, added, by_fp)
-            live.update(added)
-            live.difference_update(obj.removed.tolist())
-    # Every segment and snapshot it needs read: counted, then written.
-    result.orphans_refused += sum(ok is False for ok in orphans.values())
-    result.orphans_skipped += sum(ok is None for ok in orphans.values())
-    if live is not None:
-        result.orphans_published += sum(ok is True for ok in orphans.values())
-        horizon = Horizon.over((m.key for m in segments), skew_ms)  # up to the newest segment
-        meta = {**horizon.meta(), "writer": stamps.writer, "by": "gc"}
-        body = mf.encode(mf.ManifestObject("snapshot", as_sorted_unique(list(live)), meta=meta), keys)
-        name = snapshot_name(info.manifest_base, stamps.next(now_ms), stamps.writer)
-        await store.put(name, body, mode=PutMode.CREATE)
-        result.snapshots_written += 1
-        snapshots.append(ObjectMeta(name, len(body), now_ms / 1000))
-    # Segments are dropped only under a snapshot that is itself older than
-    # segment_min_age (and that reads whole): a replica that started loading
-    # from an older snapshot, or one that fell behind, has had that long to
-    # read the segments after it.
-    min_age_ms = p.policy.segment_min_age_s * 1000
-    cover: ObjectMeta | None = None
-    for m in reversed(snapshots):
-        if now_ms - (name_ts(m.key) or now_ms) >= min_age_ms:
-            cover = m
-            break
-    old: list[str] = []
-    if cover is not None:
-        try:
-            with _needed(cover.key):
-                snap = await read_manifest(store, cover, keys, max_bytes)
-            cover_horizon = Horizon.last_of(snap.meta)
-        except (NotFound, CorruptManifest):
-            cover_horizon = ""
-        old = [
-            m.key
-            for m in segments
-            if cover_horizon and m.key <= cover_horizon and now_ms - (name_ts(m.key) or now_ms) > min_age_ms
-        ]
-    keep = {m.key for m in snapshots[-SNAPSHOTS_KEPT:]} | ({cover.key} if cover is not None else set())
-    stale_snaps = [m.key for m in snapshots if m.key not in keep and (cover is None or m.key < cover.key)]
-    if lease is not None:
-        lease.check()
-    bad = await delete_keys(store, old + stale_snaps, concurrency=concurrency, lease=lease)
-    result.failed += bad
-    result.segments_deleted += len(set(old) - set(bad))
-    result.snapshots_deleted += len(set(stale_snaps) - set(bad))
-    await _merge_access(store, info, stamps, result, now_ms, concurrency, keys, max_bytes)
-
-
-async def _merge_access(
-    store: ObjectStore,
-    info: NamespaceInfo,
-    stamps: Stamps,
-    result: Result,
-    now_ms: int,
-    concurrency: int,
-    keys: FleetKeys | None = None,
-    max_bytes: int = DEFAULTS.manifest_max_bytes,
-) -> None:
-    """One object per closed hour, holding the live keys used in it; a
-    record gc may not read, that failed to read, or larger than ``max_bytes``
-    is left as it is (counted) and merged the next run."""
-    hours: dict[str, list[ObjectMeta]] = {}
-    for m in info.access:
-        hours.setdefault(record_hour(info.manifest_base, m.key), []).append(m)
-    current = access_hour(now_ms)
-    live = {fingerprint(k) for k in info.chunks}
-    for hour, records in sorted(hours.items()):
-        if hour >= current or len(records) < 2:
-            continue
-        fps: set[int] = set()
-        unread: set[str] = set()
-        for m in records:
-            try:
-                fps.update((await read_manifest(store, m, keys, max_bytes)).added.tolist())
-            except UnsignedManifest:
-                result.unsigned.append(m.key)
-            except (NotFound, CorruptManifest):
-                pass
-            except (PermissionDenied, Transient, TooLarge) as e:
-                if isinstance(e, PermissionDenied) and e.credentials:
-                    raise  # S3 refuses gc itself, not this object
-                unread.add(m.key)
-        result.access_skipped += len(unread)
-        records = [m for m in records if m.key not in unread]
-        if not records:
-            continue
-        newest = max(name_ts(m.key) or 0 for m in records)
-        name = access_name(info.manifest_base, newest, stamps.writer, stamps.next_seq())
-        body = mf.encode(
-            mf.ManifestObject("access", as_sorted_unique(list(fps & live)), meta={"merged": len(records)}),
-            keys,
-        )
-        await store.put(name, body, mode=PutMode.CREATE)
-        bad = await delete_keys(store, [m.key for m in records], concurrency=concurrency, lease=None)
-        result.failed += bad
-        result.access_merged += len(records) - len(bad)

@@ -5,17 +5,16 @@ Listing is the truth (the manifest is a hint): :func:`scan` lists a
 prefix one level at a time with a delimiter, then every namespace's shard
 directories (``{ns}/{kk}/``) in parallel, so a bucket of millions of chunks
 is listed by many concurrent paginations instead of one. Access records
-(``manifest/access/``) are read to give each chunk its last use; manifest
-objects' heads are read to tell what they say (:func:`read_manifest_head`)
-and whether the namespace's replicas sign (:func:`manifest_signed`). No
-manifest object is read past the replicas' ``manifest_max_bytes``
-(:func:`read_manifest`), whatever it holds or claims.
+(``manifest/access/``) are read to give each chunk its last use, and
+manifest objects' prefixes to tell whether the namespace's replicas sign
+(:func:`manifest_signed`). No manifest object is read past the replicas'
+``manifest_max_bytes`` (:func:`~s3kv.ops.reads.read_manifest`), whatever it
+holds or claims.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,15 +24,13 @@ import numpy as np
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS
-from s3kv.descriptor import MAX_BYTES as DESCRIPTOR_MAX_BYTES
 from s3kv.descriptor import NAME as DESCRIPTOR
-from s3kv.descriptor import Described, parse_descriptor
+from s3kv.descriptor import ChunkPages, Described
 from s3kv.errors import (
     CorruptManifest,
     NotFound,
     PermissionDenied,
     RangeNotSatisfiable,
-    S3KVError,
     TooLarge,
     Transient,
 )
@@ -48,6 +45,7 @@ from s3kv.manifest.protocol import (
     name_ts,
     parse_name,
 )
+from s3kv.ops.reads import read_descriptor, read_manifest
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
 
 LOCK_NAME = "gc.lock"
@@ -131,6 +129,11 @@ class NamespaceInfo:
         return str(d.get("model") or fields.get("model") or fields.get("model_content") or "?")
 
     @property
+    def pages(self) -> ChunkPages | None:
+        """The pages the descriptor says a chunk holds, if it says."""
+        return self.described.pages if self.described is not None else None
+
+    @property
     def tp_size(self) -> int | None:
         """Ranks that store a shard of every chunk, by the descriptor; None: unknown."""
         return self.described.tp_size if self.described is not None else None
@@ -198,91 +201,6 @@ class Inventory:
 
 Progress = Callable[[int], None]
 """Called with how many more objects were listed."""
-
-HEAD_BYTES = 64 << 10
-
-
-async def read_head_bytes(store: ObjectStore, key: str, length_of: Callable[[bytes], int]) -> bytes:
-    """The first bytes of an object, up to the end of its header:
-    ``length_of(first bytes)`` says where that is (one ranged GET, two for
-    a header longer than 64 KiB)."""
-    data = await store.get(key, ByteRange(0, HEAD_BYTES))
-    need = length_of(data)
-    if need > len(data):
-        data += await store.get(key, ByteRange(len(data), need))
-    return data
-
-
-async def read_at_most(
-    store: ObjectStore,
-    meta: ObjectMeta,
-    most: int,
-    error: type[S3KVError] = TooLarge,
-    what: str = "manifest object",
-) -> bytes:
-    """Listed object ``meta``'s bytes, refused (``error``) unread if it was
-    listed larger than ``most``, and never more than ``most`` + 1 bytes of
-    it read, whatever it became since it was listed."""
-    if meta.size > most:
-        raise error(f"{what} is {meta.size} bytes, more than {most}")
-    try:
-        data = await store.get(meta.key, ByteRange(0, most + 1))
-    except RangeNotSatisfiable:  # empty
-        return b""
-    if len(data) > most:
-        raise error(f"{what} is more than {most} bytes")
-    return data
-
-
-async def read_manifest(
-    store: ObjectStore,
-    meta: ObjectMeta,
-    keys: FleetKeys | None = None,
-    max_bytes: int = DEFAULTS.manifest_max_bytes,
-) -> mf.ManifestObject:
-    """A listed manifest object, decoded (with ``keys``: only a signed one),
-    read as replicas read it: TooLarge, unread past ``max_bytes`` (their
-    ``manifest_max_bytes``), if it is larger."""
-    return mf.decode(await read_at_most(store, meta, max_bytes), name=meta.key, keys=keys)
-
-
-async def read_manifest_head(
-    store: ObjectStore,
-    meta: ObjectMeta,
-    keys: FleetKeys | None = None,
-    max_bytes: int = DEFAULTS.manifest_max_bytes,
-) -> tuple[str, int, int, dict[str, Any]]:
-    """A manifest object's kind, counts and header, with one or two ranged
-    GETs; with ``keys``, read whole (as :func:`read_manifest`), so that its
-    MAC is checked before the caller acts on what the header says."""
-    if keys is not None or meta.size > max_bytes:  # the latter refused unread
-        obj = await read_manifest(store, meta, keys, max_bytes)
-        return obj.kind, len(obj.added), len(obj.removed), obj.meta
-
-    def head_length(first: bytes) -> int:
-        need = mf.head_length(first)
-        if need > max_bytes:
-            raise TooLarge(f"manifest object's header is {need} bytes, more than {max_bytes}")
-        return need
-
-    return mf.decode_head(await read_head_bytes(store, meta.key, head_length), name=meta.key)
-
-
-async def read_descriptor(
-    store: ObjectStore, key: str, ns: str
-) -> tuple[dict[str, Any] | None, Described | None]:
-    """Namespace ``ns``'s descriptor ``key``, as it reads (None unless a JSON
-    object) and what it says (:func:`~s3kv.descriptor.parse_descriptor`), never reading
-    more than :data:`~s3kv.DESCRIPTOR_MAX_BYTES` of it. Gone: (None, None)."""
-    try:
-        data = await store.get(key, ByteRange(0, DESCRIPTOR_MAX_BYTES + 1))
-    except (NotFound, RangeNotSatisfiable):
-        return None, None
-    try:
-        d = json.loads(data)
-    except (ValueError, RecursionError):
-        d = None
-    return (d if isinstance(d, dict) else None), parse_descriptor(ns, data)
 
 
 async def manifest_signed(store: ObjectStore, info: NamespaceInfo, sample: int = 8) -> bool:

@@ -10,7 +10,8 @@ from typing import Any
 from s3kv import codec
 from s3kv.errors import CorruptChunk, CorruptManifest, NotFound, S3KVError
 from s3kv.manifest.protocol import Horizon, name_ts, record_hour
-from s3kv.ops.inventory import Inventory, NamespaceInfo, read_head_bytes, read_manifest_head
+from s3kv.ops.inventory import Inventory, NamespaceInfo
+from s3kv.ops.reads import read_head_bytes, read_manifest_head
 from s3kv.stores.base import ObjectStore
 
 SIZE_EDGES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]

@@ -65,7 +65,8 @@ from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import gc_writer_id
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
 from s3kv.ops.chunks import check_object
-from s3kv.ops.inventory import Inventory, manifest_signed, read_at_most, read_descriptor, read_head_bytes
+from s3kv.ops.inventory import Inventory, manifest_signed
+from s3kv.ops.reads import read_at_most, read_descriptor, read_head_bytes
 from s3kv.stores.base import ObjectMeta, ObjectStore
 
 

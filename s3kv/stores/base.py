@@ -32,6 +32,12 @@ class Update:
     etag: str
 
 
+HEAD_BYTES = 64 << 10
+"""The first ranged GET of an object whose header says its own length (a
+chunk's, a manifest object's): most headers fit in it, a longer one takes
+a second GET."""
+
+
 @dataclass(frozen=True)
 class ByteRange:
     """Bytes ``[start, end)`` of an object; ``end=None`` reads to the end."""

@@ -392,7 +392,8 @@ def test_gc_reads_the_heads_of_reported_objects_and_past_them_only_those_whose_h
     import asyncio
 
     from s3kv.ops.gc import find_bad
-    from s3kv.ops.inventory import HEAD_BYTES, scan
+    from s3kv.ops.inventory import scan
+    from s3kv.stores.base import HEAD_BYTES
     from s3kv.stores.memory import MemoryStore
 
     class Recording(MemoryStore):
@@ -463,7 +464,7 @@ def test_a_chunk_head_longer_than_one_ranged_get_is_read_in_two():
     import asyncio
 
     from s3kv.chunk_reader import check_chunk_head, read_chunk_head
-    from s3kv.ops.inventory import HEAD_BYTES
+    from s3kv.stores.base import HEAD_BYTES
     from s3kv.stores.memory import MemoryStore
 
     keys = FleetKeys([SECRET])

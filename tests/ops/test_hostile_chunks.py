@@ -22,8 +22,9 @@ from s3kv import codec, descriptor
 from s3kv.config import parse_config
 from s3kv.keys import Namespace, fingerprint, namespace_prefix, object_key
 from s3kv.ops import gc as gcmod
-from s3kv.ops.inventory import HEAD_BYTES, scan
+from s3kv.ops.inventory import scan
 from s3kv.ops.verify import verify
+from s3kv.stores.base import HEAD_BYTES
 from s3kv.stores.factory import make_store
 from tests.ops.dataset import DAY, PREFIX
 from tests.ops.helpers import run_json

@@ -3,7 +3,7 @@ order, ignore StartAfter and take only prefixes that end with '/', so on
 them the manifest files its segments under minute prefixes and lists each
 minute whole. The bucket kind comes from the config (``bucket_kind``, auto
 by the ``--x-s3`` name suffix) at start-up. The sharing tests of
-test_manifest.py run on both kinds; these test what is particular to
+test_manifest_sync.py run on both kinds; these test what is particular to
 directory buckets, on :class:`DirectoryBucketStore` (any store, listed as a
 directory bucket lists)."""
 

@@ -1,6 +1,7 @@
 """The in-memory fingerprint set against a plain Python set: random
 operations of every kind (single changes, bulk segments, snapshots,
-merges), exact counts, the epoch, and readers racing writers."""
+merges), exact counts, the epoch, and readers racing writers; and the
+bytes-key Manifest over it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 
 import numpy as np
 
-from s3kv.manifest.keyset import FingerprintSet, apply_to, overlay, resolve
+from s3kv.manifest.keyset import FingerprintSet, Manifest, fingerprints
 
 U64_MAX = 2**64 - 1
 
@@ -150,17 +151,6 @@ def test_later_operations_win_in_every_order():
     assert len(s) == 2
 
 
-def test_array_helpers():
-    fps, present = resolve([(np.array([3, 1, 3], dtype=np.uint64), [1, 9]), ([9, 4], [])])
-    assert fps.tolist() == [1, 3, 4, 9] and present.tolist() == [False, True, True, True]
-    delta, state = overlay(
-        arr([2, 4, 6]), np.array([True, False, True]), arr([1, 4, 7]), np.array([False] * 3)
-    )
-    assert delta.tolist() == [1, 2, 4, 6, 7] and state.tolist() == [False, True, False, True, False]
-    out = apply_to(arr([2, 4, 6, 8]), arr([1, 4, 5, 8, 9]), np.array([True, False, True, True, True]))
-    assert out.tolist() == [1, 2, 5, 6, 8, 9]
-
-
 def test_bulk_writers_do_not_alias_the_callers_arrays():
     s = FingerprintSet()
     mine = arr([1, 2, 3])
@@ -290,3 +280,98 @@ def test_writers_swap_the_sets_only_after_the_view():
     s.on_sets = None
     assert len(looks) >= 3 and all(all(seen) for seen in looks), looks
     assert s.array().tolist() == [1, 3, 10, 11, 12] and len(s) == 5
+
+
+def fps(*values):
+    return np.array(values, dtype=np.uint64)
+
+
+def test_fingerprint_set_adds_removes_and_merges():
+    s = FingerprintSet(merge_at=4)
+    s.replace(fps(10, 20, 30))
+    s.add(25)
+    s.discard(20)
+    assert [x in s for x in (10, 20, 25, 30, 40)] == [True, False, True, True, False]
+    assert s.present(fps(40, 30, 25, 20, 10)).tolist() == [False, True, True, False, True]
+    s.merge()
+    assert s.array().tolist() == [10, 25, 30] and not s._added and not s._removed
+    s.discard(10)
+    s.add(10)  # the later change wins
+    s.add(99)
+    s.discard(99)
+    assert 10 in s and 99 not in s
+    assert FingerprintSet().present(fps(1, 2)).tolist() == [False, False]
+
+
+def test_fingerprint_set_counts_members_exactly():
+    """``len`` is the manifest_keys gauge: re-adds, removals of absent keys,
+    segments and snapshots must not skew it."""
+    s = FingerprintSet(merge_at=1000)
+    s.update(fps(1, 2, 3, 3))
+    s.add(2)  # already there
+    s.discard(7)  # never there
+    assert len(s) == 3
+    s.merge()
+    s.discard(1)
+    s.add(1)
+    s.add(4)
+    assert len(s) == 4
+    s.update(fps(4, 5), removed=fps(2, 9))
+    assert len(s) == 4  # {1, 3, 4, 5}
+    s.replace(fps(3, 5, 6, 8))  # a snapshot; the changes since (1 and 4 added, 2 and 9 removed) stay
+    assert len(s) == 6 == int(s.present(np.arange(10, dtype=np.uint64)).sum())
+    s.merge()
+    assert len(s) == len(s.array()) == 6
+
+
+def test_changes_during_a_merge_are_not_lost():
+    """A writer racing merges must end where a plain set would."""
+    s = FingerprintSet(merge_at=1)
+    ref: set[int] = set()
+    rng = random.Random(5)
+    stop = threading.Event()
+
+    def merger():
+        while not stop.is_set():
+            s.merge()
+
+    t = threading.Thread(target=merger)
+    t.start()
+    try:
+        for _ in range(20000):
+            fp = rng.randrange(200)
+            if rng.random() < 0.6:
+                s.add(fp)
+                ref.add(fp)
+            else:
+                s.discard(fp)
+                ref.discard(fp)
+    finally:
+        stop.set()
+        t.join()
+    probe = np.arange(200, dtype=np.uint64)
+    assert set(probe[s.present(probe)].tolist()) == ref
+    assert len(s) == len(ref)
+    s.merge()
+    assert set(s.array().tolist()) == ref
+
+
+def test_manifest_keys_and_sync():
+    m = Manifest()
+    told = []
+
+    class J:
+        def stored(self, fp):
+            told.append(("stored", fp))
+
+        def used(self, arr):
+            told.append(("used", arr.tolist()))
+
+    k1, k2 = b"\x01" * 16, b"\x02" * 16
+    m.sync = J()
+    m.add(k1)
+    assert k1 in m and k2 not in m and m.present([k2, k1]).tolist() == [False, True]
+    m.touch([k1, k2])
+    m.discard(k1)  # local only: nothing published
+    assert k1 not in m
+    assert told == [("stored", int.from_bytes(k1[:8], "big")), ("used", fingerprints([k1, k2]).tolist())]

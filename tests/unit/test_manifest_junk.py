@@ -16,9 +16,9 @@ from s3kv.errors import S3KVError
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
 from s3kv.manifest.keyset import Manifest
-from s3kv.manifest.publish import REPUBLISH_MAX
 from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.manifest.tombstones import publish_tombstones
+from s3kv.manifest.writer import REPUBLISH_MAX
 from s3kv.ops.inventory import NamespaceInfo
 from s3kv.stores.base import ObjectMeta, PutMode
 from s3kv.stores.memory import MemoryStore
@@ -335,6 +335,33 @@ def test_gc_compaction_keeps_future_stamps_out_of_its_snapshot():
     assert b.counters.totals().get("manifest_segments_loaded", 0) == 0  # the snapshot covered them
 
 
+def test_gc_compaction_prunes_snapshots_as_replicas_do():
+    """gc keeps the newest few snapshots by the replicas' rule: a junk
+    far-future one is not counted among them, and a name that is no
+    snapshot's is not gc's to delete."""
+    from s3kv.ops import gc
+    from s3kv.ops.inventory import scan
+
+    clock = [T]
+    store = MemoryStore()
+    real_history(store, clock, snapshot=False)
+    now_ms = int(clock[0] * 1000)
+    body = mf.encode(mf.ManifestObject("snapshot", meta={"horizon": "", "recent": []}))
+    real = [mp.snapshot_name(BASE, now_ms - h * mp.HOUR_MS, "w0") for h in (4, 3, 2, 1)]
+    future = mp.snapshot_name(BASE, now_ms + FUTURE_MS, "futr")
+    foreign = BASE + "snap/" + mp.stamp(now_ms - 5 * mp.HOUR_MS) + "-not a writer"
+    for name in (*real, future, foreign):
+        run(store.put(name, body))
+    inv = run(scan(store, "pfx"))
+    result = run(
+        gc.execute(store, inv, gc.plan(inv, gc.Policy(), clock[0]), lease=None, clock=lambda: clock[0])
+    )
+    assert result.snapshots_written == 1 and result.snapshots_deleted == 2
+    left = set(run(store.list_keys(BASE + "snap/")))
+    assert left - {future, foreign} == {*real[2:], *(n for n in left if "-gc" in n)}
+    assert {future, foreign} <= left and len(left) == 5
+
+
 class _FailingGets(MemoryStore):
     """GETs of the named objects raise the given error."""
 
@@ -359,9 +386,9 @@ def test_an_object_emptied_since_it_was_listed_is_garbage_but_a_bug_is_not(caplo
         run(store.put(name, segment(key(1))))
     b = replica(store, clock, "bbbb")
     run(b.load())
-    assert skipped(b) == {"garbage": 1} and emptied in b._skipped
+    assert skipped(b) == {"garbage": 1} and emptied in b.reader.skipped
     # A ValueError from a bug is no "object shrank": it is an error, retried, then given up on.
-    assert buggy not in b._skipped and buggy in b._retry and "a bug" in caplog.text
+    assert buggy not in b.reader.skipped and buggy in b.reader.retry and "a bug" in caplog.text
     for _ in range(2):
         run(b.refresh())
-    assert b._skipped[buggy] == "failed" and skipped(b) == {"garbage": 1}
+    assert b.reader.skipped[buggy] == "failed" and skipped(b) == {"garbage": 1}

@@ -687,7 +687,7 @@ def test_prefix_ids_from_vllm_block_hashes():
 
 
 class _Journal:
-    """What the scheduler side publishes (manifest.keyset.Journal)."""
+    """What the scheduler side publishes (manifest.keyset.Sync)."""
 
     def __init__(self):
         self.published = []
@@ -708,7 +708,7 @@ def test_the_ranks_publish_their_own_stores_the_scheduler_only_412s():
     it to its index. One found already there (a 412) it publishes itself,
     unless some replica reported that object bad."""
     p, index = planner()
-    index.journal = journal = _Journal()
+    index.sync = journal = _Journal()
     lookup(p, "a")
     stores = p.plan_step([sched("a", 0, 3 * CT, list(range(10)))]).stores
     k0, k1, k2 = (s.key for s in stores)

@@ -14,7 +14,8 @@ from s3kv.manifest import protocol as mp
 from s3kv.manifest.journal import RankJournal, _unpublished
 from s3kv.manifest.keyset import Manifest, fingerprints
 from s3kv.manifest.protocol import replica_of
-from s3kv.manifest.publish import RankTally, ShardPublisher, rank_fields
+from s3kv.manifest.publish import ShardPublisher
+from s3kv.manifest.ranks import rank_fields
 from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
@@ -256,12 +257,3 @@ def test_rank_segments_with_nonsense_ranks_are_garbage(meta):
     run(store.put(mp.segment_name(BASE, int(T0 * 1000), "zzzzr0", 1), mf.encode(bad), mode=PutMode.CREATE))
     assert run(r.refresh()) == 0 and key(1) not in r.manifest
     assert r.counters.totals()["manifest_skipped_garbage"] == 1
-
-
-def test_tally_forgets_chunks_a_rank_never_completed_and_tombstones():
-    t = RankTally()
-    assert t.add("seg/1", 0, 2, [1, 2, 3]).tolist() == []
-    t.discard([3])  # gc deleted it meanwhile
-    assert t.add("seg/2", 1, 2, [1, 3]).tolist() == [1]
-    assert t.oldest() == "seg/1" and len(t) == 2  # 2 waits for rank 1; 3 waits for rank 0 again
-    assert t.expire("seg/2") == 1 and len(t) == 1 and t.oldest() == "seg/2"

@@ -1,18 +1,15 @@
-"""The hot manifest: the in-memory fingerprint set, the object format, and
-replicas keeping in step through a store (the in-memory one here; the
-end-to-end tests use a real S3 server)."""
+"""Replicas keeping their manifests in step through a store
+(s3kv.manifest.sync; the in-memory store here, a real S3 server in
+tests/stores/test_manifest_s3.py and the end-to-end tests)."""
 
 import asyncio
-import random
-import threading
 
 import numpy as np
 import pytest
 
-from s3kv.errors import CorruptManifest
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
-from s3kv.manifest.keyset import FingerprintSet, Manifest, delete_sorted, fingerprints, insert_sorted
+from s3kv.manifest.keyset import Manifest, fingerprints
 from s3kv.manifest.sync import ManifestSync, SyncSettings
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
@@ -23,120 +20,6 @@ BASE = "pfx/" + "ab" * 16 + "/manifest/"
 
 def fps(*values):
     return np.array(values, dtype=np.uint64)
-
-
-def test_fingerprint_set_adds_removes_and_merges():
-    s = FingerprintSet(merge_at=4)
-    s.replace(fps(10, 20, 30))
-    s.add(25)
-    s.discard(20)
-    assert [x in s for x in (10, 20, 25, 30, 40)] == [True, False, True, True, False]
-    assert s.present(fps(40, 30, 25, 20, 10)).tolist() == [False, True, True, False, True]
-    s.merge()
-    assert s.array().tolist() == [10, 25, 30] and not s._added and not s._removed
-    s.discard(10)
-    s.add(10)  # the later change wins
-    s.add(99)
-    s.discard(99)
-    assert 10 in s and 99 not in s
-    assert FingerprintSet().present(fps(1, 2)).tolist() == [False, False]
-
-
-def test_fingerprint_set_counts_members_exactly():
-    """``len`` is the manifest_keys gauge: re-adds, removals of absent keys,
-    segments and snapshots must not skew it."""
-    s = FingerprintSet(merge_at=1000)
-    s.update(fps(1, 2, 3, 3))
-    s.add(2)  # already there
-    s.discard(7)  # never there
-    assert len(s) == 3
-    s.merge()
-    s.discard(1)
-    s.add(1)
-    s.add(4)
-    assert len(s) == 4
-    s.update(fps(4, 5), removed=fps(2, 9))
-    assert len(s) == 4  # {1, 3, 4, 5}
-    s.replace(fps(3, 5, 6, 8))  # a snapshot; the changes since (1 and 4 added, 2 and 9 removed) stay
-    assert len(s) == 6 == int(s.present(np.arange(10, dtype=np.uint64)).sum())
-    s.merge()
-    assert len(s) == len(s.array()) == 6
-
-
-def test_sorted_insert_and_delete_keep_arrays_sorted_and_unique():
-    base = fps(2, 4, 6)
-    assert insert_sorted(base, fps(5, 4, 1, 7, 5)).tolist() == [1, 2, 4, 5, 6, 7]
-    assert delete_sorted(base, fps(4, 9, 2)).tolist() == [6]
-    assert delete_sorted(base, fps(9)) is base
-
-
-def test_changes_during_a_merge_are_not_lost():
-    """A writer racing merges must end where a plain set would."""
-    s = FingerprintSet(merge_at=1)
-    ref: set[int] = set()
-    rng = random.Random(5)
-    stop = threading.Event()
-
-    def merger():
-        while not stop.is_set():
-            s.merge()
-
-    t = threading.Thread(target=merger)
-    t.start()
-    try:
-        for _ in range(20000):
-            fp = rng.randrange(200)
-            if rng.random() < 0.6:
-                s.add(fp)
-                ref.add(fp)
-            else:
-                s.discard(fp)
-                ref.discard(fp)
-    finally:
-        stop.set()
-        t.join()
-    probe = np.arange(200, dtype=np.uint64)
-    assert set(probe[s.present(probe)].tolist()) == ref
-    assert len(s) == len(ref)
-    s.merge()
-    assert set(s.array().tolist()) == ref
-
-
-def test_manifest_keys_and_journal():
-    m = Manifest()
-    told = []
-
-    class J:
-        def stored(self, fp):
-            told.append(("stored", fp))
-
-        def used(self, arr):
-            told.append(("used", arr.tolist()))
-
-    k1, k2 = b"\x01" * 16, b"\x02" * 16
-    m.journal = J()
-    m.add(k1)
-    assert k1 in m and k2 not in m and m.present([k2, k1]).tolist() == [False, True]
-    m.touch([k1, k2])
-    m.discard(k1)  # local only: nothing published
-    assert k1 not in m
-    assert told == [("stored", int.from_bytes(k1[:8], "big")), ("used", fingerprints([k1, k2]).tolist())]
-
-
-def test_object_format_roundtrip_and_every_corruption_is_caught():
-    obj = mf.ManifestObject("segment", fps(3, 1, 2, 3), fps(9), {"writer": "w"})
-    blob = mf.encode(obj)
-    back = mf.decode(blob)
-    assert back.kind == "segment" and back.added.tolist() == [1, 2, 3] and back.removed.tolist() == [9]
-    assert back.meta == {"writer": "w"}
-    for i in range(len(blob)):
-        bad = bytearray(blob)
-        bad[i] ^= 0x10
-        with pytest.raises(CorruptManifest):
-            mf.decode(bytes(bad))
-    for cut in (0, 10, len(blob) - 1):
-        with pytest.raises(CorruptManifest):
-            mf.decode(blob[:cut])
 
 
 @pytest.fixture(params=["general", "directory"])

@@ -1,0 +1,392 @@
+"""gc's compaction of one namespace's manifest (step 5 of
+:func:`s3kv.ops.gc.execute`): a snapshot of the live keys, then the old
+segments and snapshots it makes redundant pruned, and each closed hour's
+access records merged into one.
+
+The live keys: the listing is the truth (complete chunks: every rank's
+object; those no manifest object named only if they verify, see
+:meth:`_Namespace.orphans`), less what was deleted, plus keys in segments
+written since the listing began (their objects may have been stored after
+it), replayed as replicas replay them (:func:`~s3kv.manifest.replay.replay`).
+The snapshot is written and old ones pruned by the replicas' own writer and
+rule (:mod:`s3kv.manifest.snapshots`).
+
+A segment or snapshot it needs that gc cannot read (a 403, a 503) raises
+:class:`Unread`: one the new snapshot needs, before it is written; the
+snapshot under which segments are pruned, before anything is. One larger
+than ``manifest_max_bytes`` is corrupt to it, as to every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from s3kv.auth import FleetKeys
+from s3kv.errors import (
+    CorruptChunk,
+    CorruptManifest,
+    NotFound,
+    PermissionDenied,
+    Precondition,
+    S3KVError,
+    TooLarge,
+    Transient,
+    UnsignedManifest,
+    UnsupportedFormat,
+)
+from s3kv.keys import fingerprint, parse_object_key
+from s3kv.manifest import format as mf
+from s3kv.manifest.arrays import as_sorted_unique
+from s3kv.manifest.protocol import (
+    SEGMENTS,
+    Horizon,
+    Stamps,
+    access_hour,
+    access_name,
+    is_segment,
+    name_ts,
+    record_hour,
+)
+from s3kv.manifest.ranks import RankTally, rank_fields
+from s3kv.manifest.replay import replay
+from s3kv.manifest.snapshots import stale_snapshots, write_snapshot
+from s3kv.manifest.tombstones import Held, delete_keys
+from s3kv.ops.chunks import check_object
+from s3kv.ops.inventory import Chunk, NamespaceInfo
+from s3kv.ops.reads import read_manifest, read_manifest_head
+from s3kv.stores.base import ObjectMeta, ObjectStore, PutMode
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How gc compacts (from its :class:`~s3kv.ops.gc.Policy` and run)."""
+
+    skew_s: float
+    """The replicas' ``manifest_clock_skew_s``."""
+    max_bytes: int
+    """The replicas' ``manifest_max_bytes``: no manifest object is read past it."""
+    segment_min_age_s: float
+    """Segments a snapshot covers are deleted once this old."""
+    concurrency: int
+    keys: FleetKeys | None = None
+
+
+@dataclass
+class Compacted:
+    """What compactions did (the fields of :class:`~s3kv.ops.gc.Result` of the same names)."""
+
+    snapshots_written: int = 0
+    segments_deleted: int = 0
+    snapshots_deleted: int = 0
+    access_merged: int = 0
+    access_skipped: int = 0
+    orphans_published: int = 0
+    orphans_refused: int = 0
+    orphans_skipped: int = 0
+    unsigned: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+class Unread(Exception):
+    """A segment or snapshot a namespace's compaction needs, unread: the
+    compaction stops (:attr:`~s3kv.ops.gc.Result.compactions_skipped`), the run goes on."""
+
+
+@contextlib.contextmanager
+def _needed(name: str) -> Iterator[None]:
+    """Reading manifest object ``name``, which the compaction needs: one gc
+    may not read (a 403) or that failed to read (a 503) raises
+    :class:`Unread` (another role, or a later try, may read it: a snapshot
+    without it could lose its keys); a 403 that refuses gc's own credentials
+    stops the run. One larger than ``manifest_max_bytes`` is corrupt to the
+    compaction, as to every replica (they skip it unread): a junk object
+    under a segment's name cannot stop a namespace's compaction."""
+    try:
+        yield
+    except TooLarge as e:
+        raise CorruptManifest(str(e) if name in str(e) else f"{name}: {e}") from e
+    except (PermissionDenied, Transient) as e:
+        if isinstance(e, PermissionDenied) and e.credentials:
+            raise  # S3 refuses gc itself, not this object
+        raise Unread(str(e) if name in str(e) else f"{name}: {e}") from e
+
+
+def _ranks(chunk: Chunk) -> list[int]:
+    """The ranks whose objects of ``chunk`` the listing holds."""
+    return [parsed[2] for o in chunk.objects if (parsed := parse_object_key(o.key)) is not None]
+
+
+def _complete(chunk: Chunk, tp: int | None) -> bool:
+    """Whether every rank's object of ``chunk`` is listed (``.r0`` to
+    ``.r{tp-1}``); with the TP size unknown, any chunk may be."""
+    return tp is None or set(_ranks(chunk)).issuperset(range(tp))
+
+
+async def compact(
+    store: ObjectStore,
+    info: NamespaceInfo,
+    stamps: Stamps,
+    settings: Settings,
+    done: Compacted,
+    *,
+    since_s: float,
+    changed: bool,
+    clock: Callable[[], float],
+    lease: Held | None = None,
+) -> None:
+    """Compact namespace ``info``'s manifest, counting in ``done``:
+    ``since_s``, when the listing began (segments from then on are
+    replayed); ``changed``, whether this run deleted chunks of it."""
+    await _Namespace(store, info, stamps, settings, done).compact(since_s, changed, clock, lease)
+
+
+class _Namespace:
+    """One namespace's compaction; each segment is read at most once."""
+
+    def __init__(
+        self, store: ObjectStore, info: NamespaceInfo, stamps: Stamps, s: Settings, done: Compacted
+    ) -> None:
+        self.store, self.info, self.stamps, self.s, self.done = store, info, stamps, s, done
+        self._reads: dict[str, mf.ManifestObject | S3KVError] = {}
+
+    async def segment(self, m: ObjectMeta) -> mf.ManifestObject:
+        """A segment, read once a compaction (the orphan check and the live
+        set both need the recent ones); raises as decoding it did."""
+        if m.key not in self._reads:
+            try:
+                with _needed(m.key):
+                    self._reads[m.key] = await read_manifest(self.store, m, self.s.keys, self.s.max_bytes)
+            except (NotFound, CorruptManifest) as e:
+                self._reads[m.key] = e
+        got = self._reads[m.key]
+        if isinstance(got, S3KVError):
+            raise got
+        return got
+
+    async def head(self, m: ObjectMeta) -> dict[str, Any] | None:
+        """A snapshot's header; None when it has none to give (gone,
+        corrupt or oversized, of a newer format)."""
+        try:
+            with _needed(m.key):
+                return (await read_manifest_head(self.store, m, self.s.keys, self.s.max_bytes))[3]
+        except PermissionDenied:
+            raise  # refused for gc's own credentials (_needed let it through)
+        except S3KVError:
+            return None
+
+    async def compact(
+        self, since_s: float, changed: bool, clock: Callable[[], float], lease: Held | None
+    ) -> None:
+        store, info, stamps, done = self.store, self.info, self.stamps, self.done
+        now_ms = int(clock() * 1000)
+        skew_ms = int(self.s.skew_s * 1000)
+        # Segments by name, none stamped in the future: the newest becomes the
+        # new snapshot's horizon, and replicas refuse a horizon in the future
+        # (and read every segment after one that names no segment).
+        segments = sorted(
+            [
+                m
+                async for m in store.list(info.manifest_base + SEGMENTS)
+                if is_segment(info.manifest_base, m.key, directory=store.directory)
+                and not stamps.in_future(m.key)
+            ],
+            key=lambda m: m.key,
+        )
+        stamps.seen(m.key for m in segments)
+        snapshots = sorted(info.snapshots, key=lambda m: m.key)
+        newest = await self.head(snapshots[-1]) if snapshots else None
+        covered = Horizon.of(newest or {})
+        new = [m for m in segments if not covered.covers(m.key)]
+        listed = {fingerprint(k): c for k, c in info.chunks.items() if _complete(c, info.tp_size)}
+        orphans = await self.orphans(listed, snapshots[-1] if snapshots else None, new)
+        live: np.ndarray | None = None
+        if new or changed or any(orphans.values()):
+            since = min(int(since_s * 1000), stamps.max_listed) - skew_ms
+            start = [fp for fp in listed if orphans.get(fp, True) is True]
+            live = await self.live(start, [m for m in segments if (name_ts(m.key) or 0) >= since])
+        # Every segment and snapshot it needs read: counted, then written.
+        done.orphans_refused += sum(ok is False for ok in orphans.values())
+        done.orphans_skipped += sum(ok is None for ok in orphans.values())
+        if live is not None:
+            done.orphans_published += sum(ok is True for ok in orphans.values())
+            horizon = Horizon.over((m.key for m in segments), skew_ms)  # up to the newest segment
+            snapshots.append(
+                await write_snapshot(
+                    store,
+                    info.manifest_base,
+                    live,
+                    horizon,
+                    writer=stamps.writer,
+                    next_ts=lambda: stamps.next(now_ms),
+                    keys=self.s.keys,
+                    by="gc",
+                )
+            )
+            done.snapshots_written += 1
+        await self.prune(segments, snapshots, now_ms, lease)
+        await self.merge_access(now_ms)
+
+    async def live(self, start: list[int], recent: list[ObjectMeta]) -> np.ndarray:
+        """``start`` (the listing's live keys) with the segments ``recent``
+        replayed over it; a rank segment's chunk counts once every rank
+        named it or has its object listed."""
+        read: list[tuple[str, mf.ManifestObject]] = []
+        for m in recent:
+            try:
+                obj = await self.segment(m)
+                rank_fields(obj.meta)  # nonsense there is garbage
+            except UnsignedManifest:
+                self.done.unsigned.append(m.key)
+                continue
+            except (NotFound, CorruptManifest):
+                continue
+            read.append((m.key, obj))
+        chunks = {fingerprint(k): c for k, c in self.info.chunks.items()}
+        tally = RankTally(held=lambda fp: _ranks(chunks[fp]) if fp in chunks else ())
+        return replay(as_sorted_unique(start), read, tally)
+
+    async def prune(
+        self, segments: list[ObjectMeta], snapshots: list[ObjectMeta], now_ms: int, lease: Held | None
+    ) -> None:
+        """Segments are dropped only under a snapshot that is itself older
+        than ``segment_min_age_s`` (and that reads whole): a replica that
+        started loading from an older snapshot, or one that fell behind, has
+        had that long to read the segments after it. Snapshots go by the
+        replicas' rule, which keeps that one and every one after it."""
+        min_age_ms = self.s.segment_min_age_s * 1000
+        cover: ObjectMeta | None = None
+        for m in reversed(snapshots):
+            if now_ms - (name_ts(m.key) or now_ms) >= min_age_ms:
+                cover = m
+                break
+        old: list[str] = []
+        if cover is not None:
+            try:
+                with _needed(cover.key):
+                    snap = await read_manifest(self.store, cover, self.s.keys, self.s.max_bytes)
+                cover_horizon = Horizon.last_of(snap.meta)
+            except (NotFound, CorruptManifest):
+                cover_horizon = ""
+            old = [
+                m.key
+                for m in segments
+                if cover_horizon
+                and m.key <= cover_horizon
+                and now_ms - (name_ts(m.key) or now_ms) > min_age_ms
+            ]
+        stale = stale_snapshots(
+            self.info.manifest_base,
+            (m.key for m in snapshots),
+            limit_ms=now_ms + int(self.s.skew_s * 1000),
+            cover=cover.key if cover is not None else None,
+        )
+        if lease is not None:
+            lease.check()
+        bad = await delete_keys(self.store, old + stale, concurrency=self.s.concurrency, lease=lease)
+        self.done.failed += bad
+        self.done.segments_deleted += len(set(old) - set(bad))
+        self.done.snapshots_deleted += len(set(stale) - set(bad))
+
+    async def orphans(
+        self, listed: dict[int, Chunk], snapshot: ObjectMeta | None, new: list[ObjectMeta]
+    ) -> dict[int, bool | None]:
+        """Complete chunks in the listing that neither the newest snapshot nor
+        a segment after it names (a replica killed before it published them),
+        and whether every rank's object verifies (header, frames and, with the
+        fleet secret, MAC): the compaction adds those that do, so a bucket
+        filled by replicas that died never stays invisible. None for a chunk
+        not judged this run: one of its objects gc may not read (a 403:
+        another KMS key, a bucket policy), that failed to read (a 503),
+        changed while read, or that it does not decode
+        (:class:`~s3kv.errors.Unchecked`); or every chunk of a namespace whose
+        descriptor does not say its TP size, so that no chunk is taken for
+        whole without every rank's object."""
+        named: set[int] = set()
+        if snapshot is not None:
+            # None that reads: every chunk is checked; one unread: no compaction.
+            with _needed(snapshot.key), contextlib.suppress(NotFound, CorruptManifest):
+                named.update(
+                    (await read_manifest(self.store, snapshot, self.s.keys, self.s.max_bytes)).added.tolist()
+                )
+        for m in new:
+            try:
+                named.update((await self.segment(m)).added.tolist())
+            except (NotFound, CorruptManifest):
+                continue
+        todo = {fp: c for fp, c in listed.items() if fp not in named}
+        tp, pages = self.info.tp_size, self.info.pages
+        sem = asyncio.Semaphore(self.s.concurrency)
+
+        async def sound(chunk: Chunk) -> bool | None:
+            if tp is None:
+                return None
+            by_rank = {p[2]: o for o in chunk.objects if (p := parse_object_key(o.key)) is not None}
+            for rank in range(tp):
+                async with sem:
+                    try:
+                        await check_object(
+                            self.store, by_rank[rank].key, pages, self.s.keys, sound_first=False
+                        )
+                    except NotFound:
+                        return False
+                    except (UnsupportedFormat, PermissionDenied, Transient, Precondition) as e:
+                        if isinstance(e, PermissionDenied) and e.credentials:
+                            raise  # S3 refuses gc itself, not this object
+                        return None
+                    except CorruptChunk:
+                        return False
+            return True
+
+        oks = await asyncio.gather(*(sound(c) for c in todo.values()))
+        return dict(zip(todo, oks))
+
+    async def merge_access(self, now_ms: int) -> None:
+        """One object per closed hour, holding the live keys used in it; a
+        record gc may not read, that failed to read, or larger than
+        ``max_bytes`` is left as it is (counted) and merged the next run."""
+        store, info, stamps, keys, done = self.store, self.info, self.stamps, self.s.keys, self.done
+        hours: dict[str, list[ObjectMeta]] = {}
+        for m in info.access:
+            hours.setdefault(record_hour(info.manifest_base, m.key), []).append(m)
+        current = access_hour(now_ms)
+        live = {fingerprint(k) for k in info.chunks}
+        for hour, records in sorted(hours.items()):
+            if hour >= current or len(records) < 2:
+                continue
+            fps: set[int] = set()
+            unread: set[str] = set()
+            for m in records:
+                try:
+                    fps.update((await read_manifest(store, m, keys, self.s.max_bytes)).added.tolist())
+                except UnsignedManifest:
+                    done.unsigned.append(m.key)
+                except (NotFound, CorruptManifest):
+                    pass
+                except (PermissionDenied, Transient, TooLarge) as e:
+                    if isinstance(e, PermissionDenied) and e.credentials:
+                        raise  # S3 refuses gc itself, not this object
+                    unread.add(m.key)
+            done.access_skipped += len(unread)
+            records = [m for m in records if m.key not in unread]
+            if not records:
+                continue
+            newest = max(name_ts(m.key) or 0 for m in records)
+            name = access_name(info.manifest_base, newest, stamps.writer, stamps.next_seq())
+            body = mf.encode(
+                mf.ManifestObject(
+                    "access", as_sorted_unique(list(fps & live)), meta={"merged": len(records)}
+                ),
+                keys,
+            )
+            await store.put(name, body, mode=PutMode.CREATE)
+            bad = await delete_keys(
+                store, [m.key for m in records], concurrency=self.s.concurrency, lease=None
+            )
+            done.failed += bad
+            done.access_merged += len(records) - len(bad)
