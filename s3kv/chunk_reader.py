@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from s3kv import codec
+from s3kv import blosc2_format, codec
 from s3kv.auth import FleetKeys
 from s3kv.descriptor import ChunkPages
 from s3kv.errors import CorruptChunk, Precondition, RangeNotSatisfiable, Unsigned
@@ -277,7 +277,7 @@ class ChunkReader:
             )
         bound = {
             "zstd": zstd_bound(fmt.layer_bytes),
-            "blosc2": fmt.layer_bytes + codec.BLOSC2_OVERHEAD,
+            "blosc2": fmt.layer_bytes + blosc2_format.BLOSC2_OVERHEAD,
         }.get(header.codec, fmt.layer_bytes)
         for i, f in enumerate(header.frames):
             if f.raw_length != fmt.layer_bytes or not 0 < f.length <= bound:
