@@ -33,13 +33,14 @@ as unsigned. A higher version raises :class:`UnsupportedFormat`: a newer
 s3kv's object, unusable here but not damaged.
 
 Codecs: ``zstd`` frames are s3kv's byte shuffle (numpy, plane by plane)
-then zstd (:mod:`s3kv.zstd_format`); ``none`` frames are the page bytes. Both are versions 1 and 2.
-``blosc2`` frames are one blosc2 chunk each (python-blosc2: SIMD shuffle and
-zstd in one C pass, decoded straight into the destination buffer), only of
-the form s3kv writes (:mod:`s3kv.blosc2_format`, which writes them, and
-checks a frame before blosc2 sees it); such an object is version 3 (signed or not, by the flag), so
-that s3kv builds from before it refuse it by its version (a miss to them,
-never "corrupt", which a replica may delete) instead of misreading it.
+then zstd (:mod:`s3kv.zstd_format`); ``none`` frames are the page bytes.
+Both are versions 1 and 2. ``blosc2`` frames are one blosc2 chunk each
+(python-blosc2: SIMD shuffle and zstd in one C pass, decoded straight into
+the destination buffer), only of the form s3kv writes
+(:mod:`s3kv.blosc2_format`, which writes them, and checks a frame before
+blosc2 sees it); such an object is version 3 (signed or not, by the flag),
+so that s3kv builds from before it refuse it by its version (a miss to
+them, never "corrupt", which a replica may delete) instead of misreading it.
 """
 
 from __future__ import annotations
