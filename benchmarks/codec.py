@@ -140,7 +140,7 @@ def run(work: Path, quick: bool) -> Result:
     import xxhash
     import zstandard
 
-    from s3kv import codec
+    from s3kv import blosc2_format, codec, zstd_format
     from s3kv.chunk_reader import PageFormat, decode_chunk
     from s3kv.tiering.chunks import ChunkCodec
 
@@ -200,7 +200,7 @@ def run(work: Path, quick: bool) -> Result:
     for level in (1, 3):
         measure(
             f"blosc2 zstd {level} + shuffle (into a buffer)",
-            lambda a, level=level: codec.blosc2_compress(a, itemsize, level),
+            lambda a, level=level: blosc2_format.blosc2_compress(a, itemsize, level),
             into_scratch,
             bar=f"blosc2 {level}",
         )
@@ -222,8 +222,8 @@ def run(work: Path, quick: bool) -> Result:
         )
         measure(
             f"zstd {level} + shuffle",
-            lambda a, c=c: c.compress(codec.shuffle(a, itemsize)),
-            lambda s: codec.unshuffle(decompressor.decompress(s), itemsize),
+            lambda a, c=c: c.compress(zstd_format.shuffle(a, itemsize)),
+            lambda s: zstd_format.unshuffle(decompressor.decompress(s), itemsize),
         )
 
     # s3kv's own path: whole chunks, header, xxh3 of every frame (with a
@@ -302,8 +302,8 @@ def run(work: Path, quick: bool) -> Result:
 
     # Where the default decode's time goes, each step alone over every frame.
     c1 = zstandard.ZstdCompressor(level=1, write_content_size=True)
-    shuffled = [c1.compress(codec.shuffle(a, itemsize)) for a in frames]
-    plain = [codec.shuffle(a, itemsize) for a in frames]
+    shuffled = [c1.compress(zstd_format.shuffle(a, itemsize)) for a in frames]
+    plain = [zstd_format.shuffle(a, itemsize) for a in frames]
     mac_key = bytes(32)
     steps = {
         "xxh3": _per_second(lambda: [xxhash.xxh3_64_intdigest(s) for s in shuffled], raw, repeats),
@@ -311,7 +311,7 @@ def run(work: Path, quick: bool) -> Result:
             lambda: [blake3.blake3(s, key=mac_key).digest(16) for s in shuffled], raw, repeats
         ),
         "zstd": _per_second(lambda: [decompressor.decompress(s) for s in shuffled], raw, repeats),
-        "unshuffle": _per_second(lambda: [codec.unshuffle(p, itemsize) for p in plain], raw, repeats),
+        "unshuffle": _per_second(lambda: [zstd_format.unshuffle(p, itemsize) for p in plain], raw, repeats),
     }
 
     met = default_dec >= GOAL_MBS

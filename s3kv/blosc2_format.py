@@ -1,6 +1,7 @@
-"""The one form of blosc2 chunk s3kv writes, and the check that admits only it.
+"""s3kv's ``blosc2`` frames: the one form of blosc2 chunk s3kv writes, the
+check that admits only it, and the decode that runs only after it.
 
-A ``blosc2`` frame (:func:`s3kv.codec.blosc2_compress`) is one blosc2 chunk:
+A ``blosc2`` frame (:func:`blosc2_compress`) is one blosc2 chunk:
 ``blosc2.compress2(raw, typesize=itemsize, clevel=1..9, codec=ZSTD,
 filters=[SHUFFLE])``. Its 32-byte header (c-blosc2's README_CHUNK_FORMAT.rst)
 can say much more than s3kv ever writes, and some of it is dangerous to hand
@@ -21,8 +22,18 @@ import struct
 from typing import NamedTuple
 
 import blosc2
+import numpy as np
 
 from s3kv.errors import CorruptChunk
+
+# One frame per call on s3kv's codec threads: blosc2 works on the calling
+# thread only, and lets go of the GIL meanwhile (python-blosc2 holds it by
+# default, which would serialise the codec threads and stall the engine's
+# own Python). Both are process-wide settings of blosc2.
+blosc2.set_nthreads(1)
+blosc2.set_releasegil(True)
+BLOSC2_OVERHEAD = blosc2.MAX_OVERHEAD
+"""The most a blosc2 chunk adds to what it holds (incompressible bytes are copied)."""
 
 
 class Blosc2Header(NamedTuple):
@@ -124,3 +135,30 @@ def check_blosc2_header(index: int, stored: bytes | memoryview, raw_length: int,
     why = _blosc2_refusal(h, typesize)
     if why is not None:
         raise CorruptChunk(f"frame {index}: blosc2 {why}")
+
+
+def blosc2_compress(raw: np.ndarray, itemsize: int, level: int) -> bytes:
+    """One frame as a blosc2 chunk: shuffled by ``itemsize``, zstd at
+    ``level`` (clamped to blosc2's 1..9), on this thread only."""
+    return blosc2.compress2(
+        raw,
+        typesize=itemsize,
+        clevel=max(1, min(9, level)),
+        codec=blosc2.Codec.ZSTD,
+        filters=[blosc2.Filter.SHUFFLE],
+    )
+
+
+def decode_blosc2(
+    index: int, stored: bytes | memoryview, raw_length: int, typesize: int, out: np.ndarray | None
+) -> np.ndarray:
+    """A blosc2 frame into ``out`` (or a new buffer), once its header is of
+    the form s3kv writes and agrees with the frame table: every byte up to
+    ``raw_length`` is written, and nothing past it."""
+    check_blosc2_header(index, stored, raw_length, typesize)
+    dst = np.empty(raw_length, dtype=np.uint8) if out is None else out.reshape(-1)
+    try:
+        blosc2.decompress2(stored, dst=dst)
+    except Exception as e:
+        raise CorruptChunk(f"frame {index}: blosc2: {e}") from e
+    return dst

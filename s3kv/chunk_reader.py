@@ -2,43 +2,35 @@
 
 :class:`ChunkReader` turns an object's bytes into page bytes per layer, or
 refuses them with :class:`~s3kv.errors.CorruptChunk`, in this order: the
-header parsed (within a bound on its length; with the fleet's keys, only a
-signed header whose MAC verifies), its identity (namespace, chunk key,
-rank) checked, what its frames say they hold bounded before anything is
-allocated, the object's length checked, then each frame checked (its
-checksum, or its MAC with the keys) and decoded into a sink. A reader that
-knows the engine's pages (or, in the ops commands, the size of those a
-namespace's descriptor names) wants every frame to decode to exactly one
-layer's pages; one that does not (tools; the ops commands where no
-descriptor says) refuses a frame that claims more than
-:data:`~s3kv.codec.MAX_FRAME_RAW` bytes, undecoded.
+header read (:meth:`ChunkReader.read_header`: the one way s3kv reads a chunk
+header from a store) and parsed within a bound on its length (with the
+fleet's keys, only a signed header whose MAC verifies), its identity
+(namespace, chunk key, rank) checked, what its frames say they hold bounded
+before anything is allocated, the object's length checked, then each frame
+checked (its checksum, or its MAC with the keys) and decoded into a sink. A
+reader that knows the engine's pages (or, in the ops commands, the size of
+those a namespace's descriptor names) wants every frame to decode to
+exactly one layer's pages; one that does not refuses a frame that claims
+more than :data:`~s3kv.codec.MAX_FRAME_RAW` bytes, undecoded.
 
-Who reads through it: the engine, through
-:class:`~s3kv.tiering.chunks.ChunkCodec` (S3 loads stream ranges into
-:meth:`ChunkReader.decode_frames`, NVMe reads decode whole files); the ops
-commands through :func:`s3kv.ops.chunks.check_object` (``s3kv verify``,
-``inspect --check``, gc's checks of orphans and of reported objects), which
-judges an object in a bucket, a range at a time, as :func:`check_chunk`
-judges bytes, and :func:`read_chunk_head` with :func:`check_chunk_head`
-(the journal's recovery): by the object's name, sound first, then, with the
-keys, signed (else :class:`~s3kv.errors.Unsigned`), decoding no more than a
-chunk of the object's namespace holds (:func:`check_bounds`: the pages its
-descriptor names, as the engine's reader bounds its own).
+Who reads through it: the engine (:class:`~s3kv.tiering.chunks.ChunkCodec`),
+the ops commands (:mod:`s3kv.ops.chunks`), the journal's recovery
+(:func:`read_chunk_head`, :func:`check_chunk_head`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from s3kv import codec
+from s3kv import blosc2_format, codec
 from s3kv.auth import FleetKeys
 from s3kv.descriptor import ChunkPages
-from s3kv.errors import CorruptChunk, RangeNotSatisfiable, Unchecked, Unsigned
+from s3kv.errors import CorruptChunk, Precondition, RangeNotSatisfiable, Unsigned
 from s3kv.keys import parse_object_key
 from s3kv.stores.base import HEAD_BYTES, ByteRange, GetResult, ObjectStore
 
@@ -152,6 +144,28 @@ def _at(where: str | None, message: str) -> str:
     return f"{where}: {message}" if where else message
 
 
+RangeGet = Callable[[int, int], Awaitable[GetResult]]
+"""A ranged GET of one object's bytes ``[start, end)``, the caller's own: how
+it reads, and what it requires of a second read (the first's version)."""
+
+
+def ranged_get(store: ObjectStore, name: str) -> RangeGet:
+    """Plain ranged GETs of the object ``name``."""
+    return lambda start, end: store.get_object(name, ByteRange(start, end))
+
+
+@dataclass(frozen=True)
+class HeaderRead:
+    """A chunk object's header as :meth:`ChunkReader.read_header` read it."""
+
+    header: codec.ChunkHeader
+    data: bytes
+    """The object's first bytes: the header and whatever else the first GET brought."""
+    etag: str | None
+    size: int | None
+    """The whole object's size, where the store said."""
+
+
 @dataclass(frozen=True)
 class ChunkReader:
     """How chunk objects are read, and what a decoded one must match.
@@ -200,6 +214,18 @@ class ChunkReader:
         """The header at the start of ``data`` (at least :meth:`header_length` bytes)."""
         with checking_bytes(where):
             return codec.parse_header(data, self.keys, max_header_len=self.max_header)
+
+    async def read_header(self, get: RangeGet, first: int, where: str | None = None) -> HeaderRead:
+        """The header of the object ``get`` reads, parsed: its first ``first``
+        bytes (one ranged GET), then the rest of a longer header (a second),
+        refused unread past :attr:`max_header` (the caller checks its identity:
+        :meth:`check`). The one way s3kv reads a chunk header from a store."""
+        got = await get(0, max(first, codec.PREFIX_LEN))
+        data = got.data
+        need = self.header_length(data, where)
+        if need > len(data):
+            data += (await get(len(data), need)).data
+        return HeaderRead(self.parse_header(data, where), data, got.etag, got.size)
 
     def check(
         self, header: codec.ChunkHeader, namespace: str, key: str, rank: int, where: str | None = None
@@ -250,7 +276,7 @@ class ChunkReader:
             )
         bound = {
             "zstd": zstd_bound(fmt.layer_bytes),
-            "blosc2": fmt.layer_bytes + codec.BLOSC2_OVERHEAD,
+            "blosc2": fmt.layer_bytes + blosc2_format.BLOSC2_OVERHEAD,
         }.get(header.codec, fmt.layer_bytes)
         for i, f in enumerate(header.frames):
             if f.raw_length != fmt.layer_bytes or not 0 < f.length <= bound:
@@ -367,10 +393,10 @@ def decode_chunk(
     return header, [layers[i] for i in range(len(header.frames))]
 
 
-# -- judging an object by its name (the ops commands) -----------------------------------
+# -- judging an object by its name (the ops commands, the journal) -----------------------
 
 
-def _named(name: str) -> tuple[str, str, int]:
+def named_chunk(name: str) -> tuple[str, str, int]:
     """(namespace, key hex, rank) that the object ``name`` must hold."""
     parsed = parse_object_key(name)
     if parsed is None:
@@ -379,97 +405,37 @@ def _named(name: str) -> tuple[str, str, int]:
     return ns, key.hex(), rank
 
 
-MAX_UNDESCRIBED_RAW = 1 << 30
-"""The most page bytes of one chunk object the ops commands decode where no
-descriptor of its namespace bounds them (a replica's chunk object holds one
-rank's layers of ``chunk_tokens`` tokens: tens of MiB for most models)."""
-
-
-def ops_reader(pages: ChunkPages | None, keys: FleetKeys | None = None) -> ChunkReader:
-    """The reader the ops commands judge a namespace's chunk objects with:
-    set to the pages its descriptor names, else to any pages."""
-    return ChunkReader(keys) if pages is None else ChunkReader(keys, pages.num_layers, pages)
-
-
-def check_bounds(name: str, header: codec.ChunkHeader, pages: ChunkPages | None) -> None:
-    """Raise unless decoding the frames of ``header``, read from the object
-    ``name``, costs no more than a chunk of its namespace may (as the
-    engine's reader bounds it): CorruptChunk for a header of another object,
-    or of other pages than ``pages`` (the namespace's descriptor's: its layer
-    count, each frame one layer's pages); Unchecked for a chunk of another
-    size than ``pages`` names (pages not known, so not decoded), or, without
-    ``pages``, one claiming more than MAX_UNDESCRIBED_RAW bytes."""
-    ns, key, rank = _named(name)
-    header.check_identity(ns, key, rank)
-    if pages is not None and len(header.frames) == pages.num_layers and header.tokens != pages.tokens:
-        raise Unchecked(
-            f"a chunk of {header.tokens} tokens; its namespace's descriptor names the pages of "
-            f"chunks of {pages.tokens}: not decoded"
-        )
-    ops_reader(pages).check(header, ns, key, rank)
-    if pages is None and header.raw_bytes > MAX_UNDESCRIBED_RAW:
-        raise Unchecked(
-            f"its frames claim {header.raw_bytes} bytes of pages, more than the {MAX_UNDESCRIBED_RAW} "
-            "decoded without its namespace's descriptor: not decoded"
-        )
-
-
-def _discard(_i: int, _page: np.ndarray) -> None:
-    pass
-
-
-def check_chunk(
-    name: str, data: bytes, keys: FleetKeys | None = None, pages: ChunkPages | None = None
-) -> codec.ChunkHeader:
-    """Raise CorruptChunk unless ``data`` is a sound chunk object named
-    ``name``: its header, identity and length, and every frame checked and
-    decoded as a replica would, within :func:`check_bounds` (so that a bomb
-    costs nothing: Unchecked for what it does not decode). Then, with
-    ``keys``, Unsigned unless a fleet key signed it (header and every
-    frame). UnsupportedFormat for a newer format. Returns the header. The
-    ops commands read an object in a bucket with :func:`s3kv.ops.chunks.check_object`."""
-    reader = ops_reader(pages)
-    # Sound first: a damaged object is corrupt, whoever wrote it.
-    header = reader.parse_header(data)
-    check_bounds(name, header, pages)
-    if len(data) != header.object_length:
-        raise CorruptChunk(f"object is {len(data)} bytes, its header says {header.object_length}")
-    reader.decode_frames(header, data, 0, range(len(header.frames)), _discard, scratch=True)
-    if keys is not None:
-        try:
-            ChunkReader(keys).check_macs(data)
-        except CorruptChunk as e:
-            raise Unsigned(str(e)) from None
-    return header
-
-
 async def read_chunk_head(store: ObjectStore, name: str) -> GetResult | None:
-    """A chunk object's first bytes, through the end of its header (one
-    ranged GET; two for a header over ``HEAD_BYTES``). None when it cannot
-    be told from a head (empty, a 416; rewritten between the two GETs): the
-    object is then judged whole."""
+    """A chunk object's first bytes, through the end of its header, as
+    :meth:`ChunkReader.read_header` reads them (one ranged GET of
+    ``HEAD_BYTES``; two for a longer header). None when it cannot be told
+    from a head (empty, a 416; rewritten between the two GETs): the object
+    is then judged whole. A head that does not parse comes back as read:
+    :func:`check_chunk_head` says why."""
+    reads: list[GetResult] = []
+
+    async def get(start: int, end: int) -> GetResult:
+        got = await store.get_object(name, ByteRange(start, end))
+        if reads and got.etag != reads[0].etag:
+            raise Precondition(name)
+        reads.append(got)
+        return got
+
     try:
-        got = await store.get_object(name, ByteRange(0, HEAD_BYTES))
-        try:
-            need = ChunkReader().header_length(got.data)
-        except CorruptChunk:
-            return got  # the head check says why
-        if need > len(got.data) == HEAD_BYTES:  # a long header, and the object goes on
-            rest = await store.get_object(name, ByteRange(HEAD_BYTES, need))
-            if rest.etag != got.etag:
-                return None
-            got = GetResult(got.data + rest.data, got.etag, got.size)
-    except RangeNotSatisfiable:
+        head = await ChunkReader().read_header(get, HEAD_BYTES)
+    except (RangeNotSatisfiable, Precondition):
         return None
-    return got
+    except CorruptChunk:
+        return GetResult(b"".join(g.data for g in reads), reads[0].etag, reads[0].size)
+    return GetResult(head.data, head.etag, head.size)
 
 
 def check_chunk_head(name: str, head: bytes, size: int | None, keys: FleetKeys | None = None) -> None:
     """Raise CorruptChunk unless ``head``, the start of the object ``name``
     (``size`` bytes in all, where known), is a sound header for that name,
     of that length, and (with ``keys``) signed by a fleet key (else
-    Unsigned): what :func:`check_chunk` finds without reading the frames."""
-    ns, key, rank = _named(name)
+    Unsigned): what :func:`s3kv.ops.chunks.check_chunk` finds without reading the frames."""
+    ns, key, rank = named_chunk(name)
     reader = ChunkReader()
     header = reader.parse_header(head)
     reader.check(header, ns, key, rank)

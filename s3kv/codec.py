@@ -33,30 +33,28 @@ as unsigned. A higher version raises :class:`UnsupportedFormat`: a newer
 s3kv's object, unusable here but not damaged.
 
 Codecs: ``zstd`` frames are s3kv's byte shuffle (numpy, plane by plane)
-then zstd; ``none`` frames are the page bytes. Both are versions 1 and 2.
-``blosc2`` frames are one blosc2 chunk each (python-blosc2: SIMD shuffle and
-zstd in one C pass, decoded straight into the destination buffer), only of
-the form s3kv writes (:mod:`s3kv.blosc2_format`, checked before blosc2
-sees a frame); such an object is version 3 (signed or not, by the flag), so
-that s3kv builds from before it refuse it by its version (a miss to them,
-never "corrupt", which a replica may delete) instead of misreading it.
+then zstd (:mod:`s3kv.zstd_format`); ``none`` frames are the page bytes.
+Both are versions 1 and 2. ``blosc2`` frames are one blosc2 chunk each
+(python-blosc2: SIMD shuffle and zstd in one C pass, decoded straight into
+the destination buffer), only of the form s3kv writes
+(:mod:`s3kv.blosc2_format`, which writes them, and checks a frame before
+blosc2 sees it); such an object is version 3 (signed or not, by the flag),
+so that s3kv builds from before it refuse it by its version (a miss to
+them, never "corrupt", which a replica may delete) instead of misreading it.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import blosc2
 import numpy as np
 import xxhash
-import zstandard
 
-from s3kv.blosc2_format import check_blosc2_header
+from s3kv import blosc2_format, zstd_format
 from s3kv.errors import CorruptChunk, UnsupportedFormat
 
 if TYPE_CHECKING:
@@ -82,14 +80,6 @@ VERSION_CODECS = {
     BLOSC2_VERSION: ("blosc2",),
 }
 """The codecs each version's objects may use."""
-# One frame per call on s3kv's codec threads: blosc2 works on the calling
-# thread only, and lets go of the GIL meanwhile (python-blosc2 holds it by
-# default, which would serialise the codec threads and stall the engine's
-# own Python). Both are process-wide settings of blosc2.
-blosc2.set_nthreads(1)
-blosc2.set_releasegil(True)
-BLOSC2_OVERHEAD = blosc2.MAX_OVERHEAD
-"""The most a blosc2 chunk adds to what it holds (incompressible bytes are copied)."""
 MAX_SHUFFLE = 16
 
 
@@ -153,90 +143,6 @@ class ChunkHeader:
             raise CorruptChunk(f"object holds rank {self.rank}, expected rank {rank}")
 
 
-_local = threading.local()
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache = getattr(_local, "compressors", None)
-    if cache is None:
-        cache = _local.compressors = {}
-    c = cache.get(level)
-    if c is None:
-        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return c
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    d = getattr(_local, "decompressor", None)
-    if d is None:
-        d = _local.decompressor = zstandard.ZstdDecompressor()
-    return d
-
-
-def shuffle(data: memoryview | bytes | np.ndarray, itemsize: int) -> np.ndarray:
-    """Byte-shuffle: all first bytes of the items, then all second bytes, ...
-    Exponent bytes of bf16/fp16 values end up together and compress."""
-    arr = (
-        np.frombuffer(data, dtype=np.uint8)
-        if not isinstance(data, np.ndarray)
-        else data.reshape(-1).view(np.uint8)
-    )
-    if itemsize <= 1:
-        return arr
-    if arr.size % itemsize:
-        raise ValueError(f"{arr.size} bytes is not a whole number of {itemsize}-byte items")
-    # Plane by plane: a strided gather per byte position is ~3x faster than
-    # numpy's copy of the transposed view.
-    out = np.empty(arr.size, dtype=np.uint8)
-    planes, cols = out.reshape(itemsize, -1), arr.reshape(-1, itemsize)
-    for j in range(itemsize):
-        planes[j] = cols[:, j]
-    return out
-
-
-def unshuffle(
-    data: bytes | memoryview | np.ndarray, itemsize: int, out: np.ndarray | None = None
-) -> np.ndarray:
-    """Inverse of :func:`shuffle`, optionally into ``out`` (uint8, same size)."""
-    arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
-    if out is None:
-        out = np.empty(arr.size, dtype=np.uint8)
-    if itemsize <= 1:
-        np.copyto(out, arr)
-        return out
-    planes, cols = arr.reshape(itemsize, -1), out.reshape(-1, itemsize)
-    for j in range(itemsize):  # see shuffle()
-        cols[:, j] = planes[j]
-    return out
-
-
-def blosc2_compress(raw: np.ndarray, itemsize: int, level: int) -> bytes:
-    """One frame as a blosc2 chunk: shuffled by ``itemsize``, zstd at
-    ``level`` (clamped to blosc2's 1..9), on this thread only."""
-    return blosc2.compress2(
-        raw,
-        typesize=itemsize,
-        clevel=max(1, min(9, level)),
-        codec=blosc2.Codec.ZSTD,
-        filters=[blosc2.Filter.SHUFFLE],
-    )
-
-
-def _blosc2_decode(
-    index: int, stored: bytes | memoryview, raw_length: int, typesize: int, out: np.ndarray | None
-) -> np.ndarray:
-    """A blosc2 frame into ``out`` (or a new buffer), once its header is of
-    the form s3kv writes and agrees with the frame table: every byte up to
-    ``raw_length`` is written, and nothing past it."""
-    check_blosc2_header(index, stored, raw_length, typesize)
-    dst = np.empty(raw_length, dtype=np.uint8) if out is None else out.reshape(-1)
-    try:
-        blosc2.decompress2(stored, dst=dst)
-    except Exception as e:
-        raise CorruptChunk(f"frame {index}: blosc2: {e}") from e
-    return dst
-
-
 def _frame_tag(keys: FleetKeys, stored: bytes | memoryview) -> bytes:
     return keys.sign("chunk", b"frame", stored)
 
@@ -270,9 +176,9 @@ def encode_chunk(
         )
         raw_lengths.append(raw.size)
         if codec == "zstd":
-            stored.append(_compressor(level).compress(shuffle(raw, shuffle_size)))
+            stored.append(zstd_format.zstd_compress(raw, shuffle_size, level))
         elif codec == "blosc2":
-            stored.append(blosc2_compress(raw, shuffle_size, level))
+            stored.append(blosc2_format.blosc2_compress(raw, shuffle_size, level))
         else:
             stored.append(memoryview(np.ascontiguousarray(raw)).cast("B"))
     tags = [_frame_tag(keys, blob).hex() for blob in stored] if keys is not None else None
@@ -468,26 +374,13 @@ def decode_frame(
         raise CorruptChunk(f"frame {index}: holds {frame.raw_length} bytes, the page needs {out.nbytes}")
     if header.codec == "blosc2":
         # unshuffled in the same pass
-        return _blosc2_decode(index, stored, frame.raw_length, header.shuffle, out)
+        return blosc2_format.decode_blosc2(index, stored, frame.raw_length, header.shuffle, out)
     if header.codec == "none":
         if frame.length != frame.raw_length:
             raise CorruptChunk(f"frame {index}: {frame.length} stored bytes for {frame.raw_length} raw ones")
         raw = np.frombuffer(stored, dtype=np.uint8)
     else:
-        try:
-            content = zstandard.frame_content_size(stored)
-        except zstandard.ZstdError as e:
-            raise CorruptChunk(f"frame {index}: not a zstd frame: {e}") from e
-        if content != frame.raw_length:  # -1: unknown (a stream), or a decompression bomb
-            raise CorruptChunk(
-                f"frame {index}: zstd content size {content}, the page holds {frame.raw_length}"
-            )
-        try:
-            raw = np.frombuffer(
-                _decompressor().decompress(stored, max_output_size=frame.raw_length), dtype=np.uint8
-            )
-        except zstandard.ZstdError as e:
-            raise CorruptChunk(f"frame {index}: zstd: {e}") from e
+        raw = zstd_format.zstd_decompress(index, stored, frame.raw_length)
     if raw.size != frame.raw_length:
         raise CorruptChunk(f"frame {index}: decoded {raw.size} bytes, expected {frame.raw_length}")
-    return unshuffle(raw, header.shuffle, out)
+    return zstd_format.unshuffle(raw, header.shuffle, out)

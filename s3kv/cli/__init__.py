@@ -69,7 +69,10 @@ def demo_cmd(model, workdir, bucket, endpoint_url, region, prefix, prompts, shar
 
 
 def _register() -> None:
-    from s3kv.cli.ops import gc_cmd, inspect_cmd, ls_cmd, stats_cmd, verify_cmd
+    from s3kv.cli.gc import gc_cmd
+    from s3kv.cli.inspection import inspect_cmd
+    from s3kv.cli.report import ls_cmd, stats_cmd
+    from s3kv.cli.verify import verify_cmd
 
     for cmd in (ls_cmd, stats_cmd, inspect_cmd, verify_cmd, gc_cmd):
         cli.add_command(cmd)

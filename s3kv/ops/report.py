@@ -7,12 +7,12 @@ import contextlib
 import random
 from typing import Any
 
-from s3kv import codec
+from s3kv.chunk_reader import ChunkReader, ranged_get
 from s3kv.errors import CorruptChunk, CorruptManifest, NotFound, S3KVError
 from s3kv.manifest.protocol import Horizon, name_ts, record_hour
 from s3kv.ops.inventory import Inventory, NamespaceInfo
-from s3kv.ops.reads import read_head_bytes, read_manifest_head
-from s3kv.stores.base import ObjectStore
+from s3kv.ops.reads import read_manifest_head
+from s3kv.stores.base import HEAD_BYTES, ObjectStore
 
 SIZE_EDGES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 AGE_EDGES = [(3600, "1h"), (86400, "1d"), (7 * 86400, "7d"), (30 * 86400, "30d"), (90 * 86400, "90d")]
@@ -85,7 +85,7 @@ async def compression(
     async def one(key: str) -> tuple[int, int] | None:
         async with sem:
             try:
-                h = codec.parse_header(await read_head_bytes(store, key, codec.header_length))
+                h = (await ChunkReader().read_header(ranged_get(store, key), HEAD_BYTES)).header
             except (CorruptChunk, NotFound, S3KVError):
                 return None
         codecs[h.codec] = codecs.get(h.codec, 0) + 1

@@ -40,7 +40,7 @@ from typing import Any
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import ChunkReader
+from s3kv.chunk_reader import ChunkReader, ranged_get
 from s3kv.config import DEFAULTS
 from s3kv.descriptor import MAX_BYTES as DESCRIPTOR_MAX_BYTES
 from s3kv.descriptor import NAME as DESCRIPTOR
@@ -66,8 +66,8 @@ from s3kv.manifest.protocol import gc_writer_id
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
 from s3kv.ops.chunks import check_object
 from s3kv.ops.inventory import Inventory, manifest_signed
-from s3kv.ops.reads import read_at_most, read_descriptor, read_head_bytes
-from s3kv.stores.base import ObjectMeta, ObjectStore
+from s3kv.ops.reads import read_at_most, read_descriptor
+from s3kv.stores.base import HEAD_BYTES, ObjectMeta, ObjectStore
 
 
 @dataclass
@@ -314,8 +314,8 @@ async def inspect_object(
             "removed": int(obj.removed.size),
             "header": obj.meta,
         }
-    reader = ChunkReader()
-    h = reader.parse_header(await read_head_bytes(store, name, reader.header_length))
+    head = await ChunkReader().read_header(ranged_get(store, name), HEAD_BYTES)
+    h = head.header
     out: dict[str, Any] = {
         "object": name,
         "type": "chunk",
@@ -346,7 +346,7 @@ async def inspect_object(
             problems.append(str(e))
     if keys is not None and not check_frames:
         try:
-            ChunkReader(keys).parse_header(await read_head_bytes(store, name, reader.header_length))
+            ChunkReader(keys).parse_header(head.data)
         except CorruptChunk as e:
             problems.append(f"unsigned: {e}")
     if check_frames:

@@ -56,7 +56,8 @@ from s3kv.errors import (
     Transient,
 )
 from s3kv.stores.base import ByteRange, GetResult, ObjectMeta, PutMode, Update, check_key
-from s3kv.stores.s3 import _CREDENTIALS, _DENIED, _THROTTLED, NO_CREDENTIALS, S3Options, S3Store
+from s3kv.stores.s3 import S3Options, S3Store
+from s3kv.stores.s3_errors import CREDENTIALS_CODES, DENIED_CODES, NO_CREDENTIALS, THROTTLED_CODES
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]{1,100})</Code>")
@@ -90,13 +91,13 @@ def map_error(
         return NotFound(what)
     if isinstance(e, ox.PreconditionError) or status == 412:
         return Precondition(what) if if_match else AlreadyExists(what)
-    if code in _CREDENTIALS or isinstance(e, ox.UnauthenticatedError) or status == 401:
+    if code in CREDENTIALS_CODES or isinstance(e, ox.UnauthenticatedError) or status == 401:
         return PermissionDenied(f"{what}: {code or 'unauthenticated'} (HTTP {status})", credentials=True)
-    if code in _DENIED or status == 403 or isinstance(e, ox.PermissionDeniedError):
+    if code in DENIED_CODES or status == 403 or isinstance(e, ox.PermissionDeniedError):
         return PermissionDenied(f"{what}: {code or 'AccessDenied'}")
     if code == "InvalidRange" or status == 416:
         return RangeNotSatisfiable(f"{what}: range not satisfiable")
-    if code in _THROTTLED or status in (429, 503):
+    if code in THROTTLED_CODES or status in (429, 503):
         return Throttled(f"{what}: {code} (HTTP {status})")
     if status:
         return Transient(f"{what}: {code} (HTTP {status})")

@@ -2,9 +2,10 @@
 
 Retries are botocore's ("standard" mode: throttling, 5xx, connection errors,
 with exponential backoff and jitter, up to ``max_attempts``). Every botocore
-error is mapped to an :mod:`s3kv.errors` name in :func:`_map_error`, here
-and nowhere else. CREATE puts send ``If-None-Match: *``, so two replicas
-racing on one chunk store it once; the loser gets AlreadyExists.
+error is mapped to an :mod:`s3kv.errors` name by
+:func:`s3kv.stores.s3_errors.map_error`. CREATE puts send ``If-None-Match:
+*``, so two replicas racing on one chunk store it once; the loser gets
+AlreadyExists.
 """
 
 from __future__ import annotations
@@ -15,24 +16,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-import aiohttp.http_exceptions
 import botocore.exceptions as bexc
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 
 from s3kv.config import DEFAULTS, S3KVConfig
-from s3kv.errors import (
-    AlreadyExists,
-    ConfigError,
-    NotFound,
-    PermissionDenied,
-    Precondition,
-    RangeNotSatisfiable,
-    S3KVError,
-    Throttled,
-    Transient,
-)
+from s3kv.errors import ConfigError, NotFound
 from s3kv.stores.base import (
     ByteRange,
     GetResult,
@@ -44,44 +33,7 @@ from s3kv.stores.base import (
     check_directory_listing,
     check_key,
 )
-
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
-_DENIED = {"AccessDenied", "403", "Forbidden"}
-"""Refused for this object (a bucket policy, a KMS key for its prefix):
-other objects may well be readable."""
-_CREDENTIALS = {
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "ExpiredTokenException",
-    "InvalidToken",
-    "TokenRefreshRequired",
-    "InvalidClientTokenId",
-    "UnrecognizedClientException",
-    "InvalidSecurity",
-    "RequestExpired",
-    "RequestTimeTooSkewed",
-    "AuthorizationHeaderMalformed",
-    "AccountProblem",
-    "NotSignedUp",
-    "AllAccessDisabled",
-}
-"""Refused for the caller itself, whatever the object (S3's and STS's codes
-for keys unknown or expired, signatures or tokens rejected, a clock too far
-off to sign, an account or bucket closed to it): every request fails alike."""
-_EXISTS = {"PreconditionFailed", "412"}
-NO_CREDENTIALS = (
-    "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-    "AWS_PROFILE, or run with an instance or pod role"
-)
-_THROTTLED = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "TooManyRequests",
-    "503",
-}
+from s3kv.stores.s3_errors import NO_CREDENTIALS, map_error
 
 
 @dataclass(frozen=True)
@@ -126,58 +78,6 @@ class S3Options:
             max_connections=config.max_connections,
             directory=config.directory_bucket,
         )
-
-
-def _error_code(e: bexc.ClientError) -> tuple[str, int]:
-    err = e.response.get("Error", {})
-    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-    return str(err.get("Code", status)), int(status or 0)
-
-
-def _map_error(e: BaseException, what: str, *, if_match: bool = False) -> Exception:
-    """The one place where botocore/aiohttp errors become s3kv errors."""
-    if isinstance(e, bexc.ClientError):
-        code, status = _error_code(e)
-        if code == "NoSuchBucket":
-            return NotFound(what, "no such bucket")
-        if code in _NOT_FOUND or status == 404:
-            return NotFound(what)
-        if code in _EXISTS or status == 412:
-            return Precondition(what) if if_match else AlreadyExists(what)
-        if code in _CREDENTIALS:
-            return PermissionDenied(f"{what}: {code} (HTTP {status})", credentials=True)
-        if code in _DENIED or status == 403:
-            return PermissionDenied(f"{what}: {code}")
-        if code == "InvalidRange" or status == 416:
-            return RangeNotSatisfiable(f"{what}: range not satisfiable")
-        if code in _THROTTLED or status in (429, 503):
-            return Throttled(f"{what}: {code} (HTTP {status})")
-        return Transient(f"{what}: {code} (HTTP {status})")
-    if isinstance(e, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
-        return ConfigError(f"no usable AWS credentials: {e}")
-    if isinstance(e, (bexc.CredentialRetrievalError, bexc.TokenRetrievalError, bexc.SSOError)):
-        # Credentials that expired and could not be renewed (an instance
-        # role's endpoint, an SSO session): no request can be signed.
-        return PermissionDenied(f"{what}: {type(e).__name__}: {e}", credentials=True)
-    if isinstance(
-        e,
-        (
-            bexc.EndpointConnectionError,
-            bexc.ConnectionError,
-            bexc.HTTPClientError,
-            # The connection dropped in the middle of a body: botocore finds
-            # fewer bytes than Content-Length said, or aiohttp the payload cut.
-            bexc.IncompleteReadError,
-            aiohttp.ClientError,
-            aiohttp.http_exceptions.HttpProcessingError,
-            asyncio.TimeoutError,
-            ConnectionError,
-        ),
-    ):
-        return Transient(f"{what}: {type(e).__name__}: {e}")
-    if isinstance(e, bexc.BotoCoreError):
-        return S3KVError(f"{what}: {e}")
-    return e if isinstance(e, Exception) else S3KVError(str(e))
 
 
 def _meta(obj: dict[str, Any]) -> ObjectMeta:
@@ -305,7 +205,7 @@ class S3Store(ObjectStore):
             async with self._in_flight():
                 await client.head_bucket(Bucket=self.bucket)
         except Exception as e:
-            mapped = _map_error(e, f"bucket {self.bucket}")
+            mapped = map_error(e, f"bucket {self.bucket}")
             if isinstance(mapped, NotFound):
                 raise NotFound(self.bucket, "no such bucket") from e
             raise mapped from e
@@ -323,7 +223,7 @@ class S3Store(ObjectStore):
             async with self._in_flight():
                 resp = await client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), **extra)
         except Exception as e:
-            raise _map_error(e, key, if_match=update) from e
+            raise map_error(e, key, if_match=update) from e
         return resp.get("ETag")
 
     async def delete_if(self, key: str, etag: str) -> None:
@@ -333,7 +233,7 @@ class S3Store(ObjectStore):
             async with self._in_flight():
                 await client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
         except Exception as e:
-            raise _map_error(e, key, if_match=True) from e
+            raise map_error(e, key, if_match=True) from e
 
     async def list_dirs(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
         if self.directory:
@@ -348,7 +248,7 @@ class S3Store(ObjectStore):
                 objects.extend(_meta(obj) for obj in page.get("Contents", ()))
                 dirs.extend(p["Prefix"] for p in page.get("CommonPrefixes", ()))
         except Exception as e:
-            raise _map_error(e, f"list {prefix!r}") from e
+            raise map_error(e, f"list {prefix!r}") from e
         if self.directory:  # a directory bucket's listing comes in no order
             objects.sort(key=lambda m: m.key)
             dirs.sort()
@@ -366,7 +266,7 @@ class S3Store(ObjectStore):
                     for u in page.get("Uploads", ())
                 )
         except Exception as e:
-            raise _map_error(e, f"list uploads {prefix!r}") from e
+            raise map_error(e, f"list uploads {prefix!r}") from e
         return out
 
     async def abort_upload(self, upload: Upload) -> None:
@@ -377,7 +277,7 @@ class S3Store(ObjectStore):
                     Bucket=self.bucket, Key=upload.key, UploadId=upload.upload_id
                 )
         except Exception as e:
-            mapped = _map_error(e, upload.key)
+            mapped = map_error(e, upload.key)
             if not isinstance(mapped, NotFound):
                 raise mapped from e
 
@@ -388,7 +288,7 @@ class S3Store(ObjectStore):
             async with self._in_flight():
                 upload = await client.create_multipart_upload(Bucket=self.bucket, Key=key)
         except Exception as e:
-            raise _map_error(e, key) from e
+            raise map_error(e, key) from e
         upload_id = upload["UploadId"]
         size = self.options.part_size
         sem = asyncio.Semaphore(self.options.part_concurrency)
@@ -421,7 +321,7 @@ class S3Store(ObjectStore):
                 async with self._in_flight():
                     await client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             if isinstance(e, Exception):
-                raise _map_error(e, key, if_match="IfMatch" in extra) from e
+                raise map_error(e, key, if_match="IfMatch" in extra) from e
             raise
         return resp.get("ETag")
 
@@ -438,7 +338,7 @@ class S3Store(ObjectStore):
                 async with resp["Body"] as body:
                     data = await body.read()
         except Exception as e:
-            raise _map_error(e, key) from e
+            raise map_error(e, key) from e
         total = str(resp.get("ContentRange") or "").rpartition("/")[2]
         size = int(total) if total.isascii() and total.isdigit() else (len(data) if range is None else None)
         return GetResult(data, resp.get("ETag"), size)
@@ -450,7 +350,7 @@ class S3Store(ObjectStore):
             async with self._in_flight():
                 resp = await client.head_object(Bucket=self.bucket, Key=key)
         except Exception as e:
-            raise _map_error(e, key) from e
+            raise map_error(e, key) from e
         return ObjectMeta(key, int(resp["ContentLength"]), resp["LastModified"].timestamp(), resp.get("ETag"))
 
     async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
@@ -465,7 +365,7 @@ class S3Store(ObjectStore):
                 for obj in page.get("Contents", ()):
                     yield _meta(obj)
         except Exception as e:
-            raise _map_error(e, f"list {prefix!r}") from e
+            raise map_error(e, f"list {prefix!r}") from e
 
     async def delete_many(self, keys: Iterable[str]) -> None:
         client = await self._get_client()
@@ -478,11 +378,11 @@ class S3Store(ObjectStore):
                         Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
                     )
             except Exception as e:
-                raise _map_error(e, f"delete {batch[0]}...") from e
+                raise map_error(e, f"delete {batch[0]}...") from e
             errors = [err for err in resp.get("Errors", ()) if err.get("Code") != "NoSuchKey"]
             if errors:
                 first = errors[0]
-                raise _map_error(
+                raise map_error(
                     bexc.ClientError({"Error": first, "ResponseMetadata": {}}, "DeleteObjects"),
                     first.get("Key", "?"),
                 )

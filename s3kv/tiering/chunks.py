@@ -19,7 +19,7 @@ import numpy as np
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import ChunkReader, FrameRead, FrameSink, PageFormat
+from s3kv.chunk_reader import ChunkReader, FrameRead, FrameSink, HeaderRead, PageFormat
 from s3kv.config import DEFAULTS
 from s3kv.errors import (
     ConfigError,
@@ -30,7 +30,7 @@ from s3kv.errors import (
     Transient,
     UnsupportedFormat,
 )
-from s3kv.stores.base import ByteRange, ObjectStore
+from s3kv.stores.base import ByteRange, GetResult, ObjectStore
 
 T = TypeVar("T")
 
@@ -113,9 +113,6 @@ class ChunkCodec:
             level=self.level,
             keys=self.keys,
         )
-
-    def header_length(self, prefix: bytes | memoryview, where: str = "chunk") -> int:
-        return self.reader.header_length(prefix, where)
 
     def parse_header(self, data: bytes | memoryview, where: str = "chunk") -> codec.ChunkHeader:
         return self.reader.parse_header(data, where)
@@ -233,18 +230,6 @@ class _CheckedSink:
             raise _SinkFailed() from e
 
 
-@dataclass(frozen=True)
-class HeaderRead:
-    """An object's header, read and checked to be this engine's chunk."""
-
-    header: codec.ChunkHeader
-    data: bytes
-    """The object's first bytes: the header and whatever else the first GET brought."""
-    etag: str | None
-    size: int | None
-    """The whole object's size, where the store said."""
-
-
 @dataclass
 class _Reading:
     """One read of a chunk object: what a CorruptChunk must carry."""
@@ -295,19 +280,22 @@ async def _read_header(
     store: ObjectStore, chunk: ChunkId, chunk_codec: ChunkCodec, prefetch: int, r: _Reading
 ) -> HeaderRead:
     where = chunk.object_key
-    got = await store.get_buffer(where, ByteRange(0, max(prefetch, codec.PREFIX_LEN)))
-    r.etag, first = got.etag, got.data
-    need = chunk_codec.header_length(first, where)
-    if need > len(first):
-        first += (await store.get_buffer(where, ByteRange(len(first), need))).data
-    header = chunk_codec.parse_header(first, where)
-    chunk_codec.check(header, chunk.key_hex, where)
-    if len(first) > header.object_length or (got.size is not None and got.size != header.object_length):
+
+    async def get(start: int, end: int) -> GetResult:
+        got = await store.get_buffer(where, ByteRange(start, end))
+        if start == 0:
+            r.etag = got.etag
+        return got
+
+    head = await chunk_codec.reader.read_header(get, prefetch, where)
+    chunk_codec.check(head.header, chunk.key_hex, where)
+    length = head.header.object_length
+    if len(head.data) > length or (head.size is not None and head.size != length):
         raise CorruptChunk(
-            f"{where}: object is {got.size if got.size is not None else len(first)} bytes, "
-            f"its header says {header.object_length}"
+            f"{where}: object is {head.size if head.size is not None else len(head.data)} bytes, "
+            f"its header says {length}"
         )
-    return HeaderRead(header, first, got.etag, got.size)
+    return head
 
 
 async def read_header(

@@ -13,10 +13,10 @@ import threading
 import pytest
 
 from s3kv import descriptor
-from s3kv.chunk_reader import check_chunk
 from s3kv.connector.replica import metrics
 from s3kv.keys import Namespace, chain_keys, fingerprint, object_key, parse_object_key
 from s3kv.manifest import format as mf
+from s3kv.ops.chunks import check_chunk
 from tests.conftest import wait_until
 from tests.e2e.harness import (
     CHUNK_TOKENS,

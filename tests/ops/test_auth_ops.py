@@ -229,7 +229,7 @@ def bomb(declared: int) -> bytes:
 
 
 def test_verify_decodes_every_frame():
-    from s3kv.chunk_reader import check_chunk
+    from s3kv.ops.chunks import check_chunk
 
     good = codec.parse_header(chunk(1, None))
     blob = chunk(1, None)
@@ -272,8 +272,8 @@ def resigned(blob: bytes, keys: FleetKeys, frame: int) -> bytes:
 
 
 def test_verify_tells_unsigned_from_corrupt():
-    from s3kv.chunk_reader import check_chunk
     from s3kv.errors import Unsigned
+    from s3kv.ops.chunks import check_chunk
 
     keys = FleetKeys([SECRET])
     name = object_key(PREFIX, NS, key(1), 0)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from s3kv import codec, descriptor
+from s3kv import blosc2_format, codec, descriptor
 from s3kv.config import parse_config
 from s3kv.keys import Namespace, fingerprint, namespace_prefix, object_key
 from s3kv.ops import gc as gcmod
@@ -100,13 +100,13 @@ def zero_frames(ns: str, k: bytes, frames: int, raw: int, rank: int = 0) -> byte
 def decodes(monkeypatch) -> list[int]:
     """Every blosc2 frame decoded in this process, by its raw length."""
     seen: list[int] = []
-    real = codec._blosc2_decode
+    real = blosc2_format.decode_blosc2
 
     def counting(index, stored, raw_length, *rest):
         seen.append(raw_length)
         return real(index, stored, raw_length, *rest)
 
-    monkeypatch.setattr(codec, "_blosc2_decode", counting)
+    monkeypatch.setattr(blosc2_format, "decode_blosc2", counting)
     return seen
 
 

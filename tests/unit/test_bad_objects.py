@@ -24,7 +24,7 @@ from s3kv.stores.memory import MemoryStore
 from s3kv.testing.chunks import chunk_id
 from s3kv.tiering.chunks import ChunkCodec
 from s3kv.tiering.placement import Tier
-from tests.unit.test_codec import plugin_frame, special_frame, watch_python
+from tests.unit.test_blosc2_format import plugin_frame, special_frame, watch_python
 from tests.unit.test_transfer import (
     FMT,
     LAYERS,

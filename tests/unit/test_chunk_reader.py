@@ -2,6 +2,7 @@
 ``decode_chunk``) and as the engine reads (``ChunkCodec.decode``, a reader
 set to its pages)."""
 
+import asyncio
 import dataclasses
 
 import numpy as np
@@ -9,18 +10,10 @@ import pytest
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import (
-    MAX_UNDESCRIBED_RAW,
-    ChunkReader,
-    PageFormat,
-    check_bounds,
-    check_chunk,
-    check_chunk_head,
-    decode_chunk,
-)
-from s3kv.descriptor import ChunkPages
-from s3kv.errors import CorruptChunk, Unchecked, UnsupportedFormat
+from s3kv.chunk_reader import ChunkReader, PageFormat, check_chunk_head, decode_chunk
+from s3kv.errors import CorruptChunk, Precondition, UnsupportedFormat
 from s3kv.keys import object_key
+from s3kv.stores.base import GetResult
 from s3kv.tiering.chunks import ChunkCodec
 from tests.unit.test_codec import KEY, NS, OTHER, SECRET, _encode, _layers, _small, _with_version
 
@@ -164,32 +157,54 @@ def test_the_engine_refuses_frames_of_another_size_the_tools_bound_them():
         check_chunk_head("fleet/elsewhere", blob, len(blob))
 
 
-def test_the_ops_commands_decode_no_more_than_the_descriptors_pages(monkeypatch):
-    """``check_chunk`` with the pages a namespace's descriptor names (3
-    layers of 4096 bytes, chunks of 64 tokens) reads what the engine reads;
-    frames of other pages are corrupt, a chunk of another size is not
-    decoded (Unchecked, never deleted), nor, without a descriptor, one
-    claiming more than MAX_UNDESCRIBED_RAW; none of them decodes a frame."""
-    decoded: list[int] = []
-    real = codec.decode_frame
-    monkeypatch.setattr(codec, "decode_frame", lambda h, i, *a, **k: decoded.append(i) or real(h, i, *a, **k))
-    pages = ChunkPages(num_layers=3, tokens=64, layer_bytes=4096)
-    name = object_key("fleet", NS, bytes.fromhex(KEY), 0)
+class _Ranged:
+    """Ranged GETs of ``blob`` (cut short past its end, as stores do), each recorded."""
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob, self.gets = blob, []
+
+    async def __call__(self, start: int, end: int) -> GetResult:
+        self.gets.append((start, end))
+        return GetResult(self.blob[start:end], "etag-1", len(self.blob))
+
+
+def test_read_header_reads_a_header_in_one_get_or_two_and_no_more():
+    """``read_header``: one GET where the first bytes hold the header, a
+    second for the rest of a longer one; a header longer than the reader's
+    bound is refused after the first GET, unread; with keys only a signed
+    header passes. What the caller's GET raises passes as it is."""
     blob = _encode()
-    assert check_chunk(name, blob, pages=pages).raw_bytes == 3 * 4096 and decoded == [0, 1, 2]
-    decoded.clear()
-    for other, error, match in (
-        (ChunkPages(2, 64, 4096), CorruptChunk, "3 layers, this model has 2"),
-        (ChunkPages(3, 64, 2048), CorruptChunk, "a layer's pages are 2048 bytes"),
-        (ChunkPages(3, 128, 8192), Unchecked, "chunk of 64 tokens; its namespace's descriptor names .* 128"),
+    need = codec.header_length(blob)
+    short = _Ranged(blob)
+    got = asyncio.run(ChunkReader().read_header(short, 1 << 20))
+    assert short.gets == [(0, 1 << 20)] and got.data == blob and (got.etag, got.size) == ("etag-1", len(blob))
+    assert got.header == codec.parse_header(blob)
+    long = _Ranged(blob)
+    got = asyncio.run(ChunkReader().read_header(long, 64))
+    assert long.gets == [(0, 64), (64, need)] and got.data == blob[:need]
+    assert got.header == codec.parse_header(blob)
+    assert asyncio.run(ChunkReader().read_header(_Ranged(blob), 1)).header.key == KEY  # a whole prefix first
+    engine = ChunkReader(num_layers=3, fmt=FMT)
+    claims = bytearray(blob)
+    claims[8:12] = (engine.max_header + 1).to_bytes(4, "little")  # the prefix's header length
+    bounded = _Ranged(bytes(claims))
+    with pytest.raises(
+        CorruptChunk, match=f"header length {engine.max_header + 1} exceeds {engine.max_header}"
     ):
-        with pytest.raises(error, match=match):
-            check_chunk(name, blob, pages=other)
-    header = codec.parse_header(blob)
-    wide = dataclasses.replace(header, frames=(codec.Frame(header.frames[0].offset, 10, 256 << 20, 0),) * 5)
-    with pytest.raises(Unchecked, match=f"more than the {MAX_UNDESCRIBED_RAW}"):
-        check_bounds(name, wide, None)
-    assert decoded == []
+        asyncio.run(engine.read_header(bounded, 64, "chunk"))
+    assert bounded.gets == [(0, 64)]
+    keys = FleetKeys([SECRET])
+    with pytest.raises(CorruptChunk, match="unsigned object"):
+        asyncio.run(ChunkReader(keys).read_header(_Ranged(_small()), 1 << 10))
+    assert asyncio.run(ChunkReader(keys).read_header(_Ranged(_small(keys)), 1 << 10)).header.signed
+
+    async def refused(start: int, end: int) -> GetResult:
+        if start:
+            raise Precondition("x")
+        return GetResult(blob[start:end])
+
+    with pytest.raises(Precondition):
+        asyncio.run(ChunkReader().read_header(refused, 64))
 
 
 class _TargetSink:
