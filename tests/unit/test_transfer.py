@@ -572,6 +572,40 @@ def test_write_through_runs_at_background_priority(tmp_path):
     e.close(0.1)
 
 
+def test_the_job_loops_timers_and_bounds_run_on_its_clock():
+    """The loop's timers (asyncio sleeps and timeouts) and the bounds of
+    drain and close are on the clock it was given: a clock that stands
+    still holds them, and they end once it has moved past them."""
+    from s3kv.tiering.loop import JobLoop
+
+    clock = FakeClock()
+    jobs = JobLoop("t", 1, clock)
+    try:
+        sleeping = jobs.submit(asyncio.sleep(3600.0))  # an hour: no real time would do
+        for _ in range(3):
+            jobs.run(asyncio.sleep(0), timeout=60)
+        assert not sleeping.done()  # no time passed on the clock
+        clock.now += 3600.0
+        jobs.run(asyncio.sleep(0), timeout=60)  # wakes the loop
+        assert sleeping.result(timeout=60) is None
+        jobs.track(asyncio.Event().wait())  # a job that never ends
+        drained = []
+        draining = threading.Thread(target=lambda: drained.append(jobs.drain(0.5)))
+        draining.start()
+        wait_until("the drain to take its time", lambda: draining.ident in clock.readers)
+        assert drained == []
+        clock.now += 0.5
+        draining.join(60)
+        assert drained == [False]
+    finally:
+        closing = threading.Thread(target=jobs.close, args=(0.2,))
+        closing.start()
+        wait_until("the close to take its time", lambda: closing.ident in clock.readers)
+        clock.now += 0.2
+        closing.join(60)
+    assert not closing.is_alive()
+
+
 def test_write_through_threads_leave_the_forward_a_core(monkeypatch):
     """Encoding is paced to the cores a forward leaves: on two cores one
     write-through thread, with more cores half the codec threads."""
