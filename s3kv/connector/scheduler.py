@@ -396,7 +396,7 @@ class SchedulerSide:
     def on_arrival(self, request: Request) -> None:
         """A request entered vLLM's queue: prefetch what only S3 holds of its hit."""
         planner = self.planner
-        if planner is None or not planner.prefetch_bytes or request.prompt_token_ids is None:
+        if planner is None or not planner.prefetcher.enabled or request.prompt_token_ids is None:
             return
         adapter = None
         if request.lora_request is not None:

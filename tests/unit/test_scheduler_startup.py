@@ -165,7 +165,7 @@ def test_a_default_prefetch_budget_smaller_than_a_chunk_becomes_one_chunk(tmp_pa
     config = parse_config({"write_policy": "local_only", "disk_path": str(tmp_path)})
     s = SchedulerSide(config, big, failure_policy="recompute", model="unit")
     try:
-        assert s.planner.prefetch_bytes == big.shard_bytes(256) == 4 << 30
+        assert s.planner.prefetcher.budget_bytes == big.shard_bytes(256) == 4 << 30
         assert "prefetch_bytes' default (1.0 GiB) holds no chunk" in caplog.text
     finally:
         s.shutdown()

@@ -34,7 +34,9 @@ from s3kv.tiering.plan import (
     TierReport,
 )
 from s3kv.tiering.scheduler.cost import CostModel
-from s3kv.tiering.scheduler.keychain import ChainKeys, ExtrasFn, PrefixIds
+from s3kv.tiering.scheduler.keychain import ChainKeys, ExtrasFn, Keyed, PrefixIds
+from s3kv.tiering.scheduler.loads import LoadsInFlight
+from s3kv.tiering.scheduler.prefetch import Prefetcher
 from s3kv.tiering.scheduler.ranks import RankCount
 from s3kv.tiering.scheduler.stack import TierStack
 from s3kv.tiering.tiers.base import TierEvents, TierManager
@@ -72,15 +74,6 @@ class _Request:
     """vLLM asked for its hit (a request known from its arrival alone was not yet)."""
     waited: bool = False
     """A lookup of it waited for its prefetch (counted once)."""
-    queued: int = 0
-    """Chunks of its prefetch waiting for the budget (as last counted)."""
-
-
-@dataclass
-class _Prefetch:
-    started: float
-    tiers: set[Tier]
-    """The nearer tiers whose copy every rank has yet to report."""
 
 
 class Planner:
@@ -125,30 +118,25 @@ class Planner:
         self._async_loading: set[str] = set()
         self.cost = cost
         """The load policy and its estimates (None: every hit is offered, nothing is timed)."""
-        self._load_started: dict[str, float] = {}
-        """Asynchronous loads planned, by request: when (the cost model's round trip)."""
-        self._load_took: dict[str, float] = {}
-        """Asynchronous loads' own time on rank 0, by request, until vLLM hears they finished."""
-        self._loading: dict[str, dict[Tier, int]] = {}
-        """Chunks of each planned load by tier, until it is over on every rank."""
-        self._inflight: dict[Tier, int] = {}
-        """Their sum: the chunks a new load shares each tier with (the cost model)."""
+        self._loads = LoadsInFlight(cost)
         self._to_compute: dict[str, int] = {}
         """Prompt tokens each request vLLM runs, or looked up, has yet to
         compute: the prefill a request looked up after them waits behind."""
-        self.chunk_bytes = chunk_bytes
-        """Raw KV bytes of one chunk shard."""
-        self.prefetch_bytes = prefetch_bytes
-        self.prefetch_wait_s = prefetch_wait_s
-        """A prefetch that no report ended after this long (a lost report) is forgotten."""
-        self._clock = clock
-        self._prefetching: dict[bytes, _Prefetch] = {}
-        """Chunks being prefetched into nearer tiers, by key."""
-        self._pending_prefetch: list[LoadPlan] = []
-        self._prefetch_queue: dict[str, None] = {}
-        """Requests with chunks to prefetch once the budget allows, oldest first."""
-        self._arrived: list[str] = []
-        """Requests queued for prefetch since the last step was planned."""
+        self.prefetcher = Prefetcher(
+            self.stack,
+            self.chain,
+            self._requests,
+            self._remember,
+            chunk_bytes=chunk_bytes,
+            budget_bytes=prefetch_bytes,
+            wait_s=prefetch_wait_s,
+            counters=self.counters,
+            clock=clock,
+        )
+        """Fetches what only S3 holds of arriving requests' hits into the
+        nearer tiers (``prefetch_bytes`` of ``chunk_bytes`` shards at most
+        in flight; one whose report is lost is forgotten after
+        ``prefetch_wait_s``)."""
 
     @classmethod
     def from_config(
@@ -245,23 +233,21 @@ class Planner:
         n_chunks = num_tokens // ct
         start = num_computed_tokens // ct
         if start >= n_chunks:
-            if self._prefetch_queue:
-                self._leave_prefetch_queue(req_id)  # vLLM holds all of it: nothing to fetch
+            self.prefetcher.leave(req_id)  # vLLM holds all of it: nothing to fetch
             return 0, False
         keys = self.chain.extend(req, n_chunks)
-        if self._prefetching and self._awaits_prefetch(keys, start, n_chunks):
+        if self.prefetcher.awaits(keys, start, n_chunks):
             if not req.waited:
                 req.waited = True
                 self.counters.add("prefetch_waits")
             return None, False
-        if self._prefetch_queue:
-            self._leave_prefetch_queue(req_id)  # scheduled now: it loads the rest itself
+        self.prefetcher.leave(req_id)  # scheduled now: it loads the rest itself
         hit = self.stack.hits(req_id, keys, req.fps, start, n_chunks)
         whole, _ = self._offer(hit, start, num_tokens, num_computed_tokens)
         if self.cost is not None and hit:
-            inflight = self._inflight
-            if self._prefetching:  # prefetches share S3 with the loads
-                inflight = {**inflight, Tier.S3: inflight.get(Tier.S3, 0) + len(self._prefetching)}
+            inflight = self._loads.by_tier
+            if self.prefetcher.in_flight:  # prefetches share S3 with the loads
+                inflight = {**inflight, Tier.S3: inflight.get(Tier.S3, 0) + self.prefetcher.in_flight}
             decision = self.cost.choose(
                 [m.tier for m in hit],
                 [m.sync_load for m in hit],
@@ -313,113 +299,14 @@ class Planner:
         prefix_ids: PrefixIds | None = None,
     ) -> None:
         """A request arrived: fetch the chunks of its hit that only a remote
-        tier (S3) holds into the nearer tiers (as a load's promotions are),
-        so that once vLLM schedules it the hit is local. The fetch is
-        planned with the step (:meth:`plan_step`), after vLLM's lookups: a
-        request that vLLM looks up in the step it arrived in (an idle
-        replica schedules it at once) leaves the queue and loads by itself,
-        for a prefetch would only put a copy and a second load before its
-        first token. No more than ``prefetch_bytes`` of chunk shards are in
-        flight: requests queue for the budget in arrival order (the head of
-        vLLM's queue first), and one vLLM schedules before its turn loads by
-        itself. Its lookups wait for chunks in flight."""
-        if self.prefetch_bytes <= 0 or self.chunk_bytes <= 0:
+        tier (S3) holds into the nearer tiers, planned with the next step
+        (:class:`Prefetcher`); its lookups wait for chunks in flight."""
+        if not self.prefetcher.enabled:
             return
         req = self._request(req_id, token_ids, num_tokens, num_prompt_tokens, extras, prefix_ids)
         if num_tokens // self.chunk_tokens == 0 or req.load_failed:
             return
-        self._prefetch_queue[req_id] = None
-        self._arrived.append(req_id)
-
-    def _start_arrived(self) -> None:
-        """Plan the prefetches of the requests that arrived since the last
-        step and are still waiting (vLLM did not schedule them); count the
-        chunks that wait for the budget."""
-        arrived, self._arrived = self._arrived, []
-        self._start_prefetches()
-        for req_id in arrived:
-            req = self._requests.get(req_id)
-            if req is None or req_id not in self._prefetch_queue:  # scheduled, finished, or all started
-                continue
-            if not req.queued:  # (behind another request: not looked at yet)
-                _, req.queued = self._prefetch_chunks(req_id, req, 0, self._clock())
-            self.counters.add("prefetch_chunks_queued", req.queued)
-
-    def _start_prefetches(self) -> None:
-        """Plan the queued requests' chunks, first come first served, while
-        the budget lasts."""
-        now = self._clock()
-        for key in [k for k, f in self._prefetching.items() if now - f.started > self.prefetch_wait_s]:
-            del self._prefetching[key]  # its report never came
-        budget = self.prefetch_bytes // self.chunk_bytes - len(self._prefetching)
-        for req_id in list(self._prefetch_queue):
-            req = self._requests.get(req_id)
-            if req is None or req.load_failed:
-                del self._prefetch_queue[req_id]
-                continue
-            chunks, left = self._prefetch_chunks(req_id, req, budget, now)
-            budget -= len(chunks)
-            if chunks:
-                self._pending_prefetch.append(LoadPlan(req_id, tuple(chunks), False))
-                self.counters.add("prefetch_chunks_started", len(chunks))
-            req.queued = left
-            if left:
-                break  # its turn is not over: the next wait behind it
-            del self._prefetch_queue[req_id]
-
-    def _prefetch_chunks(
-        self, req_id: str, req: _Request, budget: int, now: float
-    ) -> tuple[list[LoadChunk], int]:
-        """(up to ``budget`` chunks of the request's hit to prefetch now,
-        chunks left to prefetch beyond them)."""
-        n_chunks = len(req.token_ids) // self.chunk_tokens
-        n_chunks = min(n_chunks, req.num_prompt_tokens // self.chunk_tokens)
-        keys = self.chain.extend(req, n_chunks)
-        owner = ("prefetch", req_id)
-        hit = self.stack.hits(owner, keys, req.fps, 0, n_chunks)
-        self.stack.release(owner)  # a prefetch is never a breaker's probe
-        chunks: list[LoadChunk] = []
-        left = 0
-        for c, m in enumerate(hit):
-            key = keys[c]
-            if not m.remote or key in self._prefetching or (m.breaker is not None and not m.breaker.closed):
-                continue
-            if len(chunks) >= budget:
-                left += 1
-                continue
-            sources, up = self.stack.load(key, m, m.prepare_load(key), True)
-            if not up:  # no room nearer
-                continue
-            self._prefetching[key] = _Prefetch(now, {p.tier for p in up})
-            self._remember(req, c)
-            chunks.append(LoadChunk(key, (), 0, 0, sources, up))
-        return chunks, left
-
-    def _leave_prefetch_queue(self, req_id: str) -> None:
-        """vLLM scheduled (or dropped) the request: what it did not prefetch it loads itself."""
-        if self._prefetch_queue.pop(req_id, False) is not False:
-            req = self._requests.get(req_id)
-            if req is not None and req.queued:
-                self.counters.add("prefetch_chunks_skipped", req.queued)
-                req.queued = 0
-
-    def _awaits_prefetch(self, keys: Sequence[bytes], start: int, end: int) -> bool:
-        now = self._clock()
-        for c in range(start, end):
-            f = self._prefetching.get(keys[c])
-            if f is not None and now - f.started <= self.prefetch_wait_s:
-                return True
-        return False
-
-    def _prefetched(self, decided: dict[Tier, list[tuple[bytes, bool]]]) -> None:
-        """Copies every rank reported: a prefetch is over once each of its tiers heard."""
-        for tier, writes in decided.items():
-            for key, _ in writes:
-                f = self._prefetching.get(key)
-                if f is not None:
-                    f.tiers.discard(tier)
-                    if not f.tiers:
-                        del self._prefetching[key]
+        self.prefetcher.arrive(req_id)
 
     # -- allocation ---------------------------------------------------------------
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -464,13 +351,9 @@ class Planner:
         plan = LoadPlan(req_id, tuple(chunks), not req.load_async)
         self._pending_loads.append(plan)
         self._load_pins[req_id] = pins
-        self._count_loading(req_id, [m.tier for m in tiers])
+        self._loads.planned(req_id, [m.tier for m in tiers], req.load_async)
         if req.load_async:
             self._async_loading.add(req_id)
-            if self.cost is not None:
-                if len(self._load_started) > 4096:  # loads vLLM never told the end of
-                    self._load_started.clear()
-                self._load_started[req_id] = self.cost.clock()
 
     def hit_sources(self, req_id: str) -> dict[Tier, int]:
         """Tokens of the request's planned load, by tier."""
@@ -479,16 +362,14 @@ class Planner:
 
     # -- per step ------------------------------------------------------------------
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
-        if self._arrived:
-            self._start_arrived()
+        self.prefetcher.start_arrived()
         plan = StepPlan(
             loads=self._pending_loads,
             stores=self._pending_stores,
             held=self._pending_held,
-            prefetch=self._pending_prefetch,
+            prefetch=self.prefetcher.take(),
         )
         self._pending_loads, self._pending_stores, self._pending_held = [], [], []
-        self._pending_prefetch = []
         tokens, context = 0, 0
         for s in scheduled:
             tokens += s.num_scheduled_tokens
@@ -543,8 +424,7 @@ class Planner:
         req = self._requests.get(req_id)
         if req is None:
             return False
-        if self._prefetch_queue:
-            self._leave_prefetch_queue(req_id)
+        self.prefetcher.leave(req_id)
         if req_id in self._async_loading:
             # Aborted while loading: vLLM holds the blocks until the load is
             # over, and they do not hold valid KV yet. Nothing to store. (A
@@ -574,11 +454,7 @@ class Planner:
         synchronous ones): what they read may be evicted again."""
         for req_id in req_ids:
             self._async_loading.discard(req_id)
-            self._count_loading(req_id, None)
-            started = self._load_started.pop(req_id, None)
-            took = self._load_took.pop(req_id, None)
-            if self.cost is not None and started is not None and took is not None:
-                self.cost.observe_round_trip(self.cost.clock() - started - took)
+            self._loads.over(req_id)
             for m, key in self._load_pins.pop(req_id, []):
                 m.complete_load(key)
             # Its tiers' breakers heard how it went (a success closes one, a
@@ -594,12 +470,8 @@ class Planner:
         (not answering, throttled, too slow) and no other tier's."""
         decided = self.ranks.writes(report)
         self.stack.on_report(report, decided)
-        if self._prefetching:
-            self._prefetched(decided)
-            if self._prefetch_queue:
-                self._start_prefetches()  # the budget some of them took is free again
-        if self.cost is not None:
-            self._observe(report)
+        self.prefetcher.reported(decided)  # the budget some of them took is free again
+        self._loads.observe(report)
         for key, n in report.released.items():  # ranks no longer read the store's staging place
             if self.ranks.count(("release", key), n):
                 self.stack.released(key)
@@ -612,34 +484,8 @@ class Planner:
                 req.load_failed = True
         self.stack.end_report(report)
 
-    def _observe(self, report: TierReport) -> None:
-        """Rank 0's timings, into the cost model."""
-        assert self.cost is not None
-        for t in report.load_timings:
-            self.cost.observe_load(t.tier, t.chunks, t.first_s, t.last_s, t.others)
-            if t.req_id in self._load_started:  # its round trip ends when vLLM hears of it
-                took = t.last_s if t.load_s is None else t.load_s
-                self._load_took[t.req_id] = max(self._load_took.get(t.req_id, 0.0), took)
-        for st in report.step_timings:
-            self.cost.observe_step(st.tokens, st.context, st.seconds)
-
-    def _count_loading(self, req_id: str, tiers: Sequence[Tier] | None) -> None:
-        """A load of chunks from ``tiers`` was planned (None: it is over)."""
-        for tier, n in self._loading.pop(req_id, {}).items():
-            self._inflight[tier] -= n
-        if tiers is None or self.cost is None:
-            return
-        if len(self._loading) > 4096:  # loads vLLM never told the end of
-            self._loading.clear()
-            self._inflight.clear()
-        counts: dict[Tier, int] = {}
-        for t in tiers:
-            counts[t] = counts.get(t, 0) + 1
-            self._inflight[t] = self._inflight.get(t, 0) + 1
-        self._loading[req_id] = counts
-
     # -- KV events -------------------------------------------------------------
-    def _remember(self, req: _Request, c: int) -> None:
+    def _remember(self, req: Keyed, c: int) -> None:
         """Keep what a chunk's BlockStored event needs until it is written."""
         if self.events.enabled:
             ct = self.chunk_tokens
