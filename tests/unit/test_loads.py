@@ -1,4 +1,4 @@
-"""The loads in flight as the cost model hears of them
+"""The work in flight the cost model weighs a load against
 (:mod:`s3kv.tiering.scheduler.loads`), on their own; inside the planner,
 see test_cost.py."""
 
@@ -7,7 +7,7 @@ import pytest
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadTiming, StepTiming, TierReport
 from s3kv.tiering.scheduler.cost import CostModel
-from s3kv.tiering.scheduler.loads import LoadsInFlight
+from s3kv.tiering.scheduler.loads import LoadsInFlight, PrefillBacklog
 from tests.unit.test_cost import Clock
 from tests.unit.test_planner import SHARD
 
@@ -52,3 +52,15 @@ def test_without_a_cost_model_nothing_is_counted():
     loads.observe(TierReport(load_timings=[LoadTiming("a", Tier.S3, 1, 0.3, 0.6)]))
     loads.over("a")
     assert loads.by_tier == {}
+
+
+def test_the_prefill_backlog_is_what_the_other_requests_have_left_to_compute():
+    backlog = PrefillBacklog()
+    backlog.set("a", 300)
+    backlog.set("b", 200)
+    assert backlog.ahead_of("a") == 200 and backlog.ahead_of("b") == 300 and backlog.ahead_of("new") == 500
+    backlog.set("a", 100)  # a step computed some of it
+    assert backlog.ahead_of("b") == 100
+    backlog.set("a", 0)  # all of it
+    backlog.set("gone", 0)
+    assert backlog.ahead_of("b") == 0 and backlog.ahead_of("new") == 200

@@ -1,8 +1,9 @@
-"""The loads the planner planned and that are not over yet, as the cost
-model (:mod:`s3kv.tiering.scheduler.cost`) hears of them: the chunks each
-tier has in flight (a new load shares the tier with them), and the round
-trip of an asynchronous load (from its plan to when vLLM hears it is over,
-less rank 0's own time loading it)."""
+"""The work in flight that the cost model (:mod:`s3kv.tiering.scheduler.cost`)
+weighs a load against: the loads the planner planned and that are not
+over yet (the chunks each tier has in flight: a new load shares the tier
+with them; the round trip of an asynchronous load, from its plan to when
+vLLM hears it is over, less rank 0's own time loading it), and the
+prefill backlog a new request waits behind."""
 
 from __future__ import annotations
 
@@ -72,3 +73,22 @@ class LoadsInFlight:
                 self._took[t.req_id] = max(self._took.get(t.req_id, 0.0), took)
         for st in report.step_timings:
             self.cost.observe_step(st.tokens, st.context, st.seconds)
+
+
+class PrefillBacklog:
+    """Prompt tokens each request vLLM runs, or looked up, has yet to
+    compute: the prefill a request looked up after them waits behind."""
+
+    def __init__(self) -> None:
+        self._left: dict[str, int] = {}
+
+    def set(self, req_id: str, tokens: int) -> None:
+        """The request has ``tokens`` left to compute (none: it is off the backlog)."""
+        if tokens > 0:
+            self._left[req_id] = tokens
+        else:
+            self._left.pop(req_id, None)
+
+    def ahead_of(self, req_id: str) -> int:
+        """Tokens the other requests have left to compute."""
+        return sum(self._left.values()) - self._left.get(req_id, 0)

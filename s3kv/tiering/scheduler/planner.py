@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.keys import Namespace
-from s3kv.manifest.keyset import EMPTY
 from s3kv.stats import Counters
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import (
@@ -35,45 +31,12 @@ from s3kv.tiering.plan import (
 )
 from s3kv.tiering.scheduler.cost import CostModel
 from s3kv.tiering.scheduler.keychain import ChainKeys, ExtrasFn, Keyed, PrefixIds
-from s3kv.tiering.scheduler.loads import LoadsInFlight
+from s3kv.tiering.scheduler.loads import LoadsInFlight, PrefillBacklog
 from s3kv.tiering.scheduler.prefetch import Prefetcher
 from s3kv.tiering.scheduler.ranks import RankCount
+from s3kv.tiering.scheduler.requests import RequestState
 from s3kv.tiering.scheduler.stack import TierStack
 from s3kv.tiering.tiers.base import TierEvents, TierManager
-
-
-@dataclass
-class _Request:
-    token_ids: Sequence[int]
-    """The request's tokens so far (vLLM's live list: prompt, then output)."""
-    num_prompt_tokens: int
-    extras: ExtrasFn | None
-    prefix_ids: PrefixIds | None = None
-    keys: list[bytes] = field(default_factory=list)
-    fps: np.ndarray = field(default_factory=lambda: EMPTY)
-    """Fingerprints of ``keys``, for the manifest's vectorised lookup."""
-    local_tokens: int = 0
-    hit_start: int = 0
-    """First chunk of the last lookup's hit (chunks below are local)."""
-    hit: list[TierManager] = field(default_factory=list)
-    """Tier of each chunk of the hit, from ``hit_start``."""
-    hit_tokens: dict[Tier, int] = field(default_factory=dict)
-    stored_until: int = 0
-    """Chunks below this index are stored or planned."""
-    loaded: range = range(0)
-    """Chunks planned to load from a tier: they are not stored from the KV
-    cache again (promotion copies them up from what was loaded and checked)."""
-    load_async: bool = False
-    """What the last lookup told vLLM: an asynchronous load."""
-    load_failed: bool = False
-    """A load for this request failed: vLLM recomputes it, and asking again
-    (vLLM does when nothing was computed) would only fail again."""
-    decided: bool = False
-    """The load policy's first decision on it was counted."""
-    looked_up: bool = False
-    """vLLM asked for its hit (a request known from its arrival alone was not yet)."""
-    waited: bool = False
-    """A lookup of it waited for its prefetch (counted once)."""
 
 
 class Planner:
@@ -108,7 +71,7 @@ class Planner:
         self.stack = TierStack(tiers, self.counters, self.events)
         self.promote = promote
         self.save_generated = save_generated
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._pending_loads: list[LoadPlan] = []
         self._pending_stores: list[StoreChunk] = []
         self._pending_held: list[str] = []
@@ -119,9 +82,7 @@ class Planner:
         self.cost = cost
         """The load policy and its estimates (None: every hit is offered, nothing is timed)."""
         self._loads = LoadsInFlight(cost)
-        self._to_compute: dict[str, int] = {}
-        """Prompt tokens each request vLLM runs, or looked up, has yet to
-        compute: the prefill a request looked up after them waits behind."""
+        self._backlog = PrefillBacklog()
         self.prefetcher = Prefetcher(
             self.stack,
             self.chain,
@@ -133,10 +94,7 @@ class Planner:
             counters=self.counters,
             clock=clock,
         )
-        """Fetches what only S3 holds of arriving requests' hits into the
-        nearer tiers (``prefetch_bytes`` of ``chunk_bytes`` shards at most
-        in flight; one whose report is lost is forgotten after
-        ``prefetch_wait_s``)."""
+        """Fetches what only S3 holds of arriving requests' hits into the nearer tiers."""
 
     @classmethod
     def from_config(
@@ -171,11 +129,6 @@ class Planner:
             prefetch_wait_s=config.load_timeout_s + 5.0,
         )
 
-    @property
-    def tiers(self) -> tuple[TierManager, ...]:
-        """The tiers' managers, nearest first."""
-        return self.stack.tiers
-
     def tier(self, tier: Tier) -> TierManager | None:
         """The manager of ``tier``, or None when it is off."""
         return self.stack.get(tier)
@@ -193,11 +146,11 @@ class Planner:
         num_prompt_tokens: int | None,
         extras: ExtrasFn | None,
         prefix_ids: PrefixIds | None,
-    ) -> _Request:
+    ) -> RequestState:
         req = self._requests.get(req_id)
         if req is None:
             prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
-            req = self._requests[req_id] = _Request(token_ids, prompt, extras, prefix_ids)
+            req = self._requests[req_id] = RequestState(token_ids, prompt, extras, prefix_ids)
         req.token_ids = token_ids
         return req
 
@@ -225,8 +178,8 @@ class Planner:
         req.looked_up = True
         req.local_tokens = num_computed_tokens
         req.hit = []
-        ahead = sum(self._to_compute.values()) - self._to_compute.get(req_id, 0)
-        self._to_compute[req_id] = num_tokens - num_computed_tokens  # until a load is offered
+        ahead = self._backlog.ahead_of(req_id)
+        self._backlog.set(req_id, num_tokens - num_computed_tokens)  # until a load is offered
         if req.load_failed:
             return 0, False
         ct = self.chunk_tokens
@@ -272,7 +225,7 @@ class Planner:
             self.counters.add("load_policy_tokens_offered", n)
             self.counters.add("load_policy_tokens_declined", whole - n)
         req.load_async = n > 0 and not sync
-        self._to_compute[req_id] -= n
+        self._backlog.set(req_id, num_tokens - num_computed_tokens - n)
         return (n, not sync) if n > 0 else (0, False)
 
     def _offer(
@@ -379,17 +332,14 @@ class Planner:
             done = s.num_computed_tokens + s.num_scheduled_tokens
             if s.num_computed_tokens < req.num_prompt_tokens and s.num_scheduled_tokens:
                 context = max(context, done)  # a prefill
-            if done < req.num_prompt_tokens:
-                self._to_compute[s.req_id] = req.num_prompt_tokens - done
-            else:
-                self._to_compute.pop(s.req_id, None)
+            self._backlog.set(s.req_id, req.num_prompt_tokens - done)
             plan.stores += self._plan_stores(req, done, s.block_ids)
         if self.cost is not None and tokens:
             plan.step = StepTokens(tokens, context)
         return plan
 
     def _plan_stores(
-        self, req: _Request, done_tokens: int, block_ids: Callable[[], Sequence[int]]
+        self, req: RequestState, done_tokens: int, block_ids: Callable[[], Sequence[int]]
     ) -> list[StoreChunk]:
         """Stores of the request's full chunks computed by ``done_tokens``
         whose token ids are known, and not yet in every tier."""
@@ -420,7 +370,7 @@ class Planner:
         """The request is done. Plan stores of its last full chunks (those
         holding generated tokens) for the next step; True if vLLM must keep
         its blocks until that step's copies are done."""
-        self._to_compute.pop(req_id, None)
+        self._backlog.set(req_id, 0)
         req = self._requests.get(req_id)
         if req is None:
             return False
