@@ -19,16 +19,16 @@ import dataclasses
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from s3kv import descriptor
 from s3kv.auth import FleetKeys
-from s3kv.config import DEFAULTS, LOAD_POLICIES, S3KVConfig
+from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
+from s3kv.connector.requests import RequestReader
 from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, Transient
-from s3kv.identity import DigestCache, content_digest, resolve_identity
+from s3kv.identity import DigestCache, resolve_identity
 from s3kv.keys import Namespace, namespace_prefix, object_key
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest.protocol import manifest_prefix
@@ -52,22 +52,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("s3kv.scheduler")
-
-POLICY_PARAM = "s3kv_load_policy"
-"""The key of a request's ``kv_transfer_params`` that overrides ``load_policy`` for it."""
-EXCERPT_CHARS = 40
-"""How much of a request's bad parameter a warning quotes (a client may send megabytes)."""
-
-
-def _excerpt(value: Any) -> str:
-    """A bounded excerpt of a client's value, for a log line: its cost and
-    length do not grow with the value."""
-    if isinstance(value, str):
-        more = f"... ({len(value)} characters)" if len(value) > EXCERPT_CHARS else ""
-        return repr(value[:EXCERPT_CHARS]) + more
-    if isinstance(value, (list, tuple, dict)):
-        return f"a {type(value).__name__} of {len(value)} items"
-    return repr(value)[:EXCERPT_CHARS]
 
 
 def _check_prefetch(config: S3KVConfig, shard_bytes: int) -> S3KVConfig:
@@ -97,59 +81,6 @@ STARTUP_WAIT_S = 5.0
 that a fresh replica's first requests already hit; what takes longer (a
 first start hashing a large model's weights) goes on in the background
 while vLLM serves without the cache."""
-
-
-def _extras_fn(request: Request, adapter_digest: str | None) -> Any:
-    """vLLM's own extra block-hash keys (LoRA, multimodal, cache_salt, prompt
-    embeddings) for a token range, or None when the request has none. The
-    LoRA key names the adapter by its content digest, not its name and path."""
-    if not (
-        request.lora_request or request.mm_features or request.cache_salt or request.prompt_embeds is not None
-    ):
-        return None
-    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
-
-    def extras(start: int, end: int) -> Any:
-        keys = generate_block_hash_extra_keys(request, start, end, 0)[0]
-        if keys and adapter_digest is not None:
-            keys = tuple(
-                ("lora", adapter_digest) if isinstance(k, tuple) and k and k[0] == "lora" else k for k in keys
-            )
-        return keys
-
-    return extras
-
-
-class AdapterDigests:
-    """LoRA adapters' content digests, hashed in the background on first
-    sight: until an adapter's digest is known, its requests are unkeyed."""
-
-    def __init__(self, cache: DigestCache | None) -> None:
-        self._cache = cache
-        self._known: dict[tuple[str, int, str], str | None] = {}
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3kv-adapter-hash")
-
-    def get(self, lora: Any) -> str | None:
-        """The adapter's digest, or None while it is being hashed (or could not be)."""
-        ident = (str(lora.lora_name), int(lora.lora_int_id), str(lora.lora_path))
-        if ident in self._known:
-            return self._known[ident]
-        self._known[ident] = None
-        self._executor.submit(self._hash, ident)
-        return None
-
-    def _hash(self, ident: tuple[str, int, str]) -> None:
-        try:
-            self._known[ident] = "adapter:" + content_digest(Path(ident[2]), self._cache)
-        except Exception as e:
-            log.error(
-                "s3kv: LoRA adapter %s cannot be hashed (%s); its requests are served without the cache",
-                ident[0],
-                e,
-            )
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class SchedulerSide:
@@ -183,12 +114,9 @@ class SchedulerSide:
         self._nvme: NvmeTierManager | None = None
         self._s3_tier: S3TierManager | None = None
         self._cleaner: DiskCleaner | None = None
-        self._unkeyed: dict[str, None] = {}
-        self._bad_policies: set[str] = set()
-        self._policies: dict[str, str | None] = {}
-        """Each request's own load policy, read once (:meth:`_request_policy`)."""
         self._digests = digest_cache if digest_cache is not None else DigestCache()
-        self._adapters = AdapterDigests(self._digests)
+        self.requests = RequestReader(layout.block_size, config.chunk_tokens, self._digests, self.counters)
+        """Reads each request's keying and load policy."""
         self.kv_cache_manager: KVCacheManager | None = None
         if failure_policy != "recompute":
             log.warning(
@@ -334,19 +262,9 @@ class SchedulerSide:
         if request.prompt_token_ids is None:  # prompt embeddings only: nothing to key on
             return 0, False
         planner = self.planner
-        adapter = None
-        pending = "model" if planner is None else None
-        if pending is None and request.lora_request is not None:
-            adapter = self._adapters.get(request.lora_request)
-            pending = "adapter" if adapter is None else None
-        if pending is not None:  # no hits, and (the planner not knowing it) no stores
-            if request.request_id not in self._unkeyed:
-                if len(self._unkeyed) > 4096:
-                    self._unkeyed.clear()
-                self._unkeyed[request.request_id] = None
-                self.counters.add(f"unkeyed_requests_{pending}")
-                self.counters.add("lookup_requests")
-                self.counters.add("lookup_tokens", request.num_prompt_tokens)
+        keying = self.requests.keying(request) if planner is not None else None
+        if keying is None:  # no hits, and (the planner not knowing it) no stores
+            self.requests.unkeyed(request, "model" if planner is None else "adapter")
             return 0, False
         assert planner is not None
         if not planner.knows(request.request_id):
@@ -357,74 +275,28 @@ class SchedulerSide:
             request.all_token_ids,
             request.num_tokens,
             num_computed_tokens,
-            _extras_fn(request, adapter),
+            keying.extras,
             num_prompt_tokens=request.num_prompt_tokens,
-            prefix_ids=self._prefix_ids(request),
-            policy=self._request_policy(request),
+            prefix_ids=keying.prefix_ids,
+            policy=self.requests.policy(request),
         )
-
-    def _request_policy(self, request: Request) -> str | None:
-        """The request's own load policy (``kv_transfer_params``:
-        ``{"s3kv_load_policy": "always"}``), or None: the replica's. Read
-        and checked at its first lookup only: vLLM looks a waiting request
-        up again every step, and a client's value may be megabytes."""
-        req_id = request.request_id
-        if req_id in self._policies:
-            return self._policies[req_id]
-        if len(self._policies) > 4096:  # requests vLLM never finished: a bound, not a loss
-            self._policies.clear()
-        params = getattr(request, "kv_transfer_params", None)
-        value = params.get(POLICY_PARAM) if isinstance(params, dict) else None
-        policy = None
-        if isinstance(value, str) and len(value) <= max(map(len, LOAD_POLICIES)):
-            policy = value.lower() if value.lower() in LOAD_POLICIES else None
-        self._policies[req_id] = policy
-        if value is None or policy is not None:
-            return policy
-        excerpt = _excerpt(value)
-        if len(self._bad_policies) < 8 and excerpt not in self._bad_policies:
-            self._bad_policies.add(excerpt)
-            log.warning(
-                "s3kv: request %s: kv_transfer_params %s=%s is not one of %s; the replica's policy applies",
-                req_id,
-                POLICY_PARAM,
-                excerpt,
-                ", ".join(LOAD_POLICIES),
-            )
-        return None
 
     def on_arrival(self, request: Request) -> None:
         """A request entered vLLM's queue: prefetch what only S3 holds of its hit."""
         planner = self.planner
-        if planner is None or not planner.prefetch_bytes or request.prompt_token_ids is None:
+        if planner is None or not planner.prefetcher.enabled or request.prompt_token_ids is None:
             return
-        adapter = None
-        if request.lora_request is not None:
-            adapter = self._adapters.get(request.lora_request)
-            if adapter is None:
-                return
+        keying = self.requests.keying(request)
+        if keying is None:
+            return
         planner.prefetch(
             request.request_id,
             request.all_token_ids,
             request.num_tokens,
-            _extras_fn(request, adapter),
+            keying.extras,
             num_prompt_tokens=request.num_prompt_tokens,
-            prefix_ids=self._prefix_ids(request),
+            prefix_ids=keying.prefix_ids,
         )
-
-    def _prefix_ids(self, request: Request) -> Any:
-        """vLLM's block hashes, computed when the request arrived (off the
-        scheduling loop), name each chunk's prefix within this engine."""
-        hashes = getattr(request, "block_hashes", None)
-        bs, ct = self.layout.block_size, self.config.chunk_tokens
-        if not hashes or len(hashes) != request.num_tokens // bs:
-            return None  # hashed at another granularity, or not at all
-
-        def prefix_id(c: int) -> Any:
-            i = (c + 1) * ct // bs - 1
-            return hashes[i] if i < len(hashes) else None
-
-        return prefix_id
 
     def on_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or self.planner is None:
@@ -500,7 +372,7 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """True: vLLM keeps the blocks until the workers copied the request's
         last chunks (those with generated tokens) out of them."""
-        self._policies.pop(request.request_id, None)
+        self.requests.finished(request.request_id)
         if self.planner is None:
             return False
         computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
@@ -550,7 +422,7 @@ class SchedulerSide:
         self._start_task.cancel()  # a publish it was making puts its keys back
         with contextlib.suppress(Exception):
             concurrent.futures.wait([self._start_task], timeout=left())
-        self._adapters.close()
+        self.requests.close()
         if self._sync is not None and self._sync.loaded:
             try:  # what this replica learnt since the last publish
                 self._loop.run(self._sync.publish(), timeout=left())

@@ -21,7 +21,7 @@ from s3kv.chunk_reader import PageFormat, PageTarget
 from s3kv.config import S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
-from s3kv.connector.pages import LayerwiseLoad, PageIO, StepClock
+from s3kv.connector.pages import LayerwiseLoad, PageIO
 from s3kv.errors import ConfigError
 from s3kv.keys import fingerprint
 from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
@@ -31,8 +31,10 @@ from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.plan import LoadChunk, LoadPlan, LoadTiming, StepTiming, StepTokens, StoreChunk, TierReport
+from s3kv.tiering.plan import LoadChunk, LoadTiming, StoreChunk, TierReport
 from s3kv.tiering.worker.hostpool import HostPool, slots_for
+from s3kv.tiering.worker.refusal import Refusal
+from s3kv.tiering.worker.steps import StepTimer
 from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine
 
 if TYPE_CHECKING:
@@ -104,17 +106,12 @@ class WorkerSide:
         """Held requests whose copies are done, to report as finished sending."""
         self._finished = RecentSet(4096)
         self._report = TierReport()
-        self.refusal: str | None = None
-        """Why this rank refuses every transfer (its fleet key is not the
-        scheduler side's), or None."""
-        self._refused_loads: set[str] = set()
-        """Asynchronous loads refused, to report as finished (failed)."""
+        self.refusal: Refusal | None = None
+        """This rank refuses every transfer (its fleet key is not the scheduler side's)."""
         self.publisher: ShardPublisher | None = None
         """This rank's publisher of the chunk objects it creates (with S3)."""
-        self._clock: tuple[StepClock, StepTokens] | None = None
-        """Rank 0: the forward being timed, and what it computes."""
-        self._timed: list[tuple[StepClock, StepTokens]] = []
-        """Rank 0: forwards timed whose time the device has not told yet."""
+        self._steps = StepTimer()
+        """Rank 0: the forwards timed, for the scheduler side's cost model."""
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = PageIO(kv_caches, self.layout.layer_names, self.num_blocks)
@@ -152,7 +149,11 @@ class WorkerSide:
         and checks that this rank holds the scheduler side's fleet key; this
         rank's publisher starts with it."""
         if meta.namespace is not None and meta.namespace != self.engine.namespace:
-            self._check_key(meta.signing_kid)
+            own = self.keys.signing_kid if self.keys is not None else None
+            refusal = Refusal.check(own, meta.signing_kid, self.rank)
+            if refusal is not None:
+                self.refusal = refusal
+                self.counters.add("key_mismatch")
             self.engine.set_namespace(meta.namespace)
         if self.publisher is None and meta.writer is not None and meta.namespace is not None:
             self._start_publisher(meta.namespace, meta.writer)
@@ -162,23 +163,8 @@ class WorkerSide:
     def begin_step(self, meta: S3KVMetadata) -> None:
         """vLLM bound this step's plans, before its forward: rank 0 times a
         prefill's forward, for the scheduler side's cost model."""
-        self._clock = None
-        if meta.step is not None and self.rank == 0 and self.pages is not None:
-            self._clock = (self.pages.step_clock(), meta.step)
-
-    def _end_step(self) -> None:
-        if self._clock is not None:
-            self._clock[0].stop()
-            self._timed.append(self._clock)
-            self._clock = None
-            del self._timed[:-64]  # a device that never tells: keep a bounded few
-        while self._timed:  # in order: a device finishes its forwards in turn
-            clock, step = self._timed[0]
-            seconds = clock.seconds()
-            if seconds is None:
-                break
-            self._timed.pop(0)
-            self._report.step_timings.append(StepTiming(step.tokens, step.context, seconds))
+        pages = self.pages if self.rank == 0 and meta.step is not None else None
+        self._steps.begin(pages.step_clock() if pages is not None else None, meta.step)
 
     def _start_publisher(self, namespace: str, writer: str) -> None:
         """Publish the chunk objects this rank creates from its I/O loop, as
@@ -225,70 +211,13 @@ class WorkerSide:
         self.engine.spawn(publisher.run())
         self.publisher = publisher
 
-    def _check_key(self, scheduler_kid: bytes | None) -> None:
-        """Each process reads the fleet secret on its own (a Ray worker does
-        not inherit the environment unless told to): a rank without the
-        scheduler side's key would write unsigned objects into a signed
-        namespace and refuse every signed one, and one with another key
-        would write what the fleet refuses. Such a rank refuses every
-        transfer instead: loads fail (vLLM recomputes), stores are dropped."""
-        own = self.keys.signing_kid if self.keys is not None else None
-        if own == scheduler_kid:
-            return
-
-        def kid(k: bytes | None) -> str:
-            return k.hex() if k is not None else "none"
-
-        self.refusal = f"fleet key id {kid(own)} here, {kid(scheduler_kid)} on the scheduler side"
-        self.counters.add("key_mismatch")
-        log.error(
-            "s3kv: rank %d's fleet secret (key id %s) is not the scheduler side's (key id %s): this "
-            "rank refuses every load and store, so the replica serves without the KV cache. Give "
-            "every vLLM process the same S3KV_AUTH_KEY or auth_key_file (under Ray, list "
-            "S3KV_AUTH_KEY in VLLM_RAY_EXTRA_ENV_VARS_TO_COPY) and restart.",
-            self.rank,
-            kid(own),
-            kid(scheduler_kid),
-        )
-
-    def _refuse_loads(self, loads: list[LoadPlan]) -> None:
-        """Refused loads fail as a failed load does: their blocks are
-        recomputed, their promotions freed, and each is over (a synchronous
-        one at the end of the step, an asynchronous one at the next poll)."""
-        for plan in loads:
-            self._report.load_failed.add(plan.req_id)
-            if plan.sync:
-                self._sync_reqs.append(plan.req_id)
-            else:
-                self._refused_loads.add(plan.req_id)
-            for c in plan.chunks:
-                self._load_errors.update(c.write_ids)
-                for place in c.promote:
-                    self._write_failed(place.tier, c.key)
-
-    def _refuse_stores(self, stores: list[StoreChunk]) -> None:
-        """Refused stores are dropped, uncopied: every tier they were meant
-        for hears of a failed write, and their CPU slots are free again."""
-        r = self._report
-        for s in stores:
-            for place in s.targets:
-                self._write_failed(place.tier, s.key)
-            if s.pinned:  # the write-through would have read the slot
-                r.released[s.key] = r.released.get(s.key, 0) + 1
-
-    def _write_failed(self, tier: Tier, key: bytes) -> None:
-        self._report.failed[(tier, key)] = self._report.failed.get((tier, key), 0) + 1
-
     # -- loads ---------------------------------------------------------------------
     def start_load(self, meta: S3KVMetadata) -> None:
         assert self.pages is not None
         if self.refusal is not None:
-            self._sync_chunks, self._sync_reqs = [], []
-            self._refuse_loads(meta.loads)
-            for plan in meta.prefetch:
-                for c in plan.chunks:
-                    for place in c.promote:
-                        self._write_failed(place.tier, c.key)
+            errors, self._sync_reqs = self.refusal.loads(meta.loads, meta.prefetch, self._report)
+            self._sync_chunks = []
+            self._load_errors |= errors
             return
         for plan in meta.prefetch:
             self.engine.submit_prefetch(plan.chunks)
@@ -405,12 +334,12 @@ class WorkerSide:
     def save(self, meta: S3KVMetadata) -> None:
         """End of the step: copy the layers not saved yet (a step without a
         forward saves none), then hand the stores to the background."""
-        self._end_step()
+        self._report.step_timings += self._steps.end()
         self._finish_sync_load()
         if self.pages is None:
             return
         if self.refusal is not None:
-            self._refuse_stores(meta.stores)
+            self.refusal.stores(meta.stores, self._report)
             self._sent.update(meta.held)  # nothing was copied out of their blocks
             return
         step = self._step_stores(meta)
@@ -449,7 +378,7 @@ class WorkerSide:
         self._sent -= sent
         for req_id in sent:
             self._finished.discard(req_id)
-        refused, self._refused_loads = self._refused_loads, set()
+        refused = self.refusal.take_finished() if self.refusal is not None else set()
         return sent or None, (set(polled.finished_loads) | refused) or None
 
     def take_load_errors(self) -> set[int]:

@@ -37,9 +37,28 @@ def unbind_thread() -> None:
             os.sched_setaffinity(0, _ALLOWED_CPUS)
 
 
+class ClockedLoop(asyncio.SelectorEventLoop):
+    """An event loop whose time is ``clock``'s: its timers (``asyncio.wait``
+    and ``wait_for`` timeouts, ``asyncio.sleep``) run on that clock, so a
+    test can drive every timeout of the code on the loop. A clock that
+    stands still holds the timers; one moved by a test is seen when the
+    loop next wakes (a callback scheduled from another thread wakes it)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def time(self) -> float:
+        return self.clock()
+
+
 class BackgroundLoop:
-    def __init__(self, name: str = "s3kv-io") -> None:
-        self.loop = asyncio.new_event_loop()
+    """An event loop on a daemon thread of its own, timed by ``clock``
+    (:class:`ClockedLoop`)."""
+
+    def __init__(self, name: str = "s3kv-io", clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.loop = ClockedLoop(clock)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -106,8 +125,8 @@ class JobLoop(BackgroundLoop):
     (:data:`STORE_NICE`) for write-through (encoding), so that it never
     slows a forward or a load."""
 
-    def __init__(self, name: str, threads: int) -> None:
-        super().__init__(name)
+    def __init__(self, name: str, threads: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(name, clock)
         self.threads = concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix="s3kv-codec", initializer=unbind_thread
         )
@@ -137,17 +156,27 @@ class JobLoop(BackgroundLoop):
         return await asyncio.get_running_loop().run_in_executor(self.background_threads, fn, *args)
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the jobs; True if all of them finished."""
-        deadline = time.monotonic() + timeout_s
+        """Wait up to ``timeout_s`` (on the loop's clock) for the jobs; True if all of them finished."""
+        deadline = self.clock() + timeout_s
         while True:
             with self._lock:
                 pending = list(self._pending)
             if not pending:
                 return True
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if not self._wait(pending, deadline):
                 return False
-            concurrent.futures.wait(pending, timeout=left)
+
+    def _wait(self, futures: list[concurrent.futures.Future[Any]], deadline: float) -> bool:
+        """Wait for ``futures`` until ``deadline`` on the loop's clock; True
+        if they finished. Each wait lasts what is left on the clock, then
+        looks at it again (a test's clock may stand still or jump)."""
+        while True:
+            left = deadline - self.clock()
+            if left <= 0:
+                return all(f.done() for f in futures)
+            _, pending = concurrent.futures.wait(futures, timeout=left)
+            if not pending:
+                return True
 
     def close(
         self,
@@ -157,14 +186,18 @@ class JobLoop(BackgroundLoop):
     ) -> None:
         """Let the jobs under way finish, then ``flush``, all within
         ``timeout_s``; what is still running then is cancelled (each task's
-        handlers run), ``last`` runs, and the loop and threads stop."""
-        deadline = time.monotonic() + timeout_s
+        handlers run), ``last`` runs, and the loop and threads stop. The
+        time is the loop's clock's; the last two steps get at least 0.1 s."""
+        deadline = self.clock() + timeout_s
         reserve = min(1.0, timeout_s / 4) if flush is not None else 0.0
         if not self.drain(max(0.0, timeout_s - reserve)):
             log.warning("s3kv: abandoning unfinished transfers at shutdown")
         if flush is not None:
+            flushed = self.submit(flush())
             try:
-                self.run(flush(), timeout=max(0.1, deadline - time.monotonic()))
+                if not self._wait([flushed], max(deadline, self.clock() + 0.1)):
+                    raise TimeoutError("out of time")
+                flushed.result()
             except Exception as e:
                 log.warning("s3kv: publishing the last stores at shutdown failed: %r", e)
 
@@ -177,7 +210,7 @@ class JobLoop(BackgroundLoop):
                 await last()
 
         with contextlib.suppress(Exception):
-            self.run(abandon(), timeout=max(0.1, deadline - time.monotonic()))
-        self.stop(timeout=max(0.1, deadline - time.monotonic()))
+            self.run(abandon(), timeout=max(0.1, deadline - self.clock()))
+        self.stop(timeout=max(0.1, deadline - self.clock()))
         self.threads.shutdown(wait=False, cancel_futures=True)
         self.background_threads.shutdown(wait=False, cancel_futures=True)

@@ -671,21 +671,6 @@ def test_keys_seen_in_the_manifest_are_trusted_only_until_a_removal():
     assert lookup(p, "c")[0] == 4 * CT
 
 
-def test_prefix_ids_from_vllm_block_hashes():
-    """Chunk c's prefix is named by the hash of its last block; another
-    hashing granularity than the block size gives no ids."""
-    from types import SimpleNamespace
-
-    from s3kv.connector.scheduler import SchedulerSide
-
-    side = SimpleNamespace(layout=SimpleNamespace(block_size=16), config=SimpleNamespace(chunk_tokens=64))
-    hashes = [f"h{i}" for i in range(10)]  # 160 tokens: 2 full chunks and a half
-    ids = SchedulerSide._prefix_ids(side, SimpleNamespace(block_hashes=hashes, num_tokens=160))
-    assert [ids(c) for c in range(3)] == ["h3", "h7", None]
-    assert SchedulerSide._prefix_ids(side, SimpleNamespace(block_hashes=hashes[:5], num_tokens=160)) is None
-    assert SchedulerSide._prefix_ids(side, SimpleNamespace(block_hashes=[], num_tokens=160)) is None
-
-
 class _Journal:
     """What the scheduler side publishes (manifest.keyset.Sync)."""
 

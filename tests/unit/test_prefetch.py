@@ -1,9 +1,10 @@
-"""Prefetch at arrival, in the planner: what only S3 holds of an arriving
-request's hit is fetched into the nearer tiers within a byte budget, and
-the request's lookups wait for it (no vLLM, no I/O). vLLM tells of an
-arrival (``on_new_request``), then schedules a step: its lookups, then the
-step's plan; a prefetch starts with the plan of a step that left the
-request waiting."""
+"""Prefetch at arrival (:mod:`s3kv.tiering.scheduler.prefetch`): what only
+S3 holds of an arriving request's hit is fetched into the nearer tiers
+within a byte budget, and the request's lookups wait for it (no vLLM, no
+I/O). The prefetcher on its own, and inside the planner as vLLM drives it:
+vLLM tells of an arrival (``on_new_request``), then schedules a step: its
+lookups, then the step's plan; a prefetch starts with the plan of a step
+that left the request waiting."""
 
 from s3kv.keys import chain_keys
 from s3kv.tiering.placement import Tier
@@ -152,7 +153,7 @@ def test_a_prefetch_whose_report_is_lost_stops_holding_the_request_back():
     arrive(p)
     step(p)
     assert lookup(p) == (None, False)
-    clock.now += p.prefetch_wait_s + 1
+    clock.now += p.prefetcher.wait_s + 1
     assert lookup(p) == (4 * CT, True)  # from S3
     # The lost copies' slots stay pending (as a lost promotion's do): no second prefetch.
     arrive(p, "again")
@@ -215,3 +216,29 @@ def test_a_request_vllm_schedules_in_the_step_it_arrived_in_loads_at_once_with_n
     arrive(p, "cached", other)
     assert lookup(p, "cached", other, computed=2 * CT) == (0, False)
     assert step(p) == []
+
+
+def test_the_prefetcher_plans_within_its_budget_and_frees_it_as_copies_are_reported():
+    """The prefetcher by itself, over a planner's requests and tiers."""
+    p, index, clock = prefetching(budget_chunks=3, cpu_slots=16)
+    index.update(KEYS)
+    pf = p.prefetcher
+    assert pf.enabled and pf.take() == [] and pf.in_flight == 0
+    arrive(p)  # the planner knows the request; the prefetcher queued it
+    pf.start_arrived()
+    (job,) = pf.take()
+    assert [c.key for c in job.chunks] == KEYS[:3] and pf.take() == []
+    assert pf.in_flight == 3 and p.counters.totals()["prefetch_chunks_queued"] == 1
+    assert pf.awaits(KEYS, 0, 4) and pf.awaits(KEYS, 2, 3) and not pf.awaits(KEYS, 3, 4)
+    pf.reported({Tier.CPU: [(KEYS[0], True), (KEYS[1], True)]})  # two copies over: the last chunk starts
+    (job,) = pf.take()
+    assert [c.key for c in job.chunks] == KEYS[3:] and pf.in_flight == 2
+    assert not pf.awaits(KEYS, 0, 2)
+    clock.now += pf.wait_s + 1  # the other reports are lost
+    assert not pf.awaits(KEYS, 0, 4)
+    pf.leave("r")  # nothing was left to fetch
+    assert p.counters.totals().get("prefetch_chunks_skipped", 0) == 0
+    off, _ = planner(cpu_slots=8, chunk_bytes=SHARD)  # no budget: nothing is queued
+    off.prefetcher.arrive("r")
+    off.prefetcher.start_arrived()
+    assert not off.prefetcher.enabled and off.prefetcher.take() == []

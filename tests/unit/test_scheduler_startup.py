@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 
 from s3kv.connector import scheduler  # noqa: E402
 from s3kv.connector.layout import EngineLayout  # noqa: E402
+from s3kv.connector.requests import POLICY_PARAM  # noqa: E402
 from s3kv.connector.scheduler import SchedulerSide  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
@@ -165,7 +166,7 @@ def test_a_default_prefetch_budget_smaller_than_a_chunk_becomes_one_chunk(tmp_pa
     config = parse_config({"write_policy": "local_only", "disk_path": str(tmp_path)})
     s = SchedulerSide(config, big, failure_policy="recompute", model="unit")
     try:
-        assert s.planner.prefetch_bytes == big.shard_bytes(256) == 4 << 30
+        assert s.planner.prefetcher.budget_bytes == big.shard_bytes(256) == 4 << 30
         assert "prefetch_bytes' default (1.0 GiB) holds no chunk" in caplog.text
     finally:
         s.shutdown()
@@ -256,7 +257,7 @@ def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path, patient_start
         req = _request("l1", lora=lora("sql", adapters["a"], 1))
         assert s.lookup(req, 0) == (0, False)  # hashing the adapter: unkeyed for now
         assert s.counters.totals()["unkeyed_requests_adapter"] == 1
-        wait_until("the adapter's digest", lambda: s._adapters.get(req.lora_request), STARTUP_BOUND_S)
+        wait_until("the adapter's digest", lambda: s.requests.adapters.get(req.lora_request), STARTUP_BOUND_S)
 
         def keys_of(req_id, lo):
             s.lookup(_request(req_id, lora=lo), 0)
@@ -265,7 +266,9 @@ def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path, patient_start
         ka = keys_of("a", lora("sql", adapters["a"], 1))
         for name, path, int_id in (("sql-v2", twin, 2), ("chat", adapters["b"], 3)):
             probe = lora(name, path, int_id)
-            wait_until(f"adapter {name}'s digest", lambda p=probe: s._adapters.get(p), STARTUP_BOUND_S)
+            wait_until(
+                f"adapter {name}'s digest", lambda p=probe: s.requests.adapters.get(p), STARTUP_BOUND_S
+            )
         assert keys_of("twin", lora("sql-v2", twin, 2)) == ka  # same content: same keys
         kb = keys_of("b", lora("chat", adapters["b"], 3))
         plain = chain_keys(s.namespace, list(range(3, 3 + 256)), 64)
@@ -294,25 +297,31 @@ def test_a_huge_load_policy_param_is_read_once_and_logged_as_a_bounded_excerpt(c
     try:
         huge = "x" * 20_000_000
         req = _request("big")
-        req.kv_transfer_params = _CountingParams({scheduler.POLICY_PARAM: huge})
+        req.kv_transfer_params = _CountingParams({POLICY_PARAM: huge})
         for _ in range(5):
             assert s.lookup(req, 0) == (0, False)
         assert req.kv_transfer_params.reads == 1
-        warnings = [r.getMessage() for r in caplog.records if scheduler.POLICY_PARAM in r.getMessage()]
+        warnings = [r.getMessage() for r in caplog.records if POLICY_PARAM in r.getMessage()]
         assert len(warnings) == 1 and len(warnings[0]) < 300, [w[:300] for w in warnings]
         assert "'xxxxxxxx" in warnings[0] and "20000000 characters" in warnings[0]
         req.num_computed_tokens = 0
         s.request_finished(req, [])
-        assert "big" not in s._policies
+        assert "big" not in s.requests._policies
         again = _request("big-again")  # the same bad value: not logged twice
-        again.kv_transfer_params = {scheduler.POLICY_PARAM: huge}
+        again.kv_transfer_params = {POLICY_PARAM: huge}
         s.lookup(again, 0)
-        assert len([r for r in caplog.records if scheduler.POLICY_PARAM in r.getMessage()]) == 1
+        assert len([r for r in caplog.records if POLICY_PARAM in r.getMessage()]) == 1
         for value, policy in (("ALWAYS", "always"), ("cost", "cost"), (["always"] * 10**6, None), (7, None)):
             r = _request(f"p-{policy}-{type(value).__name__}")
-            r.kv_transfer_params = {scheduler.POLICY_PARAM: value}
-            assert s._request_policy(r) == policy, value if isinstance(value, str) else type(value)
+            r.kv_transfer_params = {POLICY_PARAM: value}
+            assert s.requests.policy(r) == policy, value if isinstance(value, str) else type(value)
         assert "a list of 1000000 items" in caplog.text and "=7 is not one of" in caplog.text
-        assert s._policies.keys() == {"big-again", "p-always-str", "p-cost-str", "p-None-list", "p-None-int"}
+        assert s.requests._policies.keys() == {
+            "big-again",
+            "p-always-str",
+            "p-cost-str",
+            "p-None-list",
+            "p-None-int",
+        }
     finally:
         s.shutdown()

@@ -35,7 +35,7 @@ def layers(seed):
     return [rng.integers(0, 255, PAGE, dtype=np.uint8) for _ in range(LAYERS)]
 
 
-def engine(store, *, pool_slots=0, disk_path=None, clock=time.perf_counter, **kw):
+def engine(store, *, pool_slots=0, disk_path=None, clock=time.monotonic, **kw):
     settings = EngineSettings(
         **{
             "namespace": "n" * 32,
@@ -146,14 +146,56 @@ class Results:
 
 
 def wait_for(e, pred, timeout=120):
-    deadline = time.monotonic() + timeout
     acc = Results()
-    while time.monotonic() < deadline:
+
+    def seen():
         acc.add(e.poll())
-        if pred(acc):
-            return acc
-        time.sleep(0.01)
-    raise AssertionError(f"timed out; have {vars(acc)}")
+        return pred(acc)
+
+    try:
+        wait_until("the engine's reports", seen, timeout_s=timeout, every_s=0.01)
+    except AssertionError:
+        raise AssertionError(f"timed out; have {vars(acc)}") from None
+    return acc
+
+
+class FakeClock:
+    """The worker's time (an engine's, or a tier's), moved only by the test:
+    every timeout on the worker side reads it, so none races the test."""
+
+    def __init__(self, now=0.0):
+        self.now = now
+        self.readers = set()
+        """The threads that read it."""
+
+    def __call__(self):
+        self.readers.add(threading.get_ident())
+        return self.now
+
+
+def advance(e, clock, seconds):
+    """Move ``clock`` on by ``seconds`` and wake ``e``'s loop (its timers run on
+    the clock), so that what timed out meanwhile does so now."""
+    clock.now += seconds
+    e.spawn(asyncio.sleep(0)).result(timeout=60)
+
+
+def settle(e, rounds=3):
+    """Let ``e``'s loop run a few rounds: what threads told it before now
+    (a disk thread took a read up) has reached the coroutines waiting for it."""
+    for _ in range(rounds):
+        e.spawn(asyncio.sleep(0)).result(timeout=60)
+
+
+def idle(e, threads):
+    """Wait until every job queued on ``threads`` (one of ``e``'s executors)
+    so far is over, and the engine's loop has heard of it: each of its
+    threads takes one of a barrier's jobs, after what was queued before."""
+    n = threads._max_workers
+    barrier = threading.Barrier(n)
+    for f in [threads.submit(barrier.wait, 60) for _ in range(n)]:
+        f.result(timeout=60)
+    e.spawn(asyncio.sleep(0)).result(timeout=60)
 
 
 def stored_chunk(store, key, seed, **kw):
@@ -361,16 +403,24 @@ def test_ranges_group_whole_layers():
     ]
 
 
-class SlowPutStore(MemoryStore):
+class HeldPuts(MemoryStore):
+    """PUTs wait until the test sets ``release``."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
     async def put(self, key, data, *, mode=PutMode.OVERWRITE):
-        await asyncio.sleep(2.0)  # still under way while the test submits the rest
+        await asyncio.to_thread(self.release.wait, 60)  # still under way while the test submits the rest
         await super().put(key, data, mode=mode)
 
 
 def test_backpressure_drops_write_through_but_keeps_the_cpu_copy():
-    e = engine(SlowPutStore(), pool_slots=5, max_inflight_bytes=2 * LAYERS * PAGE)  # room for two
+    store = HeldPuts()
+    e = engine(store, pool_slots=5, max_inflight_bytes=2 * LAYERS * PAGE)  # room for two
     jobs = [job(bytes([i]) * 16, pool(e).layer_views(i), slot=i, s3=True) for i in range(5)]
     accepted = [e.submit_store(j) for j in jobs]
+    store.release.set()
     assert accepted == [True, True, False, False, False]
     acc = wait_for(e, lambda a: len(a.written.get(Tier.S3, {})) + len(a.failed.get(Tier.S3, ())) == 5)
     assert e.counters.totals()["store_dropped_backpressure"] == 3
@@ -396,13 +446,16 @@ def test_disk_full_drops_the_store_and_says_so(tmp_path, monkeypatch):
 
 
 class FlakyStore(MemoryStore):
+    """GETs fail with ``fail``, or take ``delay`` on the engine's clock."""
+
     def __init__(self, fail=None, delay=0.0):
         super().__init__()
-        self.fail, self.delay = fail, delay
+        self.fail, self.delay, self.gets = fail, delay, 0
 
     async def get(self, key, range=None):
+        self.gets += 1
         if self.delay:
-            await asyncio.sleep(self.delay)
+            await asyncio.sleep(self.delay)  # on the engine's loop: its clock's time
         if self.fail:
             raise self.fail
         return await super().get(key, range)
@@ -418,10 +471,13 @@ class FlakyStore(MemoryStore):
     ],
 )
 def test_load_failures_are_classified_and_reported(store, kind, tmp_path):
-    # room for a busy machine's stalls in the failures that are not the timeout
-    e = engine(store, pool_slots=1, load_timeout_s=3.0, disk_path=tmp_path)
+    clock = FakeClock()  # no time passes but the timeout's
+    e = engine(store, pool_slots=1, load_timeout_s=3.0, disk_path=tmp_path, clock=clock)
     c = chunk(b"x" * 16, Tier.S3, promote_slot=0, promote_disk=True)
     e.submit_load("j", [c], lambda *a: None)
+    if kind == "timeout":
+        wait_until("the GET to be under way", lambda: store.gets)
+        advance(e, clock, 3.0)  # the load's deadline, the GET still far from done
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [c]
     assert e.counters.totals()[f"load_errors_{kind}"] == 1
@@ -472,20 +528,25 @@ def test_no_write_reaches_pages_after_a_timeout():
             if range is not None and range.start > 0:
                 self.slow += 1
                 try:
-                    await asyncio.sleep(5.0)  # past the load's deadline: the slow S3 under test
+                    await asyncio.sleep(5.0)  # on the engine's clock, past the load's deadline
                 finally:
                     self.over += 1  # arrived, or cancelled with its load
             return await super().get(key, range)
 
     key = b"t" * 16
     store = SlowSecondRange()
-    e = stored_chunk(store, key, 5, load_timeout_s=2.0)  # time for the header and first range
+    clock = FakeClock()
+    # the header and first range take no time on it
+    e = stored_chunk(store, key, 5, load_timeout_s=2.0, clock=clock)
     writes = []
     e.submit_load("j", [chunk(key)], lambda c, layer, arr: writes.append(layer))
+    wait_until("a slow range to be under way", lambda: store.slow)
+    advance(e, clock, 2.0)  # the load's deadline
     wait_for(e, lambda a: "j" in a.finished_loads)
     seen = list(writes)
+    advance(e, clock, 5.0)  # the slow ranges arrive, if they were not cancelled with the load
     wait_until("the slow ranges to be over", lambda: store.slow and store.over == store.slow, every_s=0.005)
-    time.sleep(0.1)  # and are decoded (or not) on the codec threads
+    idle(e, e._loop.threads)  # and are decoded (or not) on the codec threads
     assert writes == seen
     e.close()
 
@@ -510,6 +571,40 @@ def test_write_through_runs_at_background_priority(tmp_path):
     disk_reads = e._loop.run(disk.run(nice), timeout=5)
     assert disk_writes == background and disk_reads == foreground
     e.close(0.1)
+
+
+def test_the_job_loops_timers_and_bounds_run_on_its_clock():
+    """The loop's timers (asyncio sleeps and timeouts) and the bounds of
+    drain and close are on the clock it was given: a clock that stands
+    still holds them, and they end once it has moved past them."""
+    from s3kv.tiering.loop import JobLoop
+
+    clock = FakeClock()
+    jobs = JobLoop("t", 1, clock)
+    try:
+        sleeping = jobs.submit(asyncio.sleep(3600.0))  # an hour: no real time would do
+        for _ in range(3):
+            jobs.run(asyncio.sleep(0), timeout=60)
+        assert not sleeping.done()  # no time passed on the clock
+        clock.now += 3600.0
+        jobs.run(asyncio.sleep(0), timeout=60)  # wakes the loop
+        assert sleeping.result(timeout=60) is None
+        jobs.track(asyncio.Event().wait())  # a job that never ends
+        drained = []
+        draining = threading.Thread(target=lambda: drained.append(jobs.drain(0.5)))
+        draining.start()
+        wait_until("the drain to take its time", lambda: draining.ident in clock.readers)
+        assert drained == []
+        clock.now += 0.5
+        draining.join(60)
+        assert drained == [False]
+    finally:
+        closing = threading.Thread(target=jobs.close, args=(0.2,))
+        closing.start()
+        wait_until("the close to take its time", lambda: closing.ident in clock.readers)
+        clock.now += 0.2
+        closing.join(60)
+    assert not closing.is_alive()
 
 
 def test_write_through_threads_leave_the_forward_a_core(monkeypatch):
@@ -626,30 +721,30 @@ def test_absent_or_corrupt_is_an_answer_from_a_working_tier(tmp_path):
 
 
 class SlowGets(MemoryStore):
-    """GETs take ``delay``; once ``fail_puts``, PUTs fail (S3 in trouble for
-    writes) and GETs last until one has failed."""
+    """Once ``fail_puts``, PUTs fail (S3 in trouble for writes) and GETs last
+    until one has failed."""
 
-    def __init__(self, delay):
+    def __init__(self):
         super().__init__()
-        self.delay, self.fail_puts, self.gets, self.failed_puts = delay, False, 0, 0
+        self.fail_puts, self.gets, self.failed_puts = False, 0, 0
+        self.put_failed = asyncio.Event()  # set on the engine's loop, as the GETs wait there
 
     async def get(self, key, range=None):
         self.gets += 1
-        await asyncio.sleep(self.delay)
-        deadline = time.monotonic() + 30  # a load still in flight when the store fails
-        while self.fail_puts and not self.failed_puts and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        if self.fail_puts:  # a load still in flight when the store fails
+            await self.put_failed.wait()
         return await super().get(key, range)
 
     async def put(self, key, data, *, mode=PutMode.OVERWRITE):
         if self.fail_puts:
             self.failed_puts += 1
+            self.put_failed.set()
             raise Transient(f"{key}: InternalError (HTTP 500)")
         return await super().put(key, data, mode=mode)
 
 
 def test_a_failed_s3_store_does_not_fail_loads_in_flight():
-    store = SlowGets(0.3)
+    store = SlowGets()
     key = b"l" * 16
     e = stored_chunk(store, key, 4)
     store.fail_puts = True
@@ -669,19 +764,26 @@ def test_a_failed_nvme_write_does_not_fail_disk_reads_in_flight(tmp_path, monkey
     e.submit_store(job(key, layers(6), disk=True))
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}))
     real_read = files(e).read
+    disk = e.handlers[Tier.DISK]
+    real_failing = disk.failing
 
-    reading, write_failed = threading.Event(), threading.Event()
+    reading, write_failed, handled = threading.Event(), threading.Event(), threading.Event()
 
     def slow_read(*a, **kw):
         reading.set()
         assert write_failed.wait(30)  # the read still under way when the write fails
-        time.sleep(0.1)  # and while the failure is handled
+        assert handled.wait(30)  # and while the failure is handled
         return real_read(*a, **kw)
 
     def failing_write(*a, **kw):
         write_failed.set()
         raise Transient("EIO")
 
+    def failing(**kw):  # the disk's breaker hears of the failed write
+        real_failing(**kw)
+        handled.set()
+
+    monkeypatch.setattr(disk, "failing", failing)
     monkeypatch.setattr(files(e), "read", slow_read)
     monkeypatch.setattr(files(e), "write", failing_write)
     e.submit_load("j", [chunk(key, Tier.DISK)], lambda *a: None)
@@ -695,15 +797,17 @@ def test_a_failed_nvme_write_does_not_fail_disk_reads_in_flight(tmp_path, monkey
 
 def test_a_load_out_of_time_gives_up_without_blaming_a_tier(tmp_path, monkeypatch):
     key = b"o" * 16
-    e = engine(MemoryStore(), disk_path=tmp_path, load_timeout_s=0.3, disk_timeout_s=5.0)
+    clock = FakeClock()
+    e = engine(MemoryStore(), disk_path=tmp_path, load_timeout_s=0.3, disk_timeout_s=5.0, clock=clock)
     e.submit_store(job(key, layers(2), disk=True, s3=True))
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
     real_read = files(e).read
 
-    read_done = threading.Event()
+    reading, slow_over, read_done = threading.Event(), threading.Event(), threading.Event()
 
     def slow_read(*a, **kw):
-        time.sleep(0.6)  # slow, but well within the disk's own bound
+        reading.set()
+        assert slow_over.wait(30)  # slow (0.6 s), but well within the disk's own bound
         try:
             return real_read(*a, **kw)
         finally:
@@ -712,10 +816,13 @@ def test_a_load_out_of_time_gives_up_without_blaming_a_tier(tmp_path, monkeypatc
     monkeypatch.setattr(files(e), "read", slow_read)
     c = chunk(key, Tier.DISK, Tier.S3)
     e.submit_load("j", [c], lambda *a: None)
+    assert reading.wait(30)
+    advance(e, clock, 0.6)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [c]
+    slow_over.set()
     assert read_done.wait(30)  # the slow read is over: nothing more to hear of it
-    time.sleep(0.05)
+    idle(e, e.handlers[Tier.DISK]._threads[False])
     acc.add(e.poll())
     assert acc.tier_failed == {}  # neither the disk nor S3 (which had no time left) failed
     totals = e.counters.totals()
@@ -724,20 +831,24 @@ def test_a_load_out_of_time_gives_up_without_blaming_a_tier(tmp_path, monkeypatc
 
 
 def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_path, monkeypatch):
-    import threading
-
     from s3kv.tiering.tiers.nvme.tier import DISK_THREADS
 
     keys = [bytes([0xD0 + i]) * 16 for i in range(2 * DISK_THREADS)]
-    e = engine(MemoryStore(), disk_path=tmp_path, disk_timeout_s=1.5)
+    clock = FakeClock()
+    e = engine(MemoryStore(), disk_path=tmp_path, disk_timeout_s=1.5, clock=clock)
     for i, key in enumerate(keys):
         e.submit_store(job(key, layers(i), disk=True))
     wait_for(e, lambda a: len(a.written.get(Tier.DISK, {})) == len(keys))
     real_read = files(e).read
     stuck = threading.Event()
+    reads, lock = [], threading.Lock()
+    batches = [threading.Event(), threading.Event()]  # the reads the test lets finish
 
     def slow_read(*a, **kw):
-        time.sleep(1.0)  # within the bound, but two in a row are not (0.5 s either way)
+        with lock:
+            reads.append(len(reads))
+            n = reads[-1]
+        assert batches[n // DISK_THREADS].wait(30)  # 1 s: within the bound, but two in a row are not
         return real_read(*a, **kw)
 
     hung = []
@@ -754,6 +865,13 @@ def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_pat
     wait_until("every write thread to hang", lambda: len(hung) == DISK_THREADS, every_s=0.005)
     # Twice as many reads as threads: half of them wait for a thread first.
     e.submit_load("j", [chunk(k, Tier.DISK) for k in keys], lambda *a: None)
+    wait_until("the first reads to be under way", lambda: len(reads) == DISK_THREADS)
+    advance(e, clock, 1.0)
+    batches[0].set()
+    wait_until("the others to be under way", lambda: len(reads) == 2 * DISK_THREADS)
+    settle(e)  # the reads' guards heard that their threads took them up
+    advance(e, clock, 1.0)  # and the hung writes are past their bound
+    batches[1].set()
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [] and acc.tier_ok.get(Tier.DISK) == len(keys)
     # Meanwhile the hung writes timed out (the disk's failures: the first
@@ -782,15 +900,30 @@ def disk_and_s3_engine(tmp_path, n, **kw):
 def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(tmp_path, monkeypatch):
     from s3kv.tiering.tiers.nvme.tier import DISK_THREADS
 
-    e, keys = disk_and_s3_engine(tmp_path, 3 * DISK_THREADS, disk_timeout_s=1.2)
+    clock = FakeClock()
+    e, keys = disk_and_s3_engine(tmp_path, 3 * DISK_THREADS, disk_timeout_s=1.2, clock=clock)
     real_read = files(e).read
+    reads, lock = [], threading.Lock()
+    batches = [threading.Event(), threading.Event()]  # the reads the test lets finish
 
     def busy_read(*a, **kw):
-        time.sleep(0.8)  # each read in time, but the third in a row waits too long (0.4 s either way)
+        with lock:
+            reads.append(len(reads))
+            n = reads[-1]
+        # each read in time (0.8 s), but the third in a row waits too long
+        assert batches[n // DISK_THREADS].wait(30)
         return real_read(*a, **kw)
 
     monkeypatch.setattr(files(e), "read", busy_read)
     e.submit_load("j", [chunk(k, Tier.DISK, Tier.S3) for k in keys], lambda *a: None)
+    wait_until("the first reads to be under way", lambda: len(reads) == DISK_THREADS)
+    advance(e, clock, 0.8)
+    batches[0].set()
+    wait_until("the second reads to be under way", lambda: len(reads) == 2 * DISK_THREADS)
+    settle(e)  # their guards heard that their threads took them up
+    advance(e, clock, 0.4)  # the third reads waited their bound for a thread: S3 serves them
+    wait_until("S3 to serve them", lambda: e.counters.totals().get("load_chunks_s3") == DISK_THREADS)
+    batches[1].set()
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [] and acc.tier_failed == {}
     totals = e.counters.totals()
@@ -799,40 +932,41 @@ def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(t
 
 
 def test_a_read_that_waits_for_a_hung_disk_is_the_disks_failure(tmp_path, monkeypatch):
-    import threading
-
     from s3kv.tiering.tiers.nvme.tier import DISK_THREADS
 
-    e, keys = disk_and_s3_engine(tmp_path, DISK_THREADS + 1)
-    e.handlers[Tier.DISK].timeout_s = 0.3  # short for the reads under test, not the writes before them
+    clock = FakeClock()
+    e, keys = disk_and_s3_engine(tmp_path, DISK_THREADS + 1, clock=clock)
+    disk = e.handlers[Tier.DISK]
+    disk.timeout_s = 0.3  # short for the reads under test, not the writes before them
     hung = threading.Event()
-    real_read = files(e).read
+    real_read, real_run = files(e).read, disk.run
+    entered, queued = [], []
 
     def hung_read(*a, **kw):
+        entered.append(1)
         hung.wait(30)
         return real_read(*a, **kw)
 
+    async def run(*a, **kw):  # a read's guard has taken its time by now
+        queued.append(1)
+        return await real_run(*a, **kw)
+
     monkeypatch.setattr(files(e), "read", hung_read)
+    monkeypatch.setattr(disk, "run", run)
     e.submit_load("first", [chunk(k, Tier.DISK) for k in keys[:DISK_THREADS]], lambda *a: None)
+    wait_until("every read thread to hang", lambda: len(entered) == DISK_THREADS)
+    advance(e, clock, 0.3)
     wait_for(e, lambda a: "first" in a.finished_loads)  # they timed out; their threads hang on
     # The next read waits behind stuck threads: that is the disk's failure
     # too (it is a breaker's probe: its answer must come back), then S3 serves.
     e.submit_load("next", [chunk(keys[-1], Tier.DISK, Tier.S3)], lambda *a: None)
+    wait_until("the next read to wait for a thread", lambda: len(queued) == DISK_THREADS + 1)
+    advance(e, clock, 0.3)
     acc = wait_for(e, lambda a: "next" in a.finished_loads)
     assert acc.finished_loads["next"] == []
     assert acc.tier_failed == {Tier.DISK: 1} and acc.tier_ok == {Tier.S3: 1}
     hung.set()
     e.close()
-
-
-class ManualClock:
-    """A clock that moves only when the test moves it (a tier's, or the engine's for its timings)."""
-
-    def __init__(self, now=0.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
 
 
 def test_a_disk_that_stalls_inside_a_read_pauses_the_disk_only(tmp_path, monkeypatch):
@@ -842,9 +976,10 @@ def test_a_disk_that_stalls_inside_a_read_pauses_the_disk_only(tmp_path, monkeyp
     loads and PUTs finish while the disk hangs; the engine closes), and when
     the read comes back at last, its bytes land nowhere in the pages (they
     keep S3's)."""
-    e, (key, other) = disk_and_s3_engine(tmp_path, 2)
+    clock = FakeClock()  # the disk's time moves when we say
+    e, (key, other) = disk_and_s3_engine(tmp_path, 2, clock=clock)
     nvme = e.handlers[Tier.DISK]
-    nvme.timeout_s, nvme.clock = 0.5, (clock := ManualClock())  # the disk's time moves when we say
+    nvme.timeout_s = 0.5
     kv = {k: np.zeros((LAYERS, PAGE), np.uint8) for k in (key, other, b"w" * 16)}
     half = PAGE // 2
 
@@ -876,7 +1011,7 @@ def test_a_disk_that_stalls_inside_a_read_pauses_the_disk_only(tmp_path, monkeyp
     try:
         e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], write, target)
         assert stalled.wait(60)
-        clock.now += 1.0  # the disk's timeout is up
+        advance(e, clock, 1.0)  # the disk's timeout is up
         acc = wait_for(e, lambda a: "j" in a.finished_loads)
         assert acc.finished_loads["j"] == [] and acc.tier_failed == {Tier.DISK: 1}
         totals = e.counters.totals()
@@ -923,29 +1058,28 @@ def test_a_chunk_that_falls_back_from_a_stalled_disk_to_s3_is_timed_by_the_s3_at
     """A chunk planned from NVMe whose read hangs until the disk's timeout
     (6 s on the engine's clock), then loaded from S3: the cost model hears
     S3's attempt alone, and nothing of the disk's (its breaker hears that)."""
-    clock = ManualClock(100.0)
+    clock = FakeClock(100.0)
     store = ClockedGets(clock, 0.01)
     key = b"f" * 16
     e = engine(store, disk_path=tmp_path, clock=clock)
     e.submit_store(job(key, layers(5), disk=True, s3=True))
     wait_for(e, lambda a: key in a.written.get(Tier.DISK, {}) and key in a.written.get(Tier.S3, {}))
     disk = e.handlers[Tier.DISK]
-    disk.timeout_s = 0.3  # short for the read under test, not the write before it
-    hung = threading.Event()
-    real_read, real_handler_read = files(e).read, disk.read
+    disk.timeout_s = 6.0
+    hung, reading = threading.Event(), threading.Event()
+    real_read = files(e).read
 
-    async def stalling_read(*a, **kw):  # the disk's whole wait, on the engine's clock
-        clock.now += 6.0
-        return await real_handler_read(*a, **kw)
-
-    def hung_read(*a, **kw):  # and in fact: no answer until the timeout
+    def hung_read(*a, **kw):  # no answer until the timeout
+        reading.set()
         hung.wait(30)
         return real_read(*a, **kw)
 
-    monkeypatch.setattr(disk, "read", stalling_read)
     monkeypatch.setattr(files(e), "read", hung_read)
     gets = store.gets
     e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], collect({}))
+    assert reading.wait(30)
+    settle(e)  # the read's guard heard that a thread took it up
+    advance(e, clock, 6.0)  # the disk's whole wait
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == []
     assert acc.tier_failed == {Tier.DISK: 1} and acc.tier_ok == {Tier.S3: 1}
@@ -994,17 +1128,23 @@ def test_close_stops_taking_stores_drains_flushes_and_ends_in_time():
     assert order == [("stored", key), ("flush", None)]  # drained, then published
     assert asyncio.run(store.list_keys("p/")) == [object_key("p", "n" * 32, key, 0)]
     assert not e.submit_store(store_job(b"d" * 16, 2))  # closed: the write-through is dropped
-    hung = engine(_HangingPut())
     flushed = []
 
     async def slow_flush():
         flushed.append(True)
         await asyncio.Event().wait()
 
+    clock = FakeClock()
+    hung = engine(_HangingPut(), clock=clock)
     hung.submit_store(store_job(key, 3))
-    start = time.monotonic()
-    hung.close(1.0, slow_flush)
-    assert time.monotonic() - start < 3.0 and flushed == [True]  # bounded, the flush still ran
+    closing = threading.Thread(target=hung.close, args=(1.0, slow_flush))
+    closing.start()
+    wait_until("the close to take its time", lambda: closing.ident in clock.readers)
+    clock.now += 0.75  # the PUT's time is up (a quarter of the second is kept for the flush)
+    wait_until("the flush to start", lambda: flushed == [True])
+    clock.now += 0.25  # and the flush's
+    closing.join(60)
+    assert not closing.is_alive() and flushed == [True]  # bounded on its clock, the flush still ran
 
 
 def test_a_pinned_slot_is_released_on_a_rank_without_the_farther_tiers():

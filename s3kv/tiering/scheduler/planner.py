@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.keys import Namespace
-from s3kv.manifest.keyset import EMPTY
 from s3kv.stats import Counters
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import (
@@ -34,53 +30,13 @@ from s3kv.tiering.plan import (
     TierReport,
 )
 from s3kv.tiering.scheduler.cost import CostModel
-from s3kv.tiering.scheduler.keychain import ChainKeys, ExtrasFn, PrefixIds
+from s3kv.tiering.scheduler.keychain import ChainKeys, ExtrasFn, Keyed, PrefixIds
+from s3kv.tiering.scheduler.loads import LoadsInFlight, PrefillBacklog
+from s3kv.tiering.scheduler.prefetch import Prefetcher
 from s3kv.tiering.scheduler.ranks import RankCount
+from s3kv.tiering.scheduler.requests import RequestState
 from s3kv.tiering.scheduler.stack import TierStack
 from s3kv.tiering.tiers.base import TierEvents, TierManager
-
-
-@dataclass
-class _Request:
-    token_ids: Sequence[int]
-    """The request's tokens so far (vLLM's live list: prompt, then output)."""
-    num_prompt_tokens: int
-    extras: ExtrasFn | None
-    prefix_ids: PrefixIds | None = None
-    keys: list[bytes] = field(default_factory=list)
-    fps: np.ndarray = field(default_factory=lambda: EMPTY)
-    """Fingerprints of ``keys``, for the manifest's vectorised lookup."""
-    local_tokens: int = 0
-    hit_start: int = 0
-    """First chunk of the last lookup's hit (chunks below are local)."""
-    hit: list[TierManager] = field(default_factory=list)
-    """Tier of each chunk of the hit, from ``hit_start``."""
-    hit_tokens: dict[Tier, int] = field(default_factory=dict)
-    stored_until: int = 0
-    """Chunks below this index are stored or planned."""
-    loaded: range = range(0)
-    """Chunks planned to load from a tier: they are not stored from the KV
-    cache again (promotion copies them up from what was loaded and checked)."""
-    load_async: bool = False
-    """What the last lookup told vLLM: an asynchronous load."""
-    load_failed: bool = False
-    """A load for this request failed: vLLM recomputes it, and asking again
-    (vLLM does when nothing was computed) would only fail again."""
-    decided: bool = False
-    """The load policy's first decision on it was counted."""
-    looked_up: bool = False
-    """vLLM asked for its hit (a request known from its arrival alone was not yet)."""
-    waited: bool = False
-    """A lookup of it waited for its prefetch (counted once)."""
-    queued: int = 0
-    """Chunks of its prefetch waiting for the budget (as last counted)."""
-
-
-@dataclass
-class _Prefetch:
-    started: float
-    tiers: set[Tier]
-    """The nearer tiers whose copy every rank has yet to report."""
 
 
 class Planner:
@@ -115,7 +71,7 @@ class Planner:
         self.stack = TierStack(tiers, self.counters, self.events)
         self.promote = promote
         self.save_generated = save_generated
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._pending_loads: list[LoadPlan] = []
         self._pending_stores: list[StoreChunk] = []
         self._pending_held: list[str] = []
@@ -125,30 +81,20 @@ class Planner:
         self._async_loading: set[str] = set()
         self.cost = cost
         """The load policy and its estimates (None: every hit is offered, nothing is timed)."""
-        self._load_started: dict[str, float] = {}
-        """Asynchronous loads planned, by request: when (the cost model's round trip)."""
-        self._load_took: dict[str, float] = {}
-        """Asynchronous loads' own time on rank 0, by request, until vLLM hears they finished."""
-        self._loading: dict[str, dict[Tier, int]] = {}
-        """Chunks of each planned load by tier, until it is over on every rank."""
-        self._inflight: dict[Tier, int] = {}
-        """Their sum: the chunks a new load shares each tier with (the cost model)."""
-        self._to_compute: dict[str, int] = {}
-        """Prompt tokens each request vLLM runs, or looked up, has yet to
-        compute: the prefill a request looked up after them waits behind."""
-        self.chunk_bytes = chunk_bytes
-        """Raw KV bytes of one chunk shard."""
-        self.prefetch_bytes = prefetch_bytes
-        self.prefetch_wait_s = prefetch_wait_s
-        """A prefetch that no report ended after this long (a lost report) is forgotten."""
-        self._clock = clock
-        self._prefetching: dict[bytes, _Prefetch] = {}
-        """Chunks being prefetched into nearer tiers, by key."""
-        self._pending_prefetch: list[LoadPlan] = []
-        self._prefetch_queue: dict[str, None] = {}
-        """Requests with chunks to prefetch once the budget allows, oldest first."""
-        self._arrived: list[str] = []
-        """Requests queued for prefetch since the last step was planned."""
+        self._loads = LoadsInFlight(cost)
+        self._backlog = PrefillBacklog()
+        self.prefetcher = Prefetcher(
+            self.stack,
+            self.chain,
+            self._requests,
+            self._remember,
+            chunk_bytes=chunk_bytes,
+            budget_bytes=prefetch_bytes,
+            wait_s=prefetch_wait_s,
+            counters=self.counters,
+            clock=clock,
+        )
+        """Fetches what only S3 holds of arriving requests' hits into the nearer tiers."""
 
     @classmethod
     def from_config(
@@ -183,11 +129,6 @@ class Planner:
             prefetch_wait_s=config.load_timeout_s + 5.0,
         )
 
-    @property
-    def tiers(self) -> tuple[TierManager, ...]:
-        """The tiers' managers, nearest first."""
-        return self.stack.tiers
-
     def tier(self, tier: Tier) -> TierManager | None:
         """The manager of ``tier``, or None when it is off."""
         return self.stack.get(tier)
@@ -205,11 +146,11 @@ class Planner:
         num_prompt_tokens: int | None,
         extras: ExtrasFn | None,
         prefix_ids: PrefixIds | None,
-    ) -> _Request:
+    ) -> RequestState:
         req = self._requests.get(req_id)
         if req is None:
             prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
-            req = self._requests[req_id] = _Request(token_ids, prompt, extras, prefix_ids)
+            req = self._requests[req_id] = RequestState(token_ids, prompt, extras, prefix_ids)
         req.token_ids = token_ids
         return req
 
@@ -237,31 +178,29 @@ class Planner:
         req.looked_up = True
         req.local_tokens = num_computed_tokens
         req.hit = []
-        ahead = sum(self._to_compute.values()) - self._to_compute.get(req_id, 0)
-        self._to_compute[req_id] = num_tokens - num_computed_tokens  # until a load is offered
+        ahead = self._backlog.ahead_of(req_id)
+        self._backlog.set(req_id, num_tokens - num_computed_tokens)  # until a load is offered
         if req.load_failed:
             return 0, False
         ct = self.chunk_tokens
         n_chunks = num_tokens // ct
         start = num_computed_tokens // ct
         if start >= n_chunks:
-            if self._prefetch_queue:
-                self._leave_prefetch_queue(req_id)  # vLLM holds all of it: nothing to fetch
+            self.prefetcher.leave(req_id)  # vLLM holds all of it: nothing to fetch
             return 0, False
         keys = self.chain.extend(req, n_chunks)
-        if self._prefetching and self._awaits_prefetch(keys, start, n_chunks):
+        if self.prefetcher.awaits(keys, start, n_chunks):
             if not req.waited:
                 req.waited = True
                 self.counters.add("prefetch_waits")
             return None, False
-        if self._prefetch_queue:
-            self._leave_prefetch_queue(req_id)  # scheduled now: it loads the rest itself
+        self.prefetcher.leave(req_id)  # scheduled now: it loads the rest itself
         hit = self.stack.hits(req_id, keys, req.fps, start, n_chunks)
         whole, _ = self._offer(hit, start, num_tokens, num_computed_tokens)
         if self.cost is not None and hit:
-            inflight = self._inflight
-            if self._prefetching:  # prefetches share S3 with the loads
-                inflight = {**inflight, Tier.S3: inflight.get(Tier.S3, 0) + len(self._prefetching)}
+            inflight = self._loads.by_tier
+            if self.prefetcher.in_flight:  # prefetches share S3 with the loads
+                inflight = {**inflight, Tier.S3: inflight.get(Tier.S3, 0) + self.prefetcher.in_flight}
             decision = self.cost.choose(
                 [m.tier for m in hit],
                 [m.sync_load for m in hit],
@@ -286,7 +225,7 @@ class Planner:
             self.counters.add("load_policy_tokens_offered", n)
             self.counters.add("load_policy_tokens_declined", whole - n)
         req.load_async = n > 0 and not sync
-        self._to_compute[req_id] -= n
+        self._backlog.set(req_id, num_tokens - num_computed_tokens - n)
         return (n, not sync) if n > 0 else (0, False)
 
     def _offer(
@@ -313,113 +252,14 @@ class Planner:
         prefix_ids: PrefixIds | None = None,
     ) -> None:
         """A request arrived: fetch the chunks of its hit that only a remote
-        tier (S3) holds into the nearer tiers (as a load's promotions are),
-        so that once vLLM schedules it the hit is local. The fetch is
-        planned with the step (:meth:`plan_step`), after vLLM's lookups: a
-        request that vLLM looks up in the step it arrived in (an idle
-        replica schedules it at once) leaves the queue and loads by itself,
-        for a prefetch would only put a copy and a second load before its
-        first token. No more than ``prefetch_bytes`` of chunk shards are in
-        flight: requests queue for the budget in arrival order (the head of
-        vLLM's queue first), and one vLLM schedules before its turn loads by
-        itself. Its lookups wait for chunks in flight."""
-        if self.prefetch_bytes <= 0 or self.chunk_bytes <= 0:
+        tier (S3) holds into the nearer tiers, planned with the next step
+        (:class:`Prefetcher`); its lookups wait for chunks in flight."""
+        if not self.prefetcher.enabled:
             return
         req = self._request(req_id, token_ids, num_tokens, num_prompt_tokens, extras, prefix_ids)
         if num_tokens // self.chunk_tokens == 0 or req.load_failed:
             return
-        self._prefetch_queue[req_id] = None
-        self._arrived.append(req_id)
-
-    def _start_arrived(self) -> None:
-        """Plan the prefetches of the requests that arrived since the last
-        step and are still waiting (vLLM did not schedule them); count the
-        chunks that wait for the budget."""
-        arrived, self._arrived = self._arrived, []
-        self._start_prefetches()
-        for req_id in arrived:
-            req = self._requests.get(req_id)
-            if req is None or req_id not in self._prefetch_queue:  # scheduled, finished, or all started
-                continue
-            if not req.queued:  # (behind another request: not looked at yet)
-                _, req.queued = self._prefetch_chunks(req_id, req, 0, self._clock())
-            self.counters.add("prefetch_chunks_queued", req.queued)
-
-    def _start_prefetches(self) -> None:
-        """Plan the queued requests' chunks, first come first served, while
-        the budget lasts."""
-        now = self._clock()
-        for key in [k for k, f in self._prefetching.items() if now - f.started > self.prefetch_wait_s]:
-            del self._prefetching[key]  # its report never came
-        budget = self.prefetch_bytes // self.chunk_bytes - len(self._prefetching)
-        for req_id in list(self._prefetch_queue):
-            req = self._requests.get(req_id)
-            if req is None or req.load_failed:
-                del self._prefetch_queue[req_id]
-                continue
-            chunks, left = self._prefetch_chunks(req_id, req, budget, now)
-            budget -= len(chunks)
-            if chunks:
-                self._pending_prefetch.append(LoadPlan(req_id, tuple(chunks), False))
-                self.counters.add("prefetch_chunks_started", len(chunks))
-            req.queued = left
-            if left:
-                break  # its turn is not over: the next wait behind it
-            del self._prefetch_queue[req_id]
-
-    def _prefetch_chunks(
-        self, req_id: str, req: _Request, budget: int, now: float
-    ) -> tuple[list[LoadChunk], int]:
-        """(up to ``budget`` chunks of the request's hit to prefetch now,
-        chunks left to prefetch beyond them)."""
-        n_chunks = len(req.token_ids) // self.chunk_tokens
-        n_chunks = min(n_chunks, req.num_prompt_tokens // self.chunk_tokens)
-        keys = self.chain.extend(req, n_chunks)
-        owner = ("prefetch", req_id)
-        hit = self.stack.hits(owner, keys, req.fps, 0, n_chunks)
-        self.stack.release(owner)  # a prefetch is never a breaker's probe
-        chunks: list[LoadChunk] = []
-        left = 0
-        for c, m in enumerate(hit):
-            key = keys[c]
-            if not m.remote or key in self._prefetching or (m.breaker is not None and not m.breaker.closed):
-                continue
-            if len(chunks) >= budget:
-                left += 1
-                continue
-            sources, up = self.stack.load(key, m, m.prepare_load(key), True)
-            if not up:  # no room nearer
-                continue
-            self._prefetching[key] = _Prefetch(now, {p.tier for p in up})
-            self._remember(req, c)
-            chunks.append(LoadChunk(key, (), 0, 0, sources, up))
-        return chunks, left
-
-    def _leave_prefetch_queue(self, req_id: str) -> None:
-        """vLLM scheduled (or dropped) the request: what it did not prefetch it loads itself."""
-        if self._prefetch_queue.pop(req_id, False) is not False:
-            req = self._requests.get(req_id)
-            if req is not None and req.queued:
-                self.counters.add("prefetch_chunks_skipped", req.queued)
-                req.queued = 0
-
-    def _awaits_prefetch(self, keys: Sequence[bytes], start: int, end: int) -> bool:
-        now = self._clock()
-        for c in range(start, end):
-            f = self._prefetching.get(keys[c])
-            if f is not None and now - f.started <= self.prefetch_wait_s:
-                return True
-        return False
-
-    def _prefetched(self, decided: dict[Tier, list[tuple[bytes, bool]]]) -> None:
-        """Copies every rank reported: a prefetch is over once each of its tiers heard."""
-        for tier, writes in decided.items():
-            for key, _ in writes:
-                f = self._prefetching.get(key)
-                if f is not None:
-                    f.tiers.discard(tier)
-                    if not f.tiers:
-                        del self._prefetching[key]
+        self.prefetcher.arrive(req_id)
 
     # -- allocation ---------------------------------------------------------------
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -464,13 +304,9 @@ class Planner:
         plan = LoadPlan(req_id, tuple(chunks), not req.load_async)
         self._pending_loads.append(plan)
         self._load_pins[req_id] = pins
-        self._count_loading(req_id, [m.tier for m in tiers])
+        self._loads.planned(req_id, [m.tier for m in tiers], req.load_async)
         if req.load_async:
             self._async_loading.add(req_id)
-            if self.cost is not None:
-                if len(self._load_started) > 4096:  # loads vLLM never told the end of
-                    self._load_started.clear()
-                self._load_started[req_id] = self.cost.clock()
 
     def hit_sources(self, req_id: str) -> dict[Tier, int]:
         """Tokens of the request's planned load, by tier."""
@@ -479,16 +315,14 @@ class Planner:
 
     # -- per step ------------------------------------------------------------------
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
-        if self._arrived:
-            self._start_arrived()
+        self.prefetcher.start_arrived()
         plan = StepPlan(
             loads=self._pending_loads,
             stores=self._pending_stores,
             held=self._pending_held,
-            prefetch=self._pending_prefetch,
+            prefetch=self.prefetcher.take(),
         )
         self._pending_loads, self._pending_stores, self._pending_held = [], [], []
-        self._pending_prefetch = []
         tokens, context = 0, 0
         for s in scheduled:
             tokens += s.num_scheduled_tokens
@@ -498,17 +332,14 @@ class Planner:
             done = s.num_computed_tokens + s.num_scheduled_tokens
             if s.num_computed_tokens < req.num_prompt_tokens and s.num_scheduled_tokens:
                 context = max(context, done)  # a prefill
-            if done < req.num_prompt_tokens:
-                self._to_compute[s.req_id] = req.num_prompt_tokens - done
-            else:
-                self._to_compute.pop(s.req_id, None)
+            self._backlog.set(s.req_id, req.num_prompt_tokens - done)
             plan.stores += self._plan_stores(req, done, s.block_ids)
         if self.cost is not None and tokens:
             plan.step = StepTokens(tokens, context)
         return plan
 
     def _plan_stores(
-        self, req: _Request, done_tokens: int, block_ids: Callable[[], Sequence[int]]
+        self, req: RequestState, done_tokens: int, block_ids: Callable[[], Sequence[int]]
     ) -> list[StoreChunk]:
         """Stores of the request's full chunks computed by ``done_tokens``
         whose token ids are known, and not yet in every tier."""
@@ -539,12 +370,11 @@ class Planner:
         """The request is done. Plan stores of its last full chunks (those
         holding generated tokens) for the next step; True if vLLM must keep
         its blocks until that step's copies are done."""
-        self._to_compute.pop(req_id, None)
+        self._backlog.set(req_id, 0)
         req = self._requests.get(req_id)
         if req is None:
             return False
-        if self._prefetch_queue:
-            self._leave_prefetch_queue(req_id)
+        self.prefetcher.leave(req_id)
         if req_id in self._async_loading:
             # Aborted while loading: vLLM holds the blocks until the load is
             # over, and they do not hold valid KV yet. Nothing to store. (A
@@ -574,11 +404,7 @@ class Planner:
         synchronous ones): what they read may be evicted again."""
         for req_id in req_ids:
             self._async_loading.discard(req_id)
-            self._count_loading(req_id, None)
-            started = self._load_started.pop(req_id, None)
-            took = self._load_took.pop(req_id, None)
-            if self.cost is not None and started is not None and took is not None:
-                self.cost.observe_round_trip(self.cost.clock() - started - took)
+            self._loads.over(req_id)
             for m, key in self._load_pins.pop(req_id, []):
                 m.complete_load(key)
             # Its tiers' breakers heard how it went (a success closes one, a
@@ -594,12 +420,8 @@ class Planner:
         (not answering, throttled, too slow) and no other tier's."""
         decided = self.ranks.writes(report)
         self.stack.on_report(report, decided)
-        if self._prefetching:
-            self._prefetched(decided)
-            if self._prefetch_queue:
-                self._start_prefetches()  # the budget some of them took is free again
-        if self.cost is not None:
-            self._observe(report)
+        self.prefetcher.reported(decided)  # the budget some of them took is free again
+        self._loads.observe(report)
         for key, n in report.released.items():  # ranks no longer read the store's staging place
             if self.ranks.count(("release", key), n):
                 self.stack.released(key)
@@ -612,34 +434,8 @@ class Planner:
                 req.load_failed = True
         self.stack.end_report(report)
 
-    def _observe(self, report: TierReport) -> None:
-        """Rank 0's timings, into the cost model."""
-        assert self.cost is not None
-        for t in report.load_timings:
-            self.cost.observe_load(t.tier, t.chunks, t.first_s, t.last_s, t.others)
-            if t.req_id in self._load_started:  # its round trip ends when vLLM hears of it
-                took = t.last_s if t.load_s is None else t.load_s
-                self._load_took[t.req_id] = max(self._load_took.get(t.req_id, 0.0), took)
-        for st in report.step_timings:
-            self.cost.observe_step(st.tokens, st.context, st.seconds)
-
-    def _count_loading(self, req_id: str, tiers: Sequence[Tier] | None) -> None:
-        """A load of chunks from ``tiers`` was planned (None: it is over)."""
-        for tier, n in self._loading.pop(req_id, {}).items():
-            self._inflight[tier] -= n
-        if tiers is None or self.cost is None:
-            return
-        if len(self._loading) > 4096:  # loads vLLM never told the end of
-            self._loading.clear()
-            self._inflight.clear()
-        counts: dict[Tier, int] = {}
-        for t in tiers:
-            counts[t] = counts.get(t, 0) + 1
-            self._inflight[t] = self._inflight.get(t, 0) + 1
-        self._loading[req_id] = counts
-
     # -- KV events -------------------------------------------------------------
-    def _remember(self, req: _Request, c: int) -> None:
+    def _remember(self, req: Keyed, c: int) -> None:
         """Keep what a chunk's BlockStored event needs until it is written."""
         if self.events.enabled:
             ct = self.chunk_tokens

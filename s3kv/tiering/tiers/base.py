@@ -560,9 +560,9 @@ class TierHandler(ABC):
         sake, so that the others in flight give up instead of waiting their
         timeout."""
         self.clock: Callable[[], float] = time.monotonic
-        """The tier's own time: its transfers' timeouts and when its threads
-        took them up (a test may drive it; a load's deadline is on
-        ``time.monotonic``)."""
+        """The tier's time: its transfers' timeouts, when its threads took
+        them up and its loads' deadlines (the transfer engine sets its own
+        clock here; a test may drive it)."""
 
     @classmethod
     @abstractmethod
@@ -583,7 +583,7 @@ class TierHandler(ABC):
         encoded object if ``keep_blob`` and the tier has it). Raises
         NotFound, or CorruptChunk (and forgets the bad copy where it may),
         or what says the tier is in trouble (:meth:`trouble`); gives up
-        (GaveUp) at ``deadline`` (``time.monotonic()``)."""
+        (GaveUp) at ``deadline`` (on :attr:`clock`)."""
 
     @abstractmethod
     async def write(self, place: Place, chunk: ChunkData, start: float | None = None) -> int | None:
@@ -712,7 +712,7 @@ class TierHandler(ABC):
             elif queue_s is not None:
                 ends["queue"] = queued_at + queue_s - now
             if deadline is not None:
-                ends["deadline"] = deadline - time.monotonic()
+                ends["deadline"] = deadline - now
             return ends
 
         try:

@@ -1,5 +1,7 @@
 """The worker side's floor: what runs in each vLLM worker process.
 
 The transfer engine carries a step plan's loads and stores between the KV
-pages and the tiers' handlers; the host pool stages them.
+pages and the tiers' handlers, on its job loop; the host pool stages them.
+The step timer times rank 0's forwards, and a refusal answers the plans of
+a rank whose fleet key is not the scheduler side's.
 """

@@ -101,14 +101,19 @@ class TransferEngine:
         s3: ObjectStore | None,
         settings: EngineSettings,
         counters: Counters | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.s3 = s3
         self.s = settings
         self.counters = counters or Counters()
+        self.clock = clock
+        """The worker's time: its loads' deadlines, its tiers' timeouts (each
+        handler's :attr:`~TierHandler.clock`), its loop's timers, the loads'
+        timings and the bounds of :meth:`drain` and :meth:`close` (a test
+        drives them all with one fake clock)."""
         self.meter = LoadMeter(clock)
         """Times each load's chunks, tier by tier, for the cost model."""
-        self._loop = JobLoop("s3kv-transfer", settings.threads)
+        self._loop = JobLoop("s3kv-transfer", settings.threads, clock)
         self.report = RankReport()
         self.handlers: dict[Tier, TierHandler] = {}
         """The tiers this rank holds, nearest first (built once the namespace is known)."""
@@ -156,6 +161,8 @@ class TransferEngine:
             settled=lambda key: self.on_s3_settled(key) if self.on_s3_settled else None,
         )
         handlers = [h for cls in HANDLERS if (h := cls.for_worker(env)) is not None]
+        for h in handlers:
+            h.clock = self.clock
         for old in self.handlers.values():
             old.close()
         self.handlers = {h.tier: h for h in handlers}
@@ -183,7 +190,7 @@ class TransferEngine:
     async def _load_job(
         self, job_id: str | None, chunks: list[LoadChunk], sink: ChunkSink, target: ChunkTarget | None
     ) -> None:
-        clock = self.meter.clock
+        clock = self.clock
         start = clock()
         # A request's copies into tiers written from the object (NVMe) start
         # once its last chunk is in: their decoding, encoding and writes would
@@ -225,7 +232,7 @@ class TransferEngine:
         copies = [(h, p) for h, p in promote if h is None or not h.takes_pages]  # written from the object
         sinks = [h.open_fill(p, key) for h, p in fills]
         try:
-            deadline = time.monotonic() + self.s.load_timeout_s
+            deadline = self.clock() + self.s.load_timeout_s
             source, nbytes, blob, attempt = await self._load_from_sources(
                 chunk, sink, target, sinks, bool(copies), deadline
             )
@@ -275,7 +282,7 @@ class TransferEngine:
         last: Exception | None = None
         for i, place in enumerate(chunk.sources):
             tier = place.tier
-            if deadline - time.monotonic() <= 0:  # an earlier source took the time: this one is not to blame
+            if deadline - self.clock() <= 0:  # an earlier source took the time: this one is not to blame
                 raise GaveUp(f"{tier.value}: given up, no time left before the load's deadline")
             h = self.handlers.get(tier)
             # Each attempt writes the KV cache through a gate of its own: once
@@ -402,7 +409,7 @@ class TransferEngine:
         return Polled(*self.report.take())
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for queued work; True if all of it finished."""
+        """Wait up to ``timeout_s`` (on :attr:`clock`) for queued work; True if all of it finished."""
         return self._loop.drain(timeout_s)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
@@ -414,7 +421,7 @@ class TransferEngine:
         self, timeout_s: float = 10.0, flush: Callable[[], Coroutine[Any, Any, Any]] | None = None
     ) -> None:
         """Stop taking stores, let those under way finish, then ``flush``
-        (publish what they stored), all within ``timeout_s``; what is still
+        (publish what they stored), all within ``timeout_s`` on :attr:`clock`; what is still
         running then is cancelled (a multipart upload is aborted, a single
         PUT never completes: no incomplete object under a real name)."""
         with self._lock:

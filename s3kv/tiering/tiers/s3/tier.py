@@ -251,7 +251,7 @@ class S3Handler(TierHandler):
         deadline: float | None = None,
         keep_blob: bool = False,
     ) -> tuple[int, bytes | None]:
-        left = deadline - time.monotonic() if deadline is not None else None
+        left = deadline - self.clock() if deadline is not None else None
         load = load_chunk(
             self.store,
             self.chunk_id(key),
