@@ -39,10 +39,11 @@ from s3kv.tiering.loop import BackgroundLoop
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import ScheduledRequest, TierEvent
 from s3kv.tiering.scheduler.planner import Planner
-from s3kv.tiering.tiers.base import TierManager
-from s3kv.tiering.tiers.cpu.tier import CpuTierManager
-from s3kv.tiering.tiers.nvme.tier import DiskCleaner, DiskSetup, NvmeTierManager, open_disk, release_lock
-from s3kv.tiering.tiers.s3.tier import S3TierManager
+from s3kv.tiering.tiers.cpu.manager import CpuTierManager
+from s3kv.tiering.tiers.manager import TierManager
+from s3kv.tiering.tiers.nvme.directory import DiskCleaner, DiskSetup, open_disk, release_lock
+from s3kv.tiering.tiers.nvme.manager import NvmeTierManager
+from s3kv.tiering.tiers.s3.manager import S3TierManager
 from s3kv.units import format_size
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from s3kv.errors import CorruptChunk, NotFound
 from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.placement import TierIndex
-from s3kv.tiering.tiers.cpu.tier import CpuHandler
+from s3kv.tiering.tiers.cpu.handler import CpuHandler
 from s3kv.tiering.tiers.nvme.files import DiskTier
-from s3kv.tiering.tiers.nvme.tier import NvmeHandler
-from s3kv.tiering.tiers.s3.tier import S3Handler
+from s3kv.tiering.tiers.nvme.handler import NvmeHandler
+from s3kv.tiering.tiers.s3.handler import S3Handler
 from s3kv.tiering.worker.hostpool import HostPool
 from tests.tiers.conformance import (
     LAYER_BYTES,

@@ -22,7 +22,7 @@ from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import TierReport
 from s3kv.tiering.scheduler.planner import Planner
-from s3kv.tiering.tiers.s3.tier import S3TierManager
+from s3kv.tiering.tiers.s3.manager import S3TierManager
 
 SECRET = "s3kv-test-secret-0123456789abcdef"
 OTHER = "s3kv-test-secret-fedcba9876543210"

@@ -8,8 +8,8 @@ from s3kv.manifest import Manifest
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import TierReport
 from s3kv.tiering.scheduler.planner import Planner
-from s3kv.tiering.tiers.nvme.tier import NvmeTierManager
-from s3kv.tiering.tiers.s3.tier import S3TierManager
+from s3kv.tiering.tiers.nvme.manager import NvmeTierManager
+from s3kv.tiering.tiers.s3.manager import S3TierManager
 
 K1, K2 = b"1" * 16, b"2" * 16
 

@@ -7,9 +7,9 @@ from s3kv.manifest.keyset import fingerprints
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, ScheduledRequest, TierReport
 from s3kv.tiering.scheduler.planner import Planner
-from s3kv.tiering.tiers.cpu.tier import CpuTierManager
-from s3kv.tiering.tiers.nvme.tier import NvmeTierManager, disk_estimate
-from s3kv.tiering.tiers.s3.tier import BAD_KEY_RETRY_S, S3TierManager
+from s3kv.tiering.tiers.cpu.manager import CpuTierManager
+from s3kv.tiering.tiers.nvme.manager import NvmeTierManager, disk_estimate
+from s3kv.tiering.tiers.s3.manager import BAD_KEY_RETRY_S, S3TierManager
 
 NS = Namespace.from_fields({"model": "m"})
 CT, BS = 64, 32  # 2 blocks a chunk

@@ -13,10 +13,10 @@ from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, TierReport
 from s3kv.tiering.scheduler.ranks import RankCount
 from s3kv.tiering.scheduler.stack import TierStack
-from s3kv.tiering.tiers.base import TierEvents, store_owner
-from s3kv.tiering.tiers.cpu.tier import CpuTierManager
-from s3kv.tiering.tiers.nvme.tier import NvmeTierManager, disk_estimate
-from s3kv.tiering.tiers.s3.tier import BAD_KEY_RETRY_S, S3TierManager
+from s3kv.tiering.tiers.cpu.manager import CpuTierManager
+from s3kv.tiering.tiers.manager import TierEvents, store_owner
+from s3kv.tiering.tiers.nvme.manager import NvmeTierManager, disk_estimate
+from s3kv.tiering.tiers.s3.manager import BAD_KEY_RETRY_S, S3TierManager
 
 KEYS = chain_keys(Namespace.from_fields({"m": "tiers"}), list(range(256)), 64)
 FPS = fingerprints(KEYS)

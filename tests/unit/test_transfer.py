@@ -725,7 +725,7 @@ def test_a_load_out_of_time_gives_up_without_blaming_a_tier(tmp_path, monkeypatc
 def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_path, monkeypatch):
     import threading
 
-    from s3kv.tiering.tiers.nvme.tier import DISK_THREADS
+    from s3kv.tiering.tiers.nvme.handler import DISK_THREADS
 
     keys = [bytes([0xD0 + i]) * 16 for i in range(2 * DISK_THREADS)]
     e = engine(MemoryStore(), disk_path=tmp_path, disk_timeout_s=1.5)
@@ -779,7 +779,7 @@ def disk_and_s3_engine(tmp_path, n, **kw):
 
 
 def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(tmp_path, monkeypatch):
-    from s3kv.tiering.tiers.nvme.tier import DISK_THREADS
+    from s3kv.tiering.tiers.nvme.handler import DISK_THREADS
 
     e, keys = disk_and_s3_engine(tmp_path, 3 * DISK_THREADS, disk_timeout_s=1.2)
     real_read = files(e).read
@@ -800,7 +800,7 @@ def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(t
 def test_a_read_that_waits_for_a_hung_disk_is_the_disks_failure(tmp_path, monkeypatch):
     import threading
 
-    from s3kv.tiering.tiers.nvme.tier import DISK_THREADS
+    from s3kv.tiering.tiers.nvme.handler import DISK_THREADS
 
     e, keys = disk_and_s3_engine(tmp_path, DISK_THREADS + 1)
     e.handlers[Tier.DISK].timeout_s = 0.3  # short for the reads under test, not the writes before them

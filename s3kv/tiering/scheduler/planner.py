@@ -37,7 +37,7 @@ from s3kv.tiering.scheduler.cost import CostModel
 from s3kv.tiering.scheduler.keychain import ChainKeys, ExtrasFn, PrefixIds
 from s3kv.tiering.scheduler.ranks import RankCount
 from s3kv.tiering.scheduler.stack import TierStack
-from s3kv.tiering.tiers.base import TierEvents, TierManager
+from s3kv.tiering.tiers.manager import TierEvents, TierManager
 
 
 @dataclass

@@ -10,7 +10,7 @@ import numpy as np
 from s3kv.stats import Counters
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place, TierReport
-from s3kv.tiering.tiers.base import TierEvents, TierManager, store_owner
+from s3kv.tiering.tiers.manager import TierEvents, TierManager, store_owner
 
 
 class TierStack:

@@ -5,10 +5,10 @@ registers in :data:`HANDLERS`, its manager in the list the scheduler side
 builds (``s3kv.connector.scheduler``), both nearest tier first.
 """
 
-from s3kv.tiering.tiers.base import TierHandler
-from s3kv.tiering.tiers.cpu.tier import CpuHandler
-from s3kv.tiering.tiers.nvme.tier import NvmeHandler
-from s3kv.tiering.tiers.s3.tier import S3Handler
+from s3kv.tiering.tiers.cpu.handler import CpuHandler
+from s3kv.tiering.tiers.handler import TierHandler
+from s3kv.tiering.tiers.nvme.handler import NvmeHandler
+from s3kv.tiering.tiers.s3.handler import S3Handler
 
 HANDLERS: tuple[type[TierHandler], ...] = (CpuHandler, NvmeHandler, S3Handler)
 """The tiers a worker may hold, nearest first."""

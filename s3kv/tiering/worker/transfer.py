@@ -34,14 +34,10 @@ from s3kv.tiering.meter import Attempt, LoadMeter
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
 from s3kv.tiering.tiers import HANDLERS
-from s3kv.tiering.tiers.base import (
-    EngineSettings,
-    Gate,
-    RankReport,
-    TierHandler,
-    WorkerEnv,
-    error_kind,
-)
+from s3kv.tiering.tiers.handler import TierHandler, error_kind
+from s3kv.tiering.tiers.report import RankReport
+from s3kv.tiering.tiers.settings import EngineSettings, WorkerEnv
+from s3kv.tiering.worker.gate import Gate
 from s3kv.tiering.worker.hostpool import HostPool
 
 log = logging.getLogger("s3kv.transfer")
