@@ -382,7 +382,7 @@ class Planner:
         left = 0
         for c, m in enumerate(hit):
             key = keys[c]
-            if not m.remote or key in self._prefetching or (m.breaker is not None and not m.breaker.closed):
+            if not m.prefetches(key) or key in self._prefetching:
                 continue
             if len(chunks) >= budget:
                 left += 1

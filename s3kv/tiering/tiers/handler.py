@@ -20,7 +20,6 @@ from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.report import RankReport
-from s3kv.tiering.tiers.settings import WorkerEnv
 
 log = logging.getLogger("s3kv.transfer")
 
@@ -112,11 +111,6 @@ class TierHandler(ABC):
         """The tier's own time: its transfers' timeouts and when its threads
         took them up (a test may drive it; a load's deadline is on
         ``time.monotonic``)."""
-
-    @classmethod
-    @abstractmethod
-    def for_worker(cls, env: WorkerEnv) -> TierHandler | None:
-        """This tier's handler for a worker, or None where it has none."""
 
     @abstractmethod
     async def read(

@@ -6,8 +6,10 @@ naming none of them; what differs between tiers is in each wing's manager.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -54,29 +56,26 @@ class TierEvents:
         return out
 
 
-class TierManager:
+class TierManager(ABC):
     """The scheduler side of one tier: what it holds, where a chunk goes in it,
     what it evicts, and (for tiers that can be in trouble) its breaker.
 
     The planner calls its managers nearest tier first and names none of them;
     what differs between tiers is here. Calls come from the scheduler's own
-    thread only, must not block and do no I/O. The planner attaches its
-    counters and event log (:meth:`attach`) before the first call.
+    thread only, must not block and do no I/O (a tier that deletes files
+    hands them to a thread of its own). The planner attaches its counters
+    and event log (:meth:`attach`) before the first call.
+
+    A tier must say what it holds (:meth:`lookup`) and where a store and a
+    promotion go in it (:meth:`prepare_store`, :meth:`prepare_promotion`):
+    those are abstract, so a tier that forgets one fails when it is built.
     """
 
-    tier: Tier
-    sync_load = False
-    """Loads from it are copies made during the step's forward (the CPU pool):
-    a hit only from such tiers is loaded synchronously."""
-    may_lose = True
-    """A chunk it holds may turn out lost or corrupt when read: a load from it
-    names farther tiers that have the chunk as fallbacks (:meth:`fallback`)."""
-    stages_writes = False
-    """A store's farther writes read the chunk from this tier's place (the CPU
-    slot): it stays pinned until every rank released it."""
-    remote = False
-    """Far and slow (S3): chunks a waiting request will load from it are
-    prefetched into the nearer tiers when the request arrives."""
+    tier: ClassVar[Tier]
+    sync_load: ClassVar[bool] = False
+    """Loads from it are copies the worker makes during the step's forward
+    (the CPU pool): a hit only from such tiers is loaded synchronously, and
+    the cost model times it so."""
 
     def __init__(self, breaker: Breaker | None = None) -> None:
         self.breaker = breaker
@@ -87,6 +86,23 @@ class TierManager:
 
     def attach(self, counters: Counters, events: TierEvents) -> None:
         self.counters, self.events = counters, events
+
+    # -- life ------------------------------------------------------------------
+    def activate(self, namespace: str) -> bool:
+        """The model's namespace is known: set up for it (before the first
+        lookup). False: the tier cannot serve after all and is left out."""
+        return True
+
+    def describe(self) -> str:
+        """The tier as the start-up log line names it."""
+        return "on"
+
+    def resume(self) -> None:  # noqa: B027 (optional hook)
+        """The bucket answered (the fleet's manifest loaded): a tier that
+        waited for it since start-up goes on."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """The scheduler side is shutting down: let go of threads and locks."""
 
     def _breaker(
         self, backoff_s: tuple[float, float], probe_timeout_s: float, clock: Callable[[], float]
@@ -121,35 +137,56 @@ class TierManager:
                 self.breaker.release(owner)
 
     # -- loads -----------------------------------------------------------------
+    @abstractmethod
     def lookup(self, keys: Sequence[bytes], fps: np.ndarray, start: int, end: int) -> list[bool]:
         """Which of chunks [start, end) of a request (``keys``, their
         fingerprints ``fps``) the tier can load now."""
-        raise NotImplementedError
 
     def prepare_load(self, key: bytes) -> Place:
         """A load of ``key`` from this tier is planned: keep it (no eviction)
         until :meth:`complete_load`, and say where it is."""
         return Place(self.tier)
 
-    def complete_load(self, key: bytes) -> None:
+    def complete_load(self, key: bytes) -> None:  # noqa: B027 (optional hook)
         """The load of ``key`` is over on every rank."""
 
     def fallback(self, key: bytes) -> Place | None:
         """Where to read ``key`` if a nearer tier's copy turns out lost, or None."""
         return None
 
-    def record_use(self, keys: Sequence[bytes]) -> None:
+    def fallbacks(self, key: bytes, farther: Sequence[TierManager]) -> tuple[Place, ...]:
+        """Where to read ``key`` if this tier's copy turns out lost or
+        corrupt when read: the ``farther`` tiers that have it."""
+        return tuple(p for m in farther if (p := m.fallback(key)) is not None)
+
+    def prefetches(self, key: bytes) -> bool:
+        """Is a waiting request's chunk that only this tier holds worth
+        copying into the nearer tiers before vLLM schedules the request
+        (the tier is far and slow, and working)?"""
+        return False
+
+    def record_use(self, keys: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
         """Loads of these chunks are planned (from any tier): access records, for tiers that keep them."""
 
     # -- stores ----------------------------------------------------------------
+    @abstractmethod
     def prepare_store(self, key: bytes, owner: Hashable) -> Place | None:
         """Where a store of ``key`` from the KV cache goes in this tier, or None
         (held already, no room, in trouble). ``owner`` may become the probe."""
-        return None
 
+    @abstractmethod
     def prepare_promotion(self, key: bytes) -> Place | None:
-        """Where ``key``, loaded from a farther tier, is copied up in this one, or None."""
-        return None
+        """Where ``key``, loaded from a farther tier, is copied up in this one,
+        or None (the farthest tier is never promoted into)."""
+
+    def stage(self, key: bytes) -> bool:
+        """``key`` is stored here first and in farther tiers too: True if
+        their writes read it from this tier's place, which then stays
+        (pinned) until :meth:`unstage`."""
+        return False
+
+    def unstage(self, key: bytes) -> None:  # noqa: B027 (optional hook)
+        """Every rank is done reading ``key``'s place for the farther writes."""
 
     def complete_store(self, key: bytes, ok: bool) -> None:
         """Every rank reported its write of ``key`` here (a store or a
@@ -163,12 +200,6 @@ class TierManager:
     def forget(self, key: bytes) -> None:
         """Workers found ``key`` absent or corrupt here."""
         self.events.removed(self.tier, key)
-
-    def pin(self, key: bytes) -> None:
-        """Keep ``key``'s place from eviction (a store's farther writes read it)."""
-
-    def unpin(self, key: bytes) -> None:
-        """Every rank let go of ``key``'s place."""
 
     # -- reports ---------------------------------------------------------------
     def on_report(
@@ -212,13 +243,7 @@ class IndexedTierManager(TierManager):
         entry = self.index.get(key)
         return Place(self.tier, entry.slot if entry is not None else None)
 
-    def complete_load(self, key: bytes) -> None:
-        self.index.unpin(key)
-
-    def pin(self, key: bytes) -> None:
-        self.index.pin(key)
-
-    def unpin(self, key: bytes) -> None:
+    def complete_load(self, key: bytes) -> None:  # noqa: B027 (optional hook)
         self.index.unpin(key)
 
 

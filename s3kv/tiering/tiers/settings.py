@@ -70,7 +70,7 @@ class EngineSettings:
 
 @dataclass
 class WorkerEnv:
-    """What a worker's handlers are built from (:meth:`TierHandler.for_worker`)."""
+    """What a worker's handlers are built from (:meth:`~s3kv.tiering.tiers.spec.TierSpec.handler`)."""
 
     settings: EngineSettings
     codec: ChunkCodec

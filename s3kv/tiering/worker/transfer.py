@@ -33,8 +33,8 @@ from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.meter import Attempt, LoadMeter
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
-from s3kv.tiering.tiers import HANDLERS
 from s3kv.tiering.tiers.handler import TierHandler, error_kind
+from s3kv.tiering.tiers.registry import TIERS
 from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.tiers.settings import EngineSettings, WorkerEnv
 from s3kv.tiering.worker.gate import Gate
@@ -152,7 +152,7 @@ class TransferEngine:
             stored=lambda key: self.on_s3_stored(key) if self.on_s3_stored else None,
             settled=lambda key: self.on_s3_settled(key) if self.on_s3_settled else None,
         )
-        handlers = [h for cls in HANDLERS if (h := cls.for_worker(env)) is not None]
+        handlers = [h for spec in TIERS if (h := spec.handler(env)) is not None]
         for old in self.handlers.values():
             old.close()
         self.handlers = {h.tier: h for h in handlers}

@@ -15,7 +15,6 @@ from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.handler import TierHandler
 from s3kv.tiering.tiers.report import RankReport
-from s3kv.tiering.tiers.settings import WorkerEnv
 from s3kv.tiering.worker.hostpool import HostPool
 
 
@@ -42,12 +41,6 @@ class CpuHandler(TierHandler):
         self.pool = pool
         self._executor = executor
         """Threads that copy slots out (the engine's codec threads)."""
-
-    @classmethod
-    def for_worker(cls, env: WorkerEnv) -> CpuHandler | None:
-        if env.pool is None:
-            return None
-        return cls(env.pool, env.threads, env.report, env.counters)
 
     async def read(
         self,

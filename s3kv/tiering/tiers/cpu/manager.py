@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from s3kv.errors import ConfigError
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place
-from s3kv.tiering.tiers.manager import IndexedTierManager
+from s3kv.tiering.tiers.manager import IndexedTierManager, TierManager
 from s3kv.tiering.worker.hostpool import slots_for
 from s3kv.units import format_size
 
@@ -18,8 +20,6 @@ class CpuTierManager(IndexedTierManager):
 
     tier = Tier.CPU
     sync_load = True
-    may_lose = False
-    stages_writes = True
 
     def __init__(self, index: TierIndex, slot_bytes: int = 0) -> None:
         if not index.slots:
@@ -50,6 +50,18 @@ class CpuTierManager(IndexedTierManager):
             self.counters.add("evict_chunks_cpu")
             self.events.removed(self.tier, old)  # type: ignore[arg-type]
         return Place(self.tier, got[0].slot)
+
+    def fallbacks(self, key: bytes, farther: Sequence[TierManager]) -> tuple[Place, ...]:
+        """None: a slot a load reads is pinned, never lost."""
+        return ()
+
+    def stage(self, key: bytes) -> bool:
+        """A store's farther writes read its pages from the slot."""
+        self.index.pin(key)
+        return True
+
+    def unstage(self, key: bytes) -> None:
+        self.index.unpin(key)
 
     def prepare_store(self, key: bytes, owner: object) -> Place | None:
         if self.index.has(key):

@@ -14,6 +14,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from s3kv.stats import Counters
 from s3kv.tiering.placement import TierIndex
 from s3kv.tiering.tiers.nvme import files as disk
 from s3kv.units import format_size
@@ -142,6 +143,8 @@ class DiskCleaner:
             self._done.put(key)
 
     def take_done(self) -> list[Hashable]:
+        if self._done.empty():
+            return []
         out = []
         while True:
             try:
@@ -160,3 +163,38 @@ class DiskCleaner:
 def release_lock(fd: int | None) -> None:
     if fd is not None:
         os.close(fd)
+
+
+class Directory:
+    """The NVMe tier's directory as the scheduler side holds it: opened for
+    a namespace (:func:`open_disk`; what does not fit is deleted at once),
+    then its evicted files are deleted by a :class:`DiskCleaner`; closing
+    lets both go."""
+
+    def __init__(self, path: str, capacity_bytes: int | None, world_size: int, counters: Counters) -> None:
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self.world_size = world_size
+        self.counters = counters
+        self.setup: DiskSetup | None = None
+        self.cleaner: DiskCleaner | None = None
+
+    def open(self, namespace: str) -> TierIndex | None:
+        """The index of what the directory holds for ``namespace``, or None:
+        the directory is unusable and the tier is off."""
+        setup, evicted = open_disk(self.path, namespace, self.world_size, self.capacity_bytes)
+        if setup is None:
+            return None
+        if setup.skipped:
+            self.counters.add("disk_scan_skipped", setup.skipped)
+        self.setup = setup
+        self.cleaner = DiskCleaner(setup.root, namespace, self.world_size)
+        self.cleaner.delete(evicted)
+        return setup.index
+
+    def close(self) -> None:
+        """Finish the queued deletes for a while, and let go of the lock."""
+        if self.cleaner is not None:
+            self.cleaner.close()
+        if self.setup is not None:
+            release_lock(self.setup.lock_fd)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from s3kv.chunk_reader import FrameSink
@@ -23,7 +21,6 @@ from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.handler import Began, TierHandler
 from s3kv.tiering.tiers.nvme.files import DiskTier, directory_bytes
 from s3kv.tiering.tiers.report import RankReport
-from s3kv.tiering.tiers.settings import WorkerEnv
 
 log = logging.getLogger("s3kv.transfer")
 
@@ -83,19 +80,6 @@ class NvmeHandler(TierHandler):
         """(``fn(*args)`` on the disk's threads, to await; when a thread took it up)."""
         began = Began(self._running[write], self.clock)
         return self.run(began.wrap(fn, *args), write=write), began
-
-    @classmethod
-    def for_worker(cls, env: WorkerEnv) -> NvmeHandler | None:
-        if env.settings.disk_path is None:
-            return None
-        files_codec = dataclasses.replace(env.codec, codec=env.settings.disk_codec)
-        return cls(
-            DiskTier(Path(env.settings.disk_path), files_codec, fsync=env.settings.disk_fsync),
-            timeout_s=env.settings.disk_timeout_s,
-            write_queue_s=env.settings.load_timeout_s,
-            report=env.report,
-            counters=env.counters,
-        )
 
     async def read(
         self,

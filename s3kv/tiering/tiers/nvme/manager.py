@@ -10,6 +10,7 @@ from s3kv.tiering.breaker import BACKOFF_S, PROBE_TIMEOUT_S
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, TierReport
 from s3kv.tiering.tiers.manager import IndexedTierManager, probe_timeout_s
+from s3kv.tiering.tiers.nvme.directory import Directory
 
 
 def disk_estimate(shard_bytes: int) -> int:
@@ -21,9 +22,10 @@ def disk_estimate(shard_bytes: int) -> int:
 class NvmeTierManager(IndexedTierManager):
     """The NVMe directory's byte-bounded index. A chunk is reserved at its
     estimate (every rank's file) and takes its real size once written;
-    evicted and failed entries become file deletes, handed to the caller
-    (:meth:`take_evictions`) to run off the scheduling thread, and a key is
-    not written again while its old files are being deleted."""
+    evicted and failed entries become file deletes, run off the scheduling
+    thread by its :class:`Directory`'s cleaner (without one, as in tests,
+    they wait for :meth:`take_evictions`), and a key is not written again
+    while its old files are being deleted."""
 
     tier = Tier.DISK
 
@@ -36,8 +38,11 @@ class NvmeTierManager(IndexedTierManager):
         backoff_s: tuple[float, float] = BACKOFF_S,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        directory: Directory | None = None,
     ) -> None:
         super().__init__(index)
+        self.directory = directory
+        """The directory to open for the namespace (:meth:`activate`), and whose cleaner deletes files."""
         self.breaker = self._breaker(backoff_s, probe_timeout_s, clock)
         self.reserve_bytes = world_size * disk_estimate(shard_bytes)
         self._sizes: dict[bytes, int] = {}
@@ -55,6 +60,24 @@ class NvmeTierManager(IndexedTierManager):
         return cls(
             index, world_size=world_size, shard_bytes=shard_bytes, probe_timeout_s=probe_timeout_s(config)
         )
+
+    # -- life --------------------------------------------------------------------
+    def activate(self, namespace: str) -> bool:
+        if self.directory is None:
+            return True
+        index = self.directory.open(namespace)
+        if index is None:
+            return False
+        self.index = index
+        return True
+
+    def describe(self) -> str:
+        setup = self.directory.setup if self.directory is not None else None
+        return str(setup.root) if setup is not None else "on"
+
+    def close(self) -> None:
+        if self.directory is not None:
+            self.directory.close()
 
     def _reserve(self, key: bytes) -> bool:
         if key in self._deleting:
@@ -74,9 +97,20 @@ class NvmeTierManager(IndexedTierManager):
 
     def _forget_files(self, key: Hashable) -> None:
         self._deleting.add(key)
-        self._evictions.append(key)
+        cleaner = self.directory.cleaner if self.directory is not None else None
+        if cleaner is not None:
+            cleaner.delete((key,))
+        else:
+            self._evictions.append(key)
+
+    def _settle(self) -> None:
+        """Keys whose old files the cleaner deleted may be written again."""
+        cleaner = self.directory.cleaner if self.directory is not None else None
+        if cleaner is not None:
+            self.on_deleted(cleaner.take_done())
 
     def prepare_store(self, key: bytes, owner: Hashable) -> Place | None:
+        self._settle()
         if self.index.has(key) or key in self._deleting or not self.allows(owner, take=False):
             return None
         if not (self._reserve(key) and self.allows(owner)):
@@ -84,6 +118,7 @@ class NvmeTierManager(IndexedTierManager):
         return Place(self.tier)
 
     def prepare_promotion(self, key: bytes) -> Place | None:
+        self._settle()
         assert self.breaker is not None
         return Place(self.tier) if self.breaker.closed and self._reserve(key) else None
 
@@ -125,7 +160,8 @@ class NvmeTierManager(IndexedTierManager):
 
     # -- file deletes ------------------------------------------------------------
     def take_evictions(self) -> list[Hashable]:
-        """Entries whose files to delete (chunk keys, or paths of other files)."""
+        """Entries whose files to delete (chunk keys, or paths of other
+        files), where no cleaner deletes them."""
         out, self._evictions = self._evictions, []
         return out
 

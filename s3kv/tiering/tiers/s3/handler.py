@@ -19,7 +19,6 @@ from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.handler import TierHandler
 from s3kv.tiering.tiers.report import RankReport
-from s3kv.tiering.tiers.settings import WorkerEnv
 
 log = logging.getLogger("s3kv.transfer")
 
@@ -84,24 +83,6 @@ class S3Handler(TierHandler):
             # prefix) is that object's; refused credentials are the tier's.
             return e.credentials
         return super().trouble(e)
-
-    @classmethod
-    def for_worker(cls, env: WorkerEnv) -> S3Handler | None:
-        if env.store is None:
-            return None
-        return cls(
-            env.store,
-            env.codec,
-            env.settings.prefix,
-            range_bytes=env.settings.range_bytes,
-            executor=env.threads,
-            keys=env.settings.keys,
-            storing=env.storing,
-            stored=env.stored,
-            settled=env.settled,
-            report=env.report,
-            counters=env.counters,
-        )
 
     async def read(
         self,

@@ -28,7 +28,6 @@ class S3TierManager(TierManager):
     ``store_retry_s``, or ``BAD_KEY_RETRY_S`` while a bad object is in the way)."""
 
     tier = Tier.S3
-    remote = True
 
     def __init__(
         self,
@@ -38,15 +37,18 @@ class S3TierManager(TierManager):
         backoff_s: tuple[float, float] = BACKOFF_S,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        url: str = "s3",
     ) -> None:
         super().__init__()
+        self.url = url
+        """The bucket and prefix, for the start-up log line."""
         self.breaker = self._breaker(backoff_s, probe_timeout_s, clock)
         self.manifest = manifest
         self.store_retry_s = store_retry_s
         self._clock = clock
         self.down = False
-        """S3 did not answer at start-up: paused until it does (set and
-        cleared by the caller, which keeps trying in the background)."""
+        """S3 did not answer at start-up (:func:`check_bucket`): paused until
+        the manifest loads from it (:meth:`resume`). The one place this is kept."""
         self._verified: dict[bytes, None] = {}
         """Keys seen in the manifest at ``_verified_epoch``."""
         self._verified_epoch = -1
@@ -59,13 +61,27 @@ class S3TierManager(TierManager):
 
     @classmethod
     def from_config(cls, manifest: Manifest, config: S3KVConfig) -> S3TierManager:
-        return cls(manifest, probe_timeout_s=probe_timeout_s(config))
+        return cls(
+            manifest,
+            probe_timeout_s=probe_timeout_s(config),
+            url=f"s3://{config.bucket}/{config.prefix}",
+        )
 
     @property
     def paused(self) -> bool:
         """Not to be used by a new request now (down, or the breaker open)."""
         assert self.breaker is not None
         return self.down or not self.breaker.usable()
+
+    def resume(self) -> None:
+        self.down = False
+
+    def describe(self) -> str:
+        return self.url
+
+    def prepare_promotion(self, key: bytes) -> Place | None:
+        """None: the farthest tier, never promoted into."""
+        return None
 
     def allows(self, owner: Hashable, *, take: bool = True) -> bool:
         return not self.down and super().allows(owner, take=take)
@@ -98,6 +114,11 @@ class S3TierManager(TierManager):
         assert self.breaker is not None
         ok = key in self.manifest and not self.down and self.breaker.closed
         return Place(self.tier) if ok else None
+
+    def prefetches(self, key: bytes) -> bool:
+        """Far and slow: a waiting request's chunks are fetched nearer, while the breaker is closed."""
+        assert self.breaker is not None
+        return self.breaker.closed
 
     def record_use(self, keys: Sequence[bytes]) -> None:
         self.manifest.touch(keys)  # access records, for gc
