@@ -58,8 +58,9 @@ class TierStack:
 
     def load(self, key: bytes, m: TierManager, place: Place, promote: bool) -> tuple[tuple[Place, ...], ...]:
         """(sources, promotions) of a load of ``key`` from ``m`` at ``place``:
-        farther tiers that have it back ``m`` up when ``m`` may lose it, and
-        with ``promote`` the nearer tiers take a copy."""
+        farther tiers that have it back ``m`` up where ``m`` may lose it
+        (:meth:`TierManager.fallbacks`), and with ``promote`` the nearer
+        tiers take a copy."""
         i = self.tiers.index(m)
         sources = (place, *m.fallbacks(key, self.tiers[i + 1 :]))
         up: tuple[Place, ...] = ()

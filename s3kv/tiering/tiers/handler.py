@@ -89,16 +89,6 @@ class TierHandler(ABC):
     tier: ClassVar[Tier]
     label: ClassVar[str]
     """The tier's name in log messages."""
-    takes_pages: ClassVar[bool] = False
-    """Stored from the pages themselves (:meth:`open_fill`, a store's pages
-    copied in by the connector), not from the encoded chunk; the farther
-    targets of a store read the pages from it."""
-    falls_through: ClassVar[bool] = False
-    """A read that fails for the tier's sake goes on to the next source
-    (instead of ending the load)."""
-    misses_are_answers: ClassVar[bool] = True
-    """A read that finds the chunk absent or corrupt counts as an answer of
-    a working tier (for its breaker)."""
 
     def __init__(self, report: RankReport | None = None, counters: Counters | None = None) -> None:
         self.report = report if report is not None else RankReport()
@@ -145,15 +135,13 @@ class TierHandler(ABC):
     def read_failed(self, key: bytes, e: Exception, *, last: bool) -> bool:
         """Report what a failed :meth:`read` of ``key`` says (counted, logged,
         for the breaker); True if the load goes on to its next source (the
-        tier lacks the chunk, or falls through on its own trouble and this
-        is not the ``last`` source), False if it ends with ``e``."""
+        tier lacks the chunk), False if it ends with ``e`` (a tier whose
+        own trouble should not end a load overrides this)."""
         name, kind = self.tier.value, error_kind(e)
         if isinstance(e, (NotFound, CorruptChunk)):
             self.counters.add(f"load_errors_{kind}")
             log.warning("s3kv: chunk %s %s in %s: %s", key.hex(), kind, name, e)
-            if self.misses_are_answers:  # the tier answered: it works
-                self.report.tier_ok(self.tier)
-            self.report.missing(self.tier, key)
+            self.missed(key)
             return True
         if isinstance(e, PermissionDenied) and not self.trouble(e):
             # A 403 on this object only: the tier works, the object is not
@@ -166,11 +154,13 @@ class TierHandler(ABC):
             return True
         if self.trouble(e):
             self.failing()
-        if not self.falls_through or last:
-            return False
-        self.counters.add(f"load_errors_{kind}")  # the tier failed us: try the next source
-        log.warning("s3kv: %s read of chunk %s failed (%s): %s", self.label, key.hex(), kind, e)
-        return True
+        return False
+
+    def missed(self, key: bytes) -> None:
+        """A read found ``key`` absent or corrupt here: the tier forgets it,
+        and the tier answered, so it works (news for its breaker)."""
+        self.report.tier_ok(self.tier)
+        self.report.missing(self.tier, key)
 
     async def save(self, place: Place, chunk: ChunkData, start: float | None = None) -> None:
         """:meth:`write` ``chunk`` (a store's write-through, or a promotion)
@@ -189,16 +179,6 @@ class TierHandler(ABC):
                 self.report.written(self.tier, chunk.key)
         if n is None:  # failed, or not stored and the handler said why
             self.report.failed(self.tier, chunk.key)
-
-    def open_fill(self, place: Place, key: bytes) -> FrameSink:
-        """(``takes_pages`` tiers) Start writing ``key`` at ``place`` as its
-        layers are loaded: the sink takes each one."""
-        raise NotImplementedError(f"{self.label} is not filled from pages")
-
-    def close_fill(self, place: Place, key: bytes) -> int:
-        """The fill's layers are all checked and written: ``key`` is there
-        now; returns the bytes it takes."""
-        raise NotImplementedError(f"{self.label} is not filled from pages")
 
     def trouble(self, e: BaseException) -> bool:
         """Does ``e`` say that the tier itself is in trouble (news for its
@@ -290,3 +270,20 @@ class TierHandler(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release the handler's threads (the engine is closing)."""
+
+
+class PageTierHandler(TierHandler):
+    """A tier stored from the pages themselves, not from the encoded chunk
+    (the host pool): a store's pages are copied straight into its place by
+    the connector, and the farther targets of the store read them from
+    there; a promotion fills it as the load's layers arrive."""
+
+    @abstractmethod
+    def open_fill(self, place: Place, key: bytes) -> FrameSink:
+        """Start writing ``key`` at ``place`` as its layers are loaded: the
+        sink takes each one."""
+
+    @abstractmethod
+    def close_fill(self, place: Place, key: bytes) -> int:
+        """The fill's layers are all checked and written: ``key`` is there
+        now; returns the bytes it takes."""

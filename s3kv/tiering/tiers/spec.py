@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from s3kv.config import S3KVConfig
 from s3kv.manifest.keyset import Manifest
 from s3kv.stats import Counters
-from s3kv.stores.base import ObjectStore
+from s3kv.stores.s3 import S3Store
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.tiers.handler import TierHandler
 from s3kv.tiering.tiers.manager import TierManager
@@ -38,7 +38,7 @@ class ManagerEnv:
     """The scheduler side's counters."""
     manifest: Manifest | None = None
     """The fleet's manifest (None without S3)."""
-    store: ObjectStore | None = None
+    store: S3Store | None = None
     """The bucket (None without S3)."""
     run: Run | None = None
 

@@ -33,7 +33,7 @@ from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.meter import Attempt, LoadMeter
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
-from s3kv.tiering.tiers.handler import TierHandler, error_kind
+from s3kv.tiering.tiers.handler import PageTierHandler, TierHandler, error_kind
 from s3kv.tiering.tiers.registry import TIERS
 from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.tiers.settings import EngineSettings, WorkerEnv
@@ -165,7 +165,7 @@ class TransferEngine:
     def takes_pages(self, place: Place) -> bool:
         """Does ``place``'s tier store a chunk's pages as they are (a store's are copied straight in)?"""
         h = self.handlers.get(place.tier)
-        return h is not None and h.takes_pages
+        return isinstance(h, PageTierHandler)
 
     # -- loads -----------------------------------------------------------------
     def submit_load(
@@ -223,8 +223,8 @@ class TransferEngine:
         (the job starts them), or start now."""
         key = chunk.key
         promote = [(self.handlers.get(p.tier), p) for p in chunk.promote]
-        fills = [(h, p) for h, p in promote if h is not None and h.takes_pages]  # filled as layers load
-        copies = [(h, p) for h, p in promote if h is None or not h.takes_pages]  # written from the object
+        fills = [(h, p) for h, p in promote if isinstance(h, PageTierHandler)]  # filled as layers load
+        copies = [(h, p) for h, p in promote if not isinstance(h, PageTierHandler)]  # written from the object
         sinks = [h.open_fill(p, key) for h, p in fills]
         try:
             deadline = time.monotonic() + self.s.load_timeout_s

@@ -13,12 +13,12 @@ from s3kv.stats import Counters
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
-from s3kv.tiering.tiers.handler import TierHandler
+from s3kv.tiering.tiers.handler import PageTierHandler
 from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.worker.hostpool import HostPool
 
 
-class CpuHandler(TierHandler):
+class CpuHandler(PageTierHandler):
     """The host pool's slots, one chunk shard each (the place's slot, chosen
     by the scheduler side). Stores arrive as pages: the connector copies
     them out of the KV cache into the slot, and the write-through to the
@@ -27,8 +27,6 @@ class CpuHandler(TierHandler):
 
     tier = Tier.CPU
     label = "CPU"
-    takes_pages = True
-    misses_are_answers = False
 
     def __init__(
         self,
@@ -86,6 +84,10 @@ class CpuHandler(TierHandler):
 
     async def delete(self, place: Place, key: bytes) -> None:
         self.pool.release(self.pool.check_slot(place.slot), key)
+
+    def missed(self, key: bytes) -> None:
+        """The slot no longer holds ``key``: forgotten, and no breaker hears of host memory."""
+        self.report.missing(self.tier, key)
 
     async def bytes_used(self) -> int:
         return self.pool.buffer.nbytes

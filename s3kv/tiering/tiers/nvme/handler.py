@@ -18,7 +18,7 @@ from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.loop import background_thread, unbind_thread
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
-from s3kv.tiering.tiers.handler import Began, TierHandler
+from s3kv.tiering.tiers.handler import Began, TierHandler, error_kind
 from s3kv.tiering.tiers.nvme.files import DiskTier, directory_bytes
 from s3kv.tiering.tiers.report import RankReport
 
@@ -42,7 +42,6 @@ class NvmeHandler(TierHandler):
 
     tier = Tier.DISK
     label = "NVMe"
-    falls_through = True
 
     def __init__(
         self,
@@ -114,6 +113,18 @@ class NvmeHandler(TierHandler):
         with self.report.edit() as r:
             r.disk_sizes[chunk.key] = n
         return n
+
+    def read_failed(self, key: bytes, e: Exception, *, last: bool) -> bool:
+        """A read that failed for the disk's sake (an error, too slow, no
+        thread free) goes on to the next source unless this was the last."""
+        if super().read_failed(key, e, last=last):
+            return True
+        if last:
+            return False
+        kind = error_kind(e)
+        self.counters.add(f"load_errors_{kind}")  # the tier failed us: try the next source
+        log.warning("s3kv: %s read of chunk %s failed (%s): %s", self.label, key.hex(), kind, e)
+        return True
 
     async def delete(self, place: Place, key: bytes) -> None:
         await self.run(self.files.delete, key, write=True)

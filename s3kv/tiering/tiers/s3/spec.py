@@ -6,7 +6,7 @@ import logging
 
 from s3kv.config import S3KVConfig
 from s3kv.errors import ConfigError, NotFound, PermissionDenied, Transient
-from s3kv.stores.base import ObjectStore
+from s3kv.stores.s3 import S3Store
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.tiers.s3.handler import S3Handler
 from s3kv.tiering.tiers.s3.manager import S3TierManager
@@ -16,7 +16,7 @@ from s3kv.tiering.tiers.spec import ManagerEnv, Run, TierSpec
 log = logging.getLogger("s3kv.scheduler")
 
 
-def check_bucket(store: ObjectStore, config: S3KVConfig, run: Run) -> bool:
+def check_bucket(store: S3Store, config: S3KVConfig, run: Run) -> bool:
     """Check the bucket at start-up: True if it answered. A bucket that does
     not exist or refuses us fails start-up (ConfigError, naming it); one
     that does not answer only warns (False): the replica serves from its
