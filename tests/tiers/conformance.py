@@ -24,7 +24,7 @@ from s3kv.chunk_reader import PageFormat
 from s3kv.errors import CorruptChunk, NotFound
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.loop import BackgroundLoop
-from s3kv.tiering.placement import TierIndex
+from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.handler import TierHandler
 
@@ -181,6 +181,9 @@ def read_raw(storage: Calls, key: bytes, slot: int | None) -> list[bytes]:
 
 
 class TierConformance:
+    tier: Tier
+    """The tier under test (every tier in the registry has a suite)."""
+
     @pytest.fixture
     def chunk_codec(self) -> ChunkCodec:
         return make_codec()
