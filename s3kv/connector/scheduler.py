@@ -29,7 +29,7 @@ from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.errors import AlreadyExists, ConfigError
 from s3kv.identity import DigestCache, content_digest, resolve_identity
-from s3kv.keys import Namespace, namespace_prefix, object_key
+from s3kv.keys import Namespace, namespace_prefix
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest.protocol import manifest_prefix
 from s3kv.stats import SERIES, Counters
@@ -439,13 +439,7 @@ class SchedulerSide:
         if p is None:  # nothing was planned yet, so nothing to hear of
             return
         if isinstance(meta, S3KVWorkerMetadata):
-            report = meta.report
-            for (key, rank), etag in report.bad.items():  # corrupt objects left in S3: tell the fleet
-                if self.index is not None:
-                    self.index.quarantine(
-                        key, object_key(self.config.prefix, p.namespace.id, key, rank), etag
-                    )
-            p.on_report(report)
+            p.on_report(meta.report)
         p.on_recved(output.finished_recving or ())
         p.on_sent(output.finished_sending or ())
 

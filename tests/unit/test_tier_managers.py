@@ -16,6 +16,7 @@ from s3kv.tiering.scheduler.stack import TierStack
 from s3kv.tiering.tiers.cpu.manager import CpuTierManager
 from s3kv.tiering.tiers.manager import TierEvents, store_owner
 from s3kv.tiering.tiers.nvme.manager import NvmeTierManager, disk_estimate
+from s3kv.tiering.tiers.nvme.report import NvmeReport
 from s3kv.tiering.tiers.s3.manager import BAD_KEY_RETRY_S, S3TierManager
 
 KEYS = chain_keys(Namespace.from_fields({"m": "tiers"}), list(range(256)), 64)
@@ -136,12 +137,14 @@ def test_nvme_files_of_failed_or_forgotten_chunks_are_deleted_before_a_rewrite()
     disk.on_deleted([KEYS[0]])
     assert disk.prepare_promotion(KEYS[0]) == Place(Tier.DISK)
     disk.on_report(
-        TierReport(written={(Tier.DISK, KEYS[0]): 1}, disk_sizes={KEYS[0]: 300}), [(KEYS[0], True)], []
+        TierReport(written={(Tier.DISK, KEYS[0]): 1}, sections={Tier.DISK: NvmeReport(sizes={KEYS[0]: 300})}),
+        [(KEYS[0], True)],
+        [],
     )
     assert disk.index.get(KEYS[0]).size == 300 and KEYS[0] in disk.index
     disk.forget(KEYS[0])
     assert KEYS[0] not in disk.index and disk.take_evictions() == [KEYS[0]]
-    disk.end_report(TierReport(disk_full=True, tier_failed={Tier.DISK: 1}))
+    disk.end_report(TierReport(sections={Tier.DISK: NvmeReport(full=True)}, tier_failed={Tier.DISK: 1}))
     assert disk.index.capacity == disk.reserve_bytes and not disk.breaker.closed
     assert disk.gauges()["breaker_open_disk"] == 1 and disk.counters.totals()["breaker_trips_disk"] == 1
 

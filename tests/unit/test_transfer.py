@@ -20,6 +20,8 @@ from s3kv.tiering.chunks import plan_ranges
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, TierReport
 from s3kv.tiering.tiers.nvme import files as disk_mod
+from s3kv.tiering.tiers.nvme.report import NvmeReport
+from s3kv.tiering.tiers.s3.report import S3Report
 from s3kv.tiering.worker.hostpool import HostPool
 from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine
 from tests.conftest import wait_until
@@ -104,7 +106,7 @@ class Results:
         """Tier -> key -> ranks (the NVMe tier: bytes of its files)."""
         out = {}
         for (tier, key), n in self.report.written.items():
-            out.setdefault(tier, {})[key] = self.report.disk_sizes[key] if tier is Tier.DISK else n
+            out.setdefault(tier, {})[key] = self._nvme.sizes[key] if tier is Tier.DISK else n
         return out
 
     @property
@@ -132,16 +134,24 @@ class Results:
         return self.report.tier_failed
 
     @property
+    def _nvme(self):
+        return self.report.section(Tier.DISK, NvmeReport) or NvmeReport()
+
+    @property
+    def _s3(self):
+        return self.report.section(Tier.S3, S3Report) or S3Report()
+
+    @property
     def bad(self):
-        return {key: etag for (key, _rank), etag in self.report.bad.items()}
+        return {key: etag for (key, _rank), etag in self._s3.bad.items()}
 
     @property
     def existing(self):
-        return self.report.existing
+        return self._s3.existing
 
     @property
     def disk_full(self):
-        return self.report.disk_full
+        return self._nvme.full
 
 
 def wait_for(e, pred, timeout=120):

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.plan import LoadChunk, LoadTiming, TierReport
+from s3kv.tiering.plan import LoadChunk, LoadTiming, S, TierReport
 
 
 class RankReport:
@@ -26,6 +26,15 @@ class RankReport:
     def edit(self) -> Iterator[TierReport]:
         with self._lock:
             yield self._report
+
+    @contextlib.contextmanager
+    def section(self, tier: Tier, kind: type[S]) -> Iterator[S]:
+        """``tier``'s own section of the report (made empty on first use)."""
+        with self._lock:
+            section = self._report.sections.get(tier)
+            if not isinstance(section, kind):
+                section = self._report.sections[tier] = kind()
+            yield section
 
     def take(self) -> tuple[TierReport, dict[str, list[LoadChunk]]]:
         """(The report, job id -> the chunks that failed) since the last take."""

@@ -20,6 +20,7 @@ from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.handler import Began, TierHandler, error_kind
 from s3kv.tiering.tiers.nvme.files import DiskTier, directory_bytes
+from s3kv.tiering.tiers.nvme.report import NvmeReport
 from s3kv.tiering.tiers.report import RankReport
 
 log = logging.getLogger("s3kv.transfer")
@@ -103,15 +104,15 @@ class NvmeHandler(TierHandler):
         except StorageFull as e:
             self.counters.add("store_dropped_disk_full")
             log.warning("s3kv: NVMe tier full, chunk not stored there: %s", e)
-            with self.report.edit() as r:
-                r.disk_full = True
+            with self.report.section(self.tier, NvmeReport) as r:
+                r.full = True
             return None
         self.counters.add("store_chunks_disk")
         self.counters.add("store_bytes_disk", n)
         if start is not None:
             self.counters.observe("store_seconds_disk", time.perf_counter() - start)
-        with self.report.edit() as r:
-            r.disk_sizes[chunk.key] = n
+        with self.report.section(self.tier, NvmeReport) as r:
+            r.sizes[chunk.key] = n
         return n
 
     def read_failed(self, key: bytes, e: Exception, *, last: bool) -> bool:

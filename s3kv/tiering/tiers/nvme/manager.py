@@ -11,6 +11,7 @@ from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, TierReport
 from s3kv.tiering.tiers.manager import IndexedTierManager, probe_timeout_s
 from s3kv.tiering.tiers.nvme.directory import Directory
+from s3kv.tiering.tiers.nvme.report import NvmeReport
 
 
 def disk_estimate(shard_bytes: int) -> int:
@@ -140,11 +141,12 @@ class NvmeTierManager(IndexedTierManager):
     def on_report(
         self, report: TierReport, decided: Iterable[tuple[bytes, bool]], missing: Iterable[bytes]
     ) -> None:
-        if report.disk_sizes:
+        own = report.section(self.tier, NvmeReport)
+        if own is not None and own.sizes:
             sizes = self._sizes
             for (tier, key), _n in report.written.items():
                 if tier is self.tier:
-                    sizes[key] = sizes.get(key, 0) + report.disk_sizes.get(key, 0)
+                    sizes[key] = sizes.get(key, 0) + own.sizes.get(key, 0)
         for (tier, key), n in report.failed.items():
             if tier is self.tier:
                 failed, unstarted = self._failures.get(key, (0, 0))
@@ -152,7 +154,8 @@ class NvmeTierManager(IndexedTierManager):
         super().on_report(report, decided, missing)
 
     def end_report(self, report: TierReport) -> None:
-        if report.disk_full:
+        own = report.section(self.tier, NvmeReport)
+        if own is not None and own.full:
             # The disk filled up below disk_bytes (other files grew): take what
             # s3kv holds now as the capacity, so later stores evict instead.
             self._evict(self.index.shrink(max(self.index.used, self.reserve_bytes)))

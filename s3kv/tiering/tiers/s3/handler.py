@@ -19,6 +19,7 @@ from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.handler import TierHandler
 from s3kv.tiering.tiers.report import RankReport
+from s3kv.tiering.tiers.s3.report import S3Report
 
 log = logging.getLogger("s3kv.transfer")
 
@@ -129,7 +130,7 @@ class S3Handler(TierHandler):
         if chunk.key in self._unreadable or not await self._existing_is_ours(cid, blob):
             self.report.tier_ok(self.tier)  # S3 answered; the object in the way is not one to publish
             return None
-        with self.report.edit() as r:
+        with self.report.section(self.tier, S3Report) as r:
             r.existing.add(chunk.key)
         return len(blob)
 
@@ -181,7 +182,7 @@ class S3Handler(TierHandler):
                 return
         log.warning("s3kv: corrupt %s is reported to the fleet as bad: %s", cid.object_key, reason)
         self.counters.add("quarantined_chunks")
-        with self.report.edit() as r:
+        with self.report.section(self.tier, S3Report) as r:
             r.bad[(key, self.codec.rank)] = etag
 
     async def _existing_is_ours(self, cid: ChunkId, blob: bytes) -> bool:

@@ -9,11 +9,13 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 import numpy as np
 
 from s3kv.config import S3KVConfig
+from s3kv.keys import object_key
 from s3kv.manifest.keyset import Manifest
 from s3kv.tiering.breaker import BACKOFF_S, PROBE_TIMEOUT_S
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place, TierReport
 from s3kv.tiering.tiers.manager import TierManager, probe_timeout_s
+from s3kv.tiering.tiers.s3.report import S3Report
 
 VERIFIED_SIZE = 1 << 16
 """Keys remembered present in the manifest (~100 bytes each)."""
@@ -38,10 +40,14 @@ class S3TierManager(TierManager):
         probe_timeout_s: float = PROBE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         url: str = "s3",
+        prefix: str = "",
     ) -> None:
         super().__init__()
         self.url = url
         """The bucket and prefix, for the start-up log line."""
+        self.prefix = prefix
+        self.namespace = ""
+        """The model's namespace (:meth:`activate`): where its objects are named."""
         self.breaker = self._breaker(backoff_s, probe_timeout_s, clock)
         self.manifest = manifest
         self.store_retry_s = store_retry_s
@@ -65,6 +71,7 @@ class S3TierManager(TierManager):
             manifest,
             probe_timeout_s=probe_timeout_s(config),
             url=f"s3://{config.bucket}/{config.prefix}",
+            prefix=config.prefix,
         )
 
     @property
@@ -72,6 +79,10 @@ class S3TierManager(TierManager):
         """Not to be used by a new request now (down, or the breaker open)."""
         assert self.breaker is not None
         return self.down or not self.breaker.usable()
+
+    def activate(self, namespace: str) -> bool:
+        self.namespace = namespace
+        return True
 
     def resume(self) -> None:
         self.down = False
@@ -164,5 +175,9 @@ class S3TierManager(TierManager):
     def on_report(
         self, report: TierReport, decided: Iterable[tuple[bytes, bool]], missing: Iterable[bytes]
     ) -> None:
-        self._existing.update(report.existing)
+        own = report.section(self.tier, S3Report)
+        if own is not None:
+            for (key, rank), etag in own.bad.items():  # corrupt objects left in S3: tell the fleet
+                self.manifest.quarantine(key, object_key(self.prefix, self.namespace, key, rank), etag)
+            self._existing.update(own.existing)
         super().on_report(report, decided, missing)
