@@ -4,10 +4,12 @@ It answers vLLM's lookups from memory (the local tiers' indexes and the
 bucket's hot :class:`Manifest`), plans loads and stores with the
 :class:`Planner`, and learns from the workers' reports. Start-up checks
 credentials and the bucket; the model's identity (a digest of its weights),
-then the NVMe tier's index and the manifest are built in the background
-(waited for a few seconds), so serving starts at once: until the namespace
-is known the replica offers no hits and stores nothing. Evicted NVMe files
-are deleted by a thread of their own, never in the scheduling loop.
+then the tiers' set-up for its namespace (the NVMe tier scans its
+directory) and the manifest are done in the background (waited for a few
+seconds), so serving starts at once: until the namespace is known the
+replica offers no hits and stores nothing. The tiers are built from their
+specs (:mod:`s3kv.tiering.tiers.registry`), each set up, cleaned up and
+shut down by its own manager: none is named here.
 """
 
 from __future__ import annotations
@@ -201,10 +203,15 @@ class SchedulerSide:
             self._store,
             lambda coro, timeout_s: self._loop.run(coro, timeout=timeout_s),
         )
-        self._managers: dict[TierSpec, TierManager] = {
-            spec: m for spec in TIERS if (m := spec.manager(env)) is not None
-        }
-        """Every tier on in the config, nearest first (each opened for the namespace in :meth:`_activate`)."""
+        try:
+            self._managers: dict[TierSpec, TierManager] = {
+                spec: m for spec in TIERS if (m := spec.manager(env)) is not None
+            }
+            """Every tier on in the config, nearest first (each opened for the namespace in :meth:`_activate`)."""
+        except BaseException:  # a config a tier cannot work with: start-up fails, nothing left running
+            self._adapters.close()
+            self._loop.stop(timeout=5)
+            raise
         self._ready = threading.Event()
         self._start_task: concurrent.futures.Future[None] = self._loop.submit(self._start())
         if not self._ready.wait(STARTUP_WAIT_S):

@@ -59,7 +59,7 @@ def test_each_spec_builds_its_manager_from_its_slice_of_the_config(tmp_path):
         cpu_bytes=4 * SHARD, disk_path=str(tmp_path), bucket="some-bucket", write_policy="write_through"
     )
     cpu, nvme, s3 = (spec.manager(env(cfg, manifest=Manifest())) for spec in TIERS)
-    assert isinstance(cpu, CpuTierManager) and cpu.index.capacity == 4
+    assert isinstance(cpu, CpuTierManager) and cpu.index.capacity == 4 and cpu.describe() == "4 slots"
     assert isinstance(nvme, NvmeTierManager) and nvme.reserve_bytes == disk_estimate(SHARD)
     assert isinstance(s3, S3TierManager) and s3.describe() == "s3://some-bucket/" + cfg.prefix and not s3.down
     with pytest.raises(ConfigError, match="cpu_bytes: .* holds no chunk"):

@@ -51,6 +51,9 @@ class CpuTierManager(IndexedTierManager):
             self.events.removed(self.tier, old)  # type: ignore[arg-type]
         return Place(self.tier, got[0].slot)
 
+    def describe(self) -> str:
+        return f"{self.index.capacity} slots"
+
     def fallbacks(self, key: bytes, farther: Sequence[TierManager]) -> tuple[Place, ...]:
         """None: a slot a load reads is pinned, never lost."""
         return ()
