@@ -125,7 +125,7 @@ def _kv_cache_for(
 def _into_pages(pages: Any, block_ids: tuple[int, ...]) -> Any:
     """A load attempt's way into ``block_ids`` of the KV cache, as the worker
     builds it: the Gate over its sink (PageIO.write) and target (PageIO.target)."""
-    from s3kv.tiering.tiers.base import Gate
+    from s3kv.tiering.worker.gate import Gate
 
     n = len(block_ids)
     return Gate(

@@ -32,7 +32,7 @@ from benchmarks.common import Bar, Result, main_for, median, verdict
 from s3kv.keys import Namespace, chain_keys
 from s3kv.manifest import Manifest, fingerprints
 from s3kv.tiering.scheduler.planner import Planner
-from s3kv.tiering.tiers.s3.tier import S3TierManager
+from s3kv.tiering.tiers.s3.manager import S3TierManager
 
 NAME = "lookup"
 TITLE = "Lookup latency vs manifest size"

@@ -66,7 +66,7 @@ them there: raises CorruptChunk if they fail."""
 def read_frame(sink: FrameSink, layer: int, nbytes: int, read: FrameRead, *, may_stall: bool = False) -> None:
     """Have ``read`` put layer ``layer``'s ``nbytes`` straight where they go
     when ``sink`` offers that (its ``read_into``: see
-    :meth:`~s3kv.tiering.tiers.base.Gate.read_into`), else into this
+    :meth:`~s3kv.tiering.worker.gate.Gate.read_into`), else into this
     thread's scratch buffer, handed to ``sink`` once checked.
     ``may_stall``: ``read`` waits on a device that may never answer (the
     sink's ``read_into`` is told only then: one that never reads a disk

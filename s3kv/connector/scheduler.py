@@ -4,10 +4,12 @@ It answers vLLM's lookups from memory (the local tiers' indexes and the
 bucket's hot :class:`Manifest`), plans loads and stores with the
 :class:`Planner`, and learns from the workers' reports. Start-up checks
 credentials and the bucket; the model's identity (a digest of its weights),
-then the NVMe tier's index and the manifest are built in the background
-(waited for a few seconds), so serving starts at once: until the namespace
-is known the replica offers no hits and stores nothing. Evicted NVMe files
-are deleted by a thread of their own, never in the scheduling loop.
+then the tiers' set-up for its namespace (the NVMe tier scans its
+directory) and the manifest are done in the background (waited for a few
+seconds), so serving starts at once: until the namespace is known the
+replica offers no hits and stores nothing. The tiers are built from their
+specs (:mod:`s3kv.tiering.tiers.registry`), each set up, cleaned up and
+shut down by its own manager: none is named here.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.connector.requests import RequestReader
-from s3kv.errors import AlreadyExists, ConfigError, NotFound, PermissionDenied, Transient
+from s3kv.errors import AlreadyExists, ConfigError
 from s3kv.identity import DigestCache, resolve_identity
-from s3kv.keys import Namespace, namespace_prefix, object_key
+from s3kv.keys import Namespace, namespace_prefix
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest.protocol import manifest_prefix
 from s3kv.stats import SERIES, Counters
@@ -39,10 +41,9 @@ from s3kv.tiering.loop import BackgroundLoop
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import ScheduledRequest, TierEvent
 from s3kv.tiering.scheduler.planner import Planner
-from s3kv.tiering.tiers.base import TierManager
-from s3kv.tiering.tiers.cpu.tier import CpuTierManager
-from s3kv.tiering.tiers.nvme.tier import DiskCleaner, DiskSetup, NvmeTierManager, open_disk, release_lock
-from s3kv.tiering.tiers.s3.tier import S3TierManager
+from s3kv.tiering.tiers.manager import TierManager
+from s3kv.tiering.tiers.registry import TIERS
+from s3kv.tiering.tiers.spec import ManagerEnv, TierSpec
 from s3kv.units import format_size
 
 if TYPE_CHECKING:
@@ -103,17 +104,10 @@ class SchedulerSide:
         self._model_name = model
         self._emit_events = emit_events
         self.index = Manifest() if config.uses_s3 else None
-        self._cpu = CpuTierManager.open(
-            config.cpu_bytes, layout.shard_bytes(config.chunk_tokens), layout.world_size
-        )
         self.namespace: Namespace | None = None
         self.planner: Planner | None = None
         """Made once the model's identity is known (:meth:`_activate`); until
         then the replica offers no hits and stores nothing."""
-        self.disk: DiskSetup | None = None
-        self._nvme: NvmeTierManager | None = None
-        self._s3_tier: S3TierManager | None = None
-        self._cleaner: DiskCleaner | None = None
         self._digests = digest_cache if digest_cache is not None else DigestCache()
         self.requests = RequestReader(layout.block_size, config.chunk_tokens, self._digests, self.counters)
         """Reads each request's keying and load policy."""
@@ -128,9 +122,24 @@ class SchedulerSide:
         self._loop = BackgroundLoop("s3kv-scheduler")
         self._store = make_store(config, self.counters) if config.uses_s3 else None
         self._sync: ManifestSync | None = None
-        self._s3_down = False
-        if self._store is not None:
-            self._check_store()
+        env = ManagerEnv(
+            config,
+            layout.world_size,
+            layout.shard_bytes(config.chunk_tokens),
+            self.counters,
+            self.index,
+            self._store,
+            lambda coro, timeout_s: self._loop.run(coro, timeout=timeout_s),
+        )
+        try:
+            self._managers: dict[TierSpec, TierManager] = {
+                spec: m for spec in TIERS if (m := spec.manager(env)) is not None
+            }
+            """Every tier on in the config, nearest first (each opened for the namespace in :meth:`_activate`)."""
+        except BaseException:  # a config a tier cannot work with: start-up fails, nothing left running
+            self.requests.close()
+            self._loop.stop(timeout=5)
+            raise
         self._ready = threading.Event()
         self._start_task: concurrent.futures.Future[None] = self._loop.submit(self._start())
         if not self._ready.wait(STARTUP_WAIT_S):
@@ -155,8 +164,8 @@ class SchedulerSide:
             return
 
         def on_loaded() -> None:
-            if self._s3_tier is not None:
-                self._s3_tier.down = False
+            for m in self._managers.values():
+                m.resume()
             self._ready.set()
 
         await self._sync.run(on_loaded)
@@ -165,16 +174,7 @@ class SchedulerSide:
         """The identity is known: build the namespace's tiers and planner."""
         config, layout = self.config, self.layout
         namespace = layout.namespace(identity)
-        evicted: list = []
-        if config.disk_path is not None:
-            self.disk, evicted = open_disk(
-                config.disk_path, namespace.id, layout.world_size, config.disk_bytes
-            )
-        if self.disk is not None:
-            if self.disk.skipped:
-                self.counters.add("disk_scan_skipped", self.disk.skipped)
-            self._cleaner = DiskCleaner(self.disk.root, namespace.id, layout.world_size)
-            self._cleaner.delete(evicted)
+        tiers = {spec: m for spec, m in self._managers.items() if m.activate(namespace.id)}  # nearest first
         if self._store is not None:
             assert self.index is not None
             self._sync = ManifestSync(
@@ -186,24 +186,11 @@ class SchedulerSide:
                 keys=self.keys,
             )
             self._loop.submit(self._describe_namespace(namespace))
-        tiers: list[TierManager] = [self._cpu] if self._cpu is not None else []  # nearest first
-        if self.disk is not None:
-            self._nvme = NvmeTierManager.from_config(
-                self.disk.index,
-                config,
-                world_size=layout.world_size,
-                shard_bytes=layout.shard_bytes(config.chunk_tokens),
-            )
-            tiers.append(self._nvme)
-        if self.index is not None:
-            self._s3_tier = S3TierManager.from_config(self.index, config)
-            self._s3_tier.down = self._s3_down
-            tiers.append(self._s3_tier)
         planner = Planner.from_config(
             config,
             namespace=namespace,
             block_size=layout.block_size,
-            tiers=tiers,
+            tiers=list(tiers.values()),
             world_size=layout.world_size,
             emit_events=self._emit_events,
             counters=self.counters,
@@ -211,40 +198,17 @@ class SchedulerSide:
         )
         self.namespace = namespace
         self.planner = planner  # last: the scheduling loop starts using it now
-        cpu = self._cpu
         log.info(
-            "s3kv: namespace %s (identity in %.2f s); tiers: cpu %s, disk %s, s3 %s "
-            "(chunk_tokens=%d, block_size=%d, ranks=%d)",
+            "s3kv: namespace %s (identity in %.2f s); tiers: %s (chunk_tokens=%d, block_size=%d, ranks=%d)",
             namespace.id,
             identity_s,
-            f"{cpu.index.capacity} slots" if cpu is not None else "off",
-            self.disk.root if self.disk is not None else "off",
-            f"s3://{config.bucket}/{config.prefix}" if self._store is not None else "off",
+            ", ".join(f"{s.tier.value} {tiers[s].describe() if s in tiers else 'off'}" for s in TIERS),
             config.chunk_tokens,
             layout.block_size,
             layout.world_size,
         )
 
     # -- start-up -------------------------------------------------------------
-    def _check_store(self) -> None:
-        c = self.config
-        budget = (c.s3_connect_timeout_s + c.s3_read_timeout_s) * c.s3_max_attempts + 5
-        try:
-            self._loop.run(self._store.check_access(), timeout=budget)
-        except NotFound as e:
-            raise ConfigError(
-                f"bucket: s3://{c.bucket} does not exist (endpoint {c.endpoint_url or 'AWS'})"
-            ) from e
-        except PermissionDenied as e:
-            raise ConfigError(f"bucket: access to s3://{c.bucket} denied: {e}") from e
-        except (Transient, TimeoutError) as e:
-            log.warning(
-                "s3kv: S3 is unreachable at start-up (%s); serving from the local tiers and "
-                "retrying in the background",
-                e,
-            )
-            self._s3_down = True
-
     async def _describe_namespace(self, namespace: Namespace) -> None:
         """Leave a small descriptor so operators can tell namespaces apart (and
         the ops commands know what its chunks hold: :mod:`s3kv.descriptor`)."""
@@ -302,7 +266,6 @@ class SchedulerSide:
         if num_external_tokens <= 0 or self.planner is None:
             return
         self.planner.on_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
-        self._delete_evicted()
 
     def hit_sources(self, request: Request) -> dict[Tier, int]:
         return self.planner.hit_sources(request.request_id) if self.planner is not None else {}
@@ -312,8 +275,6 @@ class SchedulerSide:
         kid = self.keys.signing_kid if self.keys is not None else None
         if planner is None:
             return S3KVMetadata(signing_kid=kid)
-        if self._cleaner is not None and self._nvme is not None:
-            self._nvme.on_deleted(self._cleaner.take_done())
         scheduled: list[ScheduledRequest] = []
         for new in out.scheduled_new_reqs:
             scheduled.append(
@@ -338,7 +299,6 @@ class SchedulerSide:
                 )
             )
         plan = planner.plan_step(scheduled)
-        self._delete_evicted()
         return S3KVMetadata(
             loads=plan.loads,
             stores=plan.stores,
@@ -358,16 +318,9 @@ class SchedulerSide:
         if p is None:  # nothing was planned yet, so nothing to hear of
             return
         if isinstance(meta, S3KVWorkerMetadata):
-            report = meta.report
-            for (key, rank), etag in report.bad.items():  # corrupt objects left in S3: tell the fleet
-                if self.index is not None:
-                    self.index.quarantine(
-                        key, object_key(self.config.prefix, p.namespace.id, key, rank), etag
-                    )
-            p.on_report(report)
+            p.on_report(meta.report)
         p.on_recved(output.finished_recving or ())
         p.on_sent(output.finished_sending or ())
-        self._delete_evicted()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """True: vLLM keeps the blocks until the workers copied the request's
@@ -376,16 +329,7 @@ class SchedulerSide:
         if self.planner is None:
             return False
         computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
-        hold = self.planner.request_finished(request.request_id, block_ids, computed)
-        self._delete_evicted()
-        return hold
-
-    def _delete_evicted(self) -> None:
-        if self._nvme is None:
-            return
-        evicted = self._nvme.take_evictions()
-        if evicted and self._cleaner is not None:
-            self._cleaner.delete(evicted)
+        return self.planner.request_finished(request.request_id, block_ids, computed)
 
     def take_events(self) -> list[TierEvent]:
         return self.planner.take_events() if self.planner is not None else []
@@ -432,7 +376,5 @@ class SchedulerSide:
             with contextlib.suppress(Exception):
                 self._loop.run(self._store.close(), timeout=left())
         self._loop.stop(timeout=left())
-        if self._cleaner is not None:
-            self._cleaner.close()
-        if self.disk is not None:
-            release_lock(self.disk.lock_fd)
+        for m in self._managers.values():
+            m.close()

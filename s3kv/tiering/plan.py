@@ -14,8 +14,10 @@ name tiers only through places, so a new tier needs no new field here.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, Self, TypeVar
 
 from s3kv.stats import merge
 from s3kv.tiering.placement import Tier
@@ -149,22 +151,41 @@ class ScheduledRequest:
     """The request's block ids (called only when a store is planned)."""
 
 
+class TierSection(ABC):
+    """One tier's own part of a :class:`TierReport` (what only that tier's
+    handlers say, read only by its manager): each wing defines its type."""
+
+    @abstractmethod
+    def merge(self, other: Self) -> Self:
+        """This section summed with another rank's."""
+
+    @abstractmethod
+    def __bool__(self) -> bool:
+        """Does it say anything?"""
+
+
+S = TypeVar("S", bound=TierSection)
+
+
 @dataclass
 class TierReport:
     """Workers -> scheduler side: what the transfers since the last report
     did, counted in ranks (one rank's report counts 1 per key; vLLM sums the
-    ranks' reports with :meth:`aggregate`)."""
+    ranks' reports with :meth:`aggregate`). The fields say what every tier
+    may say; a tier's own figures are in its section."""
 
     written: dict[tuple[Tier, bytes], int] = field(default_factory=dict)
     """(tier, key) -> ranks that now hold their shard of key in that tier."""
-    disk_sizes: dict[bytes, int] = field(default_factory=dict)
-    """Key -> bytes of the NVMe files written, summed over ranks."""
     failed: dict[tuple[Tier, bytes], int] = field(default_factory=dict)
     """(tier, key) -> ranks whose write (store, promotion) was dropped or failed."""
+    unstarted: dict[tuple[Tier, bytes], int] = field(default_factory=dict)
+    """(tier, key) -> ranks among ``failed`` whose promotion never began (the
+    load failed first): that rank wrote nothing of it, so nothing is to be
+    deleted for it, and a store of the key may follow at once (its recompute)."""
     missing: set[tuple[Tier, bytes]] = field(default_factory=set)
     """Keys a tier turned out not to hold (absent or corrupt): forget them there."""
     released: dict[bytes, int] = field(default_factory=dict)
-    """Store key -> ranks that no longer read its CPU slot."""
+    """Store key -> ranks that no longer read its staging place."""
     sync_loaded: dict[str, int] = field(default_factory=dict)
     """Request -> ranks that finished its synchronous load (its CPU slots may go)."""
     load_failed: set[str] = field(default_factory=set)
@@ -173,52 +194,42 @@ class TierReport:
     """Tier -> transfers it served (for its breaker)."""
     tier_failed: dict[Tier, int] = field(default_factory=dict)
     """Tier -> transfers that failed for the tier's sake (for its breaker)."""
-    bad: dict[tuple[bytes, int], str | None] = field(default_factory=dict)
-    """(key, rank) -> ETag of a corrupt S3 object the rank could not delete."""
-    existing: set[bytes] = field(default_factory=set)
-    """Keys whose S3 store found the object already there."""
-    disk_full: bool = False
     load_timings: list[LoadTiming] = field(default_factory=list)
     """Rank 0's timings of loads that finished (the others report none)."""
     step_timings: list[StepTiming] = field(default_factory=list)
     """Rank 0's timings of forward steps."""
-    unstarted: dict[tuple[Tier, bytes], int] = field(default_factory=dict)
-    """(tier, key) -> ranks among ``failed`` whose promotion never began (the
-    load failed first): that rank wrote nothing of it, so nothing is to be
-    deleted for it, and a store of the key may follow at once (its recompute)."""
+    sections: dict[Tier, TierSection] = field(default_factory=dict)
+    """Each tier's own part, of its wing's type."""
 
     def aggregate(self, other: TierReport) -> TierReport:
-        return TierReport(
-            merge(self.written, other.written),
-            merge(self.disk_sizes, other.disk_sizes),
-            merge(self.failed, other.failed),
-            self.missing | other.missing,
-            merge(self.released, other.released),
-            merge(self.sync_loaded, other.sync_loaded),
-            self.load_failed | other.load_failed,
-            merge(self.tier_ok, other.tier_ok),
-            merge(self.tier_failed, other.tier_failed),
-            {**self.bad, **other.bad},
-            self.existing | other.existing,
-            self.disk_full or other.disk_full,
-            self.load_timings + other.load_timings,
-            self.step_timings + other.step_timings,
-            merge(self.unstarted, other.unstarted),
-        )
+        """Both reports summed: every field by its kind (counts added, sets
+        joined, timings listed), each tier's section by its own merge."""
+        out = TierReport()
+        for f in fields(self):
+            if f.name != "sections":
+                setattr(out, f.name, _summed(getattr(self, f.name), getattr(other, f.name)))
+        sections = dict(self.sections)
+        for tier, section in other.sections.items():
+            mine = sections.get(tier)
+            sections[tier] = section if mine is None else mine.merge(section)
+        out.sections = sections
+        return out
+
+    def section(self, tier: Tier, kind: type[S]) -> S | None:
+        """``tier``'s section, if it said anything."""
+        section = self.sections.get(tier)
+        return section if isinstance(section, kind) else None
 
     def is_empty(self) -> bool:
-        return not (
-            self.written
-            or self.failed
-            or self.missing
-            or self.released
-            or self.sync_loaded
-            or self.load_failed
-            or self.tier_ok
-            or self.tier_failed
-            or self.bad
-            or self.existing
-            or self.disk_full
-            or self.load_timings
-            or self.step_timings
+        return not any(getattr(self, f.name) for f in fields(self) if f.name != "sections") and not any(
+            self.sections.values()
         )
+
+
+def _summed(a: Any, b: Any) -> Any:
+    """Two ranks' values of one report field: counts added, sets joined, lists joined."""
+    if isinstance(a, set):
+        return a | b
+    if isinstance(a, list):
+        return a + b
+    return merge(a, b)

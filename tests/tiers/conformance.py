@@ -2,7 +2,7 @@
 
 A tier is split across vLLM's processes: the scheduler's
 :class:`~s3kv.tiering.placement.TierIndex` decides where a chunk goes and what
-is evicted, a worker's :class:`~s3kv.tiering.tiers.base.TierHandler` holds the
+is evicted, a worker's :class:`~s3kv.tiering.tiers.handler.TierHandler` holds the
 bytes. :class:`LocalTier` joins them the way the scheduler and a worker do,
 and :class:`TierConformance` is the suite: each handler's test class
 subclasses it and provides the ``make_tier`` fixture (capacity in chunks ->
@@ -24,9 +24,9 @@ from s3kv.chunk_reader import PageFormat
 from s3kv.errors import CorruptChunk, NotFound
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.loop import BackgroundLoop
-from s3kv.tiering.placement import TierIndex
+from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place
-from s3kv.tiering.tiers.base import TierHandler
+from s3kv.tiering.tiers.handler import TierHandler
 
 NAMESPACE = "5e" * 16
 LAYERS = 4
@@ -181,6 +181,9 @@ def read_raw(storage: Calls, key: bytes, slot: int | None) -> list[bytes]:
 
 
 class TierConformance:
+    tier: Tier
+    """The tier under test (every tier in the registry has a suite)."""
+
     @pytest.fixture
     def chunk_codec(self) -> ChunkCodec:
         return make_codec()

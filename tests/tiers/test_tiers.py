@@ -1,6 +1,6 @@
-"""Every tier handler (host pool, NVMe directory, S3 over the in-memory
-store) passes the same conformance suite; the NVMe tier's checked reads are
-tested here too."""
+"""Every tier handler in the registry (host pool, NVMe directory, S3 over
+the in-memory store), built by its spec as a worker builds it, passes the
+same conformance suite; the NVMe tier's checked reads are tested here too."""
 
 from __future__ import annotations
 
@@ -14,13 +14,18 @@ import pytest
 
 from s3kv.chunk_reader import PageFormat
 from s3kv.errors import CorruptChunk, NotFound
+from s3kv.stats import Counters
 from s3kv.stores.memory import MemoryStore
-from s3kv.tiering.chunks import ChunkData
-from s3kv.tiering.placement import TierIndex
-from s3kv.tiering.tiers.cpu.tier import CpuHandler
+from s3kv.tiering.chunks import ChunkCodec, ChunkData
+from s3kv.tiering.placement import Tier, TierIndex
+from s3kv.tiering.tiers.cpu.handler import CpuHandler
+from s3kv.tiering.tiers.handler import TierHandler
 from s3kv.tiering.tiers.nvme.files import DiskTier
-from s3kv.tiering.tiers.nvme.tier import NvmeHandler
-from s3kv.tiering.tiers.s3.tier import S3Handler
+from s3kv.tiering.tiers.nvme.handler import NvmeHandler
+from s3kv.tiering.tiers.registry import TIERS
+from s3kv.tiering.tiers.report import RankReport
+from s3kv.tiering.tiers.s3.handler import S3Handler
+from s3kv.tiering.tiers.settings import EngineSettings, WorkerEnv
 from s3kv.tiering.worker.hostpool import HostPool
 from tests.tiers.conformance import (
     LAYER_BYTES,
@@ -42,29 +47,63 @@ def byte_capacity(chunks: int, chunk_bytes: int) -> int:
     return chunks * chunk_bytes + chunk_bytes // 2
 
 
+def built(tier: Tier, chunk_codec: ChunkCodec, *, pool=None, store=None, disk_path=None) -> TierHandler:
+    """``tier``'s handler as a worker builds it: by its spec in the registry,
+    from the worker's settings and parts (timeouts no busy machine reaches)."""
+    settings = EngineSettings(
+        chunk_codec.namespace,
+        "p",
+        chunk_codec.rank,
+        chunk_codec.num_layers,
+        codec=chunk_codec.codec,
+        load_timeout_s=60,
+        disk_path=None if disk_path is None else str(disk_path),
+        disk_codec=chunk_codec.codec,
+        disk_fsync=False,
+        disk_timeout_s=60,
+    )
+    env = WorkerEnv(settings, chunk_codec, RankReport(), Counters(), None, pool, store)  # type: ignore[arg-type]
+    handler = next(spec for spec in TIERS if spec.tier is tier).handler(env)
+    assert handler is not None and handler.tier is tier
+    return handler
+
+
+def test_every_tier_in_the_registry_runs_the_suite():
+    suites = {cls.tier for cls in TierConformance.__subclasses__()}
+    assert suites == {spec.tier for spec in TIERS}
+
+
 def nvme(root: Path, chunk_codec) -> NvmeHandler:
     """The NVMe handler, with timeouts no busy machine reaches."""
     return NvmeHandler(DiskTier(root, chunk_codec), timeout_s=60, write_queue_s=60)
 
 
 class TestS3Tier(TierConformance):
+    tier = Tier.S3
+
     @pytest.fixture
     def make_tier(self, chunk_codec):
         chunk_bytes = len(make_chunk(chunk_codec, key_of(-1)).blob)
 
         def make(chunks: int) -> LocalTier:
             index = TierIndex("s3", byte_capacity(chunks, chunk_bytes))
-            return LocalTier(index, S3Handler(MemoryStore(), chunk_codec, "p"), lambda c: len(c.blob))
+            handler = built(Tier.S3, chunk_codec, store=MemoryStore())
+            assert isinstance(handler, S3Handler)
+            return LocalTier(index, handler, lambda c: len(c.blob))
 
         return make
 
 
 class TestHostPoolTier(TierConformance):
+    tier = Tier.CPU
+
     @pytest.fixture
-    def make_tier(self):
+    def make_tier(self, chunk_codec):
         def make(chunks: int) -> LocalTier:
             pool = HostPool(chunks, LAYER_BYTES, LAYERS)
-            return LocalTier(TierIndex("cpu", pool.num_slots, slots=True), CpuHandler(pool), lambda c: 1)
+            handler = built(Tier.CPU, chunk_codec, pool=pool)
+            assert isinstance(handler, CpuHandler) and handler.pool is pool
+            return LocalTier(TierIndex("cpu", pool.num_slots, slots=True), handler, lambda c: 1)
 
         return make
 
@@ -91,6 +130,8 @@ class TestHostPoolTier(TierConformance):
 
 
 class TestDiskTier(TierConformance):
+    tier = Tier.DISK
+
     @pytest.fixture(params=["zstd", "none"])
     def chunk_codec(self, request):
         return make_codec(request.param)
@@ -101,7 +142,8 @@ class TestDiskTier(TierConformance):
         chunk_bytes = len(make_chunk(chunk_codec, key_of(-1)).blob)
 
         def make(chunks: int) -> LocalTier:
-            handler = nvme(tmp_path / f"disk{next(counter)}", chunk_codec)
+            handler = built(Tier.DISK, chunk_codec, disk_path=tmp_path / f"disk{next(counter)}")
+            assert isinstance(handler, NvmeHandler) and handler.files.codec.codec == chunk_codec.codec
             return LocalTier(
                 TierIndex("disk", byte_capacity(chunks, chunk_bytes)), handler, lambda c: len(c.blob)
             )

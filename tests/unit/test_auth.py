@@ -22,7 +22,8 @@ from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import TierReport
 from s3kv.tiering.scheduler.planner import Planner
-from s3kv.tiering.tiers.s3.tier import S3TierManager
+from s3kv.tiering.tiers.s3.manager import S3TierManager
+from s3kv.tiering.tiers.s3.report import S3Report
 
 SECRET = "s3kv-test-secret-0123456789abcdef"
 OTHER = "s3kv-test-secret-fedcba9876543210"
@@ -224,7 +225,7 @@ def test_bad_records_drop_a_key_everywhere_and_block_publishing_it_from_a_412():
     s3_tier = S3TierManager(mb)
     p = Planner(namespace=ns, chunk_tokens=64, block_size=32, tiers=[s3_tier])
     s3_tier._storing[keys[0]] = 0.0
-    p.on_report(TierReport(existing={keys[0]}, written={(Tier.S3, keys[0]): 1}))
+    p.on_report(TierReport(written={(Tier.S3, keys[0]): 1}, sections={Tier.S3: S3Report(existing={keys[0]})}))
     assert keys[0] not in mb
     p.on_report(TierReport(written={(Tier.S3, keys[0]): 1}))  # written anew (after gc removed the bad one)
     assert keys[0] in mb

@@ -333,9 +333,9 @@ def test_settings_objects_are_cut_from_the_config():
     from s3kv.stores.s3 import S3Options
     from s3kv.tiering.placement import TierIndex
     from s3kv.tiering.scheduler.planner import Planner
-    from s3kv.tiering.tiers.base import EngineSettings
-    from s3kv.tiering.tiers.nvme.tier import NvmeTierManager
-    from s3kv.tiering.tiers.s3.tier import S3TierManager
+    from s3kv.tiering.tiers.nvme.manager import NvmeTierManager
+    from s3kv.tiering.tiers.s3.manager import S3TierManager
+    from s3kv.tiering.tiers.settings import EngineSettings
 
     c = _not_defaults()
     assert S3Options.from_config(c) == S3Options(
@@ -378,7 +378,7 @@ def test_settings_built_by_hand_default_to_the_config_defaults():
     value has the one a default config would give it."""
     from s3kv.manifest.sync import SyncSettings
     from s3kv.stores.s3 import S3Options
-    from s3kv.tiering.tiers.base import EngineSettings
+    from s3kv.tiering.tiers.settings import EngineSettings
 
     defaults = S3KVConfig()
     assert S3Options() == S3Options.from_config(defaults)

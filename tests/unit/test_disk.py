@@ -32,8 +32,9 @@ from s3kv.stores.local import (
 )
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.tiers.nvme import files as disk
+from s3kv.tiering.tiers.nvme.directory import open_disk, release_lock
 from s3kv.tiering.tiers.nvme.files import DiskTier
-from s3kv.tiering.tiers.nvme.tier import NvmeHandler, open_disk, release_lock
+from s3kv.tiering.tiers.nvme.handler import NvmeHandler
 from tests.tiers.conformance import NAMESPACE, Calls, key_of, make_chunk, make_codec, read_raw
 
 BUSY_BOUND_S = 120
@@ -784,7 +785,7 @@ def test_a_none_file_is_read_into_its_own_buffer_checked_there_then_committed(
     or MAC passed there; the commit follows, and the promotions (the gate's
     other sinks) get the checked frame."""
     from s3kv.auth import FleetKeys
-    from s3kv.tiering.tiers.base import Gate
+    from s3kv.tiering.worker.gate import Gate
 
     keys = FleetKeys(["disk-test-secret-0123456789abcdef-ours"]) if signed else None
     tier, key = _none_tier(tmp_path / "disk", keys)
@@ -822,7 +823,7 @@ def test_a_frame_that_fails_its_check_is_not_committed_and_the_load_fails(tmp_pa
     nothing is promoted, the read raises CorruptChunk (a load error: vLLM
     recomputes those blocks) and the file goes."""
     from s3kv import codec
-    from s3kv.tiering.tiers.base import Gate
+    from s3kv.tiering.worker.gate import Gate
 
     tier, key = _none_tier(tmp_path / "disk")
     path = tier.path(key)
@@ -840,7 +841,7 @@ def test_a_frame_that_fails_its_check_is_not_committed_and_the_load_fails(tmp_pa
 
 
 def test_a_closed_gate_reads_nothing_more():
-    from s3kv.tiering.tiers.base import Gate
+    from s3kv.tiering.worker.gate import Gate
 
     gate = Gate([lambda i, a: pytest.fail("closed")], lambda i: pytest.fail("closed"))
     gate.close()
@@ -853,7 +854,7 @@ def test_a_read_that_may_stall_holds_no_lock_and_a_late_one_lands_nowhere(privat
     """A disk read that hangs holds nothing close() (the engine's loop)
     needs; when it returns after the gate closed, its bytes reach neither
     the pages nor a sink, and nothing is committed."""
-    from s3kv.tiering.tiers.base import Gate
+    from s3kv.tiering.worker.gate import Gate
 
     target, commits = _split_target(64, 2, private)
     sunk: list[int] = []

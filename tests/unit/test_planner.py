@@ -7,9 +7,11 @@ from s3kv.manifest.keyset import fingerprints
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, ScheduledRequest, TierReport
 from s3kv.tiering.scheduler.planner import Planner
-from s3kv.tiering.tiers.cpu.tier import CpuTierManager
-from s3kv.tiering.tiers.nvme.tier import NvmeTierManager, disk_estimate
-from s3kv.tiering.tiers.s3.tier import BAD_KEY_RETRY_S, S3TierManager
+from s3kv.tiering.tiers.cpu.manager import CpuTierManager
+from s3kv.tiering.tiers.nvme.manager import NvmeTierManager, disk_estimate
+from s3kv.tiering.tiers.nvme.report import NvmeReport
+from s3kv.tiering.tiers.s3.manager import BAD_KEY_RETRY_S, S3TierManager
+from s3kv.tiering.tiers.s3.report import S3Report
 
 NS = Namespace.from_fields({"model": "m"})
 CT, BS = 64, 32  # 2 blocks a chunk
@@ -88,7 +90,8 @@ def cpu_slot(places):
 
 # What the workers report, one field at a time (each a TierReport of its own).
 def on_written(p, tier, counts, sizes=None):
-    p.on_report(TierReport(written={(tier, k): n for k, n in counts.items()}, disk_sizes=dict(sizes or {})))
+    sections = {Tier.DISK: NvmeReport(sizes=dict(sizes))} if sizes else {}
+    p.on_report(TierReport(written={(tier, k): n for k, n in counts.items()}, sections=sections))
 
 
 def on_write_failed(p, tier, counts):
@@ -100,7 +103,7 @@ def on_missing(p, tier, keys):
 
 
 def on_existing(p, keys):
-    p.on_report(TierReport(existing=set(keys)))
+    p.on_report(TierReport(sections={Tier.S3: S3Report(existing=set(keys))}))
 
 
 def on_released(p, counts):
@@ -112,7 +115,7 @@ def on_sync_loaded(p, counts):
 
 
 def on_disk_full(p):
-    p.on_report(TierReport(disk_full=True))
+    p.on_report(TierReport(sections={Tier.DISK: NvmeReport(full=True)}))
 
 
 def on_load_results(p, failed_req_ids, *, ok=None, failed=None):

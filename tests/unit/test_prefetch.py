@@ -9,7 +9,7 @@ that left the request waiting."""
 from s3kv.keys import chain_keys
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import TierReport
-from s3kv.tiering.tiers.nvme.tier import disk_estimate
+from s3kv.tiering.tiers.nvme.manager import disk_estimate
 from tests.unit.test_planner import (
     BS,
     CT,

@@ -5,7 +5,7 @@ cover only through the planner."""
 import pytest
 
 from s3kv.errors import ConfigError
-from s3kv.keys import Namespace, chain_keys
+from s3kv.keys import Namespace, chain_keys, fingerprint, object_key
 from s3kv.manifest import Manifest
 from s3kv.manifest.keyset import fingerprints
 from s3kv.stats import Counters
@@ -13,10 +13,12 @@ from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, TierReport
 from s3kv.tiering.scheduler.ranks import RankCount
 from s3kv.tiering.scheduler.stack import TierStack
-from s3kv.tiering.tiers.base import TierEvents, store_owner
-from s3kv.tiering.tiers.cpu.tier import CpuTierManager
-from s3kv.tiering.tiers.nvme.tier import NvmeTierManager, disk_estimate
-from s3kv.tiering.tiers.s3.tier import BAD_KEY_RETRY_S, S3TierManager
+from s3kv.tiering.tiers.cpu.manager import CpuTierManager
+from s3kv.tiering.tiers.manager import TierEvents, store_owner
+from s3kv.tiering.tiers.nvme.manager import NvmeTierManager, disk_estimate
+from s3kv.tiering.tiers.nvme.report import NvmeReport
+from s3kv.tiering.tiers.s3.manager import BAD_KEY_RETRY_S, S3TierManager
+from s3kv.tiering.tiers.s3.report import S3Report
 
 KEYS = chain_keys(Namespace.from_fields({"m": "tiers"}), list(range(256)), 64)
 FPS = fingerprints(KEYS)
@@ -136,12 +138,14 @@ def test_nvme_files_of_failed_or_forgotten_chunks_are_deleted_before_a_rewrite()
     disk.on_deleted([KEYS[0]])
     assert disk.prepare_promotion(KEYS[0]) == Place(Tier.DISK)
     disk.on_report(
-        TierReport(written={(Tier.DISK, KEYS[0]): 1}, disk_sizes={KEYS[0]: 300}), [(KEYS[0], True)], []
+        TierReport(written={(Tier.DISK, KEYS[0]): 1}, sections={Tier.DISK: NvmeReport(sizes={KEYS[0]: 300})}),
+        [(KEYS[0], True)],
+        [],
     )
     assert disk.index.get(KEYS[0]).size == 300 and KEYS[0] in disk.index
     disk.forget(KEYS[0])
     assert KEYS[0] not in disk.index and disk.take_evictions() == [KEYS[0]]
-    disk.end_report(TierReport(disk_full=True, tier_failed={Tier.DISK: 1}))
+    disk.end_report(TierReport(sections={Tier.DISK: NvmeReport(full=True)}, tier_failed={Tier.DISK: 1}))
     assert disk.index.capacity == disk.reserve_bytes and not disk.breaker.closed
     assert disk.gauges()["breaker_open_disk"] == 1 and disk.counters.totals()["breaker_trips_disk"] == 1
 
@@ -192,3 +196,36 @@ def test_events_of_every_tier_keep_the_order_they_happened_in():
         "tier_used_bytes_disk",
         "tier_capacity_bytes_disk",
     }
+
+
+def test_the_s3_manager_tells_the_fleet_of_bad_objects_its_ranks_reported():
+    """Corrupt objects a rank could not delete arrive in the S3 wing's own
+    section of the report: the manager quarantines them in the manifest,
+    under the object's name in the namespace it was activated for, before
+    it decides the stores of the same report (a 412 on a bad object is not
+    published)."""
+    told = []
+
+    class Sync:  # what the manifest tells the fleet (the Sync protocol)
+        def stored(self, fp):
+            told.append(("stored", fp))
+
+        def used(self, fps):
+            pass
+
+        def bad(self, fp, name, etag):
+            told.append(("bad", fp, name, etag))
+
+    manifest = Manifest()
+    manifest.sync = Sync()
+    s3 = S3TierManager(manifest, prefix="p/")
+    stack(s3)
+    assert s3.activate("ns0")
+    assert s3.prepare_store(KEYS[0], store_owner(KEYS[0])) == Place(Tier.S3)
+    report = TierReport(
+        written={(Tier.S3, KEYS[0]): 1},
+        sections={Tier.S3: S3Report(bad={(KEYS[0], 1): '"e"'}, existing={KEYS[0]})},
+    )
+    s3.on_report(report, [(KEYS[0], True)], [])
+    assert manifest.is_bad(KEYS[0]) and KEYS[0] not in manifest  # the 412 found the bad object: not published
+    assert told == [("bad", fingerprint(KEYS[0]), object_key("p/", "ns0", KEYS[0], 1), '"e"')]

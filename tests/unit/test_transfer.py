@@ -21,6 +21,8 @@ from s3kv.tiering.chunks import plan_ranges
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, TierReport
 from s3kv.tiering.tiers.nvme import files as disk_mod
+from s3kv.tiering.tiers.nvme.report import NvmeReport
+from s3kv.tiering.tiers.s3.report import S3Report
 from s3kv.tiering.worker.hostpool import HostPool
 from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine
 from tests.conftest import wait_until
@@ -105,7 +107,7 @@ class Results:
         """Tier -> key -> ranks (the NVMe tier: bytes of its files)."""
         out = {}
         for (tier, key), n in self.report.written.items():
-            out.setdefault(tier, {})[key] = self.report.disk_sizes[key] if tier is Tier.DISK else n
+            out.setdefault(tier, {})[key] = self._nvme.sizes[key] if tier is Tier.DISK else n
         return out
 
     @property
@@ -133,16 +135,24 @@ class Results:
         return self.report.tier_failed
 
     @property
+    def _nvme(self):
+        return self.report.section(Tier.DISK, NvmeReport) or NvmeReport()
+
+    @property
+    def _s3(self):
+        return self.report.section(Tier.S3, S3Report) or S3Report()
+
+    @property
     def bad(self):
-        return {key: etag for (key, _rank), etag in self.report.bad.items()}
+        return {key: etag for (key, _rank), etag in self._s3.bad.items()}
 
     @property
     def existing(self):
-        return self.report.existing
+        return self._s3.existing
 
     @property
     def disk_full(self):
-        return self.report.disk_full
+        return self._nvme.full
 
 
 def wait_for(e, pred, timeout=120):
@@ -831,7 +841,9 @@ def test_a_load_out_of_time_gives_up_without_blaming_a_tier(tmp_path, monkeypatc
 
 
 def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_path, monkeypatch):
-    from s3kv.tiering.tiers.nvme.tier import DISK_THREADS
+    import threading
+
+    from s3kv.tiering.tiers.nvme.handler import DISK_THREADS
 
     keys = [bytes([0xD0 + i]) * 16 for i in range(2 * DISK_THREADS)]
     clock = FakeClock()
@@ -898,7 +910,7 @@ def disk_and_s3_engine(tmp_path, n, **kw):
 
 
 def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(tmp_path, monkeypatch):
-    from s3kv.tiering.tiers.nvme.tier import DISK_THREADS
+    from s3kv.tiering.tiers.nvme.handler import DISK_THREADS
 
     clock = FakeClock()
     e, keys = disk_and_s3_engine(tmp_path, 3 * DISK_THREADS, disk_timeout_s=1.2, clock=clock)
@@ -932,7 +944,9 @@ def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(t
 
 
 def test_a_read_that_waits_for_a_hung_disk_is_the_disks_failure(tmp_path, monkeypatch):
-    from s3kv.tiering.tiers.nvme.tier import DISK_THREADS
+    import threading
+
+    from s3kv.tiering.tiers.nvme.handler import DISK_THREADS
 
     clock = FakeClock()
     e, keys = disk_and_s3_engine(tmp_path, DISK_THREADS + 1, clock=clock)

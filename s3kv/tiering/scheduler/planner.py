@@ -6,8 +6,8 @@ Every decision is made here, once, so that all TP ranks execute the same
 plan. The planner composes three pieces: the requests' chain keys
 (:class:`ChainKeys`), the count of ranks' reports (:class:`RankCount`) and
 the tiers (:class:`TierStack`: one :class:`TierManager` per tier, nearest
-first), naming none of them. Nothing here does I/O: what a tier evicts is
-its manager's to hand to the caller.
+first), naming none of them. Nothing here does I/O: what a tier evicts,
+its manager hands to a thread of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from s3kv.tiering.scheduler.prefetch import Prefetcher
 from s3kv.tiering.scheduler.ranks import RankCount
 from s3kv.tiering.scheduler.requests import RequestState
 from s3kv.tiering.scheduler.stack import TierStack
-from s3kv.tiering.tiers.base import TierEvents, TierManager
+from s3kv.tiering.tiers.manager import TierEvents, TierManager
 
 
 class Planner:

@@ -153,7 +153,7 @@ class Prefetcher:
         left = 0
         for c, m in enumerate(hit):
             key = keys[c]
-            if not m.remote or key in self._in_flight or (m.breaker is not None and not m.breaker.closed):
+            if not m.prefetches(key) or key in self._in_flight:
                 continue
             if len(chunks) >= budget:
                 left += 1

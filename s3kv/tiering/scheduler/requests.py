@@ -11,7 +11,7 @@ import numpy as np
 from s3kv.manifest.keyset import EMPTY
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.scheduler.keychain import ExtrasFn, PrefixIds
-from s3kv.tiering.tiers.base import TierManager
+from s3kv.tiering.tiers.manager import TierManager
 
 
 @dataclass

@@ -10,7 +10,7 @@ import numpy as np
 from s3kv.stats import Counters
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place, TierReport
-from s3kv.tiering.tiers.base import TierEvents, TierManager, store_owner
+from s3kv.tiering.tiers.manager import TierEvents, TierManager, store_owner
 
 
 class TierStack:
@@ -18,7 +18,8 @@ class TierStack:
         self.tiers = tuple(tiers)
         """The managers, nearest tier first."""
         self._by_tier = {m.tier: m for m in self.tiers}
-        self._stage = next((m for m in self.tiers if m.stages_writes), None)
+        self._staged: dict[bytes, list[TierManager]] = {}
+        """Stores whose first place the farther writes read, until released."""
         for m in self.tiers:
             m.attach(counters, events)
 
@@ -57,12 +58,11 @@ class TierStack:
 
     def load(self, key: bytes, m: TierManager, place: Place, promote: bool) -> tuple[tuple[Place, ...], ...]:
         """(sources, promotions) of a load of ``key`` from ``m`` at ``place``:
-        farther tiers that have it back ``m`` up when ``m`` may lose it, and
-        with ``promote`` the nearer tiers take a copy."""
+        farther tiers that have it back ``m`` up where ``m`` may lose it
+        (:meth:`TierManager.fallbacks`), and with ``promote`` the nearer
+        tiers take a copy."""
         i = self.tiers.index(m)
-        sources = (place,)
-        if m.may_lose:
-            sources += tuple(p for f in self.tiers[i + 1 :] if (p := f.fallback(key)) is not None)
+        sources = (place, *m.fallbacks(key, self.tiers[i + 1 :]))
         up: tuple[Place, ...] = ()
         if promote:
             up = tuple(p for n in self.tiers[:i] if (p := n.prepare_promotion(key)) is not None)
@@ -76,9 +76,9 @@ class TierStack:
         pinned = False
         if len(targets) > 1:
             first = self._by_tier[targets[0].tier]
-            if first.stages_writes:
-                first.pin(key)  # the farther writes read its place
-                pinned = True
+            pinned = first.stage(key)  # the farther writes read its place
+            if pinned:
+                self._staged.setdefault(key, []).append(first)
         return targets, pinned
 
     def on_report(self, report: TierReport, decided: dict[Tier, list[tuple[bytes, bool]]]) -> None:
@@ -91,8 +91,11 @@ class TierStack:
 
     def released(self, key: bytes) -> None:
         """Every rank is done reading the staging place of a store of ``key``."""
-        if self._stage is not None:
-            self._stage.unpin(key)
+        staged = self._staged.get(key)
+        if staged:
+            staged.pop().unstage(key)
+            if not staged:
+                del self._staged[key]
 
     def end_report(self, report: TierReport) -> None:
         for m in self.tiers:

@@ -1,14 +1,7 @@
 """The tiers below vLLM's KV cache, a wing (package) each: cpu/, nvme/, s3/.
 
-A new tier is one wing here with a manager and a handler: its handler
-registers in :data:`HANDLERS`, its manager in the list the scheduler side
-builds (``s3kv.connector.scheduler``), both nearest tier first.
+A wing holds its tier's :class:`~s3kv.tiering.tiers.spec.TierSpec` (spec.py),
+its scheduler-side manager (manager.py) and its worker-side handler
+(handler.py); :mod:`s3kv.tiering.tiers.registry` lists the specs, nearest
+first. The abstract halves are :mod:`.manager` and :mod:`.handler`.
 """
-
-from s3kv.tiering.tiers.base import TierHandler
-from s3kv.tiering.tiers.cpu.tier import CpuHandler
-from s3kv.tiering.tiers.nvme.tier import NvmeHandler
-from s3kv.tiering.tiers.s3.tier import S3Handler
-
-HANDLERS: tuple[type[TierHandler], ...] = (CpuHandler, NvmeHandler, S3Handler)
-"""The tiers a worker may hold, nearest first."""

@@ -5,7 +5,7 @@ order of the KV cache (copied whole, never reinterpreted). The buffer comes
 from the caller: on a CUDA/XPU engine the connector allocates it pinned, so
 copies to and from the device run asynchronously; on the CPU platform plain
 memory. The scheduler decides which chunk goes into which slot; the CPU
-tier's handler (:class:`~s3kv.tiering.tiers.cpu.tier.CpuHandler`) reads and
+tier's handler (:class:`~s3kv.tiering.tiers.cpu.handler.CpuHandler`) reads and
 writes slots for the transfer engine.
 """
 

@@ -32,15 +32,11 @@ from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.meter import Attempt, LoadMeter
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
-from s3kv.tiering.tiers import HANDLERS
-from s3kv.tiering.tiers.base import (
-    EngineSettings,
-    Gate,
-    RankReport,
-    TierHandler,
-    WorkerEnv,
-    error_kind,
-)
+from s3kv.tiering.tiers.handler import PageTierHandler, TierHandler, error_kind
+from s3kv.tiering.tiers.registry import TIERS
+from s3kv.tiering.tiers.report import RankReport
+from s3kv.tiering.tiers.settings import EngineSettings, WorkerEnv
+from s3kv.tiering.worker.gate import Gate
 from s3kv.tiering.worker.hostpool import HostPool
 
 log = logging.getLogger("s3kv.transfer")
@@ -160,7 +156,7 @@ class TransferEngine:
             stored=lambda key: self.on_s3_stored(key) if self.on_s3_stored else None,
             settled=lambda key: self.on_s3_settled(key) if self.on_s3_settled else None,
         )
-        handlers = [h for cls in HANDLERS if (h := cls.for_worker(env)) is not None]
+        handlers = [h for spec in TIERS if (h := spec.handler(env)) is not None]
         for h in handlers:
             h.clock = self.clock
         for old in self.handlers.values():
@@ -170,7 +166,7 @@ class TransferEngine:
     def takes_pages(self, place: Place) -> bool:
         """Does ``place``'s tier store a chunk's pages as they are (a store's are copied straight in)?"""
         h = self.handlers.get(place.tier)
-        return h is not None and h.takes_pages
+        return isinstance(h, PageTierHandler)
 
     # -- loads -----------------------------------------------------------------
     def submit_load(
@@ -228,8 +224,8 @@ class TransferEngine:
         (the job starts them), or start now."""
         key = chunk.key
         promote = [(self.handlers.get(p.tier), p) for p in chunk.promote]
-        fills = [(h, p) for h, p in promote if h is not None and h.takes_pages]  # filled as layers load
-        copies = [(h, p) for h, p in promote if h is None or not h.takes_pages]  # written from the object
+        fills = [(h, p) for h, p in promote if isinstance(h, PageTierHandler)]  # filled as layers load
+        copies = [(h, p) for h, p in promote if not isinstance(h, PageTierHandler)]  # written from the object
         sinks = [h.open_fill(p, key) for h, p in fills]
         try:
             deadline = self.clock() + self.s.load_timeout_s

@@ -57,7 +57,7 @@ def shard_path(root: Path, namespace: str, key: bytes, rank: int) -> Path:
 
 class DiskTier:
     """The directory's chunk files, read and written synchronously (the
-    NVMe tier's handler, :class:`~s3kv.tiering.tiers.nvme.tier.NvmeHandler`,
+    NVMe tier's handler, :class:`~s3kv.tiering.tiers.nvme.handler.NvmeHandler`,
     calls these on threads of its own)."""
 
     def __init__(self, root: str | os.PathLike[str], chunk_codec: ChunkCodec, *, fsync: bool = False) -> None:

@@ -1,164 +1,25 @@
-"""The S3 tier: the shared bucket (scheduler side: the manifest, its breaker and the stores in flight; worker side: GETs and PUTs through the store)."""
+"""The S3 tier's worker side: this rank's chunk objects, GETs and create-only PUTs through the store."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
-
-import numpy as np
+from collections.abc import Callable
 
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import FrameSink
-from s3kv.config import DEFAULTS, S3KVConfig
+from s3kv.config import DEFAULTS
 from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, PermissionDenied, Precondition
 from s3kv.keys import namespace_prefix, object_key
-from s3kv.manifest.keyset import Manifest
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore, PutMode
-from s3kv.tiering.breaker import BACKOFF_S, PROBE_TIMEOUT_S
 from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, load_chunk, read_header
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.plan import Place, TierReport
-from s3kv.tiering.tiers.base import RankReport, TierHandler, TierManager, WorkerEnv, probe_timeout_s
-
-# -- scheduler side ---------------------------------------------------------------
-
-
-VERIFIED_SIZE = 1 << 16
-"""Keys remembered present in the manifest (~100 bytes each)."""
-BAD_KEY_RETRY_S = 10.0
-"""After a store found an object reported bad in the way, how long before
-the key is stored again (the object stays until ``s3kv gc`` deletes it)."""
-
-
-class S3TierManager(TierManager):
-    """The bucket as this replica knows it: the fleet's manifest, the breaker,
-    and the stores in flight (a key is not stored again before
-    ``store_retry_s``, or ``BAD_KEY_RETRY_S`` while a bad object is in the way)."""
-
-    tier = Tier.S3
-    remote = True
-
-    def __init__(
-        self,
-        manifest: Manifest,
-        *,
-        store_retry_s: float = 120.0,
-        backoff_s: tuple[float, float] = BACKOFF_S,
-        probe_timeout_s: float = PROBE_TIMEOUT_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__()
-        self.breaker = self._breaker(backoff_s, probe_timeout_s, clock)
-        self.manifest = manifest
-        self.store_retry_s = store_retry_s
-        self._clock = clock
-        self.down = False
-        """S3 did not answer at start-up: paused until it does (set and
-        cleared by the caller, which keeps trying in the background)."""
-        self._verified: dict[bytes, None] = {}
-        """Keys seen in the manifest at ``_verified_epoch``."""
-        self._verified_epoch = -1
-        self._storing: dict[bytes, float] = {}
-        """Keys planned for a store and not yet reported, or whose store found
-        an object reported bad in the way (a 412): with when, so that they
-        are not stored again before ``store_retry_s``."""
-        self._existing: set[bytes] = set()
-        """Stores that found the object there already (a 412), until decided."""
-
-    @classmethod
-    def from_config(cls, manifest: Manifest, config: S3KVConfig) -> S3TierManager:
-        return cls(manifest, probe_timeout_s=probe_timeout_s(config))
-
-    @property
-    def paused(self) -> bool:
-        """Not to be used by a new request now (down, or the breaker open)."""
-        assert self.breaker is not None
-        return self.down or not self.breaker.usable()
-
-    def allows(self, owner: Hashable, *, take: bool = True) -> bool:
-        return not self.down and super().allows(owner, take=take)
-
-    # -- loads -----------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes], fps: np.ndarray, start: int, end: int) -> list[bool]:
-        """Keys seen present since the manifest's last removal are known; the
-        rest are looked up in one vectorised pass (each a binary search
-        through the whole manifest, cache misses in a large one)."""
-        epoch = self.manifest.epoch
-        if epoch != self._verified_epoch:
-            self._verified.clear()
-            self._verified_epoch = epoch
-        verified = self._verified
-        todo = [i for i in range(start, end) if keys[i] not in verified]
-        if not todo:
-            return [True] * (end - start)
-        found = self.manifest.present_fps(fps[todo]).tolist()
-        out = [True] * (end - start)
-        for i, has in zip(todo, found):
-            if has:
-                verified[keys[i]] = None
-            else:
-                out[i - start] = False
-        if len(verified) > VERIFIED_SIZE:
-            verified.clear()
-        return out
-
-    def fallback(self, key: bytes) -> Place | None:
-        assert self.breaker is not None
-        ok = key in self.manifest and not self.down and self.breaker.closed
-        return Place(self.tier) if ok else None
-
-    def record_use(self, keys: Sequence[bytes]) -> None:
-        self.manifest.touch(keys)  # access records, for gc
-
-    # -- stores ----------------------------------------------------------------
-    def prepare_store(self, key: bytes, owner: Hashable) -> Place | None:
-        now = self._clock()
-        if (
-            key in self.manifest
-            or now - self._storing.get(key, -self.store_retry_s) < self.store_retry_s
-            or not self.allows(owner)  # last: half-open, this store is the probe
-        ):
-            return None
-        self._storing[key] = now
-        return Place(self.tier)
-
-    def complete_store(self, key: bytes, ok: bool) -> None:
-        super().complete_store(key, ok)
-        existing = key in self._existing
-        self._existing.discard(key)
-        # An object some replica reported bad is never published from a 412
-        # (it may be that very object); one this replica wrote is, by the
-        # ranks that wrote it (manifest.publish), the moment their PUTs
-        # returned: here it only joins this replica's index.
-        bad = self.manifest.is_bad(key)
-        if bad and (existing or not ok):
-            # The bad object is in the way (a 412, or a store that found one
-            # it could not verify) until gc removes it: the next store waits
-            # BAD_KEY_RETRY_S instead of trying every step (one PUT per key
-            # that often is cheap; gc may run any time).
-            self._storing[key] = self._clock() - self.store_retry_s + BAD_KEY_RETRY_S
-        else:
-            self._storing.pop(key, None)
-        if ok and not (existing and bad):
-            self.manifest.add(key, publish=existing)
-
-    def forget(self, key: bytes) -> None:
-        if key in self.manifest:
-            self.manifest.discard(key)
-            self.counters.add("manifest_dropped")
-        super().forget(key)
-
-    def on_report(
-        self, report: TierReport, decided: Iterable[tuple[bytes, bool]], missing: Iterable[bytes]
-    ) -> None:
-        self._existing.update(report.existing)
-        super().on_report(report, decided, missing)
-
-
-# -- worker side -------------------------------------------------------------------
+from s3kv.tiering.plan import Place
+from s3kv.tiering.tiers.handler import TierHandler
+from s3kv.tiering.tiers.report import RankReport
+from s3kv.tiering.tiers.s3.report import S3Report
 
 log = logging.getLogger("s3kv.transfer")
 
@@ -224,24 +85,6 @@ class S3Handler(TierHandler):
             return e.credentials
         return super().trouble(e)
 
-    @classmethod
-    def for_worker(cls, env: WorkerEnv) -> S3Handler | None:
-        if env.store is None:
-            return None
-        return cls(
-            env.store,
-            env.codec,
-            env.settings.prefix,
-            range_bytes=env.settings.range_bytes,
-            executor=env.threads,
-            keys=env.settings.keys,
-            storing=env.storing,
-            stored=env.stored,
-            settled=env.settled,
-            report=env.report,
-            counters=env.counters,
-        )
-
     async def read(
         self,
         place: Place,
@@ -287,7 +130,7 @@ class S3Handler(TierHandler):
         if chunk.key in self._unreadable or not await self._existing_is_ours(cid, blob):
             self.report.tier_ok(self.tier)  # S3 answered; the object in the way is not one to publish
             return None
-        with self.report.edit() as r:
+        with self.report.section(self.tier, S3Report) as r:
             r.existing.add(chunk.key)
         return len(blob)
 
@@ -339,7 +182,7 @@ class S3Handler(TierHandler):
                 return
         log.warning("s3kv: corrupt %s is reported to the fleet as bad: %s", cid.object_key, reason)
         self.counters.add("quarantined_chunks")
-        with self.report.edit() as r:
+        with self.report.section(self.tier, S3Report) as r:
             r.bad[(key, self.codec.rank)] = etag
 
     async def _existing_is_ours(self, cid: ChunkId, blob: bytes) -> bool:

@@ -1,4 +1,4 @@
-"""The CPU tier: host pool slots (scheduler side: the slot index; worker side: the pinned pool)."""
+"""The CPU tier's worker side: the pinned host pool's slots."""
 
 from __future__ import annotations
 
@@ -8,92 +8,17 @@ import concurrent.futures
 import numpy as np
 
 from s3kv.chunk_reader import FrameSink
-from s3kv.errors import ConfigError, NotFound
+from s3kv.errors import NotFound
 from s3kv.stats import Counters
 from s3kv.tiering.chunks import ChunkData
-from s3kv.tiering.placement import Tier, TierIndex
+from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
-from s3kv.tiering.tiers.base import IndexedTierManager, RankReport, TierHandler, WorkerEnv
-from s3kv.tiering.worker.hostpool import HostPool, slots_for
-from s3kv.units import format_size
-
-# -- scheduler side ---------------------------------------------------------------
+from s3kv.tiering.tiers.handler import PageTierHandler
+from s3kv.tiering.tiers.report import RankReport
+from s3kv.tiering.worker.hostpool import HostPool
 
 
-class CpuTierManager(IndexedTierManager):
-    """The CPU pool's slots: loads from it are synchronous (copied during the
-    forward, layer by layer, and never lost: a pinned slot stays), a store's
-    slot is what its farther writes read from. No breaker: memory does not
-    go away."""
-
-    tier = Tier.CPU
-    sync_load = True
-    may_lose = False
-    stages_writes = True
-
-    def __init__(self, index: TierIndex, slot_bytes: int = 0) -> None:
-        if not index.slots:
-            raise ValueError("the CPU tier's index must count slots")
-        super().__init__(index)
-        self.slot_bytes = slot_bytes
-        """Bytes of one slot over all ranks, for the stats."""
-
-    @classmethod
-    def open(cls, cpu_bytes: int, shard_bytes: int, world_size: int = 1) -> CpuTierManager | None:
-        """The CPU tier for ``cpu_bytes`` per worker, or None when it is 0."""
-        if not cpu_bytes:
-            return None
-        slots = slots_for(cpu_bytes, shard_bytes)
-        if slots == 0:
-            raise ConfigError(
-                f"cpu_bytes: {format_size(cpu_bytes)} holds no chunk of this model (one chunk takes "
-                f"{format_size(shard_bytes)} per worker); use at least {shard_bytes} or 0 to turn it off"
-            )
-        return cls(TierIndex("cpu", slots, slots=True), shard_bytes * world_size)
-
-    def _reserve(self, key: bytes) -> Place | None:
-        """A pending slot for ``key``, evicting the least recently used."""
-        got = self.index.reserve(key)
-        if got is None:
-            return None
-        for old, _ in got[1]:
-            self.counters.add("evict_chunks_cpu")
-            self.events.removed(self.tier, old)  # type: ignore[arg-type]
-        return Place(self.tier, got[0].slot)
-
-    def prepare_store(self, key: bytes, owner: object) -> Place | None:
-        if self.index.has(key):
-            return None
-        place = self._reserve(key)
-        if place is None:
-            self.counters.add("store_dropped_no_slot")
-        return place
-
-    def prepare_promotion(self, key: bytes) -> Place | None:
-        return self._reserve(key)
-
-    def complete_store(self, key: bytes, ok: bool) -> None:
-        super().complete_store(key, ok)
-        if ok:
-            self.index.commit(key)
-        else:
-            self.index.abort(key)
-
-    def forget(self, key: bytes) -> None:
-        self.index.remove(key)
-        super().forget(key)
-
-    def gauges(self) -> dict[str, int]:
-        return {
-            "tier_used_bytes_cpu": self.index.used * self.slot_bytes,
-            "tier_capacity_bytes_cpu": self.index.capacity * self.slot_bytes,
-        }
-
-
-# -- worker side -------------------------------------------------------------------
-
-
-class CpuHandler(TierHandler):
+class CpuHandler(PageTierHandler):
     """The host pool's slots, one chunk shard each (the place's slot, chosen
     by the scheduler side). Stores arrive as pages: the connector copies
     them out of the KV cache into the slot, and the write-through to the
@@ -102,8 +27,6 @@ class CpuHandler(TierHandler):
 
     tier = Tier.CPU
     label = "CPU"
-    takes_pages = True
-    misses_are_answers = False
 
     def __init__(
         self,
@@ -116,12 +39,6 @@ class CpuHandler(TierHandler):
         self.pool = pool
         self._executor = executor
         """Threads that copy slots out (the engine's codec threads)."""
-
-    @classmethod
-    def for_worker(cls, env: WorkerEnv) -> CpuHandler | None:
-        if env.pool is None:
-            return None
-        return cls(env.pool, env.threads, env.report, env.counters)
 
     async def read(
         self,
@@ -167,6 +84,10 @@ class CpuHandler(TierHandler):
 
     async def delete(self, place: Place, key: bytes) -> None:
         self.pool.release(self.pool.check_slot(place.slot), key)
+
+    def missed(self, key: bytes) -> None:
+        """The slot no longer holds ``key``: forgotten, and no breaker hears of host memory."""
+        self.report.missing(self.tier, key)
 
     async def bytes_used(self) -> int:
         return self.pool.buffer.nbytes

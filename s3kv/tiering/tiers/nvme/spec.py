@@ -1,0 +1,46 @@
+"""The NVMe tier's spec: chunk files under ``disk_path``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from s3kv.tiering.placement import Tier, TierIndex
+from s3kv.tiering.tiers.manager import probe_timeout_s
+from s3kv.tiering.tiers.nvme.directory import Directory
+from s3kv.tiering.tiers.nvme.files import DiskTier
+from s3kv.tiering.tiers.nvme.handler import NvmeHandler
+from s3kv.tiering.tiers.nvme.manager import NvmeTierManager
+from s3kv.tiering.tiers.settings import WorkerEnv
+from s3kv.tiering.tiers.spec import ManagerEnv, TierSpec
+
+
+class NvmeSpec(TierSpec):
+    tier = Tier.DISK
+
+    def manager(self, env: ManagerEnv) -> NvmeTierManager | None:
+        """The directory is opened (checked, locked, scanned) once the
+        namespace is known (:meth:`NvmeTierManager.activate`)."""
+        c = env.config
+        if c.disk_path is None:
+            return None
+        return NvmeTierManager(
+            TierIndex("disk", 0),
+            world_size=env.world_size,
+            shard_bytes=env.shard_bytes,
+            probe_timeout_s=probe_timeout_s(c),
+            directory=Directory(c.disk_path, c.disk_bytes, env.world_size, env.counters),
+        )
+
+    def handler(self, env: WorkerEnv) -> NvmeHandler | None:
+        s = env.settings
+        if s.disk_path is None:
+            return None
+        files_codec = dataclasses.replace(env.codec, codec=s.disk_codec)
+        return NvmeHandler(
+            DiskTier(Path(s.disk_path), files_codec, fsync=s.disk_fsync),
+            timeout_s=s.disk_timeout_s,
+            write_queue_s=s.load_timeout_s,
+            report=env.report,
+            counters=env.counters,
+        )

@@ -1,0 +1,72 @@
+"""The S3 tier's spec: chunk objects in the shared bucket, listed by the fleet's manifest."""
+
+from __future__ import annotations
+
+import logging
+
+from s3kv.config import S3KVConfig
+from s3kv.errors import ConfigError, NotFound, PermissionDenied, Transient
+from s3kv.stores.s3 import S3Store
+from s3kv.tiering.placement import Tier
+from s3kv.tiering.tiers.s3.handler import S3Handler
+from s3kv.tiering.tiers.s3.manager import S3TierManager
+from s3kv.tiering.tiers.settings import WorkerEnv
+from s3kv.tiering.tiers.spec import ManagerEnv, Run, TierSpec
+
+log = logging.getLogger("s3kv.scheduler")
+
+
+def check_bucket(store: S3Store, config: S3KVConfig, run: Run) -> bool:
+    """Check the bucket at start-up: True if it answered. A bucket that does
+    not exist or refuses us fails start-up (ConfigError, naming it); one
+    that does not answer only warns (False): the replica serves from its
+    local tiers meanwhile."""
+    c = config
+    budget = (c.s3_connect_timeout_s + c.s3_read_timeout_s) * c.s3_max_attempts + 5
+    try:
+        run(store.check_access(), budget)
+    except NotFound as e:
+        raise ConfigError(
+            f"bucket: s3://{c.bucket} does not exist (endpoint {c.endpoint_url or 'AWS'})"
+        ) from e
+    except PermissionDenied as e:
+        raise ConfigError(f"bucket: access to s3://{c.bucket} denied: {e}") from e
+    except (Transient, TimeoutError) as e:
+        log.warning(
+            "s3kv: S3 is unreachable at start-up (%s); serving from the local tiers and "
+            "retrying in the background",
+            e,
+        )
+        return False
+    return True
+
+
+class S3Spec(TierSpec):
+    tier = Tier.S3
+
+    def manager(self, env: ManagerEnv) -> S3TierManager | None:
+        """The bucket's manager, paused (``down``) if the bucket did not answer."""
+        if env.manifest is None:
+            return None
+        manager = S3TierManager.from_config(env.manifest, env.config)
+        if env.store is not None and env.run is not None:
+            manager.down = not check_bucket(env.store, env.config, env.run)
+        return manager
+
+    def handler(self, env: WorkerEnv) -> S3Handler | None:
+        if env.store is None:
+            return None
+        s = env.settings
+        return S3Handler(
+            env.store,
+            env.codec,
+            s.prefix,
+            range_bytes=s.range_bytes,
+            executor=env.threads,
+            keys=s.keys,
+            storing=env.storing,
+            stored=env.stored,
+            settled=env.settled,
+            report=env.report,
+            counters=env.counters,
+        )
