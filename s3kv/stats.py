@@ -18,7 +18,10 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-TIERS = ("cpu", "disk", "s3")
+from s3kv.tiering.placement import Tier
+
+TIERS = tuple(t.value for t in Tier)
+"""The ``tier`` label's values: the tiers' names (an interface: dashboards select by them)."""
 CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 """Upper bounds, in tokens of context, of the cost model's prefill-rate
 buckets (``s3kv.tiering.scheduler.cost``); longer contexts share the last one."""

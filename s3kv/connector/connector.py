@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
+    MEDIUM_GPU,
     MEDIUM_STORAGE,
     BlockRemoved,
     BlockStored,
@@ -34,8 +35,9 @@ from s3kv.connector.compat import check_vllm_version
 from s3kv.connector.layout import engine_layout
 from s3kv.connector.metadata import S3KVMetadata
 from s3kv.connector.stats import S3KVPromMetrics, S3KVStats
-from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import TierEvent
+from s3kv.tiering.tiers.registry import TIERS
+from s3kv.tiering.tiers.spec import TierSpec
 
 if TYPE_CHECKING:
     import torch
@@ -57,11 +59,19 @@ _worker_stop_deadline: float | None = None
 """When this process's worker side began to stop: the scheduler side's
 stop, which vLLM runs next in the same process, ends by the same deadline."""
 
-EVENT_MEDIUM = {
-    Tier.CPU: (MEDIUM_CPU, "LOCAL"),
-    Tier.DISK: (MEDIUM_STORAGE, "LOCAL"),
-    Tier.S3: (MEDIUM_STORAGE, "REMOTE"),
-}
+MEDIUMS = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
+"""vLLM's KV event media: a spec's ``medium`` is one of them."""
+
+
+def event_medium(spec: TierSpec) -> tuple[str, str]:
+    """(medium, locality) of a chunk in ``spec``'s tier, as vLLM's KV events name them."""
+    if spec.medium not in MEDIUMS:
+        raise ValueError(f"{spec.tier.value}: medium {spec.medium!r} is none of vLLM's {MEDIUMS}")
+    return spec.medium, spec.locality
+
+
+EVENT_MEDIUM = {spec.tier: event_medium(spec) for spec in TIERS}
+"""Each tier's vLLM KV event medium and locality, as its spec names them."""
 
 
 def kv_events(events: list[TierEvent], chunk_tokens: int) -> list[KVCacheEvent]:
@@ -98,11 +108,8 @@ def kv_events(events: list[TierEvent], chunk_tokens: int) -> list[KVCacheEvent]:
     return out
 
 
-HIT_SOURCES = {
-    Tier.CPU: CacheHitSource.HOST,
-    Tier.DISK: CacheHitSource.DISK,
-    Tier.S3: CacheHitSource.EXTERNAL_UNSPECIFIED,
-}
+HIT_SOURCES = {spec.tier: CacheHitSource(spec.hit_source) for spec in TIERS}
+"""Each tier's vLLM cache hit source, as its spec names it."""
 
 
 def _log_through_vllm() -> None:

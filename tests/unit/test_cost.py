@@ -12,6 +12,7 @@ from s3kv.tiering.meter import LoadMeter
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadTiming, StepTiming, TierReport
 from s3kv.tiering.scheduler.cost import EXPLORE_S, PRIORS, CostModel, context_bucket
+from s3kv.tiering.tiers.registry import TIERS
 from tests.unit.test_planner import CT, NS, SHARD, on_load_results, planner, put_cpu, sched
 
 LONG = list(range(10, 10 + 40 * CT + 7))  # 40 full chunks
@@ -256,6 +257,10 @@ def test_start_up_values_are_the_documented_ones():
         assert g[f"cost_first_chunk_seconds_{tier.value}"] == pytest.approx(prior.first_s)
         assert g[f"cost_bandwidth_bytes_per_second_{tier.value}"] == pytest.approx(prior.bytes_per_s)
     assert not any(k.startswith("cost_prefill") for k in g)  # none measured yet
+    assert {spec.tier: spec.prior for spec in TIERS} == PRIORS  # each tier's from its spec
+    assert [t for t, _ in sorted(PRIORS.items(), key=lambda tp: tp[1].first_s)] == list(
+        Tier
+    )  # nearest fastest
     p, _ = cost_planner(cpu_slots=4)
     put_cpu(p, LONG_KEYS[:1])
     assert offered(p, "r", SHORT) == (CT, False)  # a CPU hit of one chunk loads

@@ -229,10 +229,12 @@ def test_the_prefetcher_plans_within_its_budget_and_frees_it_as_copies_are_repor
     (job,) = pf.take()
     assert [c.key for c in job.chunks] == KEYS[:3] and pf.take() == []
     assert pf.in_flight == 3 and p.counters.totals()["prefetch_chunks_queued"] == 1
+    assert pf.in_flight_by_tier() == {Tier.S3: 3}  # read from S3, they share it with the loads
     assert pf.awaits(KEYS, 0, 4) and pf.awaits(KEYS, 2, 3) and not pf.awaits(KEYS, 3, 4)
     pf.reported({Tier.CPU: [(KEYS[0], True), (KEYS[1], True)]})  # two copies over: the last chunk starts
     (job,) = pf.take()
     assert [c.key for c in job.chunks] == KEYS[3:] and pf.in_flight == 2
+    assert pf.in_flight_by_tier() == {Tier.S3: 2}
     assert not pf.awaits(KEYS, 0, 2)
     clock.now += pf.wait_s + 1  # the other reports are lost
     assert not pf.awaits(KEYS, 0, 4)

@@ -29,7 +29,7 @@ from s3kv.tiering.tiers.nvme.spec import NvmeSpec
 from s3kv.tiering.tiers.registry import TIERS
 from s3kv.tiering.tiers.s3.manager import S3TierManager
 from s3kv.tiering.tiers.s3.spec import S3Spec
-from s3kv.tiering.tiers.spec import ManagerEnv, TierSpec
+from s3kv.tiering.tiers.spec import ManagerEnv, TierPrior, TierSpec
 from tests.conftest import wait_until
 
 NS = Namespace.from_fields({"m": "specs"}).id
@@ -47,6 +47,29 @@ def env(cfg, *, manifest=None, store=None, run=None, counters=None):
 
 def test_the_registry_lists_every_tier_once_nearest_first():
     assert [spec.tier for spec in TIERS] == list(Tier)
+
+
+def test_each_spec_says_the_facts_generic_code_asks_of_its_tier():
+    for spec in TIERS:
+        assert spec.prior.first_s > 0 and spec.prior.bytes_per_s > 0
+        assert spec.medium in ("CPU", "STORAGE") and spec.locality in ("LOCAL", "REMOTE")
+    assert [s.locality for s in TIERS] == ["LOCAL", "LOCAL", "REMOTE"]
+    assert [s.hit_source for s in TIERS] == ["host", "disk", "external_unspecified"]
+
+
+def test_a_spec_that_does_not_say_its_facts_fails_when_built():
+    class Unsaid(TierSpec):
+        tier = Tier.DISK
+        prior = TierPrior(0.01, 1e9)
+
+        def manager(self, env):
+            return None
+
+        def handler(self, env):
+            return None
+
+    with pytest.raises(TypeError, match="Unsaid does not say its medium, locality, hit_source"):
+        Unsaid()
 
 
 def test_a_tier_that_is_off_builds_no_manager():

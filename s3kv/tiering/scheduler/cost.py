@@ -66,6 +66,8 @@ from dataclasses import dataclass
 from s3kv.config import LOAD_POLICIES
 from s3kv.stats import CONTEXT_BUCKETS
 from s3kv.tiering.placement import Tier
+from s3kv.tiering.tiers.registry import TIERS
+from s3kv.tiering.tiers.spec import TierPrior
 
 WINDOW = 16
 """Observations each estimate keeps (its median is the estimate)."""
@@ -81,21 +83,9 @@ chunk's prefill is)."""
 CONTEXT_LABELS = tuple(str(b) for b in CONTEXT_BUCKETS)
 
 
-@dataclass(frozen=True)
-class TierPrior:
-    first_s: float
-    """Start-up estimate of a load's first chunk from the tier."""
-    bytes_per_s: float
-    """Start-up estimate of the tier's bandwidth after the first chunk."""
-
-
-PRIORS: dict[Tier, TierPrior] = {
-    Tier.CPU: TierPrior(0.0005, 4e9),
-    Tier.DISK: TierPrior(0.005, 1e9),
-    Tier.S3: TierPrior(0.1, 2e8),
-}
-"""Start-up values: S3 as a slow regional bucket, NVMe and host memory as
-slow ones of theirs."""
+PRIORS: dict[Tier, TierPrior] = {spec.tier: spec.prior for spec in TIERS}
+"""Start-up values, each tier's from its spec: slow ones of their kind (S3
+as a slow regional bucket), so that a replica loads until it knows better."""
 PREFILL_PRIOR_TOKENS_PER_S = 1000.0
 """Start-up prefill rate: slower than any GPU's, so hits load until the engine is timed."""
 

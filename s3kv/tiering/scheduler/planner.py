@@ -199,8 +199,10 @@ class Planner:
         whole, _ = self._offer(hit, start, num_tokens, num_computed_tokens)
         if self.cost is not None and hit:
             inflight = self._loads.by_tier
-            if self.prefetcher.in_flight:  # prefetches share S3 with the loads
-                inflight = {**inflight, Tier.S3: inflight.get(Tier.S3, 0) + self.prefetcher.in_flight}
+            if self.prefetcher.in_flight:  # prefetches share their source tier with the loads
+                inflight = dict(inflight)
+                for tier, n in self.prefetcher.in_flight_by_tier().items():
+                    inflight[tier] = inflight.get(tier, 0) + n
             decision = self.cost.choose(
                 [m.tier for m in hit],
                 [m.sync_load for m in hit],

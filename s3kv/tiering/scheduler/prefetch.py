@@ -39,6 +39,8 @@ class Arrival(Keyed, Protocol):
 @dataclass
 class _InFlight:
     started: float
+    source: Tier
+    """The tier it is read from (its load shares that tier with the loads)."""
     tiers: set[Tier]
     """The nearer tiers whose copy every rank has yet to report."""
 
@@ -88,8 +90,16 @@ class Prefetcher:
 
     @property
     def in_flight(self) -> int:
-        """Chunks being prefetched (they share S3 with the loads)."""
+        """Chunks being prefetched."""
         return len(self._in_flight)
+
+    def in_flight_by_tier(self) -> dict[Tier, int]:
+        """Chunks being prefetched, by the tier they are read from (they
+        share it with the loads)."""
+        out: dict[Tier, int] = {}
+        for f in self._in_flight.values():
+            out[f.source] = out.get(f.source, 0) + 1
+        return out
 
     def arrive(self, req_id: str) -> None:
         """A request arrived: queue its prefetch, planned with the next step."""
@@ -161,7 +171,7 @@ class Prefetcher:
             sources, up = self.stack.load(key, m, m.prepare_load(key), True)
             if not up:  # no room nearer
                 continue
-            self._in_flight[key] = _InFlight(now, {p.tier for p in up})
+            self._in_flight[key] = _InFlight(now, m.tier, {p.tier for p in up})
             self._remember(req, c)
             chunks.append(LoadChunk(key, (), 0, 0, sources, up))
         return chunks, left

@@ -43,11 +43,41 @@ class ManagerEnv:
     run: Run | None = None
 
 
+@dataclass(frozen=True)
+class TierPrior:
+    """The cost model's start-up estimates of a tier, until its loads are timed."""
+
+    first_s: float
+    """Start-up estimate of a load's first chunk from the tier."""
+    bytes_per_s: float
+    """Start-up estimate of the tier's bandwidth after the first chunk."""
+
+
+FACTS = ("tier", "prior", "medium", "locality", "hit_source")
+"""What every spec says of its tier (class attributes), checked when it is built."""
+
+
 class TierSpec(ABC):
-    """One tier: which it is, and how its manager and handlers are built.
-    A tier that is off in the config builds neither (None)."""
+    """One tier: which it is, the facts generic code asks of it, and how its
+    manager and handlers are built. A tier that is off in the config builds
+    neither (None)."""
 
     tier: ClassVar[Tier]
+    prior: ClassVar[TierPrior]
+    """The cost model's start-up estimates (:mod:`s3kv.tiering.scheduler.cost`)."""
+    medium: ClassVar[str]
+    """vLLM's KV event medium of a chunk here (``"CPU"`` or ``"STORAGE"``;
+    the connector passes it on, the core names no vLLM type)."""
+    locality: ClassVar[str]
+    """vLLM's KV event locality: ``"LOCAL"`` (this replica's) or ``"REMOTE"`` (shared)."""
+    hit_source: ClassVar[str]
+    """vLLM's cache hit source of tokens loaded from here (a ``CacheHitSource``
+    value: ``"host"``, ``"disk"``, ``"external_unspecified"``)."""
+
+    def __init__(self) -> None:
+        missing = [name for name in FACTS if not hasattr(self, name)]
+        if missing:
+            raise TypeError(f"{type(self).__name__} does not say its {', '.join(missing)}")
 
     @abstractmethod
     def manager(self, env: ManagerEnv) -> TierManager | None:

@@ -6,11 +6,15 @@ from s3kv.tiering.placement import Tier
 from s3kv.tiering.tiers.cpu.handler import CpuHandler
 from s3kv.tiering.tiers.cpu.manager import CpuTierManager
 from s3kv.tiering.tiers.settings import WorkerEnv
-from s3kv.tiering.tiers.spec import ManagerEnv, TierSpec
+from s3kv.tiering.tiers.spec import ManagerEnv, TierPrior, TierSpec
 
 
 class CpuSpec(TierSpec):
     tier = Tier.CPU
+    prior = TierPrior(0.0005, 4e9)
+    medium = "CPU"
+    locality = "LOCAL"
+    hit_source = "host"
 
     def manager(self, env: ManagerEnv) -> CpuTierManager | None:
         return CpuTierManager.open(env.config.cpu_bytes, env.shard_bytes, env.world_size)

@@ -12,11 +12,15 @@ from s3kv.tiering.tiers.nvme.files import DiskTier
 from s3kv.tiering.tiers.nvme.handler import NvmeHandler
 from s3kv.tiering.tiers.nvme.manager import NvmeTierManager
 from s3kv.tiering.tiers.settings import WorkerEnv
-from s3kv.tiering.tiers.spec import ManagerEnv, TierSpec
+from s3kv.tiering.tiers.spec import ManagerEnv, TierPrior, TierSpec
 
 
 class NvmeSpec(TierSpec):
     tier = Tier.DISK
+    prior = TierPrior(0.005, 1e9)
+    medium = "STORAGE"
+    locality = "LOCAL"
+    hit_source = "disk"
 
     def manager(self, env: ManagerEnv) -> NvmeTierManager | None:
         """The directory is opened (checked, locked, scanned) once the

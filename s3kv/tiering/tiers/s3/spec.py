@@ -11,7 +11,7 @@ from s3kv.tiering.placement import Tier
 from s3kv.tiering.tiers.s3.handler import S3Handler
 from s3kv.tiering.tiers.s3.manager import S3TierManager
 from s3kv.tiering.tiers.settings import WorkerEnv
-from s3kv.tiering.tiers.spec import ManagerEnv, Run, TierSpec
+from s3kv.tiering.tiers.spec import ManagerEnv, Run, TierPrior, TierSpec
 
 log = logging.getLogger("s3kv.scheduler")
 
@@ -43,6 +43,10 @@ def check_bucket(store: S3Store, config: S3KVConfig, run: Run) -> bool:
 
 class S3Spec(TierSpec):
     tier = Tier.S3
+    prior = TierPrior(0.1, 2e8)
+    medium = "STORAGE"
+    locality = "REMOTE"
+    hit_source = "external_unspecified"
 
     def manager(self, env: ManagerEnv) -> S3TierManager | None:
         """The bucket's manager, paused (``down``) if the bucket did not answer."""
