@@ -247,6 +247,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     from s3kv.tiering.placement import Tier
     from s3kv.tiering.plan import LoadChunk, Place
     from s3kv.tiering.tiers.nvme.files import shard_path
+    from s3kv.tiering.tiers.nvme.settings import NvmeSettings
     from s3kv.tiering.worker.transfer import EngineSettings, TransferEngine
 
     n_chunks = 16 if quick else 64
@@ -321,8 +322,8 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
                     codec=codec_name,
                     zstd_level=defaults.zstd_level,
                     range_bytes=range_bytes,
-                    disk_path=str(disk),
-                    disk_codec=codec_name,  # each case on disk too; the default disk codec is none
+                    # each case on disk too; the default disk codec is none
+                    wings={Tier.DISK: NvmeSettings(str(disk), codec=codec_name)},
                 ),
             )
             engine.configure(fmt)

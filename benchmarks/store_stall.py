@@ -72,6 +72,7 @@ def child(nice: int | None, off_forward: bool, trials: int, work: Path) -> dict[
     from s3kv.testing.loopback_s3 import LoopbackS3
     from s3kv.tiering.placement import Tier
     from s3kv.tiering.plan import Place
+    from s3kv.tiering.tiers.nvme.settings import NvmeSettings
     from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine
 
     if nice is not None:
@@ -95,7 +96,7 @@ def child(nice: int | None, off_forward: bool, trials: int, work: Path) -> dict[
             prefix="stall",
             rank=0,
             num_layers=LAYERS,
-            disk_path=str(disk),
+            wings={Tier.DISK: NvmeSettings(str(disk))},
         ),
     )
     # 16 blocks of 16 tokens, K and V, 4 KV heads of 64 bf16: 256 KiB a layer.

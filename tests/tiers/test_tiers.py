@@ -22,6 +22,7 @@ from s3kv.tiering.tiers.cpu.handler import CpuHandler
 from s3kv.tiering.tiers.handler import TierHandler
 from s3kv.tiering.tiers.nvme.files import DiskTier
 from s3kv.tiering.tiers.nvme.handler import NvmeHandler
+from s3kv.tiering.tiers.nvme.settings import NvmeSettings
 from s3kv.tiering.tiers.registry import TIERS
 from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.tiers.s3.handler import S3Handler
@@ -57,10 +58,9 @@ def built(tier: Tier, chunk_codec: ChunkCodec, *, pool=None, store=None, disk_pa
         chunk_codec.num_layers,
         codec=chunk_codec.codec,
         load_timeout_s=60,
-        disk_path=None if disk_path is None else str(disk_path),
-        disk_codec=chunk_codec.codec,
-        disk_fsync=False,
-        disk_timeout_s=60,
+        wings={}
+        if disk_path is None
+        else {Tier.DISK: NvmeSettings(str(disk_path), codec=chunk_codec.codec, fsync=False, timeout_s=60)},
     )
     env = WorkerEnv(settings, chunk_codec, RankReport(), Counters(), None, pool, store)  # type: ignore[arg-type]
     handler = next(spec for spec in TIERS if spec.tier is tier).handler(env)

@@ -666,7 +666,8 @@ def test_a_blosc2_chunk_s3kv_never_writes_fails_the_load_and_leaves_the_pages_al
 
     store = make_store(parse_config({"bucket": bucket, "endpoint_url": s3_server.endpoint_url}))
     e = engine(store, disk_path=tmp_path / "nvme")
-    assert (e.s.codec, e.s.disk_codec) == ("blosc2", "none")  # the defaults: a promotion re-encodes
+    nvme = e.s.wings[Tier.DISK]
+    assert (e.s.codec, nvme.codec) == ("blosc2", "none")  # the defaults: a promotion re-encodes
     good, bad = b"g" * 16, b"h" * 16
     blob = e.codec.encode(good, layers(1))
     client = s3_server.client()

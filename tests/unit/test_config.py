@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -331,9 +332,10 @@ def test_settings_objects_are_cut_from_the_config():
     from s3kv.manifest import Manifest
     from s3kv.manifest.sync import SyncSettings
     from s3kv.stores.s3 import S3Options
-    from s3kv.tiering.placement import TierIndex
+    from s3kv.tiering.placement import Tier, TierIndex
     from s3kv.tiering.scheduler.planner import Planner
     from s3kv.tiering.tiers.nvme.manager import NvmeTierManager
+    from s3kv.tiering.tiers.nvme.settings import NvmeSettings
     from s3kv.tiering.tiers.s3.manager import S3TierManager
     from s3kv.tiering.tiers.settings import EngineSettings
 
@@ -357,9 +359,7 @@ def test_settings_objects_are_cut_from_the_config():
         range_bytes=1 << 20,
         max_inflight_bytes=2 << 30,
         load_timeout_s=12,
-        disk_path="/tmp/d",
-        disk_fsync=True,
-        disk_timeout_s=3,
+        wings={Tier.DISK: NvmeSettings(path="/tmp/d", fsync=True, timeout_s=3)},
     )
     assert SyncSettings.from_config(c) == SyncSettings(
         publish_s=2, refresh_s=3, skew_s=30, max_object_bytes=2 << 20
@@ -378,6 +378,7 @@ def test_settings_built_by_hand_default_to_the_config_defaults():
     value has the one a default config would give it."""
     from s3kv.manifest.sync import SyncSettings
     from s3kv.stores.s3 import S3Options
+    from s3kv.tiering.tiers.nvme.settings import NvmeSettings
     from s3kv.tiering.tiers.settings import EngineSettings
 
     defaults = S3KVConfig()
@@ -386,6 +387,9 @@ def test_settings_built_by_hand_default_to_the_config_defaults():
     assert EngineSettings(None, defaults.prefix, 0, 4) == EngineSettings.from_config(
         defaults, rank=0, num_layers=4
     )
+    with_disk = dataclasses.replace(defaults, disk_path="/d")
+    assert NvmeSettings("/d") == NvmeSettings.from_config(with_disk)
+    assert NvmeSettings.from_config(defaults) is None  # no disk_path: no NVMe tier
 
 
 def test_the_config_repr_never_shows_the_key_file():

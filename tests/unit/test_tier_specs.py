@@ -4,6 +4,7 @@ and what the abstract halves make a new tier provide."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Hashable, Sequence
 
@@ -25,10 +26,13 @@ from s3kv.tiering.tiers.handler import PageTierHandler
 from s3kv.tiering.tiers.manager import TierEvents, TierManager, store_owner
 from s3kv.tiering.tiers.nvme import files as disk
 from s3kv.tiering.tiers.nvme.manager import NvmeTierManager, disk_estimate
+from s3kv.tiering.tiers.nvme.settings import NvmeSettings
 from s3kv.tiering.tiers.nvme.spec import NvmeSpec
 from s3kv.tiering.tiers.registry import TIERS
+from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.tiers.s3.manager import S3TierManager
 from s3kv.tiering.tiers.s3.spec import S3Spec
+from s3kv.tiering.tiers.settings import EngineSettings, WorkerEnv
 from s3kv.tiering.tiers.spec import ManagerEnv, TierPrior, TierSpec
 from tests.conftest import wait_until
 
@@ -70,6 +74,20 @@ def test_a_spec_that_does_not_say_its_facts_fails_when_built():
 
     with pytest.raises(TypeError, match="Unsaid does not say its medium, locality, hit_source"):
         Unsaid()
+
+
+def test_the_nvme_spec_cuts_its_worker_settings_and_reads_only_its_own(tmp_path):
+    """The NVMe wing's slice of the config travels to each worker in
+    EngineSettings.wings, keyed by its tier, and its handler reads it back."""
+    cfg = config(disk_path=str(tmp_path), disk_codec="zstd", disk_fsync="never", disk_timeout_s="4s")
+    settings = EngineSettings.from_config(cfg, rank=0, num_layers=1)
+    assert settings.wings == {Tier.DISK: NvmeSettings(str(tmp_path), "zstd", False, 4.0)}
+    assert EngineSettings.from_config(config(cpu_bytes=SHARD), rank=0, num_layers=1).wings == {}  # no disk
+    off = WorkerEnv(dataclasses.replace(settings, wings={}), None, RankReport(), Counters(), None, None, None)  # type: ignore[arg-type]
+    assert NvmeSpec().handler(off) is None
+    wrong = dataclasses.replace(off, settings=dataclasses.replace(settings, wings={Tier.DISK: str(tmp_path)}))
+    with pytest.raises(TypeError, match="NVMe tier's settings are str, not NvmeSettings"):
+        NvmeSpec().handler(wrong)
 
 
 def test_a_tier_that_is_off_builds_no_manager():

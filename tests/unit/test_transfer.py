@@ -22,6 +22,7 @@ from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, TierReport
 from s3kv.tiering.tiers.nvme import files as disk_mod
 from s3kv.tiering.tiers.nvme.report import NvmeReport
+from s3kv.tiering.tiers.nvme.settings import NvmeSettings
 from s3kv.tiering.tiers.s3.report import S3Report
 from s3kv.tiering.worker.hostpool import HostPool
 from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine
@@ -38,6 +39,9 @@ def layers(seed):
 
 
 def engine(store, *, pool_slots=0, disk_path=None, clock=time.monotonic, **kw):
+    """An engine; with ``disk_path`` an NVMe tier there, its settings (``disk_codec``,
+    ``disk_fsync``, ``disk_timeout_s``) named as the config's keys."""
+    nvme = {k.removeprefix("disk_"): kw.pop(k) for k in list(kw) if k.startswith("disk_")}
     settings = EngineSettings(
         **{
             "namespace": "n" * 32,
@@ -45,7 +49,7 @@ def engine(store, *, pool_slots=0, disk_path=None, clock=time.monotonic, **kw):
             "rank": 0,
             "num_layers": LAYERS,
             "range_bytes": PAGE + 200,
-            "disk_path": str(disk_path) if disk_path else None,
+            "wings": {Tier.DISK: NvmeSettings(str(disk_path), **nvme)} if disk_path else {},
             **kw,
         }
     )

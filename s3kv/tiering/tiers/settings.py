@@ -1,18 +1,19 @@
 """What a worker's tier handlers are built from: the transfer settings cut
-from the config (:class:`EngineSettings`) and the worker's shared parts
-(:class:`WorkerEnv`)."""
+from the config (:class:`EngineSettings`, with each tier's own slice, cut
+by its spec) and the worker's shared parts (:class:`WorkerEnv`)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.chunks import ChunkCodec
+from s3kv.tiering.placement import Tier
 from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.worker.hostpool import HostPool
 
@@ -34,14 +35,10 @@ class EngineSettings:
     load_timeout_s: float = DEFAULTS.load_timeout_s
     threads: int = 4
     """The engine's codec threads (not a config key)."""
-    disk_path: str | None = DEFAULTS.disk_path
-    disk_codec: str = DEFAULTS.disk_codec
-    disk_fsync: bool = DEFAULTS.disk_fsync == "always"
-    disk_timeout_s: float = DEFAULTS.disk_timeout_s
-    """A chunk read or write on the NVMe tier slower than this, from when a
-    thread starts it, counts as a disk failure (a read falls back to S3). A
-    read that waits this long for a thread goes to the next source, blaming
-    the disk only if its threads are stuck (busy is not failing)."""
+    wings: Mapping[Tier, object] = field(default_factory=dict)
+    """Each tier's own worker-side settings, by tier, as its spec cut them
+    from the config (:meth:`~s3kv.tiering.tiers.spec.TierSpec.settings`)
+    and its handler reads them; a tier with none is absent."""
     keys: FleetKeys | None = None
     """The fleet secret: sign what is stored, read only what is signed."""
 
@@ -60,12 +57,16 @@ class EngineSettings:
             range_bytes=config.range_bytes,
             max_inflight_bytes=config.max_inflight_bytes,
             load_timeout_s=config.load_timeout_s,
-            disk_path=config.disk_path,
-            disk_codec=config.disk_codec,
-            disk_fsync=config.disk_fsync == "always",
-            disk_timeout_s=config.disk_timeout_s,
+            wings=wing_settings(config),
             keys=keys,
         )
+
+
+def wing_settings(config: S3KVConfig) -> dict[Tier, object]:
+    """Every tier's worker-side settings in ``config``, by its spec."""
+    from s3kv.tiering.tiers.registry import TIERS  # the specs import this module
+
+    return {spec.tier: s for spec in TIERS if (s := spec.settings(config)) is not None}
 
 
 @dataclass

@@ -86,6 +86,14 @@ class TierSpec(ABC):
         start-up; what depends on the namespace waits for
         :meth:`TierManager.activate`."""
 
+    def settings(self, config: S3KVConfig) -> object | None:
+        """This tier's worker-side settings, cut from ``config``: each worker
+        gets them in :attr:`EngineSettings.wings
+        <s3kv.tiering.tiers.settings.EngineSettings.wings>` and
+        :meth:`handler` reads them back. None (the default): it needs none,
+        or it is off."""
+        return None
+
     @abstractmethod
     def handler(self, env: WorkerEnv) -> TierHandler | None:
         """This tier's handler for a worker, or None where it has none."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from s3kv.config import S3KVConfig
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.tiers.manager import probe_timeout_s
 from s3kv.tiering.tiers.nvme.directory import Directory
 from s3kv.tiering.tiers.nvme.files import DiskTier
 from s3kv.tiering.tiers.nvme.handler import NvmeHandler
 from s3kv.tiering.tiers.nvme.manager import NvmeTierManager
+from s3kv.tiering.tiers.nvme.settings import NvmeSettings
 from s3kv.tiering.tiers.settings import WorkerEnv
 from s3kv.tiering.tiers.spec import ManagerEnv, TierPrior, TierSpec
 
@@ -36,15 +38,20 @@ class NvmeSpec(TierSpec):
             directory=Directory(c.disk_path, c.disk_bytes, env.world_size, env.counters),
         )
 
+    def settings(self, config: S3KVConfig) -> NvmeSettings | None:
+        return NvmeSettings.from_config(config)
+
     def handler(self, env: WorkerEnv) -> NvmeHandler | None:
-        s = env.settings
-        if s.disk_path is None:
+        s = env.settings.wings.get(self.tier)
+        if s is None:
             return None
-        files_codec = dataclasses.replace(env.codec, codec=s.disk_codec)
+        if not isinstance(s, NvmeSettings):
+            raise TypeError(f"the NVMe tier's settings are {type(s).__name__}, not NvmeSettings")
+        files_codec = dataclasses.replace(env.codec, codec=s.codec)
         return NvmeHandler(
-            DiskTier(Path(s.disk_path), files_codec, fsync=s.disk_fsync),
-            timeout_s=s.disk_timeout_s,
-            write_queue_s=s.load_timeout_s,
+            DiskTier(Path(s.path), files_codec, fsync=s.fsync),
+            timeout_s=s.timeout_s,
+            write_queue_s=env.settings.load_timeout_s,
             report=env.report,
             counters=env.counters,
         )
