@@ -316,6 +316,23 @@ def test_loads_timed_while_others_shared_the_tier_are_taken_as_one_loads_cost():
     assert offered(p, "later", FOUR[9]) == (4 * CT, True)
 
 
+def test_prefetches_in_flight_share_the_tier_they_read_from_with_the_loads():
+    """Chunks prefetched from S3 take their share of it as loads do: a hit
+    that loads alone is computed while 28 prefetched chunks are in flight."""
+    p, index = cost_planner(cpu_slots=64, chunk_bytes=SHARD, prefetch_bytes=28 * SHARD)
+    for keys in FOUR_KEYS:
+        index.update(keys)
+    timed(p, prefill_tokens_per_s=1000)
+    p.cost.observe_load(Tier.S3, 4, *shared_load(4, 0))
+    assert offered(p, "alone", FOUR[8]) == (4 * CT, True)  # 80 ms against 256 ms of compute
+    p.request_finished("alone", [], 0)
+    for r in range(7):
+        p.prefetch(f"pre{r}", FOUR[r], len(FOUR[r]))
+    assert sum(len(job.chunks) for job in p.plan_step([]).prefetch) == 28
+    assert p.prefetcher.in_flight_by_tier() == {Tier.S3: 28}
+    assert offered(p, "shared", FOUR[9]) == (0, False)  # 31 chunks' wait: sooner computed
+
+
 def test_a_load_timed_alone_and_one_timed_shared_give_the_same_estimates():
     m, shared = model(), model()
     m.observe_load(Tier.S3, 4, *shared_load(4, 0))
