@@ -1,6 +1,9 @@
 """The tiers, nearest first: the one list the scheduler side builds its
-managers from and each worker its handlers. A new tier is a wing (a package
-beside cpu/, nvme/, s3/ with its spec, manager and handler) and one line here."""
+managers from and each worker its handlers, and generic code asks a tier's
+facts of (cost priors, vLLM's names for it, its worker settings). A new tier
+is a wing (a package beside cpu/, nvme/, s3/ with its spec, manager and
+handler), one line here and its name in the wire enum
+(:class:`~s3kv.tiering.placement.Tier`)."""
 
 from __future__ import annotations
 
