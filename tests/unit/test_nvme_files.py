@@ -546,7 +546,7 @@ def crash_writer(root: str, start: int) -> None:
 
 
 def run_and_kill(root: Path, start: int, rng: random.Random) -> None:
-    code = f"from tests.unit.test_disk import crash_writer; crash_writer({str(root)!r}, {start})"
+    code = f"from tests.unit.test_nvme_files import crash_writer; crash_writer({str(root)!r}, {start})"
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + BUSY_BOUND_S
