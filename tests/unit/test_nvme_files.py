@@ -1,5 +1,8 @@
-"""The NVMe tier's directory: scan at start-up, stale partials, the lock,
-and what a writer killed mid-write leaves behind."""
+"""The NVMe wing's files (:mod:`s3kv.tiering.tiers.nvme.files`, opened at
+start-up by :func:`~s3kv.tiering.tiers.nvme.directory.open_disk`, read by
+its handler): scan at start-up, stale partials (named by
+:mod:`s3kv.stores.local`), the lock, what a writer killed mid-write leaves
+behind, and reads that refuse what s3kv did not write."""
 
 from __future__ import annotations
 
