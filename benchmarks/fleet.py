@@ -201,7 +201,7 @@ class DirectoryBucket(Bucket):
     """:class:`Bucket` listed as an S3 Express directory bucket lists: whole
     prefixes that end with '/', no StartAfter (refused, as S3Store refuses
     it there). Its order stays the index's: the fleet counts requests, and
-    the manifest's tests cover the order (tests/unit/test_directory_bucket.py)."""
+    the manifest's tests cover the order (tests/unit/test_manifest_listing.py)."""
 
     directory = True
 

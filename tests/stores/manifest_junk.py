@@ -5,12 +5,16 @@ names, which no replica may take from it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from dataclasses import dataclass
 
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
-from s3kv.manifest.keyset import fingerprints
+from s3kv.manifest.keyset import Manifest, fingerprints
+from s3kv.manifest.sync import ManifestSync, SyncSettings
+from s3kv.stores.memory import MemoryStore
+from tests.stores.wrappers import WrappedStore
 
 FUTURE_MS = 10 * 365 * 86_400_000
 """Ten years ahead: far beyond any clock-skew margin."""
@@ -93,3 +97,61 @@ def reasons(objects: list[Junk]) -> Counter[str]:
 
 def named_keys(objects: list[Junk], reason: str | None = None) -> list[bytes]:
     return [k for j in objects if reason in (None, j.reason) for k in j.keys]
+
+
+# Replicas over a bucket with real history and junk, for the unit tests of the
+# reader, the sync and gc's compaction.
+
+NS = "ab" * 16
+BASE = f"pfx/{NS}/manifest/"
+T = 1_700_000_000.0
+SKEW_S = 60
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def replica(store, clock, writer, **kw) -> ManifestSync:
+    settings = SyncSettings(publish_s=1, refresh_s=1, skew_s=SKEW_S, max_object_bytes=MAX_BYTES, **kw)
+    return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=lambda: clock[0])
+
+
+def skipped(sync: ManifestSync) -> dict[str, float]:
+    prefix = "manifest_skipped_"
+    return {k[len(prefix) :]: v for k, v in sync.counters.totals().items() if k.startswith(prefix) and v}
+
+
+def real_history(store, clock, snapshot: bool = True) -> ManifestSync:
+    """What a replica wrote: keys 1 and 2, a snapshot of them, then key 3."""
+    a = replica(store, clock, "aaaa", snapshot_every=1, snapshot_interval_s=0)
+    run(a.load())
+    for i in (1, 2):
+        a.manifest.add(key(i))
+        run(a.publish())
+        clock[0] += 0.1
+    run(a.refresh())
+    if snapshot:
+        assert run(a.maybe_snapshot())
+    clock[0] += 1
+    a.manifest.add(key(3))
+    run(a.publish())
+    clock[0] += 5
+    return a
+
+
+def seeded(clock, snapshot: bool = True):
+    """A bucket with real history, then every kind of junk; the wrapper
+    denies the 'denied' ones and lists the markers."""
+    inner = MemoryStore()
+    a = real_history(inner, clock, snapshot)
+    objects = junk(BASE, int(clock[0] * 1000))
+    for j in objects:
+        if j.reason != "marker":
+            run(inner.put(j.name, j.body))
+    store = WrappedStore(
+        inner,
+        denied={j.name for j in objects if j.reason == "denied"},
+        markers={j.name for j in objects if j.reason == "marker"},
+    )
+    return store, a, objects

@@ -1,6 +1,6 @@
 """Replicas keeping their manifests in step through a store
 (s3kv.manifest.sync; the in-memory store here, a real S3 server in
-tests/stores/test_manifest_s3.py and the end-to-end tests)."""
+tests/stores/test_manifest_sync_s3.py and the end-to-end tests)."""
 
 import asyncio
 

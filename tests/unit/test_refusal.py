@@ -1,6 +1,6 @@
 """A worker rank whose fleet key is not the scheduler side's
 (:mod:`s3kv.tiering.worker.refusal`), on its own: what it answers to the
-plans. Through the worker side, with vLLM's CPU build: test_worker_keys.py."""
+plans. Through the worker side, with vLLM's CPU build: test_connector_worker_keys.py."""
 
 import logging
 

@@ -1,7 +1,7 @@
 """What the scheduler side reads of a vLLM request
 (:mod:`s3kv.connector.requests`), on its own; through the scheduler side
 (adapters hashed by content, a huge policy parameter), see
-test_scheduler_startup.py."""
+test_connector_scheduler.py."""
 
 import logging
 from types import SimpleNamespace

@@ -1,5 +1,8 @@
-"""The NVMe tier's directory: scan at start-up, stale partials, the lock,
-and what a writer killed mid-write leaves behind."""
+"""The NVMe wing's files (:mod:`s3kv.tiering.tiers.nvme.files`, opened at
+start-up by :func:`~s3kv.tiering.tiers.nvme.directory.open_disk`, read by
+its handler): scan at start-up, stale partials (named by
+:mod:`s3kv.stores.local`), the lock, what a writer killed mid-write leaves
+behind, and reads that refuse what s3kv did not write."""
 
 from __future__ import annotations
 
@@ -546,7 +549,7 @@ def crash_writer(root: str, start: int) -> None:
 
 
 def run_and_kill(root: Path, start: int, rng: random.Random) -> None:
-    code = f"from tests.unit.test_disk import crash_writer; crash_writer({str(root)!r}, {start})"
+    code = f"from tests.unit.test_nvme_files import crash_writer; crash_writer({str(root)!r}, {start})"
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + BUSY_BOUND_S
