@@ -183,7 +183,7 @@ def test_a_secret_pasted_as_the_key_file_never_reaches_the_journal(s3_server, bu
     file is never read and the engine starts): the rank's journal, a file in
     $TMPDIR the front end reads, holds neither the value nor a path that may
     be it. A key file the keys were read from is recorded, for the front
-    end's replay to sign with (tests/stores/test_journal.py)."""
+    end's replay to sign with (tests/stores/test_manifest_journal_s3.py)."""
     from s3kv.auth import ENV_VAR, load_keys
     from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
 
