@@ -5,11 +5,11 @@ from the config (:class:`EngineSettings`) and the worker's shared parts
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS, S3KVConfig
+from s3kv.manifest.publish import Published
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.chunks import ChunkCodec
@@ -80,6 +80,5 @@ class WorkerEnv:
     """The engine's codec threads (decoding, slot copies)."""
     pool: HostPool | None
     store: ObjectStore | None
-    storing: Callable[[bytes], None] | None = None
-    stored: Callable[[bytes], None] | None = None
-    settled: Callable[[bytes], None] | None = None
+    published: Published | None = None
+    """Who hears of the chunk PUTs (the rank's publisher; None: nobody)."""
