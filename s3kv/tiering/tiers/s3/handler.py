@@ -121,7 +121,7 @@ class S3Handler(TierHandler):
                 self.counters.observe("store_seconds_s3", time.perf_counter() - start)
             return len(blob)
         self.counters.add("store_chunks_existing")
-        if chunk.key in self._unreadable or not await self._existing_is_ours(cid, blob):
+        if chunk.key in self._unreadable or not await self._existing_is_ours(chunk.key, cid, blob):
             self.report.tier_ok(self.tier)  # S3 answered; the object in the way is not one to publish
             return None
         with self.report.section(self.tier, S3Report) as r:
@@ -179,8 +179,8 @@ class S3Handler(TierHandler):
         with self.report.section(self.tier, S3Report) as r:
             r.bad[(key, self.codec.rank)] = etag
 
-    async def _existing_is_ours(self, cid: ChunkId, blob: bytes) -> bool:
-        """A create-only store found ``cid`` there. Without a fleet secret any
+    async def _existing_is_ours(self, key: bytes, cid: ChunkId, blob: bytes) -> bool:
+        """A create-only store found ``key``'s object ``cid`` there. Without a fleet secret any
         object counts (its frames are checked when loaded). With one, only an
         object whose header carries a valid MAC does: one that fails is
         deleted (if it was not rewritten since) and ours written instead, or,
@@ -188,7 +188,6 @@ class S3Handler(TierHandler):
         published from an object that could not be verified."""
         if self.keys is None:
             return True
-        key = bytes.fromhex(cid.key_hex)
         try:
             await read_header(self.store, cid, chunk_codec=self.codec, prefetch=self.codec.max_header + 64)
             return True
