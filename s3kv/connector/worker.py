@@ -23,7 +23,6 @@ from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.connector.pages import LayerwiseLoad, PageIO
 from s3kv.errors import ConfigError
-from s3kv.keys import fingerprint
 from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
 from s3kv.manifest.journal import RankJournal, recorded_config
 from s3kv.manifest.protocol import manifest_prefix, rank_writer
@@ -148,15 +147,20 @@ class WorkerSide:
         scheduler side plans nothing before it knows the model's identity),
         and checks that this rank holds the scheduler side's fleet key; this
         rank's publisher starts with it."""
-        if meta.namespace is not None and meta.namespace != self.engine.namespace:
-            own = self.keys.signing_kid if self.keys is not None else None
-            refusal = Refusal.check(own, meta.signing_kid, self.rank)
-            if refusal is not None:
-                self.refusal = refusal
-                self.counters.add("key_mismatch")
-            self.engine.set_namespace(meta.namespace)
-        if self.publisher is None and meta.writer is not None and meta.namespace is not None:
-            self._start_publisher(meta.namespace, meta.writer)
+        namespace = meta.namespace
+        if namespace is not None:
+            fresh = namespace != self.engine.namespace
+            if fresh:
+                own = self.keys.signing_kid if self.keys is not None else None
+                refusal = Refusal.check(own, meta.signing_kid, self.rank)
+                if refusal is not None:
+                    self.refusal = refusal
+                    self.counters.add("key_mismatch")
+            if self.publisher is None and meta.writer is not None:
+                self.publisher = self._start_publisher(namespace, meta.writer)
+                fresh = fresh or self.publisher is not None
+            if fresh:  # the handlers are built for it, S3's with the publisher it tells of its PUTs
+                self.engine.set_namespace(namespace, self.publisher)
         if self.publisher is not None and meta.clock_ms:
             self.publisher.observe(meta.clock_ms)
 
@@ -166,13 +170,14 @@ class WorkerSide:
         pages = self.pages if self.rank == 0 and meta.step is not None else None
         self._steps.begin(pages.step_clock() if pages is not None else None, meta.step)
 
-    def _start_publisher(self, namespace: str, writer: str) -> None:
-        """Publish the chunk objects this rank creates from its I/O loop, as
-        their PUTs return: whatever stops the replica later, they are in
-        the fleet's manifest within ``manifest_publish_s`` (see
-        :mod:`s3kv.manifest.publish`)."""
+    def _start_publisher(self, namespace: str, writer: str) -> ShardPublisher | None:
+        """This rank's publisher (None without S3): it publishes the chunk
+        objects this rank creates from its I/O loop, as their PUTs return,
+        so whatever stops the replica later, they are in the fleet's
+        manifest within ``manifest_publish_s`` (see
+        :mod:`s3kv.manifest.publish`), and journals each PUT first."""
         if self.engine.s3 is None:
-            return
+            return None
         c = self.config
         base = manifest_prefix(c.prefix, namespace)
         journal = None
@@ -204,12 +209,8 @@ class WorkerSide:
             counters=self.counters,
             journal=journal,
         )
-        self.engine.on_s3_stored = lambda key: publisher.stored(fingerprint(key))
-        if journal is not None:
-            self.engine.on_s3_storing = journal.storing
-            self.engine.on_s3_settled = journal.settled
         self.engine.spawn(publisher.run())
-        self.publisher = publisher
+        return publisher
 
     # -- loads ---------------------------------------------------------------------
     def start_load(self, meta: S3KVMetadata) -> None:

@@ -30,9 +30,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS
+from s3kv.keys import fingerprint
 from s3kv.manifest import format as mf
 from s3kv.manifest.arrays import as_sorted_unique
 from s3kv.manifest.journal import RankJournal
@@ -44,9 +46,28 @@ from s3kv.stores.base import ObjectStore
 log = logging.getLogger("s3kv.manifest")
 
 
+class Published(Protocol):
+    """Who hears what a rank's create-only chunk PUTs did, from the tier
+    handler that makes them as they happen (the rank's
+    :class:`ShardPublisher`; a test's recorder). One route for every PUT:
+    it starts, then it is answered, having created the object or found one
+    already there (a 412). Called from the worker's I/O loop."""
+
+    def putting(self, key: bytes) -> None:
+        """A PUT of ``key``'s object starts."""
+
+    def answered(self, key: bytes, *, created: bool) -> None:
+        """The PUT of ``key``'s object returned: it ``created`` the object,
+        or found one in the way (a 412: not this rank's to publish; the
+        scheduler side decides whether the replica publishes it)."""
+
+
 class ShardPublisher:
     """One rank's publisher, on the worker's I/O loop: the fingerprints of
-    chunk objects this rank created, as rank segments."""
+    chunk objects this rank created, as rank segments. It is the
+    :class:`Published` of the rank's S3 handler: each PUT goes to the
+    journal as it starts and as it is answered, before a created object's
+    fingerprint waits for the next segment."""
 
     def __init__(
         self,
@@ -88,6 +109,21 @@ class ShardPublisher:
         )
 
     # -- any thread ----------------------------------------------------------------
+    def putting(self, key: bytes) -> None:
+        """A PUT of ``key``'s object starts: journaled, so that the front end
+        checks for its object if the process dies before the answer."""
+        if self.journal is not None:
+            self.journal.storing(key)
+
+    def answered(self, key: bytes, *, created: bool) -> None:
+        """The PUT of ``key``'s object returned: a created object is
+        published; one found in the way (a 412) is only journaled as
+        answered (another's object, maybe one the fleet was told is bad)."""
+        if created:
+            self.stored(fingerprint(key))
+        elif self.journal is not None:
+            self.journal.settled(key)
+
     def stored(self, fp: int) -> None:
         """This rank created a chunk object: publish its fingerprint."""
         with self._lock:

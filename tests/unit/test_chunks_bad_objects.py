@@ -34,6 +34,7 @@ from tests.unit.test_transfer import (
     files,
     job,
     layers,
+    put_log,
     stored_chunk,
     wait_for,
 )
@@ -301,17 +302,6 @@ def test_rotation_reads_old_and_new_signs_with_the_first():
     assert codec.parse_header(blob_new).kid == keys(SECRET).signing_kid
     with pytest.raises(CorruptChunk):
         old.decode(b"k" * 16, blob_new, {}.__setitem__, "x")
-
-
-def put_log(e) -> list[tuple[str, bytes]]:
-    """What the engine tells the worker's journal of its PUTs, in order:
-    ("I", key) as one starts, ("S", key) when it created the object, ("N",
-    key) when it was answered without creating one (a 412)."""
-    log: list[tuple[str, bytes]] = []
-    e.on_s3_storing = lambda key: log.append(("I", key))
-    e.on_s3_stored = lambda key: log.append(("S", key))
-    e.on_s3_settled = lambda key: log.append(("N", key))
-    return log
 
 
 def test_a_forged_object_in_the_way_of_a_store_is_replaced_not_published():

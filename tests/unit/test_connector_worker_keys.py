@@ -210,3 +210,38 @@ def test_a_secret_pasted_as_the_key_file_never_reaches_the_journal(s3_server, bu
             assert recorded == (None if value == pasted else str(key_file))
         finally:
             w.shutdown()
+
+
+def test_the_s3_handler_tells_the_ranks_publisher_of_each_put(s3_server, bucket, tmp_path, monkeypatch):
+    """The rank's publisher is made once the namespace is known, and the S3
+    handler is built with it (no callback set on the engine later): a chunk
+    it creates is journaled, then published; a store that finds the object
+    there (a 412) is journaled as answered, and not published by the rank."""
+    import numpy as np
+
+    from s3kv.keys import fingerprint
+    from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
+    from s3kv.manifest.journal import _unpublished
+    from s3kv.tiering.worker.transfer import StoreJob
+
+    monkeypatch.setenv(JOURNAL_ENV, str(tmp_path))
+    s3 = {"bucket": bucket, "endpoint_url": s3_server.endpoint_url, "region": "us-east-1"}
+    w = WorkerSide(parse_config({**s3, "chunk_tokens": CHUNK_TOKENS}), LAYOUT, 0, BLOCKS)
+    caches = {name: torch.zeros((BLOCKS, *PAGE_SHAPE), dtype=torch.bfloat16) for name in LAYOUT.layer_names}
+    w.register(caches)
+    try:
+        w.bind(S3KVMetadata(namespace="ns1", writer="wkr1"))
+        assert w.publisher is not None and w.engine.handlers[Tier.S3].published is w.publisher
+        layer_bytes = 2 * BLOCK_SIZE * 4 * 2 * (CHUNK_TOKENS // BLOCK_SIZE)
+        pages = [np.full(layer_bytes, i, dtype=np.uint8) for i in range(len(LAYOUT.layer_names))]
+        for _ in range(2):  # the second finds the first's object (a 412)
+            assert w.engine.submit_store(StoreJob(K[4], pages, (Place(Tier.S3),)))
+            assert w.drain(60)
+        (fps_file,) = tmp_path.glob("*.fps")
+        stored, unanswered, _ = _unpublished(tmp_path, fps_file.stem)
+        assert stored == [fingerprint(K[4])] and unanswered == []  # created once, the 412 answered
+        assert w.publisher.pending == 1
+        assert w.engine.counters.totals()["store_chunks_existing"] == 1
+    finally:
+        w.shutdown()
+    assert w.publisher.pending == 0 and not list(tmp_path.iterdir())  # published: the journal is gone

@@ -131,6 +131,36 @@ def test_a_publish_waits_for_the_one_in_flight_and_the_journal_counts_only_segme
     assert set(_named(inner)) == {fp(1), fp(2), fp(3)} and replay == [] and p.close() == 0
 
 
+def test_each_put_is_journaled_as_it_starts_and_as_it_is_answered(tmp_path):
+    """The publisher as the S3 handler's Published: a PUT's start and its
+    answer go to the journal before anything is published; a created
+    object's fingerprint waits for the next segment, a 412 is only
+    journaled (the replay does not check it), and a PUT never answered is
+    left for the replay to check."""
+    inner = MemoryStore()
+    journal = RankJournal(tmp_path, "aaaar0", {})
+    p = ShardPublisher(inner, BASE, "aaaa", rank=0, ranks=1, publish_s=1, clock=lambda: T0, journal=journal)
+    p.putting(key(1))
+    assert _unpublished(tmp_path, "aaaar0")[:2] == ([], [key(1)])  # journaled before the PUT
+    p.answered(key(1), created=True)
+    p.putting(key(2))
+    p.answered(key(2), created=False)
+    p.putting(key(3))
+    assert _unpublished(tmp_path, "aaaar0")[:2] == ([fp(1)], [key(3)])
+    assert p.pending == 1 and run(p.publish()) == 1 and _named(inner) == [fp(1)]
+    assert _unpublished(tmp_path, "aaaar0")[:2] == ([], [key(3)])
+    assert p.close() == 0
+
+
+def test_without_a_journal_only_created_objects_are_published():
+    store, clock = MemoryStore(), [T0]
+    p = publisher(store, clock)
+    for i, created in ((1, True), (2, False)):
+        p.putting(key(i))
+        p.answered(key(i), created=created)
+    assert p.pending == 1 and run(p.publish()) == 1 and _named(store) == [fp(1)]
+
+
 def test_a_publish_cancelled_after_its_put_landed_is_published_again(tmp_path):
     """A stop cancels a segment PUT that S3 had committed before its answer
     came: its chunks stay unpublished for the journal (and the next publish),

@@ -1110,17 +1110,38 @@ def test_a_chunk_that_falls_back_from_a_stalled_disk_to_s3_is_timed_by_the_s3_at
     e.close()
 
 
+class PutLog(list):
+    """A :class:`~s3kv.manifest.publish.Published` that records what an
+    engine's S3 handler tells of its PUTs, in order: ("I", key) as one
+    starts, ("S", key) when it created the object, ("N", key) when it was
+    answered without creating one (a 412)."""
+
+    def putting(self, key: bytes) -> None:
+        self.append(("I", key))
+
+    def answered(self, key: bytes, *, created: bool) -> None:
+        self.append(("S" if created else "N", key))
+
+
+def put_log(*engines) -> PutLog:
+    """One :class:`PutLog` the S3 handlers of ``engines`` are built with."""
+    log = PutLog()
+    for e in engines:
+        e.set_namespace(e.namespace, log)
+    return log
+
+
 def test_created_objects_are_told_to_the_publisher_but_412s_are_not():
     store = MemoryStore()
-    created = []
     e1, e2 = engine(store), engine(store)
-    e1.on_s3_stored = e2.on_s3_stored = created.append
+    log = put_log(e1, e2)
     key = b"p" * 16
     e1.submit_store(store_job(key, 1))
     wait_for(e1, lambda a: key in a.written.get(Tier.S3, {}))
     e2.submit_store(store_job(key, 2))
     wait_for(e2, lambda a: key in a.existing)
-    assert created == [key]
+    assert [k for kind, k in log if kind == "S"] == [key]
+    assert log == [("I", key), ("S", key), ("I", key), ("N", key)]  # the 412 only answered
     e1.close(), e2.close()
 
 
@@ -1134,8 +1155,7 @@ class _HangingPut(MemoryStore):
 def test_close_stops_taking_stores_drains_flushes_and_ends_in_time():
     store = MemoryStore()
     e = engine(store)
-    order = []
-    e.on_s3_stored = lambda key: order.append(("stored", key))
+    order = put_log(e)
 
     async def flush():
         order.append(("flush", None))
@@ -1143,7 +1163,7 @@ def test_close_stops_taking_stores_drains_flushes_and_ends_in_time():
     key = b"c" * 16
     e.submit_store(store_job(key, 1))
     e.close(5.0, flush)
-    assert order == [("stored", key), ("flush", None)]  # drained, then published
+    assert order == [("I", key), ("S", key), ("flush", None)]  # drained, then published
     assert asyncio.run(store.list_keys("p/")) == [object_key("p", "n" * 32, key, 0)]
     assert not e.submit_store(store_job(b"d" * 16, 2))  # closed: the write-through is dropped
     flushed = []

@@ -5,11 +5,12 @@ by its spec) and the worker's shared parts (:class:`WorkerEnv`)."""
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS, S3KVConfig
+from s3kv.manifest.publish import Published
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.chunks import ChunkCodec
@@ -81,6 +82,5 @@ class WorkerEnv:
     """The engine's codec threads (decoding, slot copies)."""
     pool: HostPool | None
     store: ObjectStore | None
-    storing: Callable[[bytes], None] | None = None
-    stored: Callable[[bytes], None] | None = None
-    settled: Callable[[bytes], None] | None = None
+    published: Published | None = None
+    """Who hears of the chunk PUTs (the rank's publisher; None: nobody)."""

@@ -25,6 +25,7 @@ import numpy as np
 
 from s3kv.chunk_reader import FrameSink, PageFormat, PageTarget
 from s3kv.errors import GaveUp, NotFound
+from s3kv.manifest.publish import Published
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
@@ -122,23 +123,22 @@ class TransferEngine:
         self.codec: ChunkCodec | None = None
         self._pool: HostPool | None = None
         self._fmt: PageFormat | None = None
-        self.on_s3_storing: Callable[[bytes], None] | None = None
-        """Told of each chunk PUT as it starts (the worker's journal)."""
-        self.on_s3_stored: Callable[[bytes], None] | None = None
-        """Told of each chunk object this engine created in S3 (the worker publishes it)."""
-        self.on_s3_settled: Callable[[bytes], None] | None = None
-        """Told of each chunk PUT answered without creating an object (a 412: another's)."""
+        self._published: Published | None = None
+        """Who the handlers tell of their chunk PUTs (:meth:`set_namespace`)."""
 
     def configure(self, fmt: PageFormat, pool: HostPool | None = None) -> None:
         """The KV cache is known: loads must match ``fmt``, stores record it."""
         self._fmt = fmt
         self._pool = pool
         if self.namespace is not None:
-            self.set_namespace(self.namespace)
+            self.set_namespace(self.namespace, self._published)
 
-    def set_namespace(self, namespace: str) -> None:
-        """The namespace of every chunk shard of this engine (known once the model's identity is)."""
+    def set_namespace(self, namespace: str, published: Published | None = None) -> None:
+        """The namespace of every chunk shard of this engine (known once the
+        model's identity is); the handlers are built for it, and tell
+        ``published`` (the rank's publisher) of their chunk PUTs."""
         self.namespace = namespace
+        self._published = published
         if self._fmt is None:
             return
         s = self.s
@@ -152,9 +152,7 @@ class TransferEngine:
             self._loop.threads,
             self._pool,
             self.s3,
-            storing=lambda key: self.on_s3_storing(key) if self.on_s3_storing else None,
-            stored=lambda key: self.on_s3_stored(key) if self.on_s3_stored else None,
-            settled=lambda key: self.on_s3_settled(key) if self.on_s3_settled else None,
+            published,
         )
         handlers = [h for spec in TIERS if (h := spec.handler(env)) is not None]
         for h in handlers:

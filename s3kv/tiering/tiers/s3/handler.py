@@ -5,13 +5,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
 
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import FrameSink
 from s3kv.config import DEFAULTS
 from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, PermissionDenied, Precondition
 from s3kv.keys import namespace_prefix, object_key
+from s3kv.manifest.publish import Published
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore, PutMode
 from s3kv.tiering.chunks import ChunkCodec, ChunkData, ChunkId, load_chunk, read_header
@@ -48,9 +48,7 @@ class S3Handler(TierHandler):
         range_bytes: int = DEFAULTS.range_bytes,
         executor: concurrent.futures.Executor | None = None,
         keys: FleetKeys | None = None,
-        storing: Callable[[bytes], None] | None = None,
-        stored: Callable[[bytes], None] | None = None,
-        settled: Callable[[bytes], None] | None = None,
+        published: Published | None = None,
         report: RankReport | None = None,
         counters: Counters | None = None,
     ) -> None:
@@ -61,15 +59,11 @@ class S3Handler(TierHandler):
         self.range_bytes = range_bytes
         self._executor = executor
         self.keys = keys
-        self.storing = storing
-        """Told of each chunk PUT as it starts (the worker's journal)."""
-        self.stored = stored
-        """Told of each chunk object this handler created (its PUT returned):
-        the worker publishes them from here (manifest.publish)."""
-        self.settled = settled
-        """Told of each chunk PUT that was answered without creating an
-        object (a 412): the journal must not publish another's object, which
-        may be one the fleet was told is bad."""
+        self.published = published
+        """Told of each chunk PUT as it starts and as it is answered (the
+        rank's publisher: its journal, then a created object's publication;
+        a 412'd object is not published from here, being another's, maybe
+        one the fleet was told is bad)."""
         self._unreadable: dict[bytes, None] = {}
         """Keys whose S3 object refused this rank (a 403 on that object): a
         store that finds it in the way (a 412) does not publish it."""
@@ -127,7 +121,7 @@ class S3Handler(TierHandler):
                 self.counters.observe("store_seconds_s3", time.perf_counter() - start)
             return len(blob)
         self.counters.add("store_chunks_existing")
-        if chunk.key in self._unreadable or not await self._existing_is_ours(cid, blob):
+        if chunk.key in self._unreadable or not await self._existing_is_ours(chunk.key, cid, blob):
             self.report.tier_ok(self.tier)  # S3 answered; the object in the way is not one to publish
             return None
         with self.report.section(self.tier, S3Report) as r:
@@ -136,20 +130,20 @@ class S3Handler(TierHandler):
 
     async def _create(self, key: bytes, cid: ChunkId, blob: bytes) -> bool:
         """A create-only PUT of ``key``'s object: True if it created it
-        (counted, and told to the worker to publish), False on a 412. The
-        journal hears of it as it starts and when a 412 answers it."""
+        (counted), False on a 412. :attr:`published` hears of it as it
+        starts and as it is answered, either way."""
+        if self.published is not None:
+            self.published.putting(key)
         try:
-            if self.storing is not None:
-                self.storing(key)
             await self.store.put(cid.object_key, blob, mode=PutMode.CREATE)
         except AlreadyExists:
-            if self.settled is not None:
-                self.settled(key)
-            return False
-        self.counters.add("store_chunks_s3")
-        if self.stored is not None:
-            self.stored(key)
-        return True
+            created = False
+        else:
+            created = True
+            self.counters.add("store_chunks_s3")
+        if self.published is not None:
+            self.published.answered(key, created=created)
+        return created
 
     async def delete(self, place: Place, key: bytes) -> None:
         await self.store.delete(self.chunk_id(key).object_key)
@@ -185,8 +179,8 @@ class S3Handler(TierHandler):
         with self.report.section(self.tier, S3Report) as r:
             r.bad[(key, self.codec.rank)] = etag
 
-    async def _existing_is_ours(self, cid: ChunkId, blob: bytes) -> bool:
-        """A create-only store found ``cid`` there. Without a fleet secret any
+    async def _existing_is_ours(self, key: bytes, cid: ChunkId, blob: bytes) -> bool:
+        """A create-only store found ``key``'s object ``cid`` there. Without a fleet secret any
         object counts (its frames are checked when loaded). With one, only an
         object whose header carries a valid MAC does: one that fails is
         deleted (if it was not rewritten since) and ours written instead, or,
@@ -194,7 +188,6 @@ class S3Handler(TierHandler):
         published from an object that could not be verified."""
         if self.keys is None:
             return True
-        key = bytes.fromhex(cid.key_hex)
         try:
             await read_header(self.store, cid, chunk_codec=self.codec, prefetch=self.codec.max_header + 64)
             return True

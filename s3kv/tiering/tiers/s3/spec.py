@@ -68,9 +68,7 @@ class S3Spec(TierSpec):
             range_bytes=s.range_bytes,
             executor=env.threads,
             keys=s.keys,
-            storing=env.storing,
-            stored=env.stored,
-            settled=env.settled,
+            published=env.published,
             report=env.report,
             counters=env.counters,
         )
