@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import PageFormat, PageTarget
+from s3kv.chunk_reader import PageFormat
 from s3kv.config import S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
@@ -224,18 +224,13 @@ class WorkerSide:
         pages = self.pages
         # Async writes wait for the forward's use of the blocks (a device event: only when needed).
         after = pages.forward_mark() if any(not plan.sync for plan in meta.loads) else None
-
-        def write(chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
-            pages.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data, after=after)
-
-        def target(chunk: LoadChunk, layer: int) -> PageTarget | None:
-            return pages.target(layer, chunk.block_ids, chunk.first_block, chunk.last_block, after=after)
+        into = pages.load_pages(after)
 
         sync: list[tuple[list[np.ndarray], tuple[int, ...], int, int]] = []
         self._sync_chunks, self._sync_reqs = [], []
         for plan in meta.loads:
             if not plan.sync:
-                self.engine.submit_load(plan.req_id, plan.chunks, write, target)
+                self.engine.submit_load(plan.req_id, plan.chunks, into)
                 continue
             self._sync_reqs.append(plan.req_id)
             for c in plan.chunks:

@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-from s3kv.chunk_reader import FrameSink
 from s3kv.errors import CorruptChunk, GaveUp, NotFound, PermissionDenied, Throttled, Transient
+from s3kv.frame_sinks import FrameInto, FrameSink
 from s3kv.stats import Counters
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.placement import Tier
@@ -107,7 +107,7 @@ class TierHandler(ABC):
         self,
         place: Place,
         key: bytes,
-        sink: FrameSink,
+        sink: FrameInto,
         *,
         deadline: float | None = None,
         keep_blob: bool = False,

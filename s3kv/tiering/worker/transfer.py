@@ -4,8 +4,8 @@ reports what finished. It knows nothing of vLLM or torch, and no tier by
 name: each handler says what its tier's trouble is and how it runs.
 
 The connector hands it host buffers to store (already filled, or with a
-``ready`` callable that waits for the copy) and a sink that writes loaded
-pages into the KV cache; it polls :meth:`poll` once per step. Nothing here
+``ready`` callable that waits for the copy) and a :class:`PageSink` that
+writes loaded pages into the KV cache; it polls :meth:`poll` once per step. Nothing here
 blocks the caller on I/O: write-through beyond ``max_inflight_bytes`` is
 dropped and counted, not queued.
 """
@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.chunk_reader import FrameSink, PageFormat, PageTarget
+from s3kv.chunk_reader import PageFormat
 from s3kv.errors import GaveUp, NotFound
+from s3kv.frame_sinks import FrameSink, PageTarget
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
@@ -36,21 +37,20 @@ from s3kv.tiering.tiers.handler import PageTierHandler, TierHandler, error_kind
 from s3kv.tiering.tiers.registry import TIERS
 from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.tiers.settings import EngineSettings, WorkerEnv
-from s3kv.tiering.worker.gate import Gate
+from s3kv.tiering.worker.gate import Gate, PageSink
 from s3kv.tiering.worker.hostpool import HostPool
 
 log = logging.getLogger("s3kv.transfer")
 
-ChunkSink = Callable[[LoadChunk, int, np.ndarray], None]
-"""sink(chunk, layer index, page bytes): write one layer of a loaded chunk."""
 
-ChunkTarget = Callable[[LoadChunk, int], PageTarget | None]
-"""target(chunk, layer index): where that layer's frame may be read or
-decoded straight into (None: hand it to the sink)."""
+class _NoPages:
+    """The pages of a prefetch: none, its layers go to the promotions only."""
 
+    def write(self, chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
+        pass
 
-def _discard(chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
-    """The KV sink of a prefetch: its pages go to the promotions only."""
+    def target(self, chunk: LoadChunk, layer: int) -> PageTarget | None:
+        return None
 
 
 @dataclass
@@ -169,23 +169,18 @@ class TransferEngine:
         return isinstance(h, PageTierHandler)
 
     # -- loads -----------------------------------------------------------------
-    def submit_load(
-        self, job_id: str, chunks: Sequence[LoadChunk], sink: ChunkSink, target: ChunkTarget | None = None
-    ) -> None:
-        """Load ``chunks`` in the background; the job (a request: it is
-        ``load_failed`` if a chunk fails) shows up in a later :meth:`poll`.
-        Layers go to ``sink``, or straight into ``target`` where it names
-        one (see :meth:`Gate.read_into`)."""
-        self._loop.track(self._load_job(job_id, list(chunks), sink, target))
+    def submit_load(self, job_id: str, chunks: Sequence[LoadChunk], pages: PageSink) -> None:
+        """Load ``chunks`` into ``pages`` in the background; the job (a
+        request: it is ``load_failed`` if a chunk fails) shows up in a later
+        :meth:`poll`. Each attempt writes through a :class:`Gate` of its own."""
+        self._loop.track(self._load_job(job_id, list(chunks), pages))
 
     def submit_prefetch(self, chunks: Sequence[LoadChunk]) -> None:
         """Fetch ``chunks`` into the tiers they are promoted to, and nowhere
         else (no KV pages): only their writes are reported, not the job."""
-        self._loop.track(self._load_job(None, list(chunks), _discard, None))
+        self._loop.track(self._load_job(None, list(chunks), _NoPages()))
 
-    async def _load_job(
-        self, job_id: str | None, chunks: list[LoadChunk], sink: ChunkSink, target: ChunkTarget | None
-    ) -> None:
+    async def _load_job(self, job_id: str | None, chunks: list[LoadChunk], pages: PageSink) -> None:
         clock = self.clock
         start = clock()
         # A request's copies into tiers written from the object (NVMe) start
@@ -194,7 +189,7 @@ class TransferEngine:
         # prefetch (no job, no pages) writes each copy at once: that is its point.
         later: list[_Promotion] | None = [] if job_id is not None else None
         try:
-            attempts = await asyncio.gather(*(self._load_one(c, sink, target, later) for c in chunks))
+            attempts = await asyncio.gather(*(self._load_one(c, pages, later) for c in chunks))
         except BaseException:  # cancelled (the engine is closing): the copies never start
             for promotion in later or ():
                 self.report.failed(promotion.place.tier, promotion.key, started=False)
@@ -215,8 +210,7 @@ class TransferEngine:
     async def _load_one(
         self,
         chunk: LoadChunk,
-        sink: ChunkSink,
-        target: ChunkTarget | None,
+        pages: PageSink,
         later: list[_Promotion] | None = None,
     ) -> Attempt | None:
         """Load one chunk: the attempt at the tier it came from, or None if it
@@ -226,11 +220,11 @@ class TransferEngine:
         promote = [(self.handlers.get(p.tier), p) for p in chunk.promote]
         fills = [(h, p) for h, p in promote if isinstance(h, PageTierHandler)]  # filled as layers load
         copies = [(h, p) for h, p in promote if not isinstance(h, PageTierHandler)]  # written from the object
-        sinks = [h.open_fill(p, key) for h, p in fills]
+        sinks: list[FrameSink] = [h.open_fill(p, key) for h, p in fills]
         try:
             deadline = self.clock() + self.s.load_timeout_s
             source, nbytes, blob, attempt = await self._load_from_sources(
-                chunk, sink, target, sinks, bool(copies), deadline
+                chunk, pages, sinks, bool(copies), deadline
             )
         except Exception as e:  # every failure becomes a recompute, never an engine error
             kind = error_kind(e)
@@ -262,8 +256,7 @@ class TransferEngine:
     async def _load_from_sources(
         self,
         chunk: LoadChunk,
-        sink: ChunkSink,
-        target: ChunkTarget | None,
+        pages: PageSink,
         fills: list[FrameSink],
         keep_blob: bool,
         deadline: float,
@@ -285,10 +278,7 @@ class TransferEngine:
             # it is over (done, failed, timed out, given up) no late write of
             # a decoding thread reaches blocks that are vLLM's again, or that
             # the next source is writing.
-            gate = Gate(
-                [lambda layer, data: sink(chunk, layer, data), *fills],
-                (lambda layer: target(chunk, layer)) if target is not None else None,
-            )
+            gate = Gate(pages, chunk, fills)
             try:
                 if h is None:
                     raise NotFound(f"no {tier.value} tier here")

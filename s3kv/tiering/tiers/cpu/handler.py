@@ -7,8 +7,8 @@ import concurrent.futures
 
 import numpy as np
 
-from s3kv.chunk_reader import FrameSink
 from s3kv.errors import NotFound
+from s3kv.frame_sinks import FrameInto, FrameSink
 from s3kv.stats import Counters
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.placement import Tier
@@ -44,7 +44,7 @@ class CpuHandler(PageTierHandler):
         self,
         place: Place,
         key: bytes,
-        sink: FrameSink,
+        sink: FrameInto,
         *,
         deadline: float | None = None,
         keep_blob: bool = False,
@@ -52,12 +52,12 @@ class CpuHandler(PageTierHandler):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._read, place.slot, key, sink), None
 
-    def _read(self, slot: int | None, key: bytes, sink: FrameSink) -> int:
+    def _read(self, slot: int | None, key: bytes, sink: FrameInto) -> int:
         pool = self.pool
         if not pool.holds(pool.check_slot(slot), key):
             raise NotFound(f"{key.hex()} (host pool slot {slot})")
         for i in range(pool.num_layers):
-            sink(i, pool.layer_view(slot, i))  # type: ignore[arg-type]
+            sink.write(i, pool.layer_view(slot, i))  # type: ignore[arg-type]
         return pool.slot_bytes
 
     async def write(self, place: Place, chunk: ChunkData, start: float | None = None) -> int:

@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable
 
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import FrameSink
 from s3kv.config import DEFAULTS
 from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, PermissionDenied, Precondition
+from s3kv.frame_sinks import FrameInto
 from s3kv.keys import namespace_prefix, object_key
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore, PutMode
@@ -89,7 +89,7 @@ class S3Handler(TierHandler):
         self,
         place: Place,
         key: bytes,
-        sink: FrameSink,
+        sink: FrameInto,
         *,
         deadline: float | None = None,
         keep_blob: bool = False,
