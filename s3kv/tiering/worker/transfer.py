@@ -159,6 +159,12 @@ class TransferEngine:
         else (no KV pages): only their writes are reported, not the job."""
         self._loop.track(self._loads.job(None, list(chunks), NO_PAGES))
 
+    def page_tier(self, place: Place) -> PageTierHandler | None:
+        """``place``'s tier where it holds pages as they are: the connector
+        copies a synchronous load's pages out of it, a store's into it."""
+        h = self.handlers.get(place.tier)
+        return h if isinstance(h, PageTierHandler) else None
+
     # -- stores ------------------------------------------------------------------
     def accepts(self, nbytes: int) -> bool:
         """Would a write-through of ``nbytes`` fit in the byte budget now?"""
