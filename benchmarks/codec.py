@@ -124,14 +124,11 @@ def _kv_cache_for(
 
 def _into_pages(pages: Any, block_ids: tuple[int, ...]) -> Any:
     """A load attempt's way into ``block_ids`` of the KV cache, as the worker
-    builds it: the Gate over its sink (PageIO.write) and target (PageIO.target)."""
+    builds it: the Gate over its pages (PageIO.load_pages)."""
+    from s3kv.tiering.plan import LoadChunk
     from s3kv.tiering.worker.gate import Gate
 
-    n = len(block_ids)
-    return Gate(
-        [lambda layer, data: pages.write(layer, block_ids, 0, n, data)],
-        lambda layer: pages.target(layer, block_ids, 0, n),
-    )
+    return Gate(pages.load_pages(None), LoadChunk(b"", block_ids, 0, len(block_ids), ()))
 
 
 def run(work: Path, quick: bool) -> Result:
@@ -264,7 +261,7 @@ def run(work: Path, quick: bool) -> Result:
 
         def decode_all(blocks: list[tuple[int, ...]]) -> None:
             for (key, engine), blob, ids in zip(engines, blobs, blocks):
-                engine.decode(key, blob, _into_pages(kv_pages, ids), "chunk", scratch=True)
+                engine.decode_into(key, blob, _into_pages(kv_pages, ids), "chunk")
 
         enc = _per_second(encode_all, raw, repeats)
         decs = {}

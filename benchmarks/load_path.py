@@ -3,7 +3,7 @@ moving the same bytes from the same place.
 
 - S3: s3kv's :class:`~s3kv.tiering.worker.transfer.TransferEngine` loads every chunk
   of one job from a loopback S3 server (moto) with ``sources=[S3]`` and the
-  worker's own sink and target (:meth:`s3kv.connector.pages.PageIO.target`:
+  worker's own pages (:meth:`s3kv.connector.pages.PageIO.load_pages`, its target:
   each layer's frame read or copied straight into the KV tensor, per run of
   consecutive blocks); the baseline is a plain
   aiobotocore client on the same endpoint: parallel ranged GETs of
@@ -216,13 +216,13 @@ def _drop_cached(paths: list[str]) -> None:
             os.close(fd)
 
 
-def _s3kv_load(case: Case, tier: Any, sink: Any, target: Any, job: str) -> None:
+def _s3kv_load(case: Case, tier: Any, into: Any, job: str) -> None:
     import dataclasses
 
     from s3kv.tiering.plan import Place
 
     chunks = [dataclasses.replace(c, sources=(Place(tier),)) for c in case.chunks]
-    case.engine.submit_load(job, chunks, sink, target)
+    case.engine.submit_load(job, chunks, into)
     while True:
         r = case.engine.poll()
         if job in r.finished_loads:
@@ -285,11 +285,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
         BLOCKS_PER_CHUNK * first.page_bytes,
     )
 
-    def sink(chunk: Any, layer: int, data: np.ndarray) -> None:  # the worker's write
-        pages.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data)
-
-    def page_target(chunk: Any, layer: int) -> Any:  # and its target: frames read straight in
-        return pages.target(layer, chunk.block_ids, chunk.first_block, chunk.last_block)
+    into = pages.load_pages(None)  # the worker's: frames read straight in, or written
 
     def check(what: str, exact: bool) -> None:
         if exact and not all(torch.equal(a, b) for a, b in zip(target, expected)):
@@ -376,9 +372,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
                     ("disk, cold", Tier.DISK, functools.partial(_drop_cached, paths)),
                 )
                 for tier_name, tier, prepare in tiers:
-                    runs: dict[str, Any] = {
-                        "s3kv": functools.partial(_s3kv_load, case, tier, sink, page_target)
-                    }
+                    runs: dict[str, Any] = {"s3kv": functools.partial(_s3kv_load, case, tier, into)}
                     if tier is Tier.S3:  # two plain clients: the goal is against the faster
                         aio = functools.partial(
                             _run_plain_s3, loop, client, case, blocks, range_bytes, _aiobotocore_range
@@ -491,7 +485,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
         "the tensor (the plain client's zstd copy is of compressed bytes, so only its size is right).",
         "s3kv: TransferEngine.submit_load with sources=[S3] or [DISK] and no promotion, its default "
         f"settings (range_bytes {range_bytes >> 20} MiB, {max_conn} connections, {threads} codec "
-        "threads), the worker's sink and target (PageIO.target: frames of codec none read or copied "
+        "threads), the worker's pages (PageIO.load_pages, its target: frames of codec none read or copied "
         "straight into the pages, one buffer per run of consecutive blocks and K/V; others decoded "
         "into a scratch buffer, then copied per run); timed "
         f"from submit until poll() reports the job, polled every {POLL_S * 1000:.0f} ms.",

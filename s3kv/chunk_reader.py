@@ -21,8 +21,7 @@ the ops commands (:mod:`s3kv.ops.chunks`), the journal's recovery
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,76 +30,9 @@ from s3kv import blosc2_format, codec
 from s3kv.auth import FleetKeys
 from s3kv.descriptor import ChunkPages
 from s3kv.errors import CorruptChunk, Precondition, RangeNotSatisfiable, Unsigned
+from s3kv.frame_sinks import FrameInto, FrameSink, SinkFailed, scatter, scratch_buffer
 from s3kv.keys import parse_object_key
 from s3kv.stores.base import HEAD_BYTES, ByteRange, GetResult, ObjectStore
-
-FrameSink = Callable[[int, np.ndarray], None]
-"""Called once per layer with that layer's decoded page bytes (uint8). With
-``scratch`` decoding (the worker's loads), the array is a buffer the thread
-reuses for the next frame: the sink copies what it keeps before it returns."""
-
-
-@dataclass(frozen=True)
-class PageTarget:
-    """Where one layer's frame of a loaded chunk goes, when the sink can say:
-    ``buffers`` (writable uint8, in the frame's byte order, their sizes
-    summing to the frame's raw length) are the KV pages themselves, or a
-    pinned staging buffer on a device; ``commit`` makes the bytes written
-    there the pages (on a device: the copy to it), once they passed their
-    check."""
-
-    buffers: list[np.ndarray]
-    commit: Callable[[], None]
-    private: bool = False
-    """``buffers`` are this target's own (a staging buffer made for it), not
-    the pages: a read that may never return fills them outside the load's
-    gate, and what it writes there after the load went on reaches nothing
-    anyone reads."""
-
-
-FrameRead = Callable[[list[np.ndarray]], None]
-"""Reads one frame's bytes into the buffers given, in order, and checks
-them there: raises CorruptChunk if they fail."""
-
-
-def read_frame(sink: FrameSink, layer: int, nbytes: int, read: FrameRead, *, may_stall: bool = False) -> None:
-    """Have ``read`` put layer ``layer``'s ``nbytes`` straight where they go
-    when ``sink`` offers that (its ``read_into``: see
-    :meth:`~s3kv.tiering.worker.gate.Gate.read_into`), else into this
-    thread's scratch buffer, handed to ``sink`` once checked.
-    ``may_stall``: ``read`` waits on a device that may never answer (the
-    sink's ``read_into`` is told only then: one that never reads a disk
-    need not know)."""
-    read_into = getattr(sink, "read_into", None)
-    if read_into is not None:
-        if may_stall:
-            read_into(layer, nbytes, read, may_stall=True)
-        else:
-            read_into(layer, nbytes, read)
-        return
-    buf = scratch_buffer(nbytes)
-    read([buf])
-    sink(layer, buf)
-
-
-def scatter(data: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
-    """Copy ``data`` (uint8) into ``buffers``, one after the other."""
-    at = 0
-    for b in buffers:
-        np.copyto(b, data[at : at + b.nbytes])
-        at += b.nbytes
-
-
-_scratch = threading.local()
-
-
-def scratch_buffer(nbytes: int) -> np.ndarray:
-    """This thread's reused decode buffer of exactly ``nbytes`` bytes: each
-    frame decodes into it in one pass, and the sink copies it into the pages."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.nbytes != nbytes:
-        buf = _scratch.buf = np.empty(nbytes, dtype=np.uint8)
-    return buf
 
 
 @dataclass(frozen=True)
@@ -304,23 +236,63 @@ class ChunkReader:
         ``base``), handing each to ``sink`` in turn (with ``scratch``, in
         this thread's reused buffer: see :data:`FrameSink`). What ``sink``
         raises passes as it is: it is the caller's, not the object's."""
+        for i, stored in self._frames(header, buf, base, indexes, where):
+            if scratch and self.fmt is not None:
+                out = scratch_buffer(header.frames[i].raw_length)
+                self._decode_into(header, i, stored, [out], where)
+                sink(i, out)
+                continue
+            with checking_bytes(where):
+                data = codec.decode_frame(header, i, stored, keys=self.keys)
+            sink(i, data)
+
+    def read_frames(
+        self,
+        header: codec.ChunkHeader,
+        buf: bytes | memoryview,
+        base: int,
+        indexes: Iterable[int],
+        into: FrameInto,
+        where: str | None = None,
+    ) -> None:
+        """:meth:`decode_frames` for the worker's loads: each frame is
+        checked and decoded straight where ``into`` puts it
+        (:meth:`FrameInto.read_into`). What ``into`` raises, other than the
+        frame's own check, is raised as :class:`SinkFailed`."""
+        for i, stored in self._frames(header, buf, base, indexes, where):
+            failed: list[BaseException] = []
+
+            def read(
+                out: list[np.ndarray], i: int = i, stored: memoryview = stored, failed: list = failed
+            ) -> None:
+                try:
+                    self._decode_into(header, i, stored, out, where)
+                except BaseException as e:
+                    failed.append(e)
+                    raise
+
+            try:
+                into.read_into(i, header.frames[i].raw_length, read)
+            except Exception as e:
+                if failed and e is failed[0]:
+                    raise
+                raise SinkFailed() from e
+
+    def _frames(
+        self,
+        header: codec.ChunkHeader,
+        buf: bytes | memoryview,
+        base: int,
+        indexes: Iterable[int],
+        where: str | None,
+    ) -> Iterator[tuple[int, memoryview]]:
+        """(index, stored bytes) of frames ``indexes``; CorruptChunk where ``buf`` ends first."""
         mv = memoryview(buf)
         for i in indexes:
             f = header.frames[i]
             if f.end - base > len(buf):
                 raise CorruptChunk(_at(where, f"truncated in frame {i}"))
-            stored = mv[f.offset - base : f.end - base]
-            if scratch and self.fmt is not None:
-                read_frame(
-                    sink,
-                    i,
-                    f.raw_length,
-                    lambda out, i=i, stored=stored: self._decode_into(header, i, stored, out, where),
-                )
-                continue
-            with checking_bytes(where):
-                data = codec.decode_frame(header, i, stored, keys=self.keys)
-            sink(i, data)
+            yield i, mv[f.offset - base : f.end - base]
 
     def _decode_into(
         self,
@@ -360,13 +332,20 @@ class ChunkReader:
     ) -> codec.ChunkHeader:
         """Check a whole object, chunk ``key`` (hex) of ``namespace`` and
         ``rank``, and hand each decoded layer to ``sink``; returns its header."""
+        header = self.checked(data, namespace=namespace, key=key, rank=rank, where=where)
+        self.decode_frames(header, data, 0, range(len(header.frames)), sink, where, scratch=scratch)
+        return header
+
+    def checked(
+        self, data: bytes | memoryview, *, namespace: str, key: str, rank: int, where: str | None = None
+    ) -> codec.ChunkHeader:
+        """The header of a whole object, checked as :meth:`decode` does before its frames."""
         header = self.parse_header(data, where)
         self.check(header, namespace, key, rank, where)
         if len(data) != header.object_length:
             raise CorruptChunk(
                 _at(where, f"object is {len(data)} bytes, its header says {header.object_length}")
             )
-        self.decode_frames(header, data, 0, range(len(header.frames)), sink, where, scratch=scratch)
         return header
 
     def check_macs(self, data: bytes | memoryview, where: str | None = None) -> codec.ChunkHeader:

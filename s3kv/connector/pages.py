@@ -19,14 +19,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from s3kv.chunk_reader import PageTarget
 from s3kv.errors import ConfigError
+from s3kv.frame_sinks import PageTarget
 from s3kv.tiering.loop import unbind_thread
+
+if TYPE_CHECKING:
+    from s3kv.tiering.plan import LoadChunk
 
 
 def _runs(block_ids: Sequence[int], first: int, last: int) -> list[tuple[int, int]]:
@@ -228,6 +231,12 @@ class PageIO:
             else:
                 layer.u8.index_copy_(layer.axis, self._index(block_ids[first:last]), pages)
 
+    def load_pages(self, after: object | None) -> LoadPages:
+        """The pages this step's background loads write (the transfer
+        engine's :class:`~s3kv.tiering.worker.gate.PageSink`), after the
+        forward work marked by ``after`` (:meth:`forward_mark`)."""
+        return LoadPages(self, after)
+
     def forward_mark(self) -> object | None:
         """A point on the forward's stream that later :meth:`write` calls
         wait for (on the host platform, None: nothing to wait for)."""
@@ -297,6 +306,22 @@ class PageIO:
         """Start copying ``chunks`` — (host pages per layer, block ids, first,
         last) — into the cache, layer after layer, while the forward runs."""
         return LayerwiseLoad(self, chunks)
+
+
+class LoadPages:
+    """A step's background loads into the KV cache: each chunk's layer goes
+    to its blocks by :meth:`PageIO.write` or :meth:`PageIO.target`, after
+    ``after``."""
+
+    def __init__(self, io: PageIO, after: object | None) -> None:
+        self.io = io
+        self.after = after
+
+    def write(self, chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
+        self.io.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data, after=self.after)
+
+    def target(self, chunk: LoadChunk, layer: int) -> PageTarget | None:
+        return self.io.target(layer, chunk.block_ids, chunk.first_block, chunk.last_block, after=self.after)
 
 
 class LayerwiseLoad:

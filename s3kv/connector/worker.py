@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import PageFormat, PageTarget
+from s3kv.chunk_reader import PageFormat
 from s3kv.config import S3KVConfig
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
@@ -29,7 +29,6 @@ from s3kv.manifest.protocol import manifest_prefix, rank_writer
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
-from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, LoadTiming, StoreChunk, TierReport
 from s3kv.tiering.worker.hostpool import HostPool, slots_for
 from s3kv.tiering.worker.refusal import Refusal
@@ -225,28 +224,27 @@ class WorkerSide:
         pages = self.pages
         # Async writes wait for the forward's use of the blocks (a device event: only when needed).
         after = pages.forward_mark() if any(not plan.sync for plan in meta.loads) else None
-
-        def write(chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
-            pages.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data, after=after)
-
-        def target(chunk: LoadChunk, layer: int) -> PageTarget | None:
-            return pages.target(layer, chunk.block_ids, chunk.first_block, chunk.last_block, after=after)
+        into = pages.load_pages(after)
 
         sync: list[tuple[list[np.ndarray], tuple[int, ...], int, int]] = []
         self._sync_chunks, self._sync_reqs = [], []
         for plan in meta.loads:
             if not plan.sync:
-                self.engine.submit_load(plan.req_id, plan.chunks, write, target)
+                self.engine.submit_load(plan.req_id, plan.chunks, into)
                 continue
             self._sync_reqs.append(plan.req_id)
             for c in plan.chunks:
-                src = c.sources[0]  # a synchronous load reads a CPU slot
-                if self.pool is None or src.slot is None or not self.pool.holds(src.slot, c.key):
-                    log.warning("s3kv: CPU slot %s does not hold chunk %s", src.slot, c.key.hex())
+                src = c.sources[0]  # a synchronous load reads a tier that holds pages (a CPU slot)
+                tier = self.engine.page_tier(src)
+                views = tier.pages(src, c.key) if tier is not None else None
+                if views is None:
+                    log.warning(
+                        "s3kv: %s slot %s does not hold chunk %s", src.tier.value, src.slot, c.key.hex()
+                    )
                     self._load_errors.update(c.write_ids)
                     self._report.missing.add((src.tier, c.key))
                     continue
-                sync.append((self.pool.layer_views(src.slot), c.block_ids, c.first_block, c.last_block))
+                sync.append((views, c.block_ids, c.first_block, c.last_block))
                 self._sync_chunks.append(c)
         if sync:
             self._sync = pages.layerwise_load(sync)
@@ -276,7 +274,7 @@ class WorkerSide:
                 self._load_errors.update(c.write_ids)
             return
         self.counters.add("load_chunks_cpu", len(chunks))
-        self.counters.add("load_bytes_cpu", len(chunks) * (self.pool.slot_bytes if self.pool else 0))
+        self.counters.add("load_bytes_cpu", sum(a.nbytes for pages, *_ in load.chunks for a in pages))
         elapsed = load.elapsed_s()
         if elapsed is not None:  # the chunks were copied together, layer by layer
             for _ in chunks:
@@ -286,7 +284,8 @@ class WorkerSide:
                     self.counters.observe("request_load_seconds", elapsed)
                 if chunks:  # all were in at the end: as if copied one after another
                     n = len(chunks)
-                    self._report.load_timings.append(LoadTiming("", Tier.CPU, n, elapsed / n, elapsed))
+                    tier = chunks[0].sources[0].tier
+                    self._report.load_timings.append(LoadTiming("", tier, n, elapsed / n, elapsed))
         ok = self._report.tier_ok
         for c in chunks:
             ok[c.sources[0].tier] = ok.get(c.sources[0].tier, 0) + 1
@@ -302,10 +301,10 @@ class WorkerSide:
         n_layers = len(self.pages.layers)
         buffers = []
         for s in meta.stores:
-            slot = next((p.slot for p in s.targets if self.engine.takes_pages(p)), None)
-            if slot is not None and self.pool is not None:  # copied into its CPU slot
-                self.pool.claim(slot, None)  # being overwritten
-                buffers.append((s, self.pool.layer_views(slot)))
+            place = next((p for p in s.targets if self.engine.takes_pages(p)), None)
+            tier = self.engine.page_tier(place) if place is not None else None
+            if tier is not None and place is not None and place.slot is not None:  # copied into its slot
+                buffers.append((s, tier.stage(place)))
                 continue
             nbytes = len(s.block_ids) * self.pages.layers[0].page_bytes
             if not self.engine.accepts(nbytes * n_layers):

@@ -11,4 +11,6 @@
   :mod:`s3kv.connector.replica`, as vLLM is imported only there).
 - :mod:`s3kv.testing.chunks`: the S3 object a transfer engine stores a
   chunk under, for tests that read or tamper with it.
+- :mod:`s3kv.testing.pages`: pages as functions, for tests and benchmarks
+  that load chunks without a KV cache.
 """

@@ -19,7 +19,7 @@ import numpy as np
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import ChunkReader, FrameRead, FrameSink, HeaderRead, PageFormat
+from s3kv.chunk_reader import ChunkReader, HeaderRead, PageFormat
 from s3kv.config import DEFAULTS
 from s3kv.errors import (
     ConfigError,
@@ -30,6 +30,7 @@ from s3kv.errors import (
     Transient,
     UnsupportedFormat,
 )
+from s3kv.frame_sinks import FrameInto, FrameSink, SinkFailed
 from s3kv.stores.base import ByteRange, GetResult, ObjectStore
 
 T = TypeVar("T")
@@ -132,6 +133,13 @@ class ChunkCodec:
             blob, sink, namespace=self.namespace, key=key.hex(), rank=self.rank, where=where, scratch=scratch
         )
 
+    def decode_into(self, key: bytes, blob: bytes | memoryview, into: FrameInto, where: str) -> None:
+        """Check a whole object and decode each layer straight where ``into``
+        puts it (:meth:`~s3kv.chunk_reader.ChunkReader.read_frames`)."""
+        reader = self.reader
+        header = reader.checked(blob, namespace=self.namespace, key=key.hex(), rank=self.rank, where=where)
+        reader.read_frames(header, blob, 0, range(len(header.frames)), into, where)
+
 
 class ChunkData:
     """A chunk shard as page bytes per layer, as an encoded object, or both;
@@ -188,48 +196,6 @@ class ChunkData:
         return blob
 
 
-class _SinkFailed(Exception):
-    """Writing verified pages failed (the cause): not the object's fault."""
-
-
-class _CheckedSink:
-    """``sink``, with what it raises marked as the engine's (_SinkFailed),
-    and its ``read_into`` where it has one: a failure of the frame's own
-    read (its check) passes as it is."""
-
-    def __init__(self, sink: FrameSink) -> None:
-        self._sink = sink
-        self._read_into = getattr(sink, "read_into", None)
-        if self._read_into is not None:
-            self.read_into = self._guarded_read_into
-
-    def __call__(self, i: int, data: np.ndarray) -> None:
-        try:
-            self._sink(i, data)
-        except Exception as e:
-            raise _SinkFailed() from e
-
-    def _guarded_read_into(self, i: int, nbytes: int, read: FrameRead, *, may_stall: bool = False) -> None:
-        failed: list[BaseException] = []
-
-        def tracked(out: list[np.ndarray]) -> None:
-            try:
-                read(out)
-            except BaseException as e:
-                failed.append(e)
-                raise
-
-        try:
-            if may_stall:
-                self._read_into(i, nbytes, tracked, may_stall=True)  # type: ignore[misc]
-            else:
-                self._read_into(i, nbytes, tracked)  # type: ignore[misc]
-        except Exception as e:
-            if failed and e is failed[0]:
-                raise
-            raise _SinkFailed() from e
-
-
 @dataclass
 class _Reading:
     """One read of a chunk object: what a CorruptChunk must carry."""
@@ -258,7 +224,7 @@ async def _read(where: str, body: Callable[[_Reading], Awaitable[T]]) -> T:
     r = _Reading(where)
     try:
         return await body(r)
-    except _SinkFailed as e:  # the engine's side, not the object's: no corruption
+    except SinkFailed as e:  # the engine's side, not the object's: no corruption
         raise e.__cause__ from None  # type: ignore[misc]
     except UnsupportedFormat as e:
         raise NotFound(where, str(e)) from e
@@ -309,21 +275,22 @@ async def read_header(
 async def load_chunk(
     store: ObjectStore,
     chunk: ChunkId,
-    sink: FrameSink,
+    into: FrameInto,
     *,
     chunk_codec: ChunkCodec,
     range_bytes: int,
     executor: concurrent.futures.Executor | None = None,
     keep_blob: bool = False,
 ) -> tuple[int, bytes | None]:
-    """Fetch, check and decode every frame of ``chunk``, handing each layer to
-    ``sink`` as soon as its range arrives. Returns the bytes fetched and, with
+    """Fetch, check and decode every frame of ``chunk`` straight where
+    ``into`` puts it, as soon as its range arrives. Returns the bytes fetched and, with
     ``keep_blob``, the whole object (to promote it to another tier).
 
     Raises NotFound (also for an object of a newer format version);
     CorruptChunk for anything wrong with the object's bytes (identity, layer
     count, sizes, checksum or MAC, truncation, a 416), with the ETag read;
-    Transient, PermissionDenied (see :func:`_read`). ``sink`` sees only
+    Transient, PermissionDenied (see :func:`_read`); what ``into`` raises
+    passes as it is. ``into`` sees only
     verified bytes, but may have seen some layers before a later one fails.
     Nothing is allocated from what a header says before
     :meth:`ChunkCodec.check` passed it."""
@@ -331,7 +298,7 @@ async def load_chunk(
     async def body(r: _Reading) -> tuple[int, bytes | None]:
         head = await _read_header(store, chunk, chunk_codec, range_bytes, r)
         return await _fetch_frames(
-            store, chunk_codec, head.header, head.data, sink, r.where, range_bytes, executor, keep_blob
+            store, chunk_codec, head.header, head.data, into, r.where, range_bytes, executor, keep_blob
         )
 
     return await _read(chunk.object_key, body)
@@ -342,7 +309,7 @@ async def _fetch_frames(
     chunk_codec: ChunkCodec,
     header: codec.ChunkHeader,
     first: bytes,
-    sink: FrameSink,
+    into: FrameInto,
     where: str,
     range_bytes: int,
     executor: concurrent.futures.Executor | None,
@@ -352,15 +319,13 @@ async def _fetch_frames(
     whole = bytearray(header.object_length) if keep_blob else None
     if whole is not None:
         whole[: len(first)] = first
-
-    checked_sink = _CheckedSink(sink)
-
-    def decode(buf: bytes, base: int, indexes: list[int]) -> None:
-        chunk_codec.reader.decode_frames(header, buf, base, indexes, checked_sink, where, scratch=True)
+    read_frames = chunk_codec.reader.read_frames  # on the executor's threads: the CPU work
 
     have = len(first)
     ready = [i for i, f in enumerate(header.frames) if f.end <= have]
-    jobs = [loop.run_in_executor(executor, decode, first, 0, ready)] if ready else []
+    jobs = (
+        [loop.run_in_executor(executor, read_frames, header, first, 0, ready, into, where)] if ready else []
+    )
 
     async def fetch_and_decode(start: int, end: int, indexes: list[int]) -> int:
         buf = (await store.get_buffer(where, ByteRange(start, end))).data
@@ -368,7 +333,7 @@ async def _fetch_frames(
             raise CorruptChunk(f"{where}: truncated (range {start}-{end} gave {len(buf)} bytes)")
         if whole is not None:
             whole[start:end] = buf
-        await loop.run_in_executor(executor, decode, buf, start, indexes)
+        await loop.run_in_executor(executor, read_frames, header, buf, start, indexes, into, where)
         return len(buf)
 
     jobs += [fetch_and_decode(*g) for g in plan_ranges(header.frames, have, range_bytes)]

@@ -22,8 +22,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from s3kv.chunk_reader import scatter  # noqa: E402
 from s3kv.connector.pages import PageIO  # noqa: E402
+from s3kv.frame_sinks import scatter  # noqa: E402
 
 BLOCKS = 64
 LAYOUTS = [(2, BLOCKS, 16, 4, 64), (BLOCKS, 2, 16, 4, 64)]  # K/V first (flash-attn), blocks first

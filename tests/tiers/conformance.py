@@ -22,6 +22,7 @@ import pytest
 
 from s3kv.chunk_reader import PageFormat
 from s3kv.errors import CorruptChunk, NotFound
+from s3kv.testing.pages import Frames
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.loop import BackgroundLoop
 from s3kv.tiering.placement import Tier, TierIndex
@@ -95,7 +96,7 @@ class Calls:
         return size
 
     def read(self, key: bytes, sink, slot: int | None = None) -> int:
-        return _loop().run(self.handler.read(self._place(slot), key, sink), timeout=60)[0]
+        return _loop().run(self.handler.read(self._place(slot), key, Frames(sink)), timeout=60)[0]
 
     def delete(self, key: bytes, slot: int | None = None) -> None:
         _loop().run(self.handler.delete(self._place(slot), key), timeout=60)

@@ -10,6 +10,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from s3kv.chunk_reader import PageFormat
@@ -18,6 +19,7 @@ from s3kv.stats import Counters
 from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.placement import Tier, TierIndex
+from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.cpu.handler import CpuHandler
 from s3kv.tiering.tiers.handler import TierHandler
 from s3kv.tiering.tiers.nvme.files import DiskTier
@@ -116,6 +118,29 @@ class TestHostPoolTier(TierConformance):
             == pool.num_slots * LAYERS * LAYER_BYTES
         )
         assert tier.index.used <= tier.index.capacity == pool.num_slots
+
+    def test_a_staged_store_is_taken_where_the_connector_copied_it(self, make_tier, chunk_codec):
+        """stage() claims a slot as being overwritten and hands out its
+        pages; the store's write then takes them as they are (no copy over
+        them, even from other arrays), and pages() gives the slot's own
+        views once it holds the key, None before and for another key."""
+        tier = make_tier(2)
+        handler, pool = tier.storage.handler, tier.storage.handler.pool
+        key, place = key_of(1), Place(Tier.CPU, 1)
+        pool.claim(1, key_of(9))
+        views = handler.stage(place)
+        assert not pool.holds(1, key_of(9)) and handler.pages(place, key) is None
+        for v, a in zip(views, layers_for(key)):
+            v[:] = a
+        elsewhere = ChunkData(key, chunk_codec, layers=layers_for(key, 7))  # not what the slot holds
+        assert tier.storage.write(key, elsewhere, slot=1) == pool.slot_bytes
+        got = handler.pages(place, key)
+        assert got is not None and [g.tobytes() for g in got] == expected(key)
+        assert all(np.shares_memory(g, pool.buffer) for g in got)  # the slot's views, no copies
+        assert handler.pages(place, key_of(2)) is None and handler.pages(Place(Tier.CPU), key) is None
+        # Not staged (a promotion, a test): the pages are copied in.
+        assert tier.storage.write(key, elsewhere, slot=1) == pool.slot_bytes
+        assert [g.tobytes() for g in handler.pages(place, key)] == expected(key, 7)
 
     def test_slots_match_the_index(self, make_tier, chunk_codec):
         tier = make_tier(3)

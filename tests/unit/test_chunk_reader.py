@@ -12,6 +12,7 @@ from s3kv import codec
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import ChunkReader, PageFormat, check_chunk_head, decode_chunk
 from s3kv.errors import CorruptChunk, Precondition, UnsupportedFormat
+from s3kv.frame_sinks import SinkFailed
 from s3kv.keys import object_key
 from s3kv.stores.base import GetResult
 from s3kv.tiering.chunks import ChunkCodec
@@ -216,10 +217,10 @@ class _TargetSink:
         self.buffers: dict[int, list[np.ndarray]] = {}
         self.calls: list[int] = []
 
-    def __call__(self, i: int, data: np.ndarray) -> None:
+    def write(self, i: int, data: np.ndarray) -> None:
         self.calls.append(i)
 
-    def read_into(self, i: int, nbytes: int, read) -> None:
+    def read_into(self, i: int, nbytes: int, read, *, may_stall: bool = False) -> None:
         step = -(-nbytes // self.pieces)
         bufs = [np.zeros(min(step, nbytes - a), np.uint8) for a in range(0, nbytes, step)]
         self.buffers[i] = bufs
@@ -239,7 +240,7 @@ def test_frames_decode_straight_into_a_sinks_target(codec_name, pieces):
     blob = _encode(codec_name, layers)
     engine = ChunkCodec(NS, 0, 3, FMT)
     sink = _TargetSink(pieces)
-    engine.decode(bytes.fromhex(KEY), blob, sink, "chunk", scratch=True)
+    engine.decode_into(bytes.fromhex(KEY), blob, sink, "chunk")
     assert sink.calls == [] and [sink.frame(i) for i in range(3)] == [a.tobytes() for a in layers]
 
 
@@ -252,6 +253,33 @@ def test_a_bad_frame_writes_nothing_into_its_target(codec_name):
     blob[f.offset + 3] ^= 0x10
     sink = _TargetSink(2)
     with pytest.raises(CorruptChunk, match="frame 1: checksum mismatch"):
-        ChunkCodec(NS, 0, 3, FMT).decode(bytes.fromhex(KEY), bytes(blob), sink, "chunk", scratch=True)
+        ChunkCodec(NS, 0, 3, FMT).decode_into(bytes.fromhex(KEY), bytes(blob), sink, "chunk")
     assert sink.frame(0) == _layers()[0].tobytes()
     assert not any(b.any() for b in sink.buffers[1]) and 2 not in sink.buffers
+
+
+class _FailingSink(_TargetSink):
+    """A sink whose destination fails once frame ``at`` was read into it."""
+
+    def __init__(self, at: int, fault: Exception) -> None:
+        super().__init__(1)
+        self.at, self.fault = at, fault
+
+    def read_into(self, i: int, nbytes: int, read, *, may_stall: bool = False) -> None:
+        super().read_into(i, nbytes, read)
+        if i == self.at:
+            raise self.fault
+
+
+@pytest.mark.parametrize("fault", [RuntimeError("the pages"), MemoryError(), CorruptChunk("the pages' own")])
+def test_what_a_sink_raises_is_marked_as_its_own_and_a_frame_check_is_not(fault):
+    """What the destination raises (even a CorruptChunk or a MemoryError,
+    which a reader would take for the object's) comes out as SinkFailed,
+    with the fault as its cause, from the frame where it failed; a frame
+    that fails its own check raises CorruptChunk as it is (as in
+    test_a_bad_frame_writes_nothing_into_its_target)."""
+    blob = _encode("zstd", _layers())
+    sink = _FailingSink(1, fault)
+    with pytest.raises(SinkFailed) as got:
+        ChunkCodec(NS, 0, 3, FMT).decode_into(bytes.fromhex(KEY), blob, sink, "chunk")
+    assert got.value.__cause__ is fault and sorted(sink.buffers) == [0, 1]

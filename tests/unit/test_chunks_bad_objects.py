@@ -22,6 +22,7 @@ from s3kv.errors import CorruptChunk, NotFound, PermissionDenied, Throttled, Tra
 from s3kv.stores.base import GetResult
 from s3kv.stores.memory import MemoryStore
 from s3kv.testing.chunks import chunk_id
+from s3kv.testing.pages import Frames, Pages
 from s3kv.tiering.chunks import ChunkCodec
 from s3kv.tiering.placement import Tier
 from tests.unit.test_blosc2_format import plugin_frame, special_frame, watch_python
@@ -123,7 +124,7 @@ def test_a_decompression_bomb_is_refused_before_any_allocation():
         assert len(get(store, name)) < 64 << 10
         written = []
         tracemalloc.start()
-        e.submit_load(f"j{raw}", [chunk(key)], lambda c, layer, arr, w=written: w.append(layer))
+        e.submit_load(f"j{raw}", [chunk(key)], Pages(lambda c, layer, arr, w=written: w.append(layer)))
         acc = wait_for(e, lambda a, raw=raw: f"j{raw}" in a.finished_loads)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
@@ -155,7 +156,7 @@ def test_truncation_at_a_frame_boundary_and_416_are_corrupt(store_cls):
     e = stored_chunk(store, key, 2)
     name = chunk_id(e, key).object_key
     put(store, name, _truncated_at_a_frame_boundary(get(store, name), 1))
-    e.submit_load("j", [chunk(key)], lambda *a: None)
+    e.submit_load("j", [chunk(key)], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] and acc.missing == {Tier.S3: {key}}
     t = e.counters.totals()
@@ -164,6 +165,29 @@ def test_truncation_at_a_frame_boundary_and_416_are_corrupt(store_cls):
         assert not asyncio.run(store.exists(name)) and acc.bad == {}
     else:  # no ETag to delete it by: reported bad to the fleet instead
         assert asyncio.run(store.exists(name)) and acc.bad == {key: None}
+    e.close()
+
+
+@pytest.mark.parametrize("fault", [MemoryError(), RuntimeError("the device")], ids=lambda f: type(f).__name__)
+def test_pages_that_fail_are_the_engines_fault_not_the_objects(fault):
+    """A load whose pages fail as a frame goes into them (out of memory, a
+    device error): the load fails with that error, but the object is not
+    corrupt (a MemoryError while reading it would be): not deleted, not
+    reported bad or missing, no corrupt load counted."""
+    key = b"p" * 16
+    store = MemoryStore()
+    e = stored_chunk(store, key, 2)
+    name = chunk_id(e, key).object_key
+
+    def target(c, layer):
+        raise fault
+
+    e.submit_load("j", [chunk(key)], Pages(lambda *a: None, target))
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] and not acc.missing and not acc.bad
+    t = e.counters.totals()
+    assert "load_errors_corrupt" not in t and t["load_errors_other"] == 1
+    assert asyncio.run(store.exists(name))
     e.close()
 
 
@@ -186,7 +210,7 @@ def test_a_bad_disk_copy_falls_back_to_s3(tmp_path):
         e.submit_load(
             "j",
             [chunk(key, Tier.DISK, Tier.S3)],
-            lambda c, layer, arr, g=got: g.__setitem__(layer, arr.copy()),
+            Pages(lambda c, layer, arr, g=got: g.__setitem__(layer, arr.copy())),
         )
         acc = wait_for(e, lambda a: "j" in a.finished_loads)
         assert acc.finished_loads["j"] == [] and acc.missing == {Tier.DISK: {key}}
@@ -203,7 +227,7 @@ def test_a_bad_shuffle_value_in_s3_is_corrupt():
     e = stored_chunk(store, key, 3)
     name = chunk_id(e, key).object_key
     put(store, name, rewrite_header(get(store, name), shuffle=3))
-    e.submit_load("j", [chunk(key)], lambda *a: None)
+    e.submit_load("j", [chunk(key)], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.missing == {Tier.S3: {key}} and e.counters.totals()["load_errors_corrupt"] == 1
     e.close()
@@ -228,7 +252,7 @@ def test_without_delete_permission_a_corrupt_object_is_reported_bad():
     blob[-5] ^= 1
     put(store, name, bytes(blob))
     etag = asyncio.run(store.head(name)).etag
-    e.submit_load("j", [chunk(key)], lambda *a: None)
+    e.submit_load("j", [chunk(key)], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.missing == {Tier.S3: {key}} and acc.bad == {key: etag}
     assert asyncio.run(store.exists(name)) and e.counters.totals()["quarantined_chunks"] == 1
@@ -249,7 +273,7 @@ def test_a_corrupt_object_rewritten_meanwhile_is_not_deleted():
     name = chunk_id(e, key).object_key
     store.good = get(store, name)
     put(store, name, _truncated_at_a_frame_boundary(store.good, 0))
-    e.submit_load("j", [chunk(key)], lambda *a: None)
+    e.submit_load("j", [chunk(key)], Pages(lambda *a: None))
     wait_for(e, lambda a: "j" in a.finished_loads)
     assert get(store, name) == store.good  # the good object stays
     e.close()
@@ -370,7 +394,7 @@ def test_a_slow_disk_read_falls_back_to_s3_and_blames_only_the_disk(tmp_path, mo
     monkeypatch.setattr(files(e), "read", hung_read)
     got = {}
     e.submit_load(
-        "j", [chunk(key, Tier.DISK, Tier.S3)], lambda c, layer, arr: got.__setitem__(layer, arr.copy())
+        "j", [chunk(key, Tier.DISK, Tier.S3)], Pages(lambda c, layer, arr: got.__setitem__(layer, arr.copy()))
     )
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [] and all(np.array_equal(got[i], layers(3)[i]) for i in range(LAYERS))
@@ -410,8 +434,8 @@ def test_an_s3_failure_makes_loads_in_flight_give_up():
     store = HangsThenFails()
     e = engine(store, load_timeout_s=30)
     started = time.monotonic()
-    e.submit_load("a", [chunk(b"\xaa" * 16)], lambda *a: None)
-    e.submit_load("b", [chunk(b"\xbb" * 16)], lambda *a: None)
+    e.submit_load("a", [chunk(b"\xaa" * 16)], Pages(lambda *a: None))
+    e.submit_load("b", [chunk(b"\xbb" * 16)], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: {"a", "b"} <= a.finished_loads.keys())
     assert time.monotonic() - started < 10  # not the 30 s timeout
     assert acc.finished_loads["a"] and acc.finished_loads["b"]
@@ -462,7 +486,9 @@ def _load(store, key, e):
     from s3kv.tiering.chunks import load_chunk
 
     return asyncio.run(
-        load_chunk(store, chunk_id(e, key), lambda *a: None, chunk_codec=e.codec, range_bytes=PAGE + 200)
+        load_chunk(
+            store, chunk_id(e, key), Frames(lambda *a: None), chunk_codec=e.codec, range_bytes=PAGE + 200
+        )
     )
 
 
@@ -482,7 +508,7 @@ def test_a_network_fault_is_transient_never_corrupt(fault, at):
     assert "AKIA" not in str(raised.value) and "wJalr" not in str(raised.value)
     # Through the engine: the tier is blamed, the object is kept, not reported bad.
     store.gets = 0
-    e.submit_load("j", [chunk(key)], lambda *a: None)
+    e.submit_load("j", [chunk(key)], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] and acc.bad == {} and acc.missing == {}
     assert acc.tier_failed == {Tier.S3: 1}
@@ -560,7 +586,7 @@ def test_an_object_of_a_newer_format_is_missing_not_corrupt():
     put(store, name, bytes(newer))
     with pytest.raises(NotFound, match="chunk format version 4; this s3kv reads versions 1, 2, 3"):
         _load(store, key, e)
-    e.submit_load("j", [chunk(key)], lambda *a: None)
+    e.submit_load("j", [chunk(key)], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] and acc.missing == {Tier.S3: {key}} and acc.bad == {}
     assert get(store, name) == bytes(newer) and "load_errors_corrupt" not in e.counters.totals()
@@ -650,8 +676,8 @@ def test_a_blosc2_chunk_s3kv_never_writes_fails_the_load_and_leaves_the_pages_al
     what decoded): the load is corrupt, no page is written or committed, no
     process starts, no NVMe file is written. A good chunk, loaded the same
     way first, fills its pages and its file."""
-    from s3kv.chunk_reader import PageTarget
     from s3kv.config import parse_config
+    from s3kv.frame_sinks import PageTarget
     from s3kv.stores.factory import make_store
 
     store = make_store(parse_config({"bucket": bucket, "endpoint_url": s3_server.endpoint_url}))
@@ -670,7 +696,7 @@ def test_a_blosc2_chunk_s3kv_never_writes_fails_the_load_and_leaves_the_pages_al
         pages = [np.full(PAGE, 0xA5, np.uint8) for _ in range(LAYERS)]
         commits = []
         target = lambda c, layer, p=pages, m=commits: PageTarget([p[layer]], lambda: m.append(layer))  # noqa: E731
-        e.submit_load(job_id, [chunk(key, Tier.S3, promote_disk=True)], lambda *a: None, target)
+        e.submit_load(job_id, [chunk(key, Tier.S3, promote_disk=True)], Pages(lambda *a: None, target))
         # the promotion is reported written (from a later task) or failed
         acc = wait_for(
             e,

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from s3kv.connector.pages import PageIO  # noqa: E402
+from s3kv.frame_sinks import scatter  # noqa: E402
 
 BLOCKS = 12
 
@@ -55,8 +56,6 @@ def test_a_target_is_the_pages_themselves_in_the_frames_order(shape):
     write() of the same frame does: the target's buffers are views of the
     pages of blocks first..last (one per run and index before the block
     axis), the frame's other pages go to buffers of their own."""
-    from s3kv.chunk_reader import scatter
-
     rng = random.Random(2)
     gen = torch.Generator().manual_seed(2)
     cache = torch.zeros(shape, dtype=torch.bfloat16)
@@ -80,6 +79,38 @@ def test_a_target_is_the_pages_themselves_in_the_frames_order(shape):
         target.commit()
         io_w.write(0, ids, first, last, frame)
         assert torch.equal(cache.view(torch.uint8), by_write.view(torch.uint8))
+
+
+@pytest.mark.parametrize("read_in", [False, True], ids=["write", "read_into"])
+def test_load_pages_put_each_chunks_layers_in_its_own_blocks(read_in):
+    """The transfer engine's PageSink (PageIO.load_pages), through a load's
+    Gate: each chunk's frame goes to pages first..last of its own block
+    ids, by write() or read straight into the chunk's target, as
+    PageIO.write puts it."""
+    from s3kv.tiering.plan import LoadChunk
+    from s3kv.tiering.worker.gate import Gate
+
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    names = ["l0", "l1"]
+    io = PageIO({n: torch.zeros(2, BLOCKS, 4, 8, dtype=torch.bfloat16) for n in names}, names, BLOCKS)
+    io_w = PageIO({n: torch.zeros(2, BLOCKS, 4, 8, dtype=torch.bfloat16) for n in names}, names, BLOCKS)
+    pages = io.load_pages(io.forward_mark())
+    for _ in range(20):
+        n, ids, first, last = _random_load(rng)
+        c = LoadChunk(b"c" * 16, tuple(ids), first, last, ())
+        gate = Gate(pages, c)
+        for layer in range(2):
+            size = io.layers[0].page_bytes * n
+            frame = torch.randint(0, 255, (size,), dtype=torch.uint8, generator=gen).numpy()
+            if read_in:
+                gate.read_into(layer, size, lambda out, f=frame: scatter(f, out))
+            else:
+                gate.write(layer, frame)
+            io_w.write(layer, ids, first, last, frame)
+        gate.close()
+    for got, want in zip(io.layers, io_w.layers):
+        assert torch.equal(got.u8, want.u8)
 
 
 def test_no_target_where_a_run_of_blocks_is_not_contiguous():

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from s3kv.chunk_reader import PageFormat, PageTarget
+from s3kv.chunk_reader import PageFormat
 from s3kv.errors import CorruptChunk, NotFound
+from s3kv.frame_sinks import PageTarget
 from s3kv.keys import KEY_BYTES
 from s3kv.stores.local import (
     FOREIGN_PARTIAL_MAX_AGE_S,
@@ -33,7 +34,9 @@ from s3kv.stores.local import (
     partial_writer,
     writer_namespace,
 )
+from s3kv.testing.pages import Frames, Pages
 from s3kv.tiering.chunks import ChunkData
+from s3kv.tiering.plan import LoadChunk
 from s3kv.tiering.tiers.nvme import files as disk
 from s3kv.tiering.tiers.nvme.directory import open_disk, release_lock
 from s3kv.tiering.tiers.nvme.files import DiskTier
@@ -723,7 +726,7 @@ def test_a_none_file_is_read_frame_by_frame_into_one_reused_buffer(tmp_path, mon
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: preadv.append(off) or real(fd, bufs, off))
     monkeypatch.setattr(os, "read", lambda fd, n: pytest.fail("a none file is not read whole"))
     seen: list[tuple[int, bytes, np.ndarray]] = []
-    tier.read(key, lambda i, a: seen.append((i, a.tobytes(), a)))
+    tier.read(key, Frames(lambda i, a: seen.append((i, a.tobytes(), a))))
     assert [s[1] for s in seen] == expected and [s[0] for s in seen] == list(range(len(expected)))
     assert all(s[2] is seen[0][2] for s in seen)  # one buffer, reused for every frame
     assert len(preadv) == len(expected)
@@ -737,7 +740,7 @@ def test_a_none_file_corrupted_after_its_header_fails_at_that_frame_and_is_delet
     _corrupt_frame_1(path)
     seen: list[int] = []
     with pytest.raises(CorruptChunk, match="frame 1: checksum mismatch"):
-        tier.read(key, lambda i, a: seen.append(i))
+        tier.read(key, Frames(lambda i, a: seen.append(i)))
     assert seen == [0] and not path.exists()
 
 
@@ -748,7 +751,7 @@ def test_a_none_file_cut_short_or_signed_with_another_key_is_refused(tmp_path):
     path = tier.path(key)
     path.write_bytes(path.read_bytes()[:-7])
     with pytest.raises(CorruptChunk, match="its header says"):
-        tier.read(key, lambda i, a: None)
+        tier.read(key, Frames(lambda i, a: None))
     assert not path.exists()
     ours, theirs = (
         FleetKeys(["disk-test-secret-0123456789abcdef-ours"]),
@@ -756,15 +759,18 @@ def test_a_none_file_cut_short_or_signed_with_another_key_is_refused(tmp_path):
     )
     signed, key = _none_tier(tmp_path / "b", ours)
     got: list[bytes] = []
-    signed.read(key, lambda i, a: got.append(a.tobytes()))  # MACs checked in the buffer
+    signed.read(key, Frames(lambda i, a: got.append(a.tobytes())))  # MACs checked in the buffer
     assert got == [a.tobytes() for a in make_chunk(signed.codec, key).layers]
     other, _ = _none_tier(tmp_path / "c", theirs)
     other.root = signed.root
     with pytest.raises(CorruptChunk, match="not one of the fleet's keys"):
-        other.read(key, lambda i, a: None)
+        other.read(key, Frames(lambda i, a: None))
 
 
 # -- codec none, read into the destination (Gate.read_into) ---------------------------
+
+CHUNK = LoadChunk(b"k" * 16, (0,), 0, 1, ())
+"""The chunk a test's Gate loads (its pages are the test's functions)."""
 
 
 def _split_target(nbytes: int, pieces: int, private: bool = False) -> tuple[PageTarget, list[int]]:
@@ -800,8 +806,9 @@ def test_a_none_file_is_read_into_its_own_buffer_checked_there_then_committed(
     pages_sink: list[int] = []
     promoted: list[tuple[int, bytes]] = []
     gate = Gate(
-        [lambda i, a: pages_sink.append(i), lambda i, a: promoted.append((i, a.tobytes()))],
-        lambda i: targets[i],
+        Pages(lambda c, i, a: pages_sink.append(i), lambda c, i: targets[i]),
+        CHUNK,
+        [lambda i, a: promoted.append((i, a.tobytes()))],
     )
     tier.read(key, gate)
     assert [b"".join(b.tobytes() for b in t.buffers) for t in targets] == expected
@@ -836,7 +843,12 @@ def test_a_frame_that_fails_its_check_is_not_committed_and_the_load_fails(tmp_pa
     )
     promoted: list[int] = []
     with pytest.raises(CorruptChunk, match="frame 1: checksum mismatch"):
-        tier.read(key, Gate([lambda i, a: None, lambda i, a: promoted.append(i)], lambda i: targets[i]))
+        tier.read(
+            key,
+            Gate(
+                Pages(lambda c, i, a: None, lambda c, i: targets[i]), CHUNK, [lambda i, a: promoted.append(i)]
+            ),
+        )
     got = b"".join(b.tobytes() for b in targets[1].buffers)
     assert got == (bytes(data[f.offset : f.end]) if private else bytes(f.raw_length))
     assert list(commits[:3]) == [[1], [], []] and promoted == [0]
@@ -846,7 +858,7 @@ def test_a_frame_that_fails_its_check_is_not_committed_and_the_load_fails(tmp_pa
 def test_a_closed_gate_reads_nothing_more():
     from s3kv.tiering.worker.gate import Gate
 
-    gate = Gate([lambda i, a: pytest.fail("closed")], lambda i: pytest.fail("closed"))
+    gate = Gate(Pages(lambda c, i, a: pytest.fail("closed"), lambda c, i: pytest.fail("closed")), CHUNK)
     gate.close()
     gate.read_into(0, 16, lambda out: pytest.fail("closed"))
     gate.read_into(0, 16, lambda out: pytest.fail("closed"), may_stall=True)
@@ -861,7 +873,9 @@ def test_a_read_that_may_stall_holds_no_lock_and_a_late_one_lands_nowhere(privat
 
     target, commits = _split_target(64, 2, private)
     sunk: list[int] = []
-    gate = Gate([lambda i, a: sunk.append(i), lambda i, a: sunk.append(i)], lambda i: target)
+    gate = Gate(
+        Pages(lambda c, i, a: sunk.append(i), lambda c, i: target), CHUNK, [lambda i, a: sunk.append(i)]
+    )
     reading, resume = threading.Event(), threading.Event()
 
     def hung_read(out: list[np.ndarray]) -> None:

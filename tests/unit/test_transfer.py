@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from s3kv import codec
-from s3kv.chunk_reader import PageFormat, PageTarget
+from s3kv.chunk_reader import PageFormat
 from s3kv.errors import Throttled, Transient
+from s3kv.frame_sinks import PageTarget
 from s3kv.keys import object_key
 from s3kv.stores.base import PutMode
 from s3kv.stores.memory import MemoryStore
 from s3kv.testing.chunks import chunk_id
+from s3kv.testing.pages import Frames, Pages
 from s3kv.tiering.chunks import plan_ranges
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, TierReport
@@ -232,7 +234,7 @@ def test_store_then_load_roundtrip():
         assert e.submit_store(job(key, ls, s3=True))
     wait_for(e, lambda a: len(a.written.get(Tier.S3, {})) == 3)
     got = {}
-    e.submit_load("job", [chunk(k) for k in data], collect(got))
+    e.submit_load("job", [chunk(k) for k in data], Pages(collect(got)))
     acc = wait_for(e, lambda a: "job" in a.finished_loads)
     assert acc.finished_loads["job"] == []
     for key, ls in data.items():
@@ -252,7 +254,7 @@ def test_rank_0_times_each_load_by_tier_for_the_cost_model(tmp_path, rank):
         e.submit_store(job(key, layers(i), disk=i == 0, s3=True))
     # the NVMe write may finish after every S3 one: the load reads it from there
     wait_for(e, lambda a: len(a.written.get(Tier.S3, {})) == 3 and keys[0] in a.written.get(Tier.DISK, {}))
-    e.submit_load("job", [chunk(keys[0], Tier.DISK), chunk(keys[1]), chunk(keys[2])], collect({}))
+    e.submit_load("job", [chunk(keys[0], Tier.DISK), chunk(keys[1]), chunk(keys[2])], Pages(collect({})))
     acc = wait_for(e, lambda a: "job" in a.finished_loads)
     assert acc.finished_loads["job"] == []
     timings = {t.tier: t for t in acc.report.load_timings}
@@ -264,7 +266,7 @@ def test_rank_0_times_each_load_by_tier_for_the_cost_model(tmp_path, rank):
     for t in timings.values():
         assert t.req_id == "job" and 0 < t.first_s <= t.last_s
     # A failed load says nothing of its tiers' speed.
-    e.submit_load("gone", [chunk(b"z" * 16), chunk(keys[1])], collect({}))
+    e.submit_load("gone", [chunk(b"z" * 16), chunk(keys[1])], Pages(collect({})))
     acc = wait_for(e, lambda a: "gone" in a.finished_loads)
     assert acc.finished_loads["gone"] and acc.report.load_timings == []
     e.close()
@@ -285,7 +287,7 @@ def test_write_through_to_every_tier_then_load_from_each(tmp_path):
     assert acc.written[Tier.DISK][key] == files(e).path(key).stat().st_size
     for tier, kw in ((Tier.CPU, {"cpu_slot": 1}), (Tier.DISK, {}), (Tier.S3, {})):
         got = {}
-        e.submit_load(tier.value, [chunk(key, tier, **kw)], collect(got))
+        e.submit_load(tier.value, [chunk(key, tier, **kw)], Pages(collect(got)))
         r = wait_for(e, lambda a, t=tier: t.value in a.finished_loads)
         assert r.finished_loads[tier.value] == [], tier
         assert all((got[(key, i)] == data[i]).all() for i in range(LAYERS)), tier
@@ -299,7 +301,7 @@ def test_s3_load_promotes_to_cpu_slot_and_disk(tmp_path, disk_codec):
     key = b"p" * 16
     stored_chunk(store, key, 8).close()
     e = engine(store, pool_slots=1, disk_path=tmp_path, disk_codec=disk_codec)
-    e.submit_load("j", [chunk(key, Tier.S3, promote_slot=0, promote_disk=True)], lambda *a: None)
+    e.submit_load("j", [chunk(key, Tier.S3, promote_slot=0, promote_disk=True)], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: "j" in a.finished_loads and key in a.written.get(Tier.DISK, {}))
     assert acc.finished_loads["j"] == [] and key in acc.written[Tier.CPU]
     assert pool(e).holds(0, key)
@@ -311,7 +313,7 @@ def test_s3_load_promotes_to_cpu_slot_and_disk(tmp_path, disk_codec):
     else:  # the same pages, in the disk's codec
         assert codec.parse_header(blob).codec == disk_codec != codec.parse_header(s3_object).codec
         got: dict[int, np.ndarray] = {}
-        files(e).read(key, lambda i, a: got.__setitem__(i, a.copy()))
+        files(e).read(key, Frames(lambda i, a: got.__setitem__(i, a.copy())))
         assert all((got[i] == d).all() for i, d in enumerate(layers(8)))
     e.close()
 
@@ -350,7 +352,7 @@ def test_a_loads_copies_into_the_nvme_tier_start_once_its_last_chunk_is_in(tmp_p
     handler.save = recording_save
     store.held = chunk_id(e, second).object_key
     loads = [chunk(first, Tier.S3, promote_disk=True), chunk(second, Tier.S3, promote_disk=True)]
-    e.submit_load("j", loads, lambda *a: None)
+    e.submit_load("j", loads, Pages(lambda *a: None))
     try:
         wait_until("the first chunk to be in", lambda: e.counters.totals().get("load_chunks_s3", 0) == 1)
         e.spawn(asyncio.sleep(0)).result(timeout=60)  # the loop is past the first chunk's end
@@ -370,7 +372,7 @@ def test_disk_miss_falls_back_to_s3_and_reports_the_disk(tmp_path):
     stored_chunk(store, key, 9).close()
     e = engine(store, disk_path=tmp_path)
     got = {}
-    e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], collect(got))
+    e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], Pages(collect(got)))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == []
     assert acc.missing == {Tier.DISK: {key}}
@@ -388,7 +390,7 @@ def test_corrupt_disk_file_is_removed_and_reported(tmp_path):
     blob[-5] ^= 0x01
     path.write_bytes(bytes(blob))
     written = []
-    e.submit_load("j", [chunk(key, Tier.DISK)], lambda c, layer, arr: written.append(layer))
+    e.submit_load("j", [chunk(key, Tier.DISK)], Pages(lambda c, layer, arr: written.append(layer)))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert [c.key for c in acc.finished_loads["j"]] == [key] and acc.missing == {Tier.DISK: {key}}
     assert LAYERS - 1 not in written  # the bad layer never reached the pages
@@ -488,7 +490,7 @@ def test_load_failures_are_classified_and_reported(store, kind, tmp_path):
     clock = FakeClock()  # no time passes but the timeout's
     e = engine(store, pool_slots=1, load_timeout_s=3.0, disk_path=tmp_path, clock=clock)
     c = chunk(b"x" * 16, Tier.S3, promote_slot=0, promote_disk=True)
-    e.submit_load("j", [c], lambda *a: None)
+    e.submit_load("j", [c], Pages(lambda *a: None))
     if kind == "timeout":
         wait_until("the GET to be under way", lambda: store.gets)
         advance(e, clock, 3.0)  # the load's deadline, the GET still far from done
@@ -514,7 +516,7 @@ def test_corrupt_object_is_reported_deleted_and_never_written():
     blob[-10] ^= 0xFF  # last layer's frame
     asyncio.run(store.put(name, bytes(blob)))
     written = []
-    e.submit_load("j", [chunk(key)], lambda c, layer, arr: written.append(layer))
+    e.submit_load("j", [chunk(key)], Pages(lambda c, layer, arr: written.append(layer)))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert len(acc.finished_loads["j"]) == 1 and acc.missing == {Tier.S3: {key}}
     assert LAYERS - 1 not in written
@@ -526,7 +528,7 @@ def test_layout_mismatch_is_corrupt():
     key = b"m" * 16
     e = stored_chunk(MemoryStore(), key, 4)
     e.configure(PageFormat("float16", 2, FMT.page_shape, 64, PAGE))
-    e.submit_load("j", [chunk(key)], lambda *a: None)
+    e.submit_load("j", [chunk(key)], Pages(lambda *a: None))
     wait_for(e, lambda a: "j" in a.finished_loads)
     assert e.counters.totals()["load_errors_corrupt"] == 1
     e.close()
@@ -553,7 +555,7 @@ def test_no_write_reaches_pages_after_a_timeout():
     # the header and first range take no time on it
     e = stored_chunk(store, key, 5, load_timeout_s=2.0, clock=clock)
     writes = []
-    e.submit_load("j", [chunk(key)], lambda c, layer, arr: writes.append(layer))
+    e.submit_load("j", [chunk(key)], Pages(lambda c, layer, arr: writes.append(layer)))
     wait_until("a slow range to be under way", lambda: store.slow)
     advance(e, clock, 2.0)  # the load's deadline
     wait_for(e, lambda a: "j" in a.finished_loads)
@@ -694,7 +696,7 @@ def test_a_403_on_one_object_drops_the_key_without_blaming_s3():
     e = engine(WrappedStore(inner))
     e.s3.denied.add(chunk_id(e, key).object_key)  # a bucket policy or KMS key for its prefix
     c = chunk(key)
-    e.submit_load("j", [c], lambda *a: None)
+    e.submit_load("j", [c], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.finished_loads["j"] == [c] and acc.missing == {Tier.S3: {key}}
     assert acc.tier_failed == {} and acc.tier_ok == {Tier.S3: 1}  # S3 answered
@@ -708,7 +710,7 @@ def test_a_403_on_one_object_drops_the_key_without_blaming_s3():
     e.close()
     # Refused credentials are the tier's trouble: its breaker hears them.
     e = engine(FlakyStore(fail=PermissionDenied("k: ExpiredToken (HTTP 400)", credentials=True)))
-    e.submit_load("j", [chunk(key)], lambda *a: None)
+    e.submit_load("j", [chunk(key)], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
     assert acc.tier_failed == {Tier.S3: 1} and acc.missing == {}
     assert e.counters.totals()["load_errors_unavailable"] == 1
@@ -718,7 +720,7 @@ def test_a_403_on_one_object_drops_the_key_without_blaming_s3():
 def test_absent_or_corrupt_is_an_answer_from_a_working_tier(tmp_path):
     key = b"z" * 16
     e = engine(MemoryStore(), disk_path=tmp_path)
-    e.submit_load("absent", [chunk(key, Tier.DISK, Tier.S3)], lambda *a: None)
+    e.submit_load("absent", [chunk(key, Tier.DISK, Tier.S3)], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: "absent" in a.finished_loads)
     assert acc.missing == {Tier.DISK: {key}, Tier.S3: {key}}
     assert acc.tier_ok == {Tier.DISK: 1, Tier.S3: 1} and acc.tier_failed == {}
@@ -728,7 +730,7 @@ def test_absent_or_corrupt_is_an_answer_from_a_working_tier(tmp_path):
     blob = bytearray(path.read_bytes())
     blob[-5] ^= 0x01
     path.write_bytes(bytes(blob))
-    e.submit_load("corrupt", [chunk(key, Tier.DISK)], lambda *a: None)
+    e.submit_load("corrupt", [chunk(key, Tier.DISK)], Pages(lambda *a: None))
     acc = wait_for(e, lambda a: "corrupt" in a.finished_loads)
     assert acc.missing == {Tier.DISK: {key}} and acc.tier_ok == {Tier.DISK: 1} and acc.tier_failed == {}
     e.close()
@@ -763,7 +765,7 @@ def test_a_failed_s3_store_does_not_fail_loads_in_flight():
     e = stored_chunk(store, key, 4)
     store.fail_puts = True
     got, gets = {}, store.gets
-    e.submit_load("j", [chunk(key)], collect(got))
+    e.submit_load("j", [chunk(key)], Pages(collect(got)))
     wait_until("the load to be under way", lambda: store.gets > gets, every_s=0.005)
     e.submit_store(store_job(b"s" * 16, 5))
     acc = wait_for(e, lambda a: "j" in a.finished_loads and a.tier_failed)
@@ -800,7 +802,7 @@ def test_a_failed_nvme_write_does_not_fail_disk_reads_in_flight(tmp_path, monkey
     monkeypatch.setattr(disk, "failing", failing)
     monkeypatch.setattr(files(e), "read", slow_read)
     monkeypatch.setattr(files(e), "write", failing_write)
-    e.submit_load("j", [chunk(key, Tier.DISK)], lambda *a: None)
+    e.submit_load("j", [chunk(key, Tier.DISK)], Pages(lambda *a: None))
     assert reading.wait(30)
     e.submit_store(job(b"x" * 16, layers(7), disk=True))
     acc = wait_for(e, lambda a: "j" in a.finished_loads and Tier.DISK in a.failed and a.tier_failed)
@@ -829,7 +831,7 @@ def test_a_load_out_of_time_gives_up_without_blaming_a_tier(tmp_path, monkeypatc
 
     monkeypatch.setattr(files(e), "read", slow_read)
     c = chunk(key, Tier.DISK, Tier.S3)
-    e.submit_load("j", [c], lambda *a: None)
+    e.submit_load("j", [c], Pages(lambda *a: None))
     assert reading.wait(30)
     advance(e, clock, 0.6)
     acc = wait_for(e, lambda a: "j" in a.finished_loads)
@@ -880,7 +882,7 @@ def test_disk_reads_are_timed_from_their_start_and_never_wait_for_writes(tmp_pat
         e.submit_store(job(bytes([0xE0 + i]) * 16, layers(9), disk=True))
     wait_until("every write thread to hang", lambda: len(hung) == DISK_THREADS, every_s=0.005)
     # Twice as many reads as threads: half of them wait for a thread first.
-    e.submit_load("j", [chunk(k, Tier.DISK) for k in keys], lambda *a: None)
+    e.submit_load("j", [chunk(k, Tier.DISK) for k in keys], Pages(lambda *a: None))
     wait_until("the first reads to be under way", lambda: len(reads) == DISK_THREADS)
     advance(e, clock, 1.0)
     batches[0].set()
@@ -931,7 +933,7 @@ def test_a_read_that_waits_for_a_busy_disk_goes_to_s3_without_blaming_the_disk(t
         return real_read(*a, **kw)
 
     monkeypatch.setattr(files(e), "read", busy_read)
-    e.submit_load("j", [chunk(k, Tier.DISK, Tier.S3) for k in keys], lambda *a: None)
+    e.submit_load("j", [chunk(k, Tier.DISK, Tier.S3) for k in keys], Pages(lambda *a: None))
     wait_until("the first reads to be under way", lambda: len(reads) == DISK_THREADS)
     advance(e, clock, 0.8)
     batches[0].set()
@@ -971,13 +973,13 @@ def test_a_read_that_waits_for_a_hung_disk_is_the_disks_failure(tmp_path, monkey
 
     monkeypatch.setattr(files(e), "read", hung_read)
     monkeypatch.setattr(disk, "run", run)
-    e.submit_load("first", [chunk(k, Tier.DISK) for k in keys[:DISK_THREADS]], lambda *a: None)
+    e.submit_load("first", [chunk(k, Tier.DISK) for k in keys[:DISK_THREADS]], Pages(lambda *a: None))
     wait_until("every read thread to hang", lambda: len(entered) == DISK_THREADS)
     advance(e, clock, 0.3)
     wait_for(e, lambda a: "first" in a.finished_loads)  # they timed out; their threads hang on
     # The next read waits behind stuck threads: that is the disk's failure
     # too (it is a breaker's probe: its answer must come back), then S3 serves.
-    e.submit_load("next", [chunk(keys[-1], Tier.DISK, Tier.S3)], lambda *a: None)
+    e.submit_load("next", [chunk(keys[-1], Tier.DISK, Tier.S3)], Pages(lambda *a: None))
     wait_until("the next read to wait for a thread", lambda: len(queued) == DISK_THREADS + 1)
     advance(e, clock, 0.3)
     acc = wait_for(e, lambda a: "next" in a.finished_loads)
@@ -1027,7 +1029,7 @@ def test_a_disk_that_stalls_inside_a_read_pauses_the_disk_only(tmp_path, monkeyp
     monkeypatch.setattr(disk_mod, "preadv_all", stalling_preadv_all)
     monkeypatch.setattr(files(e), "read", read)
     try:
-        e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], write, target)
+        e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], Pages(write, target))
         assert stalled.wait(60)
         advance(e, clock, 1.0)  # the disk's timeout is up
         acc = wait_for(e, lambda a: "j" in a.finished_loads)
@@ -1038,7 +1040,7 @@ def test_a_disk_that_stalls_inside_a_read_pauses_the_disk_only(tmp_path, monkeyp
         s3_bytes = layers(0)
         assert all((kv[key][i] == s3_bytes[i]).all() for i in range(LAYERS))
         # The engine's loop is not waiting for the disk: an S3 load and a PUT finish meanwhile.
-        e.submit_load("other", [chunk(other)], write, target)
+        e.submit_load("other", [chunk(other)], Pages(write, target))
         e.submit_store(store_job(b"w" * 16, 9))
         wait_for(e, lambda a: "other" in a.finished_loads and b"w" * 16 in a.written.get(Tier.S3, {}))
         assert all((kv[other][i] == layers(1)[i]).all() for i in range(LAYERS))
@@ -1094,7 +1096,7 @@ def test_a_chunk_that_falls_back_from_a_stalled_disk_to_s3_is_timed_by_the_s3_at
 
     monkeypatch.setattr(files(e), "read", hung_read)
     gets = store.gets
-    e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], collect({}))
+    e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], Pages(collect({})))
     assert reading.wait(30)
     settle(e)  # the read's guard heard that a thread took it up
     advance(e, clock, 6.0)  # the disk's whole wait

@@ -13,8 +13,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-from s3kv.chunk_reader import FrameSink
+import numpy as np
+
 from s3kv.errors import CorruptChunk, GaveUp, NotFound, PermissionDenied, Throttled, Transient
+from s3kv.frame_sinks import FrameInto, FrameSink
 from s3kv.stats import Counters
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.placement import Tier
@@ -107,7 +109,7 @@ class TierHandler(ABC):
         self,
         place: Place,
         key: bytes,
-        sink: FrameSink,
+        sink: FrameInto,
         *,
         deadline: float | None = None,
         keep_blob: bool = False,
@@ -275,8 +277,20 @@ class TierHandler(ABC):
 class PageTierHandler(TierHandler):
     """A tier stored from the pages themselves, not from the encoded chunk
     (the host pool): a store's pages are copied straight into its place by
-    the connector, and the farther targets of the store read them from
-    there; a promotion fills it as the load's layers arrive."""
+    the connector (:meth:`stage`), and the farther targets of the store read
+    them from there; a promotion fills it as the load's layers arrive; a
+    synchronous load copies its :meth:`pages` straight into the KV cache."""
+
+    @abstractmethod
+    def pages(self, place: Place, key: bytes) -> list[np.ndarray] | None:
+        """``key``'s pages at ``place``, one array a layer, for the connector
+        to copy into the KV cache; None where ``place`` does not hold it."""
+
+    @abstractmethod
+    def stage(self, place: Place) -> list[np.ndarray]:
+        """Claim ``place`` for a store whose pages the connector copies in
+        (one writable array a layer): the store's :meth:`write` then takes
+        them where they are."""
 
     @abstractmethod
     def open_fill(self, place: Place, key: bytes) -> FrameSink:

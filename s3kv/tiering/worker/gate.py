@@ -1,45 +1,63 @@
-"""One load attempt's way into the KV cache: a :class:`Gate` that closes
-when the attempt is over, so that no late write reaches blocks that are no
-longer the attempt's."""
+"""One load attempt's way into the KV cache: a :class:`Gate` over the
+worker's :class:`PageSink` that closes when the attempt is over, so that no
+late write reaches blocks that are no longer the attempt's."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
-from s3kv.chunk_reader import FrameRead, FrameSink, PageTarget, scatter, scratch_buffer
+from s3kv.frame_sinks import FrameRead, FrameSink, PageTarget, scatter, scratch_buffer
+from s3kv.tiering.plan import LoadChunk
+
+
+class PageSink(Protocol):
+    """Where the worker's loaded chunks go: the KV cache's pages (the
+    connector's, for one step's loads). Called from the engine's threads,
+    for distinct blocks at once, only through a :class:`Gate`."""
+
+    def write(self, chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
+        """Write one layer of ``chunk`` (all of its pages, a buffer the caller reuses)."""
+
+    def target(self, chunk: LoadChunk, layer: int) -> PageTarget | None:
+        """Where that layer's frame may be read or decoded straight into
+        (None: hand it to :meth:`write`)."""
 
 
 class Gate:
-    """One load attempt's way into the KV cache (and the slots it promotes
-    into): each layer goes to every sink while it is open; :meth:`close`
-    waits for a write in progress, never for a disk (see :meth:`read_into`).
-    ``target`` (where the first sink, the KV cache, can say) gives a
-    layer's :class:`PageTarget` for :meth:`read_into`."""
+    """One load attempt's way into the KV cache, for one chunk (and the
+    slots it promotes into, ``fills``): each layer goes to ``pages`` and
+    every fill while it is open; :meth:`close` waits for a write in
+    progress, never for a disk (see :meth:`read_into`). It is the
+    :class:`~s3kv.frame_sinks.FrameInto` the tiers' reads hand frames to."""
 
-    def __init__(
-        self, sinks: list[FrameSink], target: Callable[[int], PageTarget | None] | None = None
-    ) -> None:
-        self._sinks = sinks
-        self._target = target
+    def __init__(self, pages: PageSink, chunk: LoadChunk, fills: list[FrameSink] | None = None) -> None:
+        self._pages = pages
+        self._chunk = chunk
+        self._fills = fills or []
         self._lock = threading.Lock()
         self._open = True
 
-    def sink(self, layer: int, data: np.ndarray) -> None:
+    def write(self, layer: int, data: np.ndarray) -> None:
         with self._lock:
             if self._open:
-                for sink in self._sinks:
-                    sink(layer, data)
+                self._write(layer, data)
 
-    __call__ = sink
+    def _write(self, layer: int, data: np.ndarray) -> None:
+        self._pages.write(self._chunk, layer, data)
+        for fill in self._fills:
+            fill(layer, data)
+
+    def _target(self, layer: int) -> PageTarget | None:
+        return self._pages.target(self._chunk, layer)
 
     def read_into(self, layer: int, nbytes: int, read: FrameRead, *, may_stall: bool = False) -> None:
         """Have ``read`` put one layer's frame straight into its pages (or
         their pinned staging buffer), then commit it and hand it to the
-        other sinks; without a target, into a scratch buffer handed to
-        every sink. Nothing happens once the gate is closed.
+        fills; without a target, into a scratch buffer written to the pages
+        and the fills. Nothing happens once the gate is closed.
 
         The contract a read straight into the pages relies on: ``read``
         checks the bytes after they were written there, so a frame that
@@ -64,12 +82,11 @@ class Gate:
         with self._lock:
             if not self._open:
                 return
-            target = self._target(layer) if self._target is not None else None
+            target = self._target(layer)
             if target is None:
                 buf = scratch_buffer(nbytes)
                 read([buf])
-                for sink in self._sinks:
-                    sink(layer, buf)
+                self._write(layer, buf)
                 return
             read(target.buffers)
             self._commit(layer, nbytes, target, target.buffers)
@@ -78,15 +95,14 @@ class Gate:
         """:meth:`read_into` for a read that may stall: read, then take the lock."""
         if not self._open:
             return
-        target = self._target(layer) if self._target is not None else None
+        target = self._target(layer)
         parts = target.buffers if target is not None and target.private else [scratch_buffer(nbytes)]
         read(parts)
         with self._lock:
             if not self._open:  # the attempt is over: the bytes stay where they are
                 return
             if target is None:
-                for sink in self._sinks:
-                    sink(layer, parts[0])
+                self._write(layer, parts[0])
                 return
             if not target.private:
                 scatter(parts[0], target.buffers)
@@ -94,12 +110,12 @@ class Gate:
 
     def _commit(self, layer: int, nbytes: int, target: PageTarget, parts: list[np.ndarray]) -> None:
         """``target`` holds the checked frame (also in ``parts``): commit it,
-        and the promotions copy it."""
+        and the fills copy it."""
         target.commit()
-        if len(self._sinks) > 1:
+        if self._fills:
             frame = parts[0] if len(parts) == 1 else np.concatenate(parts, out=scratch_buffer(nbytes))
-            for sink in self._sinks[1:]:
-                sink(layer, frame)
+            for fill in self._fills:
+                fill(layer, frame)
 
     def close(self) -> None:
         with self._lock:

@@ -4,10 +4,11 @@ reports what finished. It knows nothing of vLLM or torch, and no tier by
 name: each handler says what its tier's trouble is and how it runs.
 
 The connector hands it host buffers to store (already filled, or with a
-``ready`` callable that waits for the copy) and a sink that writes loaded
-pages into the KV cache; it polls :meth:`poll` once per step. Nothing here
-blocks the caller on I/O: write-through beyond ``max_inflight_bytes`` is
-dropped and counted, not queued.
+``ready`` callable that waits for the copy) and a :class:`PageSink` that
+writes loaded pages into the KV cache (the loads run in
+:mod:`s3kv.tiering.worker.loads`); it polls :meth:`poll` once per step.
+Nothing here blocks the caller on I/O: write-through beyond
+``max_inflight_bytes`` is dropped and counted, not queued.
 """
 
 from __future__ import annotations
@@ -23,48 +24,24 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.chunk_reader import FrameSink, PageFormat, PageTarget
-from s3kv.errors import GaveUp, NotFound
+from s3kv.chunk_reader import PageFormat
 from s3kv.manifest.publish import Published
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.loop import JobLoop
-from s3kv.tiering.meter import Attempt, LoadMeter
+from s3kv.tiering.meter import LoadMeter
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
-from s3kv.tiering.tiers.handler import PageTierHandler, TierHandler, error_kind
+from s3kv.tiering.tiers.handler import PageTierHandler, TierHandler
 from s3kv.tiering.tiers.registry import TIERS
 from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.tiers.settings import EngineSettings, WorkerEnv
-from s3kv.tiering.worker.gate import Gate
+from s3kv.tiering.worker.gate import PageSink
 from s3kv.tiering.worker.hostpool import HostPool
+from s3kv.tiering.worker.loads import NO_PAGES, Loads
 
 log = logging.getLogger("s3kv.transfer")
-
-ChunkSink = Callable[[LoadChunk, int, np.ndarray], None]
-"""sink(chunk, layer index, page bytes): write one layer of a loaded chunk."""
-
-ChunkTarget = Callable[[LoadChunk, int], PageTarget | None]
-"""target(chunk, layer index): where that layer's frame may be read or
-decoded straight into (None: hand it to the sink)."""
-
-
-def _discard(chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
-    """The KV sink of a prefetch: its pages go to the promotions only."""
-
-
-@dataclass
-class _Promotion:
-    """A loaded chunk's copy into a tier that is written from the object."""
-
-    handler: TierHandler
-    place: Place
-    key: bytes
-    blob: bytes
-
-    def save(self, codec: ChunkCodec) -> Coroutine[Any, Any, None]:
-        return self.handler.save(self.place, ChunkData(self.key, codec, blob=self.blob))
 
 
 @dataclass
@@ -111,6 +88,7 @@ class TransferEngine:
         self.meter = LoadMeter(clock)
         """Times each load's chunks, tier by tier, for the cost model."""
         self._loop = JobLoop("s3kv-transfer", settings.threads, clock)
+        self._loads = Loads(self, self._loop)
         self.report = RankReport()
         self.handlers: dict[Tier, TierHandler] = {}
         """The tiers this rank holds, nearest first (built once the namespace is known)."""
@@ -167,144 +145,23 @@ class TransferEngine:
         return isinstance(h, PageTierHandler)
 
     # -- loads -----------------------------------------------------------------
-    def submit_load(
-        self, job_id: str, chunks: Sequence[LoadChunk], sink: ChunkSink, target: ChunkTarget | None = None
-    ) -> None:
-        """Load ``chunks`` in the background; the job (a request: it is
-        ``load_failed`` if a chunk fails) shows up in a later :meth:`poll`.
-        Layers go to ``sink``, or straight into ``target`` where it names
-        one (see :meth:`Gate.read_into`)."""
-        self._loop.track(self._load_job(job_id, list(chunks), sink, target))
+    def submit_load(self, job_id: str, chunks: Sequence[LoadChunk], pages: PageSink) -> None:
+        """Load ``chunks`` into ``pages`` in the background; the job (a
+        request: it is ``load_failed`` if a chunk fails) shows up in a later
+        :meth:`poll`. Each attempt writes through a
+        :class:`~s3kv.tiering.worker.gate.Gate` of its own (see :class:`Loads`)."""
+        self._loop.track(self._loads.job(job_id, list(chunks), pages))
 
     def submit_prefetch(self, chunks: Sequence[LoadChunk]) -> None:
         """Fetch ``chunks`` into the tiers they are promoted to, and nowhere
         else (no KV pages): only their writes are reported, not the job."""
-        self._loop.track(self._load_job(None, list(chunks), _discard, None))
+        self._loop.track(self._loads.job(None, list(chunks), NO_PAGES))
 
-    async def _load_job(
-        self, job_id: str | None, chunks: list[LoadChunk], sink: ChunkSink, target: ChunkTarget | None
-    ) -> None:
-        clock = self.clock
-        start = clock()
-        # A request's copies into tiers written from the object (NVMe) start
-        # once its last chunk is in: their decoding, encoding and writes would
-        # take the cores its other chunks' reads and decodes need. A
-        # prefetch (no job, no pages) writes each copy at once: that is its point.
-        later: list[_Promotion] | None = [] if job_id is not None else None
-        try:
-            attempts = await asyncio.gather(*(self._load_one(c, sink, target, later) for c in chunks))
-        except BaseException:  # cancelled (the engine is closing): the copies never start
-            for promotion in later or ():
-                self.report.failed(promotion.place.tier, promotion.key, started=False)
-            raise
-        failed = [c for c, a in zip(chunks, attempts) if a is None]
-        if not failed and self.s.rank == 0:  # one observation per request, not per rank
-            took = clock() - start
-            if job_id is not None:
-                self.counters.observe("request_load_seconds", took)
-            done = [a for a in attempts if a is not None]
-            for timing in self.meter.timings(job_id or "", done, took):  # ranks load alike
-                self.report.timed(timing)
-        if job_id is not None:
-            self.report.finished(job_id, failed)
-        for promotion in later or ():
-            self._loop.track(promotion.save(self.codec))  # type: ignore[arg-type]
-
-    async def _load_one(
-        self,
-        chunk: LoadChunk,
-        sink: ChunkSink,
-        target: ChunkTarget | None,
-        later: list[_Promotion] | None = None,
-    ) -> Attempt | None:
-        """Load one chunk: the attempt at the tier it came from, or None if it
-        failed. Its copies into tiers written from the object go to ``later``
-        (the job starts them), or start now."""
-        key = chunk.key
-        promote = [(self.handlers.get(p.tier), p) for p in chunk.promote]
-        fills = [(h, p) for h, p in promote if isinstance(h, PageTierHandler)]  # filled as layers load
-        copies = [(h, p) for h, p in promote if not isinstance(h, PageTierHandler)]  # written from the object
-        sinks = [h.open_fill(p, key) for h, p in fills]
-        try:
-            deadline = self.clock() + self.s.load_timeout_s
-            source, nbytes, blob, attempt = await self._load_from_sources(
-                chunk, sink, target, sinks, bool(copies), deadline
-            )
-        except Exception as e:  # every failure becomes a recompute, never an engine error
-            kind = error_kind(e)
-            if kind not in ("missing", "corrupt", "denied"):  # those were counted per tier
-                self.counters.add(f"load_errors_{kind}")
-                log.warning("s3kv: load of chunk %s failed (%s): %s", key.hex(), kind, e)
-            for h, p in promote:  # the promotions are off
-                # A fill may have written some layers; one from the object never began.
-                self.report.failed(p.tier, key, started=(h, p) in fills)
-            return None
-        tier = source.tier.value
-        self.report.tier_ok(source.tier)
-        self.counters.add(f"load_chunks_{tier}")
-        self.counters.add(f"load_bytes_{tier}", nbytes)
-        self.counters.observe(f"load_seconds_{tier}", attempt.ended - attempt.started)
-        for h, p in fills:
-            h.close_fill(p, key)
-            self.report.written(p.tier, key)
-            self.counters.add(f"promote_chunks_{p.tier.value}")
-        for h, p in copies:
-            if blob is None or h is None:
-                self.report.failed(p.tier, key)
-            elif later is not None:
-                later.append(_Promotion(h, p, key, blob))
-            else:
-                self._loop.track(_Promotion(h, p, key, blob).save(self.codec))  # type: ignore[arg-type]
-        return attempt
-
-    async def _load_from_sources(
-        self,
-        chunk: LoadChunk,
-        sink: ChunkSink,
-        target: ChunkTarget | None,
-        fills: list[FrameSink],
-        keep_blob: bool,
-        deadline: float,
-    ) -> tuple[TierHandler, int, bytes | None, Attempt]:
-        """(handler it came from, bytes read, the object if asked to keep it,
-        the attempt there: timed by itself, not from the load's start).
-        A tier that lacks the chunk (absent, corrupt, a 403 on the object) is
-        reported and the next source tried; so is one whose handler falls
-        through on its own trouble (a disk that errs, is too slow or has no
-        thread free). Other errors end the load, and so does the deadline
-        (GaveUp: no tier's fault)."""
-        last: Exception | None = None
-        for i, place in enumerate(chunk.sources):
-            tier = place.tier
-            if deadline - self.clock() <= 0:  # an earlier source took the time: this one is not to blame
-                raise GaveUp(f"{tier.value}: given up, no time left before the load's deadline")
-            h = self.handlers.get(tier)
-            # Each attempt writes the KV cache through a gate of its own: once
-            # it is over (done, failed, timed out, given up) no late write of
-            # a decoding thread reaches blocks that are vLLM's again, or that
-            # the next source is writing.
-            gate = Gate(
-                [lambda layer, data: sink(chunk, layer, data), *fills],
-                (lambda layer: target(chunk, layer)) if target is not None else None,
-            )
-            try:
-                if h is None:
-                    raise NotFound(f"no {tier.value} tier here")
-                with self.meter.attempt(tier) as attempt:
-                    nbytes, blob = await h.read(
-                        place, chunk.key, gate, deadline=deadline, keep_blob=keep_blob
-                    )
-                return h, nbytes, blob, attempt
-            except Exception as e:
-                last = e
-                if h is None:
-                    self.counters.add("load_errors_missing")
-                    self.report.missing(tier, chunk.key)
-                elif not h.read_failed(chunk.key, e, last=i == len(chunk.sources) - 1):
-                    raise
-            finally:
-                gate.close()
-        raise last if last is not None else NotFound(chunk.key.hex())
+    def page_tier(self, place: Place) -> PageTierHandler | None:
+        """``place``'s tier where it holds pages as they are: the connector
+        copies a synchronous load's pages out of it, a store's into it."""
+        h = self.handlers.get(place.tier)
+        return h if isinstance(h, PageTierHandler) else None
 
     # -- stores ------------------------------------------------------------------
     def accepts(self, nbytes: int) -> bool:

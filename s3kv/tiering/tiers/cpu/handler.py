@@ -7,8 +7,8 @@ import concurrent.futures
 
 import numpy as np
 
-from s3kv.chunk_reader import FrameSink
 from s3kv.errors import NotFound
+from s3kv.frame_sinks import FrameInto, FrameSink
 from s3kv.stats import Counters
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.placement import Tier
@@ -39,12 +39,14 @@ class CpuHandler(PageTierHandler):
         self.pool = pool
         self._executor = executor
         """Threads that copy slots out (the engine's codec threads)."""
+        self._staged: set[int] = set()
+        """Slots the connector is copying a store's pages into (:meth:`stage`)."""
 
     async def read(
         self,
         place: Place,
         key: bytes,
-        sink: FrameSink,
+        sink: FrameInto,
         *,
         deadline: float | None = None,
         keep_blob: bool = False,
@@ -52,24 +54,38 @@ class CpuHandler(PageTierHandler):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._read, place.slot, key, sink), None
 
-    def _read(self, slot: int | None, key: bytes, sink: FrameSink) -> int:
+    def _read(self, slot: int | None, key: bytes, sink: FrameInto) -> int:
         pool = self.pool
         if not pool.holds(pool.check_slot(slot), key):
             raise NotFound(f"{key.hex()} (host pool slot {slot})")
         for i in range(pool.num_layers):
-            sink(i, pool.layer_view(slot, i))  # type: ignore[arg-type]
+            sink.write(i, pool.layer_view(slot, i))  # type: ignore[arg-type]
         return pool.slot_bytes
+
+    def pages(self, place: Place, key: bytes) -> list[np.ndarray] | None:
+        pool = self.pool
+        if place.slot is None or not pool.holds(place.slot, key):
+            return None
+        return pool.layer_views(place.slot)
+
+    def stage(self, place: Place) -> list[np.ndarray]:
+        slot = self.pool.check_slot(place.slot)
+        self.pool.claim(slot, None)  # being overwritten
+        self._staged.add(slot)
+        return self.pool.layer_views(slot)
 
     async def write(self, place: Place, chunk: ChunkData, start: float | None = None) -> int:
         """Claim the slot for ``chunk``; its pages are copied in first unless
-        they are the slot's own (a store the connector copied out)."""
+        the connector copied them there (:meth:`stage`)."""
         pool = self.pool
         slot = pool.check_slot(place.slot)
         layers = chunk.layers
         if len(layers) != pool.num_layers:
             raise ValueError(f"host pool: chunk has {len(layers)} layers, slots hold {pool.num_layers}")
         views = pool.layer_views(slot)
-        if not all(np.may_share_memory(v, a) for v, a in zip(views, layers)):
+        if slot in self._staged:
+            self._staged.discard(slot)
+        else:
             pool.claim(slot, None)
             for i, (view, data) in enumerate(zip(views, layers)):
                 flat = np.asarray(data).reshape(-1).view(np.uint8)
@@ -83,7 +99,9 @@ class CpuHandler(PageTierHandler):
         return pool.slot_bytes
 
     async def delete(self, place: Place, key: bytes) -> None:
-        self.pool.release(self.pool.check_slot(place.slot), key)
+        slot = self.pool.check_slot(place.slot)
+        self.pool.release(slot, key)
+        self._staged.discard(slot)
 
     def missed(self, key: bytes) -> None:
         """The slot no longer holds ``key``: forgotten, and no breaker hears of host memory."""
@@ -95,6 +113,7 @@ class CpuHandler(PageTierHandler):
     def open_fill(self, place: Place, key: bytes) -> FrameSink:
         pool, slot = self.pool, self.pool.check_slot(place.slot)
         pool.claim(slot, None)
+        self._staged.discard(slot)
 
         def fill(layer: int, data: np.ndarray) -> None:
             np.copyto(pool.layer_view(slot, layer), data.reshape(-1))

@@ -38,8 +38,9 @@ from pathlib import Path
 import numpy as np
 
 from s3kv import codec as codec_mod
-from s3kv.chunk_reader import FrameSink, checking_bytes, read_frame
+from s3kv.chunk_reader import checking_bytes
 from s3kv.errors import CorruptChunk
+from s3kv.frame_sinks import FrameInto, SinkFailed
 from s3kv.keys import chunk_path, is_namespace_id, is_shard_name, parse_chunk_name
 from s3kv.stores.local import PARTIAL_SUFFIX, atomic_write, is_stale_partial, map_os_error
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
@@ -102,7 +103,7 @@ class DiskTier:
             raise
         return fd, st.st_size
 
-    def read(self, key: bytes, sink: FrameSink) -> int:
+    def read(self, key: bytes, sink: FrameInto) -> int:
         """Check and decode the file; one that fails (a newer format's
         included: this s3kv cannot use it) is deleted, so that a bad copy
         costs one failed load.
@@ -128,9 +129,10 @@ class DiskTier:
                     raise CorruptChunk(f"{where}: {size} bytes, its header says {header.object_length}")
                 if header.codec != "none":
                     blob = _read_at_most(fd, size)  # from the start: only preads came before
-                    self.codec.reader.decode_frames(
-                        header, blob, 0, range(len(header.frames)), sink, where, scratch=True
-                    )
+                    try:
+                        self.codec.reader.read_frames(header, blob, 0, range(len(header.frames)), sink, where)
+                    except SinkFailed as e:  # the sink's own failure, as a read straight in passes it
+                        raise e.__cause__ from None  # type: ignore[misc]
                     return size
                 for i, f in enumerate(header.frames):
                     if f.length != f.raw_length:
@@ -142,7 +144,7 @@ class DiskTier:
                         with checking_bytes(where):
                             codec_mod.check_frame_parts(header, i, out, self.codec.keys)
 
-                    read_frame(sink, i, f.raw_length, read, may_stall=True)
+                    sink.read_into(i, f.raw_length, read, may_stall=True)
             except OSError as e:
                 raise map_os_error(e, where) from e
             finally:

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from s3kv.chunk_reader import FrameSink
 from s3kv.config import DEFAULTS
 from s3kv.errors import StorageFull
+from s3kv.frame_sinks import FrameInto
 from s3kv.stats import Counters
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.loop import background_thread, unbind_thread
@@ -85,7 +85,7 @@ class NvmeHandler(TierHandler):
         self,
         place: Place,
         key: bytes,
-        sink: FrameSink,
+        sink: FrameInto,
         *,
         deadline: float | None = None,
         keep_blob: bool = False,

@@ -7,9 +7,9 @@ import logging
 import time
 
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import FrameSink
 from s3kv.config import DEFAULTS
 from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, PermissionDenied, Precondition
+from s3kv.frame_sinks import FrameInto
 from s3kv.keys import namespace_prefix, object_key
 from s3kv.manifest.publish import Published
 from s3kv.stats import Counters
@@ -83,7 +83,7 @@ class S3Handler(TierHandler):
         self,
         place: Place,
         key: bytes,
-        sink: FrameSink,
+        sink: FrameInto,
         *,
         deadline: float | None = None,
         keep_blob: bool = False,
