@@ -33,7 +33,8 @@ from s3kv.tiering.plan import LoadChunk, LoadTiming, StoreChunk, TierReport
 from s3kv.tiering.worker.hostpool import HostPool, slots_for
 from s3kv.tiering.worker.refusal import Refusal
 from s3kv.tiering.worker.steps import StepTimer
-from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine
+from s3kv.tiering.worker.stores import StoreJob
+from s3kv.tiering.worker.transfer import EngineSettings, TransferEngine
 
 if TYPE_CHECKING:
     import numpy as np

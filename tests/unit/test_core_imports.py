@@ -40,6 +40,7 @@ CORE = [
     "s3kv.tiering.worker.hostpool",
     "s3kv.tiering.tiers.nvme.files",
     "s3kv.tiering.worker.transfer",
+    "s3kv.tiering.worker.stores",
     "s3kv.tiering.scheduler.planner",
     "s3kv.connector",
     "s3kv.connector.compat",
