@@ -86,6 +86,26 @@ def ranged_get(store: ObjectStore, name: str) -> RangeGet:
     return lambda start, end: store.get_object(name, ByteRange(start, end))
 
 
+class BufferGet:
+    """Ranged GETs of the object ``name`` into the store's buffers
+    (:meth:`~s3kv.stores.base.ObjectStore.get_buffer`), for the engine's
+    loads: :attr:`etag` keeps what the read from the object's first byte
+    saw, for the caller to read after :meth:`ChunkReader.read_header`,
+    whether it parsed or failed (a corrupt object is deleted only if it is
+    still the version read)."""
+
+    def __init__(self, store: ObjectStore, name: str) -> None:
+        self.store = store
+        self.name = name
+        self.etag: str | None = None
+
+    async def __call__(self, start: int, end: int) -> GetResult:
+        got = await self.store.get_buffer(self.name, ByteRange(start, end))
+        if start == 0:
+            self.etag = got.etag
+        return got
+
+
 @dataclass(frozen=True)
 class HeaderRead:
     """A chunk object's header as :meth:`ChunkReader.read_header` read it."""

@@ -378,6 +378,11 @@ class LayerwiseLoad:
         else:
             torch.cuda.current_stream(self.pages.device).wait_event(ev)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copies read out of the host (every chunk's layers)."""
+        return sum(a.nbytes for arrays, *_ in self.chunks for a in arrays)
+
     def elapsed_s(self) -> float | None:
         """How long the copies took, once :meth:`wait_all` returned (they
         overlap the forward: this is not added to the step's time)."""

@@ -11,9 +11,6 @@ tier) and written through in the background.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from s3kv.auth import FleetKeys
@@ -23,44 +20,24 @@ from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.connector.pages import LayerwiseLoad, PageIO
 from s3kv.errors import ConfigError
-from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
-from s3kv.manifest.journal import RankJournal, recorded_config
-from s3kv.manifest.protocol import manifest_prefix, rank_writer
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
-from s3kv.tiering.plan import LoadChunk, LoadTiming, StoreChunk, TierReport
+from s3kv.tiering.plan import StoreChunk, TierReport
 from s3kv.tiering.worker.hostpool import HostPool, slots_for
+from s3kv.tiering.worker.publisher import start_publisher
 from s3kv.tiering.worker.refusal import Refusal
+from s3kv.tiering.worker.sending import FinishedSending
 from s3kv.tiering.worker.steps import StepTimer
-from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine
+from s3kv.tiering.worker.stores import StoreJob
+from s3kv.tiering.worker.sync_loads import SyncLoads
+from s3kv.tiering.worker.transfer import EngineSettings, TransferEngine
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
 log = logging.getLogger("s3kv.worker")
-
-
-class RecentSet:
-    """A set that keeps only its ``size`` most recent members."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._items: dict[str, None] = {}
-
-    def update(self, items: Iterable[str]) -> None:
-        for item in items:
-            self._items.pop(item, None)
-            self._items[item] = None
-        while len(self._items) > self.size:
-            del self._items[next(iter(self._items))]
-
-    def __contains__(self, item: str) -> bool:
-        return item in self._items
-
-    def discard(self, item: str) -> None:
-        self._items.pop(item, None)
 
 
 class _StepStores:
@@ -96,18 +73,17 @@ class WorkerSide:
         self.pool: HostPool | None = None
         self._pool_tensor: torch.Tensor | None = None
         self._sync: LayerwiseLoad | None = None
-        self._sync_chunks: list[LoadChunk] = []
-        self._sync_reqs: list[str] = []
+        self._sync_loads = SyncLoads(rank, self.counters)
+        """This step's synchronous loads (their requests and chunks), reported once copied."""
         self._stores: _StepStores | None = None
         self._load_errors: set[int] = set()
-        self._sent: set[str] = set()
-        """Held requests whose copies are done, to report as finished sending."""
-        self._finished = RecentSet(4096)
+        self._sending = FinishedSending()
+        """Held requests whose copies are done, reported as finished sending once vLLM passed them."""
         self._report = TierReport()
         self.refusal: Refusal | None = None
         """This rank refuses every transfer (its fleet key is not the scheduler side's)."""
         self.publisher: ShardPublisher | None = None
-        """This rank's publisher of the chunk objects it creates (with S3)."""
+        """This rank's publisher of the chunk objects it creates (with S3; journaled where asked)."""
         self._steps = StepTimer()
         """Rank 0: the forwards timed, for the scheduler side's cost model."""
 
@@ -156,7 +132,15 @@ class WorkerSide:
                     self.refusal = refusal
                     self.counters.add("key_mismatch")
             if self.publisher is None and meta.writer is not None:
-                self.publisher = self._start_publisher(namespace, meta.writer)
+                self.publisher = start_publisher(
+                    self.engine,
+                    self.config,
+                    namespace,
+                    meta.writer,
+                    rank=self.rank,
+                    ranks=self.layout.world_size,
+                    counters=self.counters,
+                )
                 fresh = fresh or self.publisher is not None
             if fresh:  # the handlers are built for it, S3's with the publisher it tells of its PUTs
                 self.engine.set_namespace(namespace, self.publisher)
@@ -169,54 +153,12 @@ class WorkerSide:
         pages = self.pages if self.rank == 0 and meta.step is not None else None
         self._steps.begin(pages.step_clock() if pages is not None else None, meta.step)
 
-    def _start_publisher(self, namespace: str, writer: str) -> ShardPublisher | None:
-        """This rank's publisher (None without S3): it publishes the chunk
-        objects this rank creates from its I/O loop, as their PUTs return,
-        so whatever stops the replica later, they are in the fleet's
-        manifest within ``manifest_publish_s`` (see
-        :mod:`s3kv.manifest.publish`), and journals each PUT first."""
-        if self.engine.s3 is None:
-            return None
-        c = self.config
-        base = manifest_prefix(c.prefix, namespace)
-        journal = None
-        directory = os.environ.get(JOURNAL_ENV)
-        if directory and os.path.isdir(directory):
-            try:
-                journal = RankJournal(
-                    Path(directory),
-                    rank_writer(writer, self.rank),
-                    {
-                        "config": recorded_config(c, self.keys),
-                        "base": base,
-                        "namespace": namespace,
-                        "rank": self.rank,
-                        "ranks": self.layout.world_size,
-                    },
-                )
-            except OSError as e:
-                log.warning("s3kv: no journal of this rank's stores (%s)", e)
-        publisher = ShardPublisher(
-            self.engine.s3,
-            base,
-            writer,
-            rank=self.rank,
-            ranks=self.layout.world_size,
-            keys=self.engine.s.keys,
-            publish_s=c.manifest_publish_s,
-            skew_s=c.manifest_clock_skew_s,
-            counters=self.counters,
-            journal=journal,
-        )
-        self.engine.spawn(publisher.run())
-        return publisher
-
     # -- loads ---------------------------------------------------------------------
     def start_load(self, meta: S3KVMetadata) -> None:
         assert self.pages is not None
         if self.refusal is not None:
-            errors, self._sync_reqs = self.refusal.loads(meta.loads, meta.prefetch, self._report)
-            self._sync_chunks = []
+            errors, reqs = self.refusal.loads(meta.loads, meta.prefetch, self._report)
+            self._sync_loads.start(reqs)
             self._load_errors |= errors
             return
         for plan in meta.prefetch:
@@ -227,12 +169,12 @@ class WorkerSide:
         into = pages.load_pages(after)
 
         sync: list[tuple[list[np.ndarray], tuple[int, ...], int, int]] = []
-        self._sync_chunks, self._sync_reqs = [], []
+        self._sync_loads.start()
         for plan in meta.loads:
             if not plan.sync:
                 self.engine.submit_load(plan.req_id, plan.chunks, into)
                 continue
-            self._sync_reqs.append(plan.req_id)
+            self._sync_loads.reqs.append(plan.req_id)
             for c in plan.chunks:
                 src = c.sources[0]  # a synchronous load reads a tier that holds pages (a CPU slot)
                 tier = self.engine.page_tier(src)
@@ -245,7 +187,7 @@ class WorkerSide:
                     self._report.missing.add((src.tier, c.key))
                     continue
                 sync.append((views, c.block_ids, c.first_block, c.last_block))
-                self._sync_chunks.append(c)
+                self._sync_loads.chunks.append(c)
         if sync:
             self._sync = pages.layerwise_load(sync)
 
@@ -259,36 +201,11 @@ class WorkerSide:
         """The step's synchronous load is over: wait for its copies (on the
         host too, so the scheduler may reuse its CPU slots) and report it."""
         load, self._sync = self._sync, None
-        reqs, self._sync_reqs = self._sync_reqs, []
-        chunks, self._sync_chunks = self._sync_chunks, []
-        for req_id in reqs:
-            self._report.sync_loaded[req_id] = self._report.sync_loaded.get(req_id, 0) + 1
-        if load is None:
-            return
-        load.wait_all()
-        if self.pages is not None:
-            self.pages.synchronize()
-        if load.error is not None:
-            log.error("s3kv: copying from the CPU tier failed: %s", load.error)
-            for c in chunks:
-                self._load_errors.update(c.write_ids)
-            return
-        self.counters.add("load_chunks_cpu", len(chunks))
-        self.counters.add("load_bytes_cpu", sum(a.nbytes for pages, *_ in load.chunks for a in pages))
-        elapsed = load.elapsed_s()
-        if elapsed is not None:  # the chunks were copied together, layer by layer
-            for _ in chunks:
-                self.counters.observe("load_seconds_cpu", elapsed)
-            if self.rank == 0:  # one observation per request, not per rank
-                for _ in reqs:
-                    self.counters.observe("request_load_seconds", elapsed)
-                if chunks:  # all were in at the end: as if copied one after another
-                    n = len(chunks)
-                    tier = chunks[0].sources[0].tier
-                    self._report.load_timings.append(LoadTiming("", tier, n, elapsed / n, elapsed))
-        ok = self._report.tier_ok
-        for c in chunks:
-            ok[c.sources[0].tier] = ok.get(c.sources[0].tier, 0) + 1
+        if load is not None:
+            load.wait_all()
+            if self.pages is not None:
+                self.pages.synchronize()
+        self._sync_loads.over(self._report, self._load_errors, load)
 
     # -- stores --------------------------------------------------------------------
     def _step_stores(self, meta: S3KVMetadata) -> _StepStores | None:
@@ -340,7 +257,7 @@ class WorkerSide:
             return
         if self.refusal is not None:
             self.refusal.stores(meta.stores, self._report)
-            self._sent.update(meta.held)  # nothing was copied out of their blocks
+            self._sending.copied(meta.held)  # nothing was copied out of their blocks
             return
         step = self._step_stores(meta)
         if step is not None:
@@ -354,7 +271,7 @@ class WorkerSide:
             if meta.held:
                 ready()  # the blocks of finished requests go back to vLLM next
         self._stores = None
-        self._sent.update(meta.held)
+        self._sending.copied(meta.held)
 
     def handle_preemptions(self, meta: S3KVMetadata) -> None:
         """Preempted requests' blocks may be reused by this step's forward:
@@ -373,11 +290,7 @@ class WorkerSide:
         self._report = self._report.aggregate(polled.report)
         # vLLM accepts only ids it has passed here as finished: held requests
         # are, in the same step that asks for their copies.
-        self._finished.update(finished_req_ids or ())
-        sent = {r for r in self._sent if r in self._finished}
-        self._sent -= sent
-        for req_id in sent:
-            self._finished.discard(req_id)
+        sent = self._sending.take(finished_req_ids)
         refused = self.refusal.take_finished() if self.refusal is not None else set()
         return sent or None, (set(polled.finished_loads) | refused) or None
 

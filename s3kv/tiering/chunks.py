@@ -19,7 +19,7 @@ import numpy as np
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import ChunkReader, HeaderRead, PageFormat
+from s3kv.chunk_reader import BufferGet, ChunkReader, HeaderRead, PageFormat
 from s3kv.config import DEFAULTS
 from s3kv.errors import (
     ConfigError,
@@ -31,7 +31,7 @@ from s3kv.errors import (
     UnsupportedFormat,
 )
 from s3kv.frame_sinks import FrameInto, FrameSink, SinkFailed
-from s3kv.stores.base import ByteRange, GetResult, ObjectStore
+from s3kv.stores.base import ByteRange, ObjectStore
 
 T = TypeVar("T")
 
@@ -246,14 +246,11 @@ async def _read_header(
     store: ObjectStore, chunk: ChunkId, chunk_codec: ChunkCodec, prefetch: int, r: _Reading
 ) -> HeaderRead:
     where = chunk.object_key
-
-    async def get(start: int, end: int) -> GetResult:
-        got = await store.get_buffer(where, ByteRange(start, end))
-        if start == 0:
-            r.etag = got.etag
-        return got
-
-    head = await chunk_codec.reader.read_header(get, prefetch, where)
+    get = BufferGet(store, where)
+    try:
+        head = await chunk_codec.reader.read_header(get, prefetch, where)
+    finally:
+        r.etag = get.etag  # what the first GET saw, for a failure's CorruptChunk
     chunk_codec.check(head.header, chunk.key_hex, where)
     length = head.header.object_length
     if len(head.data) > length or (head.size is not None and head.size != length):

@@ -10,11 +10,12 @@ import pytest
 
 from s3kv import codec
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import ChunkReader, PageFormat, check_chunk_head, decode_chunk
+from s3kv.chunk_reader import BufferGet, ChunkReader, PageFormat, check_chunk_head, decode_chunk
 from s3kv.errors import CorruptChunk, Precondition, UnsupportedFormat
 from s3kv.frame_sinks import SinkFailed
 from s3kv.keys import object_key
 from s3kv.stores.base import GetResult
+from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.chunks import ChunkCodec
 from tests.unit.test_codec import KEY, NS, OTHER, SECRET, _encode, _layers, _small, _with_version
 
@@ -206,6 +207,29 @@ def test_read_header_reads_a_header_in_one_get_or_two_and_no_more():
 
     with pytest.raises(Precondition):
         asyncio.run(ChunkReader().read_header(refused, 64))
+
+
+def test_buffer_get_keeps_the_etag_the_read_from_the_first_byte_saw():
+    """:class:`BufferGet` (the engine's loads): ranged GETs through the
+    store's ``get_buffer``; its ``etag`` is what the GET from byte 0 saw,
+    for the caller to read after the header, also when the header is
+    refused; a read from further in leaves it as it was."""
+    store = MemoryStore()
+    blob = _encode()
+    etag = asyncio.run(store.put("obj", blob))
+    get = BufferGet(store, "obj")
+    assert asyncio.run(get(64, 128)).data == blob[64:128] and get.etag is None
+    got = asyncio.run(ChunkReader().read_header(get, 64))  # two GETs: the header is longer
+    assert got.header == codec.parse_header(blob) and got.data == blob[: codec.header_length(blob)]
+    assert get.etag == got.etag == etag
+    engine = ChunkReader(num_layers=3, fmt=FMT)
+    claims = bytearray(blob)
+    claims[8:12] = (engine.max_header + 1).to_bytes(4, "little")  # the prefix's header length
+    bad_etag = asyncio.run(store.put("bad", bytes(claims)))
+    refused = BufferGet(store, "bad")
+    with pytest.raises(CorruptChunk, match="exceeds"):
+        asyncio.run(engine.read_header(refused, 64, "bad"))
+    assert refused.etag == bad_etag != etag
 
 
 class _TargetSink:

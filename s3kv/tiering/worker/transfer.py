@@ -6,29 +6,25 @@ name: each handler says what its tier's trouble is and how it runs.
 The connector hands it host buffers to store (already filled, or with a
 ``ready`` callable that waits for the copy) and a :class:`PageSink` that
 writes loaded pages into the KV cache (the loads run in
-:mod:`s3kv.tiering.worker.loads`); it polls :meth:`poll` once per step.
+:mod:`s3kv.tiering.worker.loads`, the stores in
+:mod:`s3kv.tiering.worker.stores`); it polls :meth:`poll` once per step.
 Nothing here blocks the caller on I/O: write-through beyond
 ``max_inflight_bytes`` is dropped and counted, not queued.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import logging
-import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from s3kv.chunk_reader import PageFormat
 from s3kv.manifest.publish import Published
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
-from s3kv.tiering.chunks import ChunkCodec, ChunkData
+from s3kv.tiering.chunks import ChunkCodec
 from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.meter import LoadMeter
 from s3kv.tiering.placement import Tier
@@ -40,8 +36,7 @@ from s3kv.tiering.tiers.settings import EngineSettings, WorkerEnv
 from s3kv.tiering.worker.gate import PageSink
 from s3kv.tiering.worker.hostpool import HostPool
 from s3kv.tiering.worker.loads import NO_PAGES, Loads
-
-log = logging.getLogger("s3kv.transfer")
+from s3kv.tiering.worker.stores import StoreJob, Stores
 
 
 @dataclass
@@ -50,23 +45,6 @@ class Polled:
     """This rank's report since the last poll (counts of 1 per key)."""
     finished_loads: dict[str, list[LoadChunk]]
     """Job id -> the chunks that failed (empty list: all loaded)."""
-
-
-@dataclass
-class StoreJob:
-    key: bytes
-    layers: Sequence[np.ndarray]
-    """Host copies of the chunk's pages, one per layer (slot views or private)."""
-    targets: tuple[Place, ...] = ()
-    """Where it goes: a tier that takes pages gets ``layers``, the others the encoded chunk."""
-    ready: Callable[[], None] | None = None
-    """Blocks until ``layers`` hold the pages (a device copy may be in flight)."""
-    pinned: bool = False
-    """Report the first target released once the pages are read (:attr:`StoreChunk.pinned`)."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.layers)
 
 
 class TransferEngine:
@@ -89,12 +67,10 @@ class TransferEngine:
         """Times each load's chunks, tier by tier, for the cost model."""
         self._loop = JobLoop("s3kv-transfer", settings.threads, clock)
         self._loads = Loads(self, self._loop)
+        self._stores = Stores(self, self._loop)
         self.report = RankReport()
         self.handlers: dict[Tier, TierHandler] = {}
         """The tiers this rank holds, nearest first (built once the namespace is known)."""
-        self._lock = threading.Lock()
-        self._inflight_bytes = 0
-        self._closed = False
         if s3 is not None:
             self._loop.track(s3.open())  # connect before the first load
         self.namespace: str | None = settings.namespace
@@ -166,8 +142,7 @@ class TransferEngine:
     # -- stores ------------------------------------------------------------------
     def accepts(self, nbytes: int) -> bool:
         """Would a write-through of ``nbytes`` fit in the byte budget now?"""
-        with self._lock:
-            return not self._closed and self._inflight_bytes + nbytes <= self.s.max_inflight_bytes
+        return self._stores.accepts(nbytes)
 
     def drop(self, store: StoreChunk) -> None:
         """A planned store that is not even copied out (over the byte budget)."""
@@ -187,72 +162,18 @@ class TransferEngine:
                 self.report.failed(p.tier, job.key)
         pages = [p for p in job.targets if p.tier in self.handlers and self.takes_pages(p)]
         encoded = [p for p in job.targets if p.tier in self.handlers and not self.takes_pages(p)]
-        through = bool(encoded)
         nbytes = job.nbytes
-        with self._lock:
-            if through and (self._closed or self._inflight_bytes + nbytes > self.s.max_inflight_bytes):
-                through = False
-                self.counters.add("store_dropped_backpressure")
-            elif through:
-                self._inflight_bytes += nbytes
-                self.counters.set("inflight_bytes", self._inflight_bytes)
+        through = bool(encoded) and self._stores.reserve(nbytes)
         if not through:
             for p in encoded:
                 self.report.failed(p.tier, job.key)
-        if self._closed:  # stopping: nothing new starts
+        if self._stores.closed:  # stopping: nothing new starts
             for p in pages:
                 self.report.failed(p.tier, job.key)
             return False
         pins = job.pinned  # the write-through reads the pages' slot
-        self._loop.track(self._store(job, pages, encoded if through else [], pins, nbytes))
+        self._loop.track(self._stores.job(job, pages, encoded if through else [], pins, nbytes))
         return through or not encoded
-
-    async def _store(
-        self, job: StoreJob, pages: list[Place], encoded: list[Place], pins: bool, nbytes: int
-    ) -> None:
-        key = job.key
-        try:
-            if job.ready is not None:
-                try:
-                    await self._loop.in_threads(job.ready)
-                except Exception as e:  # the copy out of the KV cache failed
-                    log.error("s3kv: copying chunk %s out of the KV cache failed: %s", key.hex(), e)
-                    for p in pages + encoded:
-                        self.report.failed(p.tier, key)
-                    return
-            chunk = ChunkData(key, self.codec, layers=job.layers)  # type: ignore[arg-type]
-            for p in pages:
-                try:
-                    await self.handlers[p.tier].write(p, chunk)
-                except Exception as e:
-                    log.error("s3kv: copying chunk %s into the %s tier failed: %s", key.hex(), p, e)
-                    self.report.failed(p.tier, key)
-                    continue
-                self.report.written(p.tier, key)
-            if not encoded:
-                return
-            start = time.perf_counter()
-            try:
-                await self._loop.in_background(lambda: chunk.blob)
-            except Exception as e:
-                log.error("s3kv: encoding chunk %s failed: %s", key.hex(), e)
-                for p in encoded:
-                    self.report.failed(p.tier, key)
-                return
-            finally:
-                if pins:  # the slot is read: the scheduler may reuse it
-                    self.report.released(key)
-                    pins = False
-            self.counters.add("store_raw_bytes", chunk.raw_bytes)
-            self.counters.add("store_encoded_bytes", len(chunk.blob))
-            await asyncio.gather(*(self.handlers[p.tier].save(p, chunk, start) for p in encoded))
-        finally:
-            if pins:
-                self.report.released(key)
-            if encoded:
-                with self._lock:
-                    self._inflight_bytes -= nbytes
-                    self.counters.set("inflight_bytes", self._inflight_bytes)
 
     # -- results and lifecycle -----------------------------------------------------
     def poll(self) -> Polled:
@@ -275,10 +196,8 @@ class TransferEngine:
         (publish what they stored), all within ``timeout_s`` on :attr:`clock`; what is still
         running then is cancelled (a multipart upload is aborted, a single
         PUT never completes: no incomplete object under a real name)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True  # submit_store drops write-throughs from here
+        if not self._stores.close():  # submit_store drops write-throughs from here
+            return
         self._loop.close(timeout_s, flush, self.s3.close if self.s3 is not None else None)
         for h in self.handlers.values():
             h.close()
