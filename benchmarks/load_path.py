@@ -248,6 +248,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     from s3kv.tiering.plan import LoadChunk, Place
     from s3kv.tiering.tiers.nvme.files import shard_path
     from s3kv.tiering.tiers.nvme.settings import NvmeSettings
+    from s3kv.tiering.tiers.s3.settings import S3Settings
     from s3kv.tiering.worker.transfer import EngineSettings, TransferEngine
 
     n_chunks = 16 if quick else 64
@@ -317,9 +318,11 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
                     num_layers=LAYERS,
                     codec=codec_name,
                     zstd_level=defaults.zstd_level,
-                    range_bytes=range_bytes,
                     # each case on disk too; the default disk codec is none
-                    wings={Tier.DISK: NvmeSettings(str(disk), codec=codec_name)},
+                    wings={
+                        Tier.DISK: NvmeSettings(str(disk), codec=codec_name),
+                        Tier.S3: S3Settings(range_bytes=range_bytes),
+                    },
                 ),
             )
             engine.configure(fmt)

@@ -37,7 +37,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from s3kv.errors import AlreadyExists, LockBusy, LockLost, NotFound, Precondition, S3KVError
@@ -68,8 +68,10 @@ def _number(value: object) -> float | None:
 class Lease:
     """One process's handle on the lease object ``key``.
 
-    ``wall`` only stamps the body and the messages; ``monotonic`` decides
-    (both injectable, so tests can skew them).
+    ``wall`` only stamps the body and the messages; ``monotonic`` decides,
+    and ``sleep`` waits on it (the polls of :meth:`acquire`, the renewals of
+    :func:`held`): all injectable, so tests can skew the clocks or drive a
+    fake one instead of racing real time.
     """
 
     store: ObjectStore
@@ -78,6 +80,7 @@ class Lease:
     owner: str = ""
     wall: Callable[[], float] = field(default=time.time, repr=False)
     monotonic: Callable[[], float] = field(default=time.monotonic, repr=False)
+    sleep: Callable[[float], Awaitable[object]] = field(default=asyncio.sleep, repr=False)
     etag: str | None = None
     """The ETag of our last successful write; None while not held."""
     renewed_at: float | None = None
@@ -191,7 +194,7 @@ class Lease:
                     "than that (--wait)"
                 )
             log.info("s3kv: waiting for the gc lease held by %s", holder)
-            await asyncio.sleep(min(poll_s, max(0.05, left)))
+            await self.sleep(min(poll_s, max(0.05, left)))
 
     async def renew(self) -> None:
         if self.etag is None:
@@ -219,19 +222,30 @@ class Lease:
         with contextlib.suppress(NotFound, Precondition):
             await self.store.delete_if(self.key, etag)
 
+    async def _within(self, task: asyncio.Future, seconds: float) -> bool:
+        """Wait for ``task`` at most ``seconds`` by :attr:`sleep`; whether it
+        is done (it is left running if not)."""
+        timer = asyncio.ensure_future(self.sleep(seconds))
+        try:
+            await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            timer.cancel()
+        return task.done()
+
     async def _keep_alive(self, stop: asyncio.Event) -> None:
         """Renew every ttl/4 until ``stop`` is set (never inside a renewal)."""
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.ttl_s * RENEW_FRACTION)
-                return
-            try:
-                await self.renew()
-            except LockLost:
-                log.error("s3kv: lost the gc lease %s", self.key)
-                return
-            except Exception as e:  # a failed renewal is retried; check() stops work in time
-                log.warning("s3kv: renewing the gc lease failed (%s)", e)
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            while not await self._within(stopped, self.ttl_s * RENEW_FRACTION):
+                try:
+                    await self.renew()
+                except LockLost:
+                    log.error("s3kv: lost the gc lease %s", self.key)
+                    return
+                except Exception as e:  # a failed renewal is retried; check() stops work in time
+                    log.warning("s3kv: renewing the gc lease failed (%s)", e)
+        finally:
+            stopped.cancel()
 
 
 @contextlib.asynccontextmanager
@@ -244,11 +258,13 @@ async def held(
     poll_s: float = 2.0,
     wall: Callable[[], float] = time.time,
     monotonic: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
 ):
     """Hold the gc lease of ``prefix`` for the body, renewing it in the
     background. On the way out a renewal in flight is let finish (for up
-    to ttl/4), so that the release deletes the version it wrote."""
-    lease = Lease(store, lock_key(prefix), ttl_s, wall=wall, monotonic=monotonic)
+    to ttl/4 by ``sleep``), so that the release deletes the version it
+    wrote. ``wall``, ``monotonic`` and ``sleep`` are the :class:`Lease`'s."""
+    lease = Lease(store, lock_key(prefix), ttl_s, wall=wall, monotonic=monotonic, sleep=sleep)
     await lease.acquire(wait_s, poll_s)
     stop = asyncio.Event()
     keeper = asyncio.create_task(lease._keep_alive(stop))
@@ -256,8 +272,7 @@ async def held(
         yield lease
     finally:
         stop.set()
-        _, pending = await asyncio.wait({keeper}, timeout=ttl_s * RENEW_FRACTION)
-        if pending:
+        if not await lease._within(keeper, ttl_s * RENEW_FRACTION):
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper

@@ -5,7 +5,9 @@ counted on monotonic clocks). On the in-memory store and on real S3
 (If-None-Match / If-Match on a loopback server).
 
 Tests wait on the condition itself (:func:`until`), never for a fixed time
-that a busy machine may outlast."""
+that a busy machine may outlast, and the lease's timeouts (ttls, renewals,
+polls) run on a :class:`ManualClock` the test moves, so no real request
+races a real ttl."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from s3kv.errors import LockBusy, LockLost, Precondition
-from s3kv.ops.lock import Lease, held, lock_key
+from s3kv.ops.lock import RENEW_FRACTION, Lease, held, lock_key
 from s3kv.stores.base import PutMode, Update
 from s3kv.stores.memory import MemoryStore
 from s3kv.stores.s3 import S3Options, S3Store
@@ -74,13 +76,16 @@ async def test_update_and_conditional_delete(store):
 
 async def test_one_holder_at_a_time(store):
     key = lock_key("p")
-    leases = [Lease(store, key, ttl_s=30) for _ in range(6)]
+    clock = ManualClock()
+    leases = [Lease(store, key, ttl_s=30, monotonic=clock, sleep=clock.sleep) for _ in range(6)]
     got = await asyncio.gather(*(lease.try_acquire() for lease in leases))
     winners = [lease for lease, holder in zip(leases, got) if holder is None]
     assert len(winners) == 1
     loser = leases[[g is None for g in got].index(False)]
+    waiting = asyncio.ensure_future(loser.acquire(wait_s=0.2, poll_s=0.05))
+    await drive(clock, lambda: 1, waiting)  # its polls, on the clock
     with pytest.raises(LockBusy, match="another s3kv gc holds"):
-        await loser.acquire(wait_s=0.2, poll_s=0.05)
+        await waiting
     await winners[0].release()
     await loser.acquire(wait_s=1)
     assert loser.etag is not None
@@ -89,15 +94,22 @@ async def test_one_holder_at_a_time(store):
 
 
 async def test_stale_lease_is_taken_over_and_the_old_holder_finds_out(store):
-    key = lock_key("p")
-    old = Lease(store, key, ttl_s=1.5)
+    key, clock = lock_key("p"), ManualClock()
+    old = Lease(store, key, ttl_s=1.5, monotonic=clock)
     await old.acquire(wait_s=0)
-    new = Lease(store, key, ttl_s=30)
+    new = Lease(store, key, ttl_s=30, monotonic=clock, sleep=clock.sleep)
     assert await new.try_acquire() is not None  # still fresh
-    await until(lambda: lost(old), "the unrenewed holder stopping")
+    clock.advance(1.0)
+    assert not lost(old)
+    clock.advance(0.2)  # 1.2 s > 3/4 of its 1.5 s ttl
     with pytest.raises(LockLost):
         old.check()  # it did not renew in time: it must stop deleting
-    await new.acquire(wait_s=BOUND_S, poll_s=0.05)  # takes the stale lease over, once unchanged for its ttl
+    acquiring = asyncio.create_task(new.acquire(wait_s=BOUND_S, poll_s=0.05))
+    while not acquiring.done():  # polls on its clock; takes the lease over once unchanged for its ttl
+        await until(lambda: clock.sleeping or acquiring.done(), "the contender polling")
+        clock.advance(0.05)
+    await acquiring
+    assert clock() >= 1.5
     with pytest.raises(LockLost):
         await old.renew()
     await old.release()  # must not remove the new holder's lease
@@ -107,20 +119,26 @@ async def test_stale_lease_is_taken_over_and_the_old_holder_finds_out(store):
     assert not await store.exists(key)
 
 
+async def renewal(lease: Lease, clock: ManualClock, etags: set) -> None:
+    """Move ``clock`` on to the next renewal of ``lease`` (held by :func:`held`
+    on that clock), wait for the renewal, and check the holder may go on."""
+    await until(lambda: clock.sleeping, "the keeper waiting for its next renewal")
+    clock.advance(lease.ttl_s * RENEW_FRACTION)
+    await until(lambda: lease.etag not in etags, "a renewal")
+    lease.check()
+    etags.add(lease.etag)
+
+
 async def test_held_renews_and_releases(store):
-    ttl = 3.0  # renewals every 0.75 s: a slow loopback server under load does not stall them
-    async with held(store, "p", wait_s=0, ttl_s=ttl) as lease:
-        start, etags = time.monotonic(), {lease.etag}
-
-        def renewed_past_the_ttl() -> bool:
-            lease.check()
-            etags.add(lease.etag)
-            return len(etags) >= 3 and time.monotonic() - start > ttl
-
-        await until(renewed_past_the_ttl, "two renewals and a ttl")  # renewals keep it
+    ttl, clock = 3.0, ManualClock()
+    async with held(store, "p", wait_s=0, ttl_s=ttl, monotonic=clock, sleep=clock.sleep) as lease:
+        start, etags = clock(), {lease.etag}
+        while not (len(etags) >= 3 and clock() - start > ttl):
+            await renewal(lease, clock, etags)  # renewals keep it
         lease.check()
         assert await Lease(store, lock_key("p"), ttl_s=1).try_acquire() is not None
     assert not await store.exists(lock_key("p"))
+    await until(lambda: not clock.sleeping, "the keeper stopping with the lease")
 
 
 # -- Clocks: the lease must not trust wall clocks --------------------------------
@@ -128,26 +146,45 @@ HOUR = 3600.0
 
 
 class ManualClock:
-    """A clock that moves only when told to."""
+    """A clock that moves only when told to; who sleeps on it (:meth:`sleep`)
+    wakes once it is moved past the sleep's end."""
 
     def __init__(self, t: float = 0.0) -> None:
         self.t = t
+        self._sleepers: list[tuple[float, asyncio.Future]] = []
 
     def __call__(self) -> float:
         return self.t
 
+    @property
+    def sleeping(self) -> int:
+        """How many sleep on the clock now."""
+        return len(self._sleepers)
+
     def advance(self, s: float) -> None:
         self.t += s
+        for entry in [e for e in self._sleepers if e[0] <= self.t]:
+            self._sleepers.remove(entry)
+            if not entry[1].done():
+                entry[1].set_result(None)
+
+    def next_wake(self) -> float:
+        """When the earliest sleep on the clock ends."""
+        return min(end for end, _ in self._sleepers)
+
+    async def sleep(self, s: float) -> None:
+        entry = (self.t + s, asyncio.get_running_loop().create_future())
+        self._sleepers.append(entry)
+        self.advance(0)  # a sleep that is already over ends at once
+        try:
+            await entry[1]
+        finally:
+            if entry in self._sleepers:
+                self._sleepers.remove(entry)
 
 
 def skewed(offset_s: float):
     return lambda: time.time() + offset_s
-
-
-def own_monotonic():
-    """A monotonic clock that advances normally from an origin of its own."""
-    origin = 1e6 * (1 + uuid.uuid4().int % 97)
-    return lambda: time.monotonic() + origin
 
 
 class SlowPuts:
@@ -166,22 +203,20 @@ class SlowPuts:
 
 @pytest.mark.parametrize("skew", [HOUR, -HOUR], ids=["holder-an-hour-ahead", "holder-an-hour-behind"])
 async def test_skewed_clocks_never_overlap_while_the_holder_renews(store, skew):
-    # Renewals every 2.5 s: a loopback server stalled by a busy machine (the
-    # suite's three streams on two cores) does not hold them past the ttl.
-    ttl = 10.0
-    contender = Lease(store, lock_key("p"), ttl_s=ttl, wall=skewed(-skew), monotonic=own_monotonic())
-    async with held(store, "p", wait_s=0, ttl_s=ttl, wall=skewed(skew)) as first:
+    ttl, clock = 10.0, ManualClock()
+    origin = 1e6 * (1 + uuid.uuid4().int % 97)  # the contender's monotonic clock: an origin of its own
+    contender = Lease(store, lock_key("p"), ttl_s=ttl, wall=skewed(-skew), monotonic=lambda: clock() + origin)
+    async with held(
+        store, "p", wait_s=0, ttl_s=ttl, wall=skewed(skew), monotonic=clock, sleep=clock.sleep
+    ) as first:
         etags, start = {first.etag}, contender.monotonic()
-
-        async def watched() -> bool:
+        # Watch until the holder renewed five times and 1.5 ttls passed on the contender's clock.
+        while True:
             holder = await contender.try_acquire()
             assert holder is not None, "the contender took a lease that was being renewed"
-            first.check()  # and the holder never had to stop
-            etags.add(first.etag)
-            return len(etags) >= 6 and contender.monotonic() - start >= 1.5 * ttl
-
-        # Watch until the holder renewed five times and 1.5 ttls passed on the contender's clock.
-        await until(watched, "five renewals and 1.5 ttls", poll_s=0.2)
+            if len(etags) >= 6 and contender.monotonic() - start >= 1.5 * ttl:
+                break
+            await renewal(first, clock, etags)  # and the holder never had to stop
         assert contender.etag is None
     await contender.acquire(wait_s=5, poll_s=0.05)  # released: the contender gets it at once
     await contender.release()
@@ -192,9 +227,12 @@ async def test_skewed_clocks_a_crashed_holder_is_taken_over_after_its_ttl_unchan
     ttl = 1.0
     crashed = Lease(store, lock_key("p"), ttl_s=ttl, wall=skewed(skew))
     await crashed.acquire(wait_s=0)  # and then it stops: no renewals, no release
-    contender = Lease(store, lock_key("p"), ttl_s=30, wall=skewed(-skew), monotonic=own_monotonic())
-    first_look = contender.monotonic()
-    await until(lambda: _taken(contender), "taking over a lease nobody renews", poll_s=0.1)
+    clock = ManualClock(1e6 * (1 + uuid.uuid4().int % 97))  # a monotonic clock with an origin of its own
+    contender = Lease(store, lock_key("p"), ttl_s=30, wall=skewed(-skew), monotonic=clock)
+    first_look = clock()
+    while not await _taken(contender):  # taking over a lease nobody renews
+        assert clock() - first_look < BOUND_S, "not taken over"
+        clock.advance(0.1)
     # Every call before the one that took it over found the lease held, and
     # that one returned only after a ttl of unchanged ETag on the contender's clock.
     assert contender.monotonic() - first_look >= ttl
@@ -208,16 +246,35 @@ async def _taken(contender: Lease) -> bool:
     return await contender.try_acquire() is None
 
 
+async def drive(clock: ManualClock, sleepers: Callable[[], int], done: asyncio.Future) -> None:
+    """Until ``done``: each time ``sleepers()`` sleep on ``clock`` (all of
+    its users, none of them in the middle of a request), move it on to the
+    end of the earliest sleep."""
+    while not done.done():
+        await until(lambda: clock.sleeping >= sleepers() or done.done(), "every user asleep on the clock")
+        if clock.sleeping and not done.done():
+            clock.advance(clock.next_wake() - clock())
+
+
 async def test_two_held_gc_runs_with_skewed_clocks_take_turns(store):
     """Two ``held()`` contexts, one wall clock an hour ahead and one an hour
     behind: the second enters only after the first left."""
     events: list[tuple[str, float]] = []
     first_in = asyncio.Event()
+    clock = ManualClock()
 
     async def gc_run(name: str, skew: float, renewals: int) -> None:
-        # A ttl that a busy machine's slow PUTs do not outlast (renewals every ttl/4).
-        async with held(store, "p", wait_s=60, ttl_s=6.0, poll_s=0.2, wall=skewed(skew)) as lease:
-            events.append((f"{name} in", time.monotonic()))
+        async with held(
+            store,
+            "p",
+            wait_s=60,
+            ttl_s=6.0,
+            poll_s=0.2,
+            wall=skewed(skew),
+            monotonic=clock,
+            sleep=clock.sleep,
+        ) as lease:
+            events.append((f"{name} in", clock()))
             first_in.set()
             etags = {lease.etag}
 
@@ -227,12 +284,18 @@ async def test_two_held_gc_runs_with_skewed_clocks_take_turns(store):
                 return len(etags) > renewals
 
             await until(worked, f"{renewals} renewals")
-            events.append((f"{name} out", time.monotonic()))
+            events.append((f"{name} out", clock()))
 
     one = asyncio.create_task(gc_run("behind", -HOUR, renewals=4))
     await first_in.wait()
-    await gc_run("ahead", HOUR, renewals=1)
-    await one
+    two = asyncio.create_task(gc_run("ahead", HOUR, renewals=1))
+    both = asyncio.gather(one, two)
+    try:
+        # While "behind" holds the lease, its keeper and "ahead"'s polls sleep on the clock; after, one.
+        await drive(clock, lambda: 2 if events[-1][0] == "behind in" else 1, both)
+        await both
+    finally:
+        both.cancel()
     assert [e for e, _ in events] == ["behind in", "behind out", "ahead in", "ahead out"]
 
 

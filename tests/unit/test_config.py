@@ -337,6 +337,7 @@ def test_settings_objects_are_cut_from_the_config():
     from s3kv.tiering.tiers.nvme.manager import NvmeTierManager
     from s3kv.tiering.tiers.nvme.settings import NvmeSettings
     from s3kv.tiering.tiers.s3.manager import S3TierManager
+    from s3kv.tiering.tiers.s3.settings import S3Settings
     from s3kv.tiering.tiers.settings import EngineSettings
 
     c = _not_defaults()
@@ -356,10 +357,12 @@ def test_settings_objects_are_cut_from_the_config():
         num_layers=4,
         codec="none",
         zstd_level=3,
-        range_bytes=1 << 20,
         max_inflight_bytes=2 << 30,
         load_timeout_s=12,
-        wings={Tier.DISK: NvmeSettings(path="/tmp/d", fsync=True, timeout_s=3)},
+        wings={
+            Tier.DISK: NvmeSettings(path="/tmp/d", fsync=True, timeout_s=3),
+            Tier.S3: S3Settings(range_bytes=1 << 20),
+        },
     )
     assert SyncSettings.from_config(c) == SyncSettings(
         publish_s=2, refresh_s=3, skew_s=30, max_object_bytes=2 << 20
@@ -378,15 +381,18 @@ def test_settings_built_by_hand_default_to_the_config_defaults():
     value has the one a default config would give it."""
     from s3kv.manifest.sync import SyncSettings
     from s3kv.stores.s3 import S3Options
+    from s3kv.tiering.placement import Tier
     from s3kv.tiering.tiers.nvme.settings import NvmeSettings
+    from s3kv.tiering.tiers.s3.settings import S3Settings
     from s3kv.tiering.tiers.settings import EngineSettings
 
     defaults = S3KVConfig()
     assert S3Options() == S3Options.from_config(defaults)
     assert SyncSettings() == SyncSettings.from_config(defaults)
-    assert EngineSettings(None, defaults.prefix, 0, 4) == EngineSettings.from_config(
-        defaults, rank=0, num_layers=4
-    )
+    assert EngineSettings(
+        None, defaults.prefix, 0, 4, wings={Tier.S3: S3Settings()}
+    ) == EngineSettings.from_config(defaults, rank=0, num_layers=4)
+    assert S3Settings() == S3Settings.from_config(defaults)
     with_disk = dataclasses.replace(defaults, disk_path="/d")
     assert NvmeSettings("/d") == NvmeSettings.from_config(with_disk)
     assert NvmeSettings.from_config(defaults) is None  # no disk_path: no NVMe tier

@@ -3,7 +3,6 @@ server on loopback: what fails start-up, and what only warns."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import subprocess
@@ -14,8 +13,8 @@ import pytest
 
 from s3kv.config import parse_config
 from s3kv.errors import ConfigError
-from s3kv.identity import ModelSource, resolve_identity
-from s3kv.tiering.placement import Tier
+from s3kv.identity import ModelSource
+from s3kv.tiering.scheduler import runtime
 
 pytest.importorskip("vllm")
 
@@ -49,7 +48,7 @@ def patient_startup(monkeypatch):
     """The constructor waits for start-up (the identity, the tiers, the
     manifest) until it is done, not STARTUP_WAIT_S (5 s): a test that reads
     what start-up made needs it done, however busy the machine."""
-    monkeypatch.setattr(scheduler, "STARTUP_WAIT_S", STARTUP_BOUND_S)
+    monkeypatch.setattr(runtime, "STARTUP_WAIT_S", STARTUP_BOUND_S)
 
 
 def test_missing_bucket_fails_startup_naming_it(s3_server):
@@ -110,68 +109,6 @@ def test_missing_credentials_fail_startup(s3_server, tmp_path):
     assert "ConfigError: no AWS credentials found" in out.stdout, out.stderr[-2000:]
 
 
-def test_local_only_needs_no_bucket_and_rebuilds_its_disk_index(tmp_path, patient_startup):
-    from s3kv.tiering.tiers.nvme.files import shard_path
-
-    key = b"\x07" * 16
-    namespace = LAYOUT.namespace(resolve_identity(LAYOUT.model))
-    path = shard_path(tmp_path, namespace.id, key, 0)
-    path.parent.mkdir(parents=True)
-    path.write_bytes(b"x" * 1000)  # what an earlier run left
-    s = side(write_policy="local_only", disk_path=str(tmp_path), disk_bytes="1MiB", cpu_bytes="1MiB")
-    try:
-        assert s.namespace == namespace
-        assert s.index is None and s._store is None  # S3 untouched
-        disk = s.planner.tier(Tier.DISK).index
-        assert key in disk and disk.used == 1000
-        assert s.planner.tier(Tier.CPU).index.capacity == (1 << 20) // (
-            256 // 32 * (16 << 10)
-        )  # 8 blocks a chunk
-    finally:
-        s.shutdown()
-
-
-def test_unwritable_disk_path_turns_the_tier_off_with_a_warning(tmp_path, caplog, patient_startup):
-    caplog.set_level(logging.WARNING, logger="s3kv")
-    (tmp_path / "a-file").write_text("")
-    s = side(write_policy="local_only", disk_path=str(tmp_path / "a-file" / "kv"), cpu_bytes="1MiB")
-    try:
-        assert s.planner.tier(Tier.DISK) is None
-        assert "is not writable" in caplog.text
-    finally:
-        s.shutdown()
-
-
-def test_cpu_bytes_smaller_than_a_chunk_fails_startup():
-    with pytest.raises(ConfigError, match="cpu_bytes: .* holds no chunk"):
-        side(write_policy="local_only", cpu_bytes="10KiB")
-
-
-def test_a_prefetch_budget_smaller_than_a_chunk_fails_startup_naming_the_smallest():
-    """One chunk shard here is 8 blocks of 16 KiB: a 100 KiB budget never
-    lets a prefetch start (it was accepted, and prefetching was off)."""
-    shard = LAYOUT.shard_bytes(256)
-    with pytest.raises(
-        ConfigError, match=rf"prefetch_bytes: 100.0 KiB holds no chunk .* use at least {shard} "
-    ):
-        side(write_policy="local_only", cpu_bytes="1MiB", prefetch_bytes="100KiB")
-    s = side(write_policy="local_only", cpu_bytes="1MiB", prefetch_bytes=shard)  # one chunk: enough
-    s.shutdown()
-    assert s.config.prefetch_bytes == shard
-
-
-def test_a_default_prefetch_budget_smaller_than_a_chunk_becomes_one_chunk(tmp_path, caplog, patient_startup):
-    caplog.set_level(logging.WARNING, logger="s3kv")
-    big = dataclasses.replace(LAYOUT, page_size_bytes=512 << 20)  # 4 GiB chunks: more than the 1 GiB default
-    config = parse_config({"write_policy": "local_only", "disk_path": str(tmp_path)})
-    s = SchedulerSide(config, big, failure_policy="recompute", model="unit")
-    try:
-        assert s.planner.prefetcher.budget_bytes == big.shard_bytes(256) == 4 << 30
-        assert "prefetch_bytes' default (1.0 GiB) holds no chunk" in caplog.text
-    finally:
-        s.shutdown()
-
-
 def _request(req_id: str, n: int = 256, lora=None):
 
     tokens = list(range(3, 3 + n))
@@ -193,14 +130,14 @@ def test_no_hits_and_no_stores_until_the_identity_is_known(tmp_path, monkeypatch
     import threading
 
     release = threading.Event()
-    real = scheduler.resolve_identity
+    real = runtime.resolve_identity
 
     def slow(source, cache=None):
         release.wait(STARTUP_BOUND_S)
         return real(source, cache)
 
-    monkeypatch.setattr(scheduler, "resolve_identity", slow)
-    monkeypatch.setattr(scheduler, "STARTUP_WAIT_S", 0.01)
+    monkeypatch.setattr(runtime, "resolve_identity", slow)
+    monkeypatch.setattr(runtime, "STARTUP_WAIT_S", 0.01)
     s = side(write_policy="local_only", cpu_bytes="4MiB", chunk_tokens=64)
     try:
         assert s.planner is None and s.namespace is None
@@ -212,7 +149,7 @@ def test_no_hits_and_no_stores_until_the_identity_is_known(tmp_path, monkeypatch
         assert not s.request_finished(_request("r1"), [0, 1])
         assert s.counters.totals()["unkeyed_requests_model"] == 2
         release.set()
-        assert s._ready.wait(STARTUP_BOUND_S)
+        assert s.runtime.ready.wait(STARTUP_BOUND_S)
         assert s.planner is not None and s.namespace == LAYOUT.namespace(real(LAYOUT.model))
         assert s.lookup(_request("r3"), 0) == (0, False)  # keyed now (an empty cache)
         assert s.planner.knows("r3") and s.counters.totals()["unkeyed_requests_model"] == 2
@@ -227,7 +164,7 @@ def test_an_unknowable_identity_leaves_the_cache_off(caplog):
     config = parse_config({"write_policy": "local_only", "cpu_bytes": "4MiB", "chunk_tokens": 64})
     s = scheduler.SchedulerSide(config, layout, failure_policy="recompute", model="x")
     try:
-        s._start_task.result(STARTUP_BOUND_S)
+        s.runtime.start_task.result(STARTUP_BOUND_S)
         assert s.planner is None and s.lookup(_request("r1"), 0) == (0, False)
         assert "set model_digest" in caplog.text
     finally:

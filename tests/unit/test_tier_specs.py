@@ -17,6 +17,7 @@ from s3kv.keys import Namespace, chain_keys
 from s3kv.manifest import Manifest
 from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
+from s3kv.stores.memory import MemoryStore
 from s3kv.tiering.loop import BackgroundLoop
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place
@@ -31,6 +32,7 @@ from s3kv.tiering.tiers.nvme.spec import NvmeSpec
 from s3kv.tiering.tiers.registry import TIERS
 from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.tiers.s3.manager import S3TierManager
+from s3kv.tiering.tiers.s3.settings import S3Settings
 from s3kv.tiering.tiers.s3.spec import S3Spec
 from s3kv.tiering.tiers.settings import EngineSettings, WorkerEnv
 from s3kv.tiering.tiers.spec import ManagerEnv, TierPrior, TierSpec
@@ -81,13 +83,43 @@ def test_the_nvme_spec_cuts_its_worker_settings_and_reads_only_its_own(tmp_path)
     EngineSettings.wings, keyed by its tier, and its handler reads it back."""
     cfg = config(disk_path=str(tmp_path), disk_codec="zstd", disk_fsync="never", disk_timeout_s="4s")
     settings = EngineSettings.from_config(cfg, rank=0, num_layers=1)
-    assert settings.wings == {Tier.DISK: NvmeSettings(str(tmp_path), "zstd", False, 4.0)}
-    assert EngineSettings.from_config(config(cpu_bytes=SHARD), rank=0, num_layers=1).wings == {}  # no disk
+    assert settings.wings == {
+        Tier.DISK: NvmeSettings(str(tmp_path), "zstd", False, 4.0),
+        Tier.S3: S3Settings(),
+    }
+    no_disk = EngineSettings.from_config(config(cpu_bytes=SHARD), rank=0, num_layers=1)
+    assert no_disk.wings == {Tier.S3: S3Settings()}  # no disk: no NVMe settings
     off = WorkerEnv(dataclasses.replace(settings, wings={}), None, RankReport(), Counters(), None, None, None)  # type: ignore[arg-type]
     assert NvmeSpec().handler(off) is None
     wrong = dataclasses.replace(off, settings=dataclasses.replace(settings, wings={Tier.DISK: str(tmp_path)}))
     with pytest.raises(TypeError, match="NVMe tier's settings are str, not NvmeSettings"):
         NvmeSpec().handler(wrong)
+
+
+def test_the_s3_spec_cuts_its_worker_settings_and_reads_only_its_own():
+    """The S3 wing's slice of the config (``range_bytes``) travels to each
+    worker in EngineSettings.wings; its handler reads it back (the config's
+    defaults where the worker was given none) and the engine's prefix."""
+    settings = EngineSettings.from_config(
+        config(range_bytes="1MiB", prefix="pre", bucket="some-bucket", write_policy="write_through"),
+        rank=0,
+        num_layers=1,
+    )
+    assert settings.wings[Tier.S3] == S3Settings(range_bytes=1 << 20)
+
+    def handler(s: EngineSettings, store=None):
+        return S3Spec().handler(WorkerEnv(s, None, RankReport(), Counters(), None, None, store))  # type: ignore[arg-type]
+
+    assert handler(settings) is None  # no store: no S3 handler
+    h = handler(settings, MemoryStore())
+    assert (h.range_bytes, h.prefix) == (1 << 20, "pre")
+    assert (
+        handler(dataclasses.replace(settings, wings={}), MemoryStore()).range_bytes
+        == S3Settings().range_bytes
+    )
+    assert S3Settings().range_bytes == config(cpu_bytes=SHARD).range_bytes != 1 << 20
+    with pytest.raises(TypeError, match="S3 tier's settings are int, not S3Settings"):
+        handler(dataclasses.replace(settings, wings={Tier.S3: 1 << 20}), MemoryStore())
 
 
 def test_a_tier_that_is_off_builds_no_manager():

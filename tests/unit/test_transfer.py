@@ -26,6 +26,7 @@ from s3kv.tiering.tiers.nvme import files as disk_mod
 from s3kv.tiering.tiers.nvme.report import NvmeReport
 from s3kv.tiering.tiers.nvme.settings import NvmeSettings
 from s3kv.tiering.tiers.s3.report import S3Report
+from s3kv.tiering.tiers.s3.settings import S3Settings
 from s3kv.tiering.worker.hostpool import HostPool
 from s3kv.tiering.worker.transfer import EngineSettings, StoreJob, TransferEngine
 from tests.conftest import wait_until
@@ -50,8 +51,8 @@ def engine(store, *, pool_slots=0, disk_path=None, clock=time.monotonic, **kw):
             "prefix": "p",
             "rank": 0,
             "num_layers": LAYERS,
-            "range_bytes": PAGE + 200,
-            "wings": {Tier.DISK: NvmeSettings(str(disk_path), **nvme)} if disk_path else {},
+            "wings": {Tier.S3: S3Settings(range_bytes=PAGE + 200)}
+            | ({Tier.DISK: NvmeSettings(str(disk_path), **nvme)} if disk_path else {}),
             **kw,
         }
     )

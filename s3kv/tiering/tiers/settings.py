@@ -27,11 +27,11 @@ class EngineSettings:
     namespace: str | None
     """None until the model's identity is known (:meth:`TransferEngine.set_namespace`)."""
     prefix: str
+    """The fleet's prefix in the bucket, where its chunks and manifest live."""
     rank: int
     num_layers: int
     codec: str = DEFAULTS.codec
     zstd_level: int = DEFAULTS.zstd_level
-    range_bytes: int = DEFAULTS.range_bytes
     max_inflight_bytes: int = DEFAULTS.max_inflight_bytes
     load_timeout_s: float = DEFAULTS.load_timeout_s
     threads: int = 4
@@ -39,9 +39,11 @@ class EngineSettings:
     wings: Mapping[Tier, object] = field(default_factory=dict)
     """Each tier's own worker-side settings, by tier, as its spec cut them
     from the config (:meth:`~s3kv.tiering.tiers.spec.TierSpec.settings`)
-    and its handler reads them; a tier with none is absent."""
+    and its handler reads them; a tier with none is absent (its spec says
+    what that means: the NVMe tier is off, S3 takes its defaults)."""
     keys: FleetKeys | None = None
-    """The fleet secret: sign what is stored, read only what is signed."""
+    """The fleet secret: sign what is stored, read only what is signed (on
+    every tier: the chunk codec checks it)."""
 
     @classmethod
     def from_config(
@@ -55,7 +57,6 @@ class EngineSettings:
             num_layers=num_layers,
             codec=config.codec,
             zstd_level=config.zstd_level,
-            range_bytes=config.range_bytes,
             max_inflight_bytes=config.max_inflight_bytes,
             load_timeout_s=config.load_timeout_s,
             wings=wing_settings(config),

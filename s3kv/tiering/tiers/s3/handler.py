@@ -6,7 +6,6 @@ import concurrent.futures
 import logging
 import time
 
-from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS
 from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, PermissionDenied, Precondition
 from s3kv.frame_sinks import FrameInto
@@ -47,7 +46,6 @@ class S3Handler(TierHandler):
         *,
         range_bytes: int = DEFAULTS.range_bytes,
         executor: concurrent.futures.Executor | None = None,
-        keys: FleetKeys | None = None,
         published: Published | None = None,
         report: RankReport | None = None,
         counters: Counters | None = None,
@@ -58,7 +56,6 @@ class S3Handler(TierHandler):
         self.prefix = prefix
         self.range_bytes = range_bytes
         self._executor = executor
-        self.keys = keys
         self.published = published
         """Told of each chunk PUT as it starts and as it is answered (the
         rank's publisher: its journal, then a created object's publication;
@@ -186,7 +183,7 @@ class S3Handler(TierHandler):
         deleted (if it was not rewritten since) and ours written instead, or,
         without the permission to delete it, reported bad. The key is never
         published from an object that could not be verified."""
-        if self.keys is None:
+        if self.codec.keys is None:
             return True
         try:
             await read_header(self.store, cid, chunk_codec=self.codec, prefetch=self.codec.max_header + 64)

@@ -10,6 +10,7 @@ from s3kv.stores.s3 import S3Store
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.tiers.s3.handler import S3Handler
 from s3kv.tiering.tiers.s3.manager import S3TierManager
+from s3kv.tiering.tiers.s3.settings import S3Settings
 from s3kv.tiering.tiers.settings import WorkerEnv
 from s3kv.tiering.tiers.spec import ManagerEnv, Run, TierPrior, TierSpec
 
@@ -57,17 +58,23 @@ class S3Spec(TierSpec):
             manager.down = not check_bucket(env.store, env.config, env.run)
         return manager
 
+    def settings(self, config: S3KVConfig) -> S3Settings:
+        return S3Settings.from_config(config)
+
     def handler(self, env: WorkerEnv) -> S3Handler | None:
+        """The bucket's handler wherever the worker has a store, with the
+        S3 settings it was given (the config's defaults where it has none)."""
         if env.store is None:
             return None
-        s = env.settings
+        s = env.settings.wings.get(self.tier, S3Settings())
+        if not isinstance(s, S3Settings):
+            raise TypeError(f"the S3 tier's settings are {type(s).__name__}, not S3Settings")
         return S3Handler(
             env.store,
             env.codec,
-            s.prefix,
+            env.settings.prefix,
             range_bytes=s.range_bytes,
             executor=env.threads,
-            keys=s.keys,
             published=env.published,
             report=env.report,
             counters=env.counters,
