@@ -17,6 +17,7 @@ from s3kv.config import S3KVConfig
 from s3kv.errors import ConfigError
 from s3kv.identity import ModelSource, canonical_config
 from s3kv.keys import Namespace
+from s3kv.kvgroups import CHUNKED, FULL, SLIDING, GroupLayout, KVGroup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,14 +37,97 @@ class EngineLayout:
     """Ranks that each store a shard of every chunk."""
     page_size_bytes: int = 0
     """Bytes of one block of one layer on one rank."""
+    groups: GroupLayout | None = None
+    """The KV cache groups, their layers as indexes into ``layer_names``
+    (None: one full-attention group of every layer)."""
+
+    @property
+    def kv_groups(self) -> GroupLayout:
+        return self.groups or GroupLayout((KVGroup(FULL, tuple(range(len(self.layer_names)))),), self.block_size)
 
     def namespace(self, identity: Mapping[str, Any]) -> Namespace:
         """The namespace, once the weights' identity is known."""
         return Namespace.from_fields({**identity, **self.fields})
 
     def shard_bytes(self, chunk_tokens: int) -> int:
-        """Bytes of one rank's pages of a chunk, all layers."""
-        return chunk_tokens // self.block_size * self.page_size_bytes * len(self.layer_names)
+        """Bytes of one rank's object of a chunk's part (every layer of a
+        one-group model): :attr:`GroupLayout.frames` layers' pages."""
+        return chunk_tokens // self.block_size * self.page_size_bytes * self.kv_groups.frames
+
+
+SERVED = "full attention, sliding-window attention and chunked-local attention"
+
+
+def _group(spec: Any, layers: tuple[int, ...], names: list[str]) -> KVGroup:
+    """s3kv's view of one of vLLM's KV cache groups, or ConfigError naming
+    a kind s3kv cannot share yet."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    kind = type(spec)
+    if kind in (FullAttentionSpec, MLAAttentionSpec):
+        return KVGroup(FULL, layers)
+    if kind is SlidingWindowSpec:
+        return KVGroup(SLIDING, layers, int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0)))
+    if kind is ChunkedLocalAttentionSpec:
+        return KVGroup(CHUNKED, layers, int(spec.attention_chunk_size))
+    what = "Mamba / linear-attention state" if "Mamba" in kind.__name__ else "this KV cache"
+    raise ConfigError(
+        f"s3kv cannot share {what} yet: KV cache group of kind {kind.__name__} "
+        f"(layers {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}). s3kv shares {SERVED} "
+        "groups; serve this model without the s3kv KV connector (remove --kv-transfer-config)"
+    )
+
+
+def _groups(kv_cache_config: Any) -> tuple[tuple[str, ...], GroupLayout | None, Any]:
+    """(layer order, groups, the spec of the first group) of vLLM's KV cache
+    config; groups None for one full-attention group. Every group must have
+    one block size and page size (vLLM's hybrid manager makes them so)."""
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise ConfigError("this model has no KV cache (no attention layers): nothing for s3kv to share")
+    first = groups[0].kv_cache_spec
+    names: list[str] = []
+    kv_groups: list[KVGroup] = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        layers = tuple(range(len(names), len(names) + len(g.layer_names)))
+        kv_groups.append(_group(spec, layers, list(g.layer_names)))
+        names += g.layer_names
+        for what in ("block_size", "page_size_bytes"):
+            if getattr(spec, what) != getattr(first, what):
+                raise ConfigError(
+                    f"s3kv needs one {what} for every KV cache group: group {type(first).__name__} has "
+                    f"{getattr(first, what)}, group {type(spec).__name__} {getattr(spec, what)}"
+                )
+    layout = GroupLayout(tuple(kv_groups), int(first.block_size))
+    return tuple(names), (None if layout.single else layout), first
+
+
+def _group_fields(kv_cache_config: Any, layout: GroupLayout) -> list[dict[str, Any]]:
+    """The group structure, a namespace field: what makes two engines' parts interchangeable."""
+    out = []
+    for g, kv in zip(kv_cache_config.kv_cache_groups, layout.groups, strict=True):
+        spec = g.kv_cache_spec
+        out.append(
+            {
+                "kind": kv.kind,
+                "window": kv.window,
+                "spec": type(spec).__name__,
+                "block_size": int(spec.block_size),
+                "page_size_bytes": int(spec.page_size_bytes),
+                "num_kv_heads": getattr(spec, "num_kv_heads", None),
+                "head_size": getattr(spec, "head_size", None),
+                "head_size_v": getattr(spec, "head_size_v", None),
+                "dtype": str(getattr(spec, "dtype", "")),
+                "layers": list(g.layer_names),
+            }
+        )
+    return out
 
 
 def _cpu_attention_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
@@ -85,14 +169,9 @@ def engine_layout(
     weights) or that s3kv does not support."""
     from vllm.platforms import current_platform
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"s3kv supports models with one KV cache group (full attention); this model has {len(groups)}"
-        )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ConfigError("s3kv does not support pipeline parallelism yet (pipeline_parallel_size > 1)")
-    spec = groups[0].kv_cache_spec
+    layer_names, kv_groups, spec = _groups(kv_cache_config)
     block_size = int(spec.block_size)
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -130,13 +209,15 @@ def engine_layout(
         "head_size_v": getattr(spec, "head_size_v", None),
         "page_size_bytes": int(spec.page_size_bytes),
         "sliding_window": getattr(spec, "sliding_window", None),
-        "num_layers": len(groups[0].layer_names),
+        "num_layers": kv_groups.frames if kv_groups is not None else len(layer_names),
         "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", "")),
         "platform": str(current_platform.device_type),
         "attention_backend": str(attention_backend),
         "tp_size": int(parallel.tensor_parallel_size),
         "dcp_size": int(getattr(parallel, "decode_context_parallel_size", 1)),
     }
+    if kv_groups is not None:  # absent for one full-attention group: those namespaces are unchanged
+        fields["kv_groups"] = _group_fields(kv_cache_config, kv_groups)
     if current_platform.device_type == "cpu":
         fields["cpu_attention_isa"] = _cpu_attention_isa(
             getattr(spec, "dtype", model.dtype),
@@ -153,8 +234,9 @@ def engine_layout(
             getattr(load, "download_dir", None),
         ),
         block_size=block_size,
-        layer_names=tuple(groups[0].layer_names),
+        layer_names=layer_names,
         tp_size=int(parallel.tensor_parallel_size),
         world_size=int(parallel.tensor_parallel_size),
         page_size_bytes=int(spec.page_size_bytes),
+        groups=kv_groups,
     )

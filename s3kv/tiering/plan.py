@@ -46,6 +46,10 @@ class LoadChunk:
     does not have the chunk (a file lost or corrupt)."""
     promote: tuple[Place, ...] = ()
     """Also write the loaded chunk here (nearer tiers), once it is checked."""
+    group: int = 0
+    """The KV cache group whose part of the chunk this is (``key`` is the
+    part's, :func:`~s3kv.kvgroups.part_key`): its frames go to that group's
+    layers, ``block_ids`` are from that group's block table."""
 
     @property
     def write_ids(self) -> tuple[int, ...]:
@@ -74,6 +78,12 @@ class StoreChunk:
     writes to read: each rank reports it released once they no longer do
     (whatever became of the writes, and whether or not the rank has the
     tiers)."""
+    group: int = 0
+    """The KV cache group whose part of the chunk this is (as :attr:`LoadChunk.group`)."""
+    first_block: int = 0
+    """Pages before this index are stored as zeros: no later hit reads them
+    (a windowed group's pages its window never reaches again; vLLM may
+    have freed their blocks already)."""
 
 
 @dataclass(frozen=True)
