@@ -13,6 +13,8 @@ from s3kv.errors import ConfigError
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
 from s3kv.connector.layout import engine_layout  # noqa: E402
 
 
@@ -36,9 +38,7 @@ def _configs(**over):
     for k, v in over.items():
         target, name = k.split("__")
         setattr({"model": model, "cache": cache, "load": load}[target], name, v)
-    spec = SimpleNamespace(
-        block_size=32, page_size_bytes=16384, dtype=torch.bfloat16, num_kv_heads=2, head_size=64
-    )
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     vllm_config = SimpleNamespace(
         model_config=model,
         cache_config=cache,
