@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -122,7 +123,7 @@ def _log_through_vllm() -> None:
         log.propagate = False
 
 
-class S3KVConnector(KVConnectorBase_V1):
+class S3KVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -270,6 +271,12 @@ class S3KVConnector(KVConnectorBase_V1):
         self.scheduler.on_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager: each KV cache group's blocks."""
         return self.scheduler.request_finished(request, block_ids), None
 
     def take_events(self) -> Iterable[KVCacheEvent]:

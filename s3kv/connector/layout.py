@@ -43,7 +43,9 @@ class EngineLayout:
 
     @property
     def kv_groups(self) -> GroupLayout:
-        return self.groups or GroupLayout((KVGroup(FULL, tuple(range(len(self.layer_names)))),), self.block_size)
+        return self.groups or GroupLayout(
+            (KVGroup(FULL, tuple(range(len(self.layer_names)))),), self.block_size
+        )
 
     def namespace(self, identity: Mapping[str, Any]) -> Namespace:
         """The namespace, once the weights' identity is known."""
@@ -72,7 +74,9 @@ def _group(spec: Any, layers: tuple[int, ...], names: list[str]) -> KVGroup:
     if kind in (FullAttentionSpec, MLAAttentionSpec):
         return KVGroup(FULL, layers)
     if kind is SlidingWindowSpec:
-        return KVGroup(SLIDING, layers, int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0)))
+        return KVGroup(
+            SLIDING, layers, int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
+        )
     if kind is ChunkedLocalAttentionSpec:
         return KVGroup(CHUNKED, layers, int(spec.attention_chunk_size))
     what = "Mamba / linear-attention state" if "Mamba" in kind.__name__ else "this KV cache"

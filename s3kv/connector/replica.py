@@ -19,12 +19,21 @@ from typing import Any
 DRAIN_TIMEOUT_S = 60.0
 """How long each rank waits for its pending uploads before it reports."""
 WORKER_EXTENSION = "s3kv.connector.replica.S3KVWorkerExtension"
-"""``worker_extension_cls`` of an engine with s3kv's connector."""
+"""``worker_extension_cls`` of the replica's engine (with s3kv's connector or none)."""
 
 
 class S3KVWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``) so that
     ``collective_rpc("s3kv_drain")`` reaches each worker's s3kv side."""
+
+    def s3kv_kv_cache(self) -> dict[str, Any]:
+        """This worker's KV cache: its blocks and its groups' kinds (with or
+        without a connector)."""
+        config = self.model_runner.kv_cache_config  # type: ignore[attr-defined]
+        return {
+            "num_blocks": int(config.num_blocks),
+            "groups": [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups],
+        }
 
     def s3kv_drain(self, timeout_s: float) -> dict[str, Any]:
         """Wait up to ``timeout_s`` for this rank's pending uploads, then
@@ -131,8 +140,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     engine_args = dict(spec.get("engine_args", {}))
-    if spec.get("kv_transfer_config"):
-        engine_args.setdefault("worker_extension_cls", WORKER_EXTENSION)
+    engine_args.setdefault("worker_extension_cls", WORKER_EXTENSION)
     started = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -197,6 +205,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         **({"logprobs": tops} if logprobs is not None else {}),
         "metrics": metrics(llm),
         "workers": workers,
+        "kv_cache": llm.collective_rpc("s3kv_kv_cache"),
         "startup_s": startup_s,
     }
     del llm

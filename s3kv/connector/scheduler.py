@@ -133,7 +133,7 @@ class SchedulerSide:
     def on_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or self.planner is None:
             return
-        self.planner.on_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+        self.planner.on_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def hit_sources(self, request: Request) -> dict[Tier, int]:
         return self.planner.hit_sources(request.request_id) if self.planner is not None else {}
@@ -150,7 +150,7 @@ class SchedulerSide:
                     new.req_id,
                     new.num_computed_tokens,
                     out.num_scheduled_tokens.get(new.req_id, 0),
-                    lambda ids=new.block_ids: ids[0],
+                    lambda ids=new.block_ids: ids,
                 )
             )
         cached = out.scheduled_cached_reqs
@@ -163,7 +163,7 @@ class SchedulerSide:
                     req_id,
                     cached.num_computed_tokens[i],
                     out.num_scheduled_tokens.get(req_id, 0),
-                    lambda r=req_id: manager.get_block_ids(r)[0],
+                    lambda r=req_id: manager.get_block_ids(r),
                 )
             )
         plan = planner.plan_step(scheduled)
@@ -191,7 +191,7 @@ class SchedulerSide:
         p.on_recved(output.finished_recving or ())
         p.on_sent(output.finished_sending or ())
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int] | tuple[list[int], ...]) -> bool:
         """True: vLLM keeps the blocks until the workers copied the request's
         last chunks (those with generated tokens) out of them."""
         self.requests.finished(request.request_id)

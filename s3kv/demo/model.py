@@ -32,6 +32,45 @@ DEMO_SPEC = {
 }
 
 
+GEMMA3_SPEC = {
+    # Gemma 3's pattern, five sliding-window layers to one global: vLLM's
+    # hybrid KV cache manager makes six KV cache groups of one layer each.
+    "vocab_size": 2048,
+    "hidden_size": 384,
+    "intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "query_pre_attn_scalar": 64,
+    "max_position_embeddings": 8192,
+    "initializer_range": 0.1,
+    "sliding_window": 64,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "tie_word_embeddings": False,  # tied, a random Gemma 3 says one token whatever the prompt
+}
+
+
+def build_gemma3(path: str | Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Write a random Gemma 3 text model (local and global layers) to ``path``
+    (once: an existing one is reused)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path = Path(path)
+    spec = {**GEMMA3_SPEC, **overrides}
+    marker = path / "s3kv-model.json"
+    wanted = {"seed": seed, "family": "gemma3", **spec}
+    if marker.is_file() and json.loads(marker.read_text()) == wanted:
+        return path
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(**spec, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    marker.write_text(json.dumps(wanted))
+    return path
+
+
 def build_model(path: str | Path, *, seed: int = 0, **overrides: int | float) -> Path:
     """Write a random Llama to ``path`` (once: an existing one is reused)."""
     import torch

@@ -49,6 +49,9 @@ RESULT, a JSON object:
   (``Counters.totals()``) and ``drained``, after waiting up to
   :data:`s3kv.connector.replica.DRAIN_TIMEOUT_S` for its pending uploads;
   ``{}`` for a rank whose connector is not s3kv's.
+- ``kv_cache``: each rank's KV cache, ``{"num_blocks": n, "groups": [spec
+  class names]}`` (vLLM's hybrid KV cache manager makes one group per
+  attention kind and layer pattern).
 - ``startup_s``: seconds to build the engine.
 """
 

@@ -63,6 +63,10 @@ class LoadPlan:
     sync: bool
     """Copied from the CPU tier during this step's forward, layer by layer;
     otherwise loaded in the background while the request waits."""
+    failed: tuple[int, ...] = ()
+    """Blocks vLLM expects loaded that no tier holds (a part of a hit vLLM
+    shortened, which its windows then needed): each rank reports them as
+    load errors at once, and vLLM recomputes from the first."""
 
 
 @dataclass(frozen=True)
@@ -157,8 +161,8 @@ class ScheduledRequest:
     num_computed_tokens: int
     """Tokens computed before this step."""
     num_scheduled_tokens: int
-    block_ids: Callable[[], Sequence[int]]
-    """The request's block ids (called only when a store is planned)."""
+    block_ids: Callable[[], Sequence[int] | Sequence[Sequence[int]]]
+    """The request's block ids, or each KV cache group's (called only when a store is planned)."""
 
 
 class TierSection(ABC):

@@ -286,6 +286,8 @@ class CostModel:
         policy: str | None = None,
         ahead_tokens: int = 0,
         inflight: Mapping[Tier, int] | None = None,
+        full_parts: int = 1,
+        windowed: Callable[[int], Mapping[Tier, int] | None] | None = None,
     ) -> Decision:
         """How many chunks of a hit to offer. ``tiers[i]`` (``sync[i]``:
         a synchronous tier) holds the chunk that starts at token
@@ -293,7 +295,12 @@ class CostModel:
         already, ``context_tokens`` in all, and a load may end no later than
         ``end_tokens``. ``policy`` overrides the replica's for this request.
         The engine has ``ahead_tokens`` of prefill to compute before this
-        request's, and ``inflight`` chunks of other loads are in flight, by tier."""
+        request's, and ``inflight`` chunks of other loads are in flight, by tier.
+
+        A model with several KV cache groups loads objects of parts: each
+        chunk ``full_parts`` (its full-attention groups'), and the windowed
+        groups' parts that a hit of ``k`` chunks needs, ``windowed(k)`` by
+        tier (None: no whole hit ends there, so it is never the choice)."""
         n = len(tiers)
         if (policy or self.policy) == "always" or n == 0:
             return Decision(n)
@@ -311,7 +318,15 @@ class CostModel:
             end = first_token + k * chunk_tokens
             if end_tokens is not None:
                 end = min(end, end_tokens)
-            load = self._load_seconds(counts, has_async, inflight)
+            parts = counts
+            if windowed is not None:
+                extra = windowed(k)
+                if extra is None:
+                    continue
+                parts = {t: full_parts * n for t, n in counts.items() if full_parts}
+                for t, n in extra.items():
+                    parts[t] = parts.get(t, 0) + n
+            load = self._load_seconds(parts, has_async, inflight)
             gain = (end - local_tokens) * per_token - max(0.0, load - hidden)
             if gain > best_gain:
                 best, best_gain = k, gain

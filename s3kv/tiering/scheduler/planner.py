@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.keys import Namespace
+from s3kv.kvgroups import GroupLayout
 from s3kv.stats import Counters
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import (
@@ -32,11 +34,22 @@ from s3kv.tiering.plan import (
 from s3kv.tiering.scheduler.cost import CostModel
 from s3kv.tiering.scheduler.keychain import ChainKeys, ExtrasFn, Keyed, PrefixIds
 from s3kv.tiering.scheduler.loads import LoadsInFlight, PrefillBacklog
+from s3kv.tiering.scheduler.parts import GroupHit, GroupParts
 from s3kv.tiering.scheduler.prefetch import Prefetcher
 from s3kv.tiering.scheduler.ranks import RankCount
 from s3kv.tiering.scheduler.requests import RequestState
 from s3kv.tiering.scheduler.stack import TierStack
 from s3kv.tiering.tiers.manager import TierEvents, TierManager
+
+BlockIds = Sequence[int] | Sequence[Sequence[int]]
+"""A request's block ids: one list, or one per KV cache group."""
+
+
+def by_group(block_ids: BlockIds) -> tuple[Sequence[int], ...]:
+    """``block_ids`` as one list per KV cache group."""
+    if block_ids and not isinstance(block_ids[0], int):
+        return tuple(block_ids)  # type: ignore[arg-type]
+    return (block_ids,)  # type: ignore[return-value]
 
 
 class Planner:
@@ -57,6 +70,7 @@ class Planner:
         prefetch_bytes: int = 0,
         prefetch_wait_s: float = DEFAULTS.load_timeout_s + 5.0,
         clock: Callable[[], float] = time.monotonic,
+        groups: GroupLayout | None = None,
     ) -> None:
         if chunk_tokens % block_size:
             raise ValueError("chunk_tokens must be a multiple of block_size")
@@ -95,6 +109,10 @@ class Planner:
             clock=clock,
         )
         """Fetches what only S3 holds of arriving requests' hits into the nearer tiers."""
+        self.parts = GroupParts(groups, chunk_tokens) if groups is not None and not groups.single else None
+        """A model's KV cache groups, each chunk one object per group (None: one group)."""
+        if self.parts is not None:
+            self.prefetcher.budget_bytes = 0  # it fetches chain keys, not every group's parts
 
     @classmethod
     def from_config(
@@ -108,9 +126,11 @@ class Planner:
         emit_events: bool = False,
         counters: Counters | None = None,
         chunk_bytes: int = 0,
+        groups: GroupLayout | None = None,
     ) -> Planner:
         """The planner ``config`` asks for, over ``tiers`` (nearest first);
-        ``chunk_bytes``: the raw KV bytes of one chunk shard (for the cost model)."""
+        ``chunk_bytes``: the raw KV bytes of one object (a chunk's shard, or
+        its part of one KV cache group), for the cost model."""
         return cls(
             namespace=namespace,
             chunk_tokens=config.chunk_tokens,
@@ -127,6 +147,7 @@ class Planner:
             chunk_bytes=chunk_bytes,
             prefetch_bytes=config.prefetch_bytes,
             prefetch_wait_s=config.load_timeout_s + 5.0,
+            groups=groups,
         )
 
     def tier(self, tier: Tier) -> TierManager | None:
@@ -195,7 +216,13 @@ class Planner:
                 self.counters.add("prefetch_waits")
             return None, False
         self.prefetcher.leave(req_id)  # scheduled now: it loads the rest itself
-        hit = self.stack.hits(req_id, keys, req.fps, start, n_chunks)
+        ghit: GroupHit | None = None
+        if self.parts is None:
+            hit = self.stack.hits(req_id, keys, req.fps, start, n_chunks)
+        else:
+            ghit = self.parts.hit(self.stack, req_id, keys, req.fps, req.parts, start, n_chunks, num_tokens)
+            hit = self.parts.chunk_tiers(ghit, ghit.longest, self.stack)
+        req.group_hit = ghit
         whole, _ = self._offer(hit, start, num_tokens, num_computed_tokens)
         if self.cost is not None and hit:
             inflight = self._loads.by_tier
@@ -214,10 +241,16 @@ class Planner:
                 policy=policy,
                 ahead_tokens=ahead,
                 inflight=inflight,
+                **self._part_costs(ghit, start),
             )
             if decision.chunks < len(hit):
                 hit = hit[: decision.chunks]
-                self.stack.release(req_id, keep=hit)  # a probe of a tier it no longer loads from
+                if ghit is not None:  # the parts the shorter hit needs, its windows' among them
+                    end = start + decision.chunks
+                    hit = self.parts.chunk_tiers(ghit, end, self.stack) if decision.chunks else []
+                    self.stack.release(req_id, keep=ghit.managers(end))
+                else:
+                    self.stack.release(req_id, keep=hit)  # a probe of a tier it no longer loads from
             if not req.decided and decision.explored:
                 self.counters.add("load_policy_explored")
         req.hit_start, req.hit = start, hit
@@ -229,6 +262,16 @@ class Planner:
         req.load_async = n > 0 and not sync
         self._backlog.set(req_id, num_tokens - num_computed_tokens - n)
         return (n, not sync) if n > 0 else (0, False)
+
+    def _part_costs(self, ghit: GroupHit | None, start: int) -> dict[str, Any]:
+        """The cost model's view of a hit's parts (nothing for a one-group model)."""
+        if ghit is None or self.parts is None:
+            return {}
+        parts = self.parts
+        return {
+            "full_parts": len(parts.full),
+            "windowed": lambda k: parts.windowed_counts(ghit, start + k),
+        }
 
     def _offer(
         self, hit: Sequence[TierManager], start: int, num_tokens: int, num_computed_tokens: int
@@ -264,14 +307,19 @@ class Planner:
         self.prefetcher.arrive(req_id)
 
     # -- allocation ---------------------------------------------------------------
-    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """vLLM allocated blocks for a hit of ``num_external_tokens``: plan the load."""
+    def on_alloc(self, req_id: str, block_ids: BlockIds, num_external_tokens: int) -> None:
+        """vLLM allocated blocks for a hit of ``num_external_tokens``: plan the
+        load. ``block_ids``: the request's, or each KV cache group's."""
         req = self._requests.get(req_id)
         if req is None:
             return
         if num_external_tokens <= 0:
             self.stack.release(req_id)  # vLLM loads nothing: a probe it took is not one
             return
+        if self.parts is not None:
+            self._on_alloc_parts(req_id, req, by_group(block_ids), num_external_tokens)
+            return
+        block_ids = by_group(block_ids)[0]
         ct, bs, bpc = self.chunk_tokens, self.block_size, self.blocks_per_chunk
         start = req.local_tokens
         end = start + num_external_tokens
@@ -310,6 +358,30 @@ class Planner:
         if req.load_async:
             self._async_loading.add(req_id)
 
+    def _on_alloc_parts(
+        self, req_id: str, req: RequestState, group_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """:meth:`on_alloc` of a model with several KV cache groups (:meth:`GroupParts.plan_load`)."""
+        assert self.parts is not None
+        start = req.local_tokens
+        load = self.parts.plan_load(
+            self.stack, req_id, req, group_ids, start, start + num_external_tokens, self.promote
+        )
+        req.hit_tokens = {}
+        for c, m in load.chunk_tiers.items():
+            self._remember(req, c)
+            n_tokens = min(load.end, (c + 1) * self.chunk_tokens) - max(start, c * self.chunk_tokens)
+            req.hit_tokens[m.tier] = req.hit_tokens.get(m.tier, 0) + n_tokens
+        for tier, n in req.hit_tokens.items():
+            self.counters.add(f"hit_tokens_{tier.value}", n)
+        req.loaded = range(start // self.chunk_tokens, -(-load.end // self.chunk_tokens))
+        plan = LoadPlan(req_id, tuple(load.chunks), not req.load_async, failed=tuple(load.failed))
+        self._pending_loads.append(plan)
+        self._load_pins[req_id] = load.pins
+        self._loads.planned(req_id, [m.tier for m, _ in load.pins], req.load_async)
+        if req.load_async:
+            self._async_loading.add(req_id)
+
     def hit_sources(self, req_id: str) -> dict[Tier, int]:
         """Tokens of the request's planned load, by tier."""
         req = self._requests.get(req_id)
@@ -341,26 +413,32 @@ class Planner:
         return plan
 
     def _plan_stores(
-        self, req: RequestState, done_tokens: int, block_ids: Callable[[], Sequence[int]]
+        self, req: RequestState, done_tokens: int, block_ids: Callable[[], BlockIds]
     ) -> list[StoreChunk]:
         """Stores of the request's full chunks computed by ``done_tokens``
-        whose token ids are known, and not yet in every tier."""
+        whose token ids are known, and not yet in every tier: each KV cache
+        group's part of each, where vLLM still holds the pages a later hit
+        can read (a windowed group's far behind are freed: not promised)."""
         limit = len(req.token_ids) if self.save_generated else req.num_prompt_tokens
         done_chunks = min(done_tokens, limit) // self.chunk_tokens
         if done_chunks <= req.stored_until:
             return []
         keys = self.chain.extend(req, done_chunks)
         bpc = self.blocks_per_chunk
-        ids_all: Sequence[int] | None = None
+        group_ids: tuple[Sequence[int], ...] | None = None
         out = []
         for c in range(req.stored_until, done_chunks):
-            if ids_all is None:
-                ids_all = block_ids()
-            ids = tuple(ids_all[c * bpc : (c + 1) * bpc])
-            if len(ids) != bpc:
+            if group_ids is None:
+                group_ids = by_group(block_ids())
+            if any(len(ids) < (c + 1) * bpc for ids in group_ids):
                 break
             if c in req.loaded and not req.load_failed:
                 continue
+            if self.parts is not None:
+                out += self.parts.plan_stores(self.stack, req, group_ids, c)
+                self._remember(req, c)
+                continue
+            ids = tuple(group_ids[0][c * bpc : (c + 1) * bpc])
             targets, pinned = self.stack.store(keys[c])
             if targets:
                 self._remember(req, c)
@@ -368,7 +446,7 @@ class Planner:
         req.stored_until = done_chunks
         return out
 
-    def request_finished(self, req_id: str, block_ids: Sequence[int], num_computed_tokens: int) -> bool:
+    def request_finished(self, req_id: str, block_ids: BlockIds, num_computed_tokens: int) -> bool:
         """The request is done. Plan stores of its last full chunks (those
         holding generated tokens) for the next step; True if vLLM must keep
         its blocks until that step's copies are done."""

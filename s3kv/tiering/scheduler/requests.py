@@ -11,6 +11,7 @@ import numpy as np
 from s3kv.manifest.keyset import EMPTY
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.scheduler.keychain import ExtrasFn, PrefixIds
+from s3kv.tiering.scheduler.parts import GroupHit, PartKeys
 from s3kv.tiering.tiers.manager import TierManager
 
 
@@ -33,6 +34,10 @@ class RequestState:
     hit: list[TierManager] = field(default_factory=list)
     """Tier of each chunk of the hit, from ``hit_start``."""
     hit_tokens: dict[Tier, int] = field(default_factory=dict)
+    parts: PartKeys = field(default_factory=PartKeys)
+    """Part keys of the groups after the first (a model with several KV cache groups)."""
+    group_hit: GroupHit | None = None
+    """Where each part of the last lookup's hit is (a model with several KV cache groups)."""
     stored_until: int = 0
     """Chunks below this index are stored or planned."""
     loaded: range = range(0)

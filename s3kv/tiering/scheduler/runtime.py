@@ -30,6 +30,7 @@ from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.errors import AlreadyExists, ConfigError
 from s3kv.identity import DigestCache, ModelSource, resolve_identity
 from s3kv.keys import Namespace, namespace_prefix
+from s3kv.kvgroups import GroupLayout
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest.protocol import manifest_prefix
 from s3kv.stats import SERIES, Counters
@@ -67,6 +68,9 @@ class ModelShape(Protocol):
     def namespace(self, identity: Mapping[str, Any]) -> Namespace: ...
 
     def shard_bytes(self, chunk_tokens: int) -> int: ...
+
+    @property
+    def kv_groups(self) -> GroupLayout: ...
 
 
 def check_prefetch(config: S3KVConfig, shard_bytes: int) -> S3KVConfig:
@@ -192,6 +196,7 @@ class SchedulerRuntime:
             emit_events=self._emit_events,
             counters=self.counters,
             chunk_bytes=shape.shard_bytes(config.chunk_tokens),
+            groups=shape.kv_groups,
         )
         self.namespace = namespace
         self.planner = planner  # last: the scheduling loop starts using it now

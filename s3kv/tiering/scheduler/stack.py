@@ -56,6 +56,23 @@ class TierStack:
             m.probe(owner, m in hit)
         return hit
 
+    def where(
+        self, owner: Hashable, keys: Sequence[bytes], fps: np.ndarray, start: int, end: int
+    ) -> list[TierManager | None]:
+        """The nearest tier holding each of chunks [start, end), None where
+        none does (every chunk, not a prefix: a windowed group's parts). The
+        caller settles the probes (:meth:`settle_probes`)."""
+        asked = [m for m in self.tiers if m.allows(owner, take=False)]
+        held = [m.lookup(keys, fps, start, end) for m in asked]
+        if not held:
+            return [None] * (end - start)
+        return [asked[row.index(True)] if True in row else None for row in zip(*held)]
+
+    def settle_probes(self, owner: Hashable, used: set[TierManager]) -> None:
+        """Half-open tiers in ``used`` take ``owner`` as their probe; the others let a probe of it go."""
+        for m in self.tiers:
+            m.probe(owner, m in used)
+
     def load(self, key: bytes, m: TierManager, place: Place, promote: bool) -> tuple[tuple[Place, ...], ...]:
         """(sources, promotions) of a load of ``key`` from ``m`` at ``place``:
         farther tiers that have it back ``m`` up where ``m`` may lose it
