@@ -91,3 +91,14 @@ def test_stores_every_part_but_those_whose_pages_vllm_freed():
     assert set(stores) == {(0, KEYS[c]) for c in range(4)} | {(1, part(c, 1)) for c in (1, 2, 3)}
     assert stores[(1, part(2, 1))].block_ids == (15, 16)
     assert all(s.targets and s.targets[0].tier is Tier.S3 for s in plan.stores)
+
+
+def test_a_prefetch_fetches_the_parts_a_hit_needs_and_its_lookup_waits_for_any():
+    p, index = grouped(cpu_slots=16, chunk_bytes=1000, prefetch_bytes=16 * 1000)
+    publish(index, KEYS[:4] + [part(c, 1) for c in range(4)])
+    p.prefetch("r", PROMPT, N)
+    (plan,) = p.plan_step([]).prefetch
+    fetched = {(c.group, c.key) for c in plan.chunks}
+    assert fetched == {(0, KEYS[c]) for c in range(4)} | {(1, part(2, 1)), (1, part(3, 1))}
+    assert all(c.promote and c.promote[0].tier is Tier.CPU for c in plan.chunks)
+    assert p.lookup("r", PROMPT, N, 0) == (None, False)  # waits for its parts

@@ -111,8 +111,7 @@ class Planner:
         """Fetches what only S3 holds of arriving requests' hits into the nearer tiers."""
         self.parts = GroupParts(groups, chunk_tokens) if groups is not None and not groups.single else None
         """A model's KV cache groups, each chunk one object per group (None: one group)."""
-        if self.parts is not None:
-            self.prefetcher.budget_bytes = 0  # it fetches chain keys, not every group's parts
+        self.prefetcher.parts = self.parts
 
     @classmethod
     def from_config(
@@ -210,7 +209,7 @@ class Planner:
             self.prefetcher.leave(req_id)  # vLLM holds all of it: nothing to fetch
             return 0, False
         keys = self.chain.extend(req, n_chunks)
-        if self.prefetcher.awaits(keys, start, n_chunks):
+        if self._prefetching(req, keys, start, n_chunks):
             if not req.waited:
                 req.waited = True
                 self.counters.add("prefetch_waits")
@@ -262,6 +261,16 @@ class Planner:
         req.load_async = n > 0 and not sync
         self._backlog.set(req_id, num_tokens - num_computed_tokens - n)
         return (n, not sync) if n > 0 else (0, False)
+
+    def _prefetching(self, req: RequestState, keys: list[bytes], start: int, n_chunks: int) -> bool:
+        """Is a part of chunks [start, n_chunks) of the request being prefetched (its lookup waits)?"""
+        if self.prefetcher.awaits(keys, start, n_chunks):
+            return True
+        parts = self.parts
+        return parts is not None and any(
+            self.prefetcher.awaits(parts.keys(keys, req.fps, req.parts, g, n_chunks)[0], start, n_chunks)
+            for g in range(1, len(parts.layout.groups))
+        )
 
     def _part_costs(self, ghit: GroupHit | None, start: int) -> dict[str, Any]:
         """The cost model's view of a hit's parts (nothing for a one-group model)."""

@@ -25,7 +25,9 @@ from s3kv.stats import Counters
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadChunk, LoadPlan
 from s3kv.tiering.scheduler.keychain import ChainKeys, Keyed
+from s3kv.tiering.scheduler.parts import GroupParts, PartKeys
 from s3kv.tiering.scheduler.stack import TierStack
+from s3kv.tiering.tiers.manager import TierManager
 
 
 class Arrival(Keyed, Protocol):
@@ -34,6 +36,7 @@ class Arrival(Keyed, Protocol):
     num_prompt_tokens: int
     load_failed: bool
     """A load of it failed: it is recomputed, and fetches nothing more."""
+    parts: PartKeys
 
 
 @dataclass
@@ -83,6 +86,8 @@ class Prefetcher:
         first: the chunks each waits with (as last counted)."""
         self._arrived: list[str] = []
         """Requests queued since the last step was planned."""
+        self.parts: GroupParts | None = None
+        """A model's KV cache groups: each hit's parts are fetched (None: one group)."""
 
     @property
     def enabled(self) -> bool:
@@ -157,12 +162,22 @@ class Prefetcher:
         n_chunks = min(len(req.token_ids), req.num_prompt_tokens) // ct
         keys = self.chain.extend(req, n_chunks)
         owner = ("prefetch", req_id)
-        hit = self.stack.hits(owner, keys, req.fps, 0, n_chunks)
+        wanted: list[tuple[int, int, bytes, TierManager]]
+        if self.parts is None:
+            hit = self.stack.hits(owner, keys, req.fps, 0, n_chunks)
+            wanted = [(c, 0, keys[c], m) for c, m in enumerate(hit)]
+        else:  # every part the longest whole hit needs
+            parts = self.parts
+            ghit = parts.hit(self.stack, owner, keys, req.fps, req.parts, 0, n_chunks, n_chunks * ct + 1)
+            wanted = [
+                (c, g, parts.part(req, c, g), m)
+                for c, g in ghit.needed.get(ghit.longest, ())
+                if (m := ghit.tier(c, g)) is not None
+            ]
         self.stack.release(owner)  # a prefetch is never a breaker's probe
         chunks: list[LoadChunk] = []
         left = 0
-        for c, m in enumerate(hit):
-            key = keys[c]
+        for c, g, key, m in wanted:
             if not m.prefetches(key) or key in self._in_flight:
                 continue
             if len(chunks) >= budget:
@@ -172,8 +187,9 @@ class Prefetcher:
             if not up:  # no room nearer
                 continue
             self._in_flight[key] = _InFlight(now, m.tier, {p.tier for p in up})
-            self._remember(req, c)
-            chunks.append(LoadChunk(key, (), 0, 0, sources, up))
+            if g == 0:
+                self._remember(req, c)
+            chunks.append(LoadChunk(key, (), 0, 0, sources, up, group=g))
         return chunks, left
 
     def leave(self, req_id: str) -> None:
