@@ -95,3 +95,65 @@ def test_model_digest_reaches_the_model_source():
         *_configs(), parse_config({"bucket": "b-ok", "model_digest": "sha256:" + "0" * 64})
     )
     assert layout.model.digest == "sha256:" + "0" * 64 and layout.model.model == "/models/llama"
+
+
+def _grouped(*groups):
+    vllm_config, _ = _configs()
+    kv = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=names) for spec, names in groups]
+    )
+    return engine_layout(vllm_config, kv, parse_config({"bucket": "b-ok"}))
+
+
+def _full(**kw):
+    return FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, **kw)
+
+
+def test_one_full_group_keeps_its_namespace_fields():
+    layout = _grouped((_full(), ["l0", "l1"]))
+    assert layout.groups is None and "kv_groups" not in layout.fields
+    assert layout.fields["num_layers"] == 2
+
+
+def test_sliding_and_chunked_groups_are_parts_with_their_windows():
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    swa = SlidingWindowSpec(
+        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=1024
+    )
+    local = ChunkedLocalAttentionSpec(
+        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, attention_chunk_size=8192
+    )
+    layout = _grouped((swa, ["s0", "s2"]), (swa, ["s1"]), (_full(), ["f0", "f1"]), (local, ["c0", "c1"]))
+    groups = layout.kv_groups.groups
+    assert [(g.kind, g.window, g.layers) for g in groups] == [
+        ("sliding_window", 1024, (0, 1)),
+        ("sliding_window", 1024, (2,)),
+        ("full", 0, (3, 4)),
+        ("chunked_local", 8192, (5, 6)),
+    ]
+    assert layout.layer_names == ("s0", "s2", "s1", "f0", "f1", "c0", "c1")
+    assert layout.fields["num_layers"] == 2  # frames of every part object: the largest group's layers
+    assert [g["layers"] for g in layout.fields["kv_groups"]] == [
+        ["s0", "s2"],
+        ["s1"],
+        ["f0", "f1"],
+        ["c0", "c1"],
+    ]
+    assert layout.shard_bytes(64) == 2 * 2 * swa.page_size_bytes
+    other = _grouped((swa, ["s0", "s2"]), (swa, ["s1"]), (_full(), ["f0", "f1"]))
+    assert other.namespace({}).id != layout.namespace({}).id
+
+
+def test_a_mamba_group_fails_at_start_up_naming_its_kind():
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mamba = MambaSpec(block_size=32, shapes=((3, 64), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32))
+    with pytest.raises(ConfigError, match=r"Mamba / linear-attention state.*MambaSpec.*m0.*without the s3kv"):
+        _grouped((_full(), ["f0"]), (mamba, ["m0", "m1"]))
+
+
+def test_groups_of_other_block_sizes_fail_naming_them():
+    other = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="one block_size for every KV cache group"):
+        _grouped((_full(), ["f0"]), (other, ["f1"]))

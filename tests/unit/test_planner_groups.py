@@ -102,3 +102,16 @@ def test_a_prefetch_fetches_the_parts_a_hit_needs_and_its_lookup_waits_for_any()
     assert fetched == {(0, KEYS[c]) for c in range(4)} | {(1, part(2, 1)), (1, part(3, 1))}
     assert all(c.promote and c.promote[0].tier is Tier.CPU for c in plan.chunks)
     assert p.lookup("r", PROMPT, N, 0) == (None, False)  # waits for its parts
+
+
+def test_a_chunked_local_group_needs_only_the_attention_chunk_of_the_hit_end():
+    from s3kv.kvgroups import CHUNKED
+
+    local = GroupLayout((KVGroup(FULL, (0,)), KVGroup(CHUNKED, (1,), 128)), BS)
+    # Attention chunks of 128 tokens: a hit of 3 chunks (192 tokens) reads tokens 128.. of chunk 2 only.
+    assert [local.needs(1, c, CT, 3 * CT) for c in range(3)] == [False, False, True]
+    # A hit ending on an attention-chunk boundary reads none of the chunked group.
+    assert [local.needs(1, c, CT, 4 * CT) for c in range(4)] == [False] * 4
+    p, index = planner(groups=local)
+    publish(index, KEYS[:4])
+    assert p.lookup("r", PROMPT, N, 0) == (4 * CT, True)
