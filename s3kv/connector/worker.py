@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import PageFormat
 from s3kv.config import S3KVConfig
+from s3kv.connector.layerwise import LayerwiseLoad
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
-from s3kv.connector.pages import LayerwiseLoad, PageIO
+from s3kv.connector.pages import PageIO
 from s3kv.errors import ConfigError
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
@@ -189,7 +190,7 @@ class WorkerSide:
                 sync.append((views, c.block_ids, c.first_block, c.last_block))
                 self._sync_loads.chunks.append(c)
         if sync:
-            self._sync = pages.layerwise_load(sync)
+            self._sync = LayerwiseLoad(pages, sync)
 
     def wait_for_layer(self, layer_name: str) -> None:
         if self._sync is not None and self.pages is not None:

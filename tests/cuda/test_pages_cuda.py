@@ -22,6 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+from s3kv.connector.layerwise import LayerwiseLoad  # noqa: E402
 from s3kv.connector.pages import PageIO  # noqa: E402
 from s3kv.frame_sinks import scatter  # noqa: E402
 
@@ -92,7 +93,7 @@ def test_a_layerwise_load_from_pinned_slots_is_ordered_layer_by_layer():
     slots = [io.host_buffer(io.layers[0].page_bytes * n, pinned=True) for _ in caches]
     for i, s in enumerate(slots):
         s.fill_(i + 1)
-    load = io.layerwise_load([([s.numpy() for s in slots], ids, 0, n)])
+    load = LayerwiseLoad(io, [([s.numpy() for s in slots], ids, 0, n)])
     for i, name in enumerate(caches):
         load.wait_layer(i)
         got = caches[name].view(torch.uint8).index_select(1, torch.tensor(ids, device="cuda"))
