@@ -25,6 +25,7 @@ import torch
 
 from s3kv.errors import ConfigError
 from s3kv.frame_sinks import PageTarget
+from s3kv.kvgroups import GroupLayout
 
 if TYPE_CHECKING:
     from s3kv.tiering.plan import LoadChunk
@@ -44,6 +45,11 @@ def _runs(block_ids: Sequence[int], first: int, last: int) -> list[tuple[int, in
 
 def _nothing() -> None:
     pass
+
+
+def _layer_numbers(name: str) -> tuple[int, ...]:
+    """The numbers in a layer's name ("model.layers.7.self_attn.attn": (7,))."""
+    return tuple(int(part) for part in name.split(".") if part.isdigit())
 
 
 def _along(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
@@ -100,14 +106,47 @@ class LayerPages:
 
 
 class PageIO:
+    """Every layer's pages (``layer_names``, indexed in that order), and
+    where each frame of a KV cache group's part of a chunk goes: frame i of
+    group g's part is layer ``groups.groups[g].layers[i]``, with group g's
+    block ids; a group with fewer layers than :attr:`frames` has padding
+    frames, zeros in the object, that map to no layer.
+
+    Under vLLM's hybrid KV cache manager the groups' layers overlay one
+    another (one backing buffer, each group's layers from its start, a
+    block id owned by one group at a time): every layer's pages are its own
+    tensor view, and they are only ever copied with its own group's block
+    ids."""
+
     def __init__(
-        self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        layer_names: Sequence[str],
+        num_blocks: int,
+        groups: GroupLayout | None = None,
     ) -> None:
         missing = [n for n in layer_names if n not in kv_caches]
         if missing:
             raise ConfigError(f"KV caches of layers {missing[:3]} were not registered")
         self.layers = [LayerPages(n, kv_caches[n], num_blocks) for n in layer_names]
         self.index_of = {n: i for i, n in enumerate(layer_names)}
+        self.group_layers: list[tuple[int, ...]] = (
+            [g.layers for g in groups.groups] if groups is not None else [tuple(range(len(self.layers)))]
+        )
+        self.frame_of: dict[int, tuple[int, int]] = {}
+        """Layer index -> (its group, its frame in the group's parts)."""
+        for g, layers in enumerate(self.group_layers):
+            for f, layer in enumerate(layers):
+                if not 0 <= layer < len(self.layers) or layer in self.frame_of:
+                    raise ConfigError(f"KV cache group {g}: layer index {layer} is not a layer of its own")
+                self.frame_of[layer] = (g, f)
+        if len(self.frame_of) != len(self.layers):
+            raise ConfigError("KV cache groups leave layers out: every layer must be in one group")
+        self.frames = max(len(layers) for layers in self.group_layers)
+        """Frames of every part: the most layers a group has."""
+        self.order = sorted(range(len(self.layers)), key=lambda i: _layer_numbers(layer_names[i]))
+        """The layers in the model's order (the forward's, by the numbers in
+        their names): the groups' layers interleave there."""
         self.device = kv_caches[layer_names[0]].device
         self._stream = None
         if self.device.type == "cuda":
@@ -138,22 +177,45 @@ class PageIO:
         ids = torch.tensor(list(block_ids), dtype=torch.long).pin_memory()
         return ids.to(self.device, non_blocking=True)
 
-    def read_into(self, layer_index: int, block_ids: Sequence[int], out: np.ndarray) -> None:
-        """Copy the pages of ``block_ids`` of one layer into ``out`` (host,
-        uint8, exactly their size). Call after the forward wrote them."""
+    def layers_of(self, group: int) -> tuple[int, ...]:
+        """Group ``group``'s layers, in the order of its parts' frames."""
+        if not 0 <= group < len(self.group_layers):
+            raise ValueError(f"KV cache group {group}: this engine has {len(self.group_layers)}")
+        return self.group_layers[group]
+
+    def layer_of(self, group: int, frame: int) -> int | None:
+        """The layer that frame ``frame`` of group ``group``'s parts is
+        (None: a padding frame)."""
+        layers = self.layers_of(group)
+        return layers[frame] if frame < len(layers) else None
+
+    def read_into(self, layer_index: int, block_ids: Sequence[int], out: np.ndarray, first: int = 0) -> None:
+        """Copy the pages of ``block_ids[first:]`` of one layer into ``out``
+        (host, uint8, the size of all of ``block_ids``' pages), and zeros in
+        place of the pages before ``first`` (blocks vLLM may have freed: never
+        read). Call after the forward wrote them."""
         layer = self.layers[layer_index]
+        n = len(block_ids)
         if self._stream is None:
             src = layer.u8.numpy()
-            dst = out.reshape(layer.shape_for(len(block_ids)))
-            for i, j in _runs(block_ids, 0, len(block_ids)):
+            frame = out.reshape(layer.shape_for(n))
+            _along(frame, layer.axis, 0, first).fill(0)
+            for i, j in _runs(block_ids, first, n):
                 np.copyto(
-                    _along(dst, layer.axis, i, j), _along(src, layer.axis, block_ids[i], block_ids[i] + j - i)
+                    _along(frame, layer.axis, i, j),
+                    _along(src, layer.axis, block_ids[i], block_ids[i] + j - i),
                 )
             return
-        dst = torch.from_numpy(out).view(layer.shape_for(len(block_ids)))
+        dst = torch.from_numpy(out).view(layer.shape_for(n))
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            pages = layer.u8.index_select(layer.axis, self._index(block_ids))
+            if first:  # the frame is made on the device, to cross in one copy
+                pages = torch.zeros(layer.shape_for(n), dtype=torch.uint8, device=self.device)
+                if first < n:
+                    got = layer.u8.index_select(layer.axis, self._index(block_ids[first:]))
+                    pages.narrow(layer.axis, first, n - first).copy_(got)
+            else:
+                pages = layer.u8.index_select(layer.axis, self._index(block_ids))
             dst.copy_(pages, non_blocking=True)
 
     def target(
@@ -300,18 +362,24 @@ class PageIO:
 
 
 class LoadPages:
-    """A step's background loads into the KV cache: each chunk's layer goes
-    to its blocks by :meth:`PageIO.write` or :meth:`PageIO.target`, after
-    ``after``."""
+    """A step's background loads into the KV cache: each frame of a chunk's
+    part goes to its group's layer (:meth:`PageIO.layer_of`), pages
+    ``first_block..last_block`` to their blocks, by :meth:`PageIO.write` or
+    :meth:`PageIO.target`, after ``after``; padding frames to none."""
 
     def __init__(self, io: PageIO, after: object | None) -> None:
         self.io = io
         self.after = after
 
-    def write(self, chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
-        self.io.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data, after=self.after)
+    def write(self, chunk: LoadChunk, frame: int, data: np.ndarray) -> None:
+        layer = self.io.layer_of(chunk.group, frame)
+        if layer is not None:  # a padding frame goes nowhere
+            self.io.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data, after=self.after)
 
-    def target(self, chunk: LoadChunk, layer: int) -> PageTarget | None:
+    def target(self, chunk: LoadChunk, frame: int) -> PageTarget | None:
+        layer = self.io.layer_of(chunk.group, frame)
+        if layer is None:  # read into scratch, then write() drops it
+            return None
         return self.io.target(layer, chunk.block_ids, chunk.first_block, chunk.last_block, after=self.after)
 
 

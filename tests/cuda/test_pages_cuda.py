@@ -25,6 +25,7 @@ pytestmark = [
 from s3kv.connector.layerwise import LayerwiseLoad  # noqa: E402
 from s3kv.connector.pages import PageIO  # noqa: E402
 from s3kv.frame_sinks import scatter  # noqa: E402
+from s3kv.tiering.plan import LoadChunk  # noqa: E402
 
 BLOCKS = 64
 LAYOUTS = [(2, BLOCKS, 16, 4, 64), (BLOCKS, 2, 16, 4, 64)]  # K/V first (flash-attn), blocks first
@@ -93,7 +94,7 @@ def test_a_layerwise_load_from_pinned_slots_is_ordered_layer_by_layer():
     slots = [io.host_buffer(io.layers[0].page_bytes * n, pinned=True) for _ in caches]
     for i, s in enumerate(slots):
         s.fill_(i + 1)
-    load = LayerwiseLoad(io, [([s.numpy() for s in slots], ids, 0, n)])
+    load = LayerwiseLoad(io, [(LoadChunk(b"k" * 16, tuple(ids), 0, n, ()), [s.numpy() for s in slots])])
     for i, name in enumerate(caches):
         load.wait_layer(i)
         got = caches[name].view(torch.uint8).index_select(1, torch.tensor(ids, device="cuda"))
