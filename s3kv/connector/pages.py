@@ -15,7 +15,6 @@ One small interface, two implementations:
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
@@ -26,7 +25,7 @@ import torch
 
 from s3kv.errors import ConfigError
 from s3kv.frame_sinks import PageTarget
-from s3kv.tiering.loop import unbind_thread
+from s3kv.kvgroups import GroupLayout
 
 if TYPE_CHECKING:
     from s3kv.tiering.plan import LoadChunk
@@ -46,6 +45,11 @@ def _runs(block_ids: Sequence[int], first: int, last: int) -> list[tuple[int, in
 
 def _nothing() -> None:
     pass
+
+
+def _layer_numbers(name: str) -> tuple[int, ...]:
+    """The numbers in a layer's name ("model.layers.7.self_attn.attn": (7,))."""
+    return tuple(int(part) for part in name.split(".") if part.isdigit())
 
 
 def _along(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
@@ -102,14 +106,47 @@ class LayerPages:
 
 
 class PageIO:
+    """Every layer's pages (``layer_names``, indexed in that order), and
+    where each frame of a KV cache group's part of a chunk goes: frame i of
+    group g's part is layer ``groups.groups[g].layers[i]``, with group g's
+    block ids; a group with fewer layers than :attr:`frames` has padding
+    frames, zeros in the object, that map to no layer.
+
+    Under vLLM's hybrid KV cache manager the groups' layers overlay one
+    another (one backing buffer, each group's layers from its start, a
+    block id owned by one group at a time): every layer's pages are its own
+    tensor view, and they are only ever copied with its own group's block
+    ids."""
+
     def __init__(
-        self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        layer_names: Sequence[str],
+        num_blocks: int,
+        groups: GroupLayout | None = None,
     ) -> None:
         missing = [n for n in layer_names if n not in kv_caches]
         if missing:
             raise ConfigError(f"KV caches of layers {missing[:3]} were not registered")
         self.layers = [LayerPages(n, kv_caches[n], num_blocks) for n in layer_names]
         self.index_of = {n: i for i, n in enumerate(layer_names)}
+        self.group_layers: list[tuple[int, ...]] = (
+            [g.layers for g in groups.groups] if groups is not None else [tuple(range(len(self.layers)))]
+        )
+        self.frame_of: dict[int, tuple[int, int]] = {}
+        """Layer index -> (its group, its frame in the group's parts)."""
+        for g, layers in enumerate(self.group_layers):
+            for f, layer in enumerate(layers):
+                if not 0 <= layer < len(self.layers) or layer in self.frame_of:
+                    raise ConfigError(f"KV cache group {g}: layer index {layer} is not a layer of its own")
+                self.frame_of[layer] = (g, f)
+        if len(self.frame_of) != len(self.layers):
+            raise ConfigError("KV cache groups leave layers out: every layer must be in one group")
+        self.frames = max(len(layers) for layers in self.group_layers)
+        """Frames of every part: the most layers a group has."""
+        self.order = sorted(range(len(self.layers)), key=lambda i: _layer_numbers(layer_names[i]))
+        """The layers in the model's order (the forward's, by the numbers in
+        their names): the groups' layers interleave there."""
         self.device = kv_caches[layer_names[0]].device
         self._stream = None
         if self.device.type == "cuda":
@@ -140,22 +177,45 @@ class PageIO:
         ids = torch.tensor(list(block_ids), dtype=torch.long).pin_memory()
         return ids.to(self.device, non_blocking=True)
 
-    def read_into(self, layer_index: int, block_ids: Sequence[int], out: np.ndarray) -> None:
-        """Copy the pages of ``block_ids`` of one layer into ``out`` (host,
-        uint8, exactly their size). Call after the forward wrote them."""
+    def layers_of(self, group: int) -> tuple[int, ...]:
+        """Group ``group``'s layers, in the order of its parts' frames."""
+        if not 0 <= group < len(self.group_layers):
+            raise ValueError(f"KV cache group {group}: this engine has {len(self.group_layers)}")
+        return self.group_layers[group]
+
+    def layer_of(self, group: int, frame: int) -> int | None:
+        """The layer that frame ``frame`` of group ``group``'s parts is
+        (None: a padding frame)."""
+        layers = self.layers_of(group)
+        return layers[frame] if frame < len(layers) else None
+
+    def read_into(self, layer_index: int, block_ids: Sequence[int], out: np.ndarray, first: int = 0) -> None:
+        """Copy the pages of ``block_ids[first:]`` of one layer into ``out``
+        (host, uint8, the size of all of ``block_ids``' pages), and zeros in
+        place of the pages before ``first`` (blocks vLLM may have freed: never
+        read). Call after the forward wrote them."""
         layer = self.layers[layer_index]
+        n = len(block_ids)
         if self._stream is None:
             src = layer.u8.numpy()
-            dst = out.reshape(layer.shape_for(len(block_ids)))
-            for i, j in _runs(block_ids, 0, len(block_ids)):
+            frame = out.reshape(layer.shape_for(n))
+            _along(frame, layer.axis, 0, first).fill(0)
+            for i, j in _runs(block_ids, first, n):
                 np.copyto(
-                    _along(dst, layer.axis, i, j), _along(src, layer.axis, block_ids[i], block_ids[i] + j - i)
+                    _along(frame, layer.axis, i, j),
+                    _along(src, layer.axis, block_ids[i], block_ids[i] + j - i),
                 )
             return
-        dst = torch.from_numpy(out).view(layer.shape_for(len(block_ids)))
+        dst = torch.from_numpy(out).view(layer.shape_for(n))
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            pages = layer.u8.index_select(layer.axis, self._index(block_ids))
+            if first:  # the frame is made on the device, to cross in one copy
+                pages = torch.zeros(layer.shape_for(n), dtype=torch.uint8, device=self.device)
+                if first < n:
+                    got = layer.u8.index_select(layer.axis, self._index(block_ids[first:]))
+                    pages.narrow(layer.axis, first, n - first).copy_(got)
+            else:
+                pages = layer.u8.index_select(layer.axis, self._index(block_ids))
             dst.copy_(pages, non_blocking=True)
 
     def target(
@@ -300,102 +360,27 @@ class PageIO:
         """Start timing the forward about to run (see :class:`StepClock`)."""
         return StepClock(self.device if self.on_device else None)
 
-    def layerwise_load(
-        self, chunks: Sequence[tuple[Sequence[np.ndarray], Sequence[int], int, int]]
-    ) -> LayerwiseLoad:
-        """Start copying ``chunks`` — (host pages per layer, block ids, first,
-        last) — into the cache, layer after layer, while the forward runs."""
-        return LayerwiseLoad(self, chunks)
-
 
 class LoadPages:
-    """A step's background loads into the KV cache: each chunk's layer goes
-    to its blocks by :meth:`PageIO.write` or :meth:`PageIO.target`, after
-    ``after``."""
+    """A step's background loads into the KV cache: each frame of a chunk's
+    part goes to its group's layer (:meth:`PageIO.layer_of`), pages
+    ``first_block..last_block`` to their blocks, by :meth:`PageIO.write` or
+    :meth:`PageIO.target`, after ``after``; padding frames to none."""
 
     def __init__(self, io: PageIO, after: object | None) -> None:
         self.io = io
         self.after = after
 
-    def write(self, chunk: LoadChunk, layer: int, data: np.ndarray) -> None:
-        self.io.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data, after=self.after)
+    def write(self, chunk: LoadChunk, frame: int, data: np.ndarray) -> None:
+        layer = self.io.layer_of(chunk.group, frame)
+        if layer is not None:  # a padding frame goes nowhere
+            self.io.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data, after=self.after)
 
-    def target(self, chunk: LoadChunk, layer: int) -> PageTarget | None:
+    def target(self, chunk: LoadChunk, frame: int) -> PageTarget | None:
+        layer = self.io.layer_of(chunk.group, frame)
+        if layer is None:  # read into scratch, then write() drops it
+            return None
         return self.io.target(layer, chunk.block_ids, chunk.first_block, chunk.last_block, after=self.after)
-
-
-class LayerwiseLoad:
-    """A synchronous load from the CPU tier that the forward overlaps: layer
-    i+1 is copied while layer i computes. On the CPU platform a thread does
-    the copies; on a device, the side stream, with one event per layer."""
-
-    def __init__(
-        self, pages: PageIO, chunks: Sequence[tuple[Sequence[np.ndarray], Sequence[int], int, int]]
-    ) -> None:
-        self.pages = pages
-        self.chunks = list(chunks)
-        self.error: BaseException | None = None
-        n = len(pages.layers)
-        self._events: list = []
-        self._started = time.perf_counter()
-        self._finished: float | None = None
-        if pages.on_device:
-            # The blocks may have been in use by earlier work on the forward's stream.
-            pages._stream.wait_stream(torch.cuda.current_stream(pages.device))
-            self._start_event = torch.cuda.Event(enable_timing=True)
-            self._start_event.record(pages._stream)
-            for i in range(n):
-                self._copy_layer(i)
-                ev = torch.cuda.Event(enable_timing=(i == n - 1))
-                ev.record(pages._stream)
-                self._events.append(ev)
-            self._thread = None
-        else:
-            self._events = [threading.Event() for _ in range(n)]
-            self._thread = threading.Thread(target=self._run, name="s3kv-layer-load", daemon=True)
-            self._thread.start()
-
-    def _copy_layer(self, i: int) -> None:
-        for arrays, block_ids, first, last in self.chunks:
-            self.pages.write(i, block_ids, first, last, arrays[i])
-
-    def _run(self) -> None:
-        unbind_thread()
-        try:
-            for i, ev in enumerate(self._events):
-                self._copy_layer(i)
-                ev.set()
-            self._finished = time.perf_counter()
-        except BaseException as e:  # reported as load errors by the caller
-            self.error = e
-            for ev in self._events:
-                ev.set()
-
-    def wait_layer(self, i: int) -> None:
-        ev = self._events[i]
-        if isinstance(ev, threading.Event):
-            ev.wait()
-        else:
-            torch.cuda.current_stream(self.pages.device).wait_event(ev)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the copies read out of the host (every chunk's layers)."""
-        return sum(a.nbytes for arrays, *_ in self.chunks for a in arrays)
-
-    def elapsed_s(self) -> float | None:
-        """How long the copies took, once :meth:`wait_all` returned (they
-        overlap the forward: this is not added to the step's time)."""
-        if self._thread is None and self._events:
-            return self._start_event.elapsed_time(self._events[-1]) / 1000
-        return None if self._finished is None else self._finished - self._started
-
-    def wait_all(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-        else:
-            for i in range(len(self._events)):
-                self.wait_layer(i)
 
 
 class StepClock:

@@ -6,6 +6,11 @@ waited for layer by layer; asynchronous loads (NVMe, S3) start after it and
 finish in the background. Stores are copied out of the KV cache as each
 layer is saved (into their CPU slot, or a private buffer without a CPU
 tier) and written through in the background.
+
+With several KV cache groups each load and store is one group's part of a
+chunk: its frames are that group's layers (:class:`PageIO` maps them), its
+block ids that group's, and every part has as many frames as the largest
+group has layers (padding frames are stored as zeros and never loaded).
 """
 
 from __future__ import annotations
@@ -16,14 +21,15 @@ from typing import TYPE_CHECKING
 from s3kv.auth import FleetKeys
 from s3kv.chunk_reader import PageFormat
 from s3kv.config import S3KVConfig
+from s3kv.connector.layerwise import LayerwiseLoad
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
-from s3kv.connector.pages import LayerwiseLoad, PageIO
+from s3kv.connector.pages import PageIO
 from s3kv.errors import ConfigError
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
-from s3kv.tiering.plan import StoreChunk, TierReport
+from s3kv.tiering.plan import LoadChunk, StoreChunk, TierReport
 from s3kv.tiering.worker.hostpool import HostPool, slots_for
 from s3kv.tiering.worker.publisher import start_publisher
 from s3kv.tiering.worker.refusal import Refusal
@@ -66,7 +72,8 @@ class WorkerSide:
         self.counters = Counters(f"rank{rank}")
         self.engine = TransferEngine(
             make_store(config, self.counters) if config.uses_s3 else None,
-            EngineSettings.from_config(config, rank=rank, num_layers=len(layout.layer_names), keys=keys),
+            # Every object, CPU slot and NVMe file holds one group's part: frames, not layers.
+            EngineSettings.from_config(config, rank=rank, num_layers=layout.kv_groups.frames, keys=keys),
             self.counters,
         )
         self.pages: PageIO | None = None
@@ -88,7 +95,7 @@ class WorkerSide:
         """Rank 0: the forwards timed, for the scheduler side's cost model."""
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.pages = PageIO(kv_caches, self.layout.layer_names, self.num_blocks)
+        self.pages = PageIO(kv_caches, self.layout.layer_names, self.num_blocks, self.layout.kv_groups)
         first = self.pages.layers[0]
         expected = self.layout.page_size_bytes
         if expected and any(layer.page_bytes != expected for layer in self.pages.layers):
@@ -98,14 +105,13 @@ class WorkerSide:
             )
         bpc = self.config.chunk_tokens // self.layout.block_size
         layer_bytes = bpc * first.page_bytes
-        num_slots = slots_for(self.config.cpu_bytes, layer_bytes * len(self.pages.layers))
+        frames = self.pages.frames
+        num_slots = slots_for(self.config.cpu_bytes, layer_bytes * frames)
         if num_slots:
             self._pool_tensor = self.pages.host_buffer(
-                num_slots * layer_bytes * len(self.pages.layers), pinned=True, resident=True
+                num_slots * layer_bytes * frames, pinned=True, resident=True
             )
-            self.pool = HostPool(
-                num_slots, layer_bytes, len(self.pages.layers), buffer=self._pool_tensor.numpy()
-            )
+            self.pool = HostPool(num_slots, layer_bytes, frames, buffer=self._pool_tensor.numpy())
         self.engine.configure(
             PageFormat(
                 dtype=first.dtype,
@@ -168,7 +174,7 @@ class WorkerSide:
         after = pages.forward_mark() if any(not plan.sync for plan in meta.loads) else None
         into = pages.load_pages(after)
 
-        sync: list[tuple[list[np.ndarray], tuple[int, ...], int, int]] = []
+        sync: list[tuple[LoadChunk, list[np.ndarray]]] = []
         self._sync_loads.start()
         for plan in meta.loads:
             if not plan.sync:
@@ -186,10 +192,10 @@ class WorkerSide:
                     self._load_errors.update(c.write_ids)
                     self._report.missing.add((src.tier, c.key))
                     continue
-                sync.append((views, c.block_ids, c.first_block, c.last_block))
+                sync.append((c, views))
                 self._sync_loads.chunks.append(c)
         if sync:
-            self._sync = pages.layerwise_load(sync)
+            self._sync = LayerwiseLoad(pages, sync)
 
     def wait_for_layer(self, layer_name: str) -> None:
         if self._sync is not None and self.pages is not None:
@@ -215,20 +221,24 @@ class WorkerSide:
         self._stores = None
         if not meta.stores or self.pages is None or self.refusal is not None:
             return None
-        n_layers = len(self.pages.layers)
+        frames = self.pages.frames
         buffers = []
         for s in meta.stores:
+            group = self.pages.layers_of(s.group)
             place = next((p for p in s.targets if self.engine.takes_pages(p)), None)
             tier = self.engine.page_tier(place) if place is not None else None
             if tier is not None and place is not None and place.slot is not None:  # copied into its slot
-                buffers.append((s, tier.stage(place)))
-                continue
-            nbytes = len(s.block_ids) * self.pages.layers[0].page_bytes
-            if not self.engine.accepts(nbytes * n_layers):
-                self.engine.drop(s)  # over the byte budget: not even copied
-                continue
-            flat = self.pages.host_buffer(nbytes * n_layers, pinned=True).numpy()
-            buffers.append((s, [flat[i * nbytes : (i + 1) * nbytes] for i in range(n_layers)]))
+                bufs = tier.stage(place)
+            else:
+                nbytes = len(s.block_ids) * self.pages.layers[0].page_bytes
+                if not self.engine.accepts(nbytes * frames):
+                    self.engine.drop(s)  # over the byte budget: not even copied
+                    continue
+                flat = self.pages.host_buffer(nbytes * frames, pinned=True).numpy()
+                bufs = [flat[i * nbytes : (i + 1) * nbytes] for i in range(frames)]
+            for pad in bufs[len(group) :]:  # frames past the group's layers: zeros (a slot held others)
+                pad.fill(0)
+            buffers.append((s, bufs))
         self._stores = _StepStores(meta, buffers)
         return self._stores
 
@@ -241,11 +251,15 @@ class WorkerSide:
             self._copy_out(step, i)
 
     def _copy_out(self, step: _StepStores, layer: int) -> None:
+        """Copy one layer out into the frame its group gives it, in each
+        store of that group: pages from the store's ``first_block`` on, zeros before."""
         assert self.pages is not None
         if layer in step.copied:
             return
+        group, frame = self.pages.frame_of[layer]
         for s, bufs in step.buffers:
-            self.pages.read_into(layer, s.block_ids, bufs[layer])
+            if s.group == group:
+                self.pages.read_into(layer, s.block_ids, bufs[frame], s.first_block)
         step.copied.add(layer)
 
     def save(self, meta: S3KVMetadata) -> None:

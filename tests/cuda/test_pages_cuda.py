@@ -22,8 +22,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+from s3kv.connector.layerwise import LayerwiseLoad  # noqa: E402
 from s3kv.connector.pages import PageIO  # noqa: E402
 from s3kv.frame_sinks import scatter  # noqa: E402
+from s3kv.kvgroups import FULL, SLIDING, GroupLayout, KVGroup  # noqa: E402
+from s3kv.tiering.plan import LoadChunk  # noqa: E402
 
 BLOCKS = 64
 LAYOUTS = [(2, BLOCKS, 16, 4, 64), (BLOCKS, 2, 16, 4, 64)]  # K/V first (flash-attn), blocks first
@@ -92,13 +95,128 @@ def test_a_layerwise_load_from_pinned_slots_is_ordered_layer_by_layer():
     slots = [io.host_buffer(io.layers[0].page_bytes * n, pinned=True) for _ in caches]
     for i, s in enumerate(slots):
         s.fill_(i + 1)
-    load = io.layerwise_load([([s.numpy() for s in slots], ids, 0, n)])
+    load = LayerwiseLoad(io, [(LoadChunk(b"k" * 16, tuple(ids), 0, n, ()), [s.numpy() for s in slots])])
     for i, name in enumerate(caches):
         load.wait_layer(i)
         got = caches[name].view(torch.uint8).index_select(1, torch.tensor(ids, device="cuda"))
         assert bool((got == i + 1).all()), f"layer {i} not loaded when the forward reached it"
     load.wait_all()
     assert load.elapsed_s() is not None and load.elapsed_s() > 0
+
+
+@pytest.mark.parametrize("shape", LAYOUTS)
+def test_copy_out_from_a_first_page_leaves_zeros_before_it(shape):
+    """A store's pages before its first_block cross as zeros (made on the
+    device, one D2H copy): their blocks, vLLM's null block here, are never read."""
+    cache = torch.randint(1, 255, (*shape[:-1], 2 * shape[-1]), dtype=torch.uint8, device="cuda").view(
+        torch.bfloat16
+    )
+    io = PageIO({"l0": cache}, ["l0"], BLOCKS)
+    layer = io.layers[0]
+    for ids, first in [([0, 0, 5, 9], 2), ([0, 0, 0], 3), ([7, 8, 30], 0), ([0, 12, 13, 14], 1)]:
+        out = io.host_buffer(layer.page_bytes * len(ids), pinned=True).numpy()
+        out[:] = 0xEE
+        io.read_into(0, ids, out, first)
+        io.synchronize()
+        want = cache.view(torch.uint8).index_select(layer.axis, torch.tensor(ids, device="cuda"))
+        want.narrow(layer.axis, 0, first).zero_()
+        assert np.array_equal(out, want.cpu().numpy().reshape(-1)), (ids, first)
+
+
+NAMES = ["model.layers.1.attn", "model.layers.2.attn", "model.layers.0.attn"]
+GROUPS = GroupLayout((KVGroup(FULL, (0, 1)), KVGroup(SLIDING, (2,), 32)), 16)
+"""A full group of two layers, a sliding group of one (its parts' second frame is padding)."""
+SLOT = [0, 1, 0]
+"""Layer -> its place in the backing buffer: the sliding layer's memory is the first full layer's."""
+
+
+def _overlaid(shape: tuple[int, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The groups' layers as vLLM's hybrid KV cache manager lays them out:
+    one buffer, each group's layers from its start."""
+    buf = torch.zeros((2, *shape), dtype=torch.bfloat16, device="cuda")
+    return buf, {name: buf[slot] for name, slot in zip(NAMES, SLOT)}
+
+
+def _group_ids(rng: random.Random, group: int, n: int) -> list[int]:
+    """Block ids of one group (a block is one group's at a time: the groups' are apart)."""
+    return rng.sample(range(1, BLOCKS // 2) if group == 0 else range(BLOCKS // 2, BLOCKS), n)
+
+
+@pytest.mark.parametrize("shape", LAYOUTS)
+def test_group_frames_load_into_their_own_layers_through_targets_and_writes(shape):
+    """A part's frame i goes to its group's layer i, pages first..last of
+    the part's block ids, through a pinned target or a write; a padding
+    frame goes nowhere. The reference: torch's index_copy_ of each layer."""
+    from s3kv.tiering.plan import LoadChunk
+    from s3kv.tiering.worker.gate import Gate
+
+    rng = random.Random(6)
+    gen = torch.Generator().manual_seed(6)
+    buf, caches = _overlaid(shape)
+    io = PageIO(caches, NAMES, BLOCKS, GROUPS)
+    expect = buf.view(torch.uint8).clone()
+    for round_ in range(30):
+        group, n = rng.randrange(2), rng.randint(1, 6)
+        ids = _group_ids(rng, group, n)
+        first = rng.randrange(n)
+        last = rng.randint(first + 1, n)
+        chunk = LoadChunk(b"c" * 16, tuple(ids), first, last, (), group=group)
+        gate = Gate(io.load_pages(io.forward_mark()), chunk)
+        for frame in range(io.frames):
+            layer = io.layer_of(group, frame)
+            pages = torch.randint(0, 255, io.layers[0].shape_for(n), dtype=torch.uint8, generator=gen)
+            data = pages.numpy().reshape(-1)
+            if round_ % 2:
+                gate.read_into(frame, data.nbytes, lambda out, d=data: scatter(d, out))
+            else:
+                gate.write(frame, data)
+            if layer is not None:
+                axis = io.layers[layer].axis
+                idx = torch.tensor(ids[first:last], device="cuda")
+                expect[SLOT[layer]].index_copy_(axis, idx, pages.cuda().narrow(axis, first, last - first))
+        gate.close()
+        io.fence()()
+        assert torch.equal(buf.view(torch.uint8), expect), round_
+
+
+def test_a_layerwise_load_of_group_parts_is_ordered_by_the_models_layers():
+    """Each layer, once the forward waits for it, holds its group's frame
+    in its group's blocks first..last; padding frames (filled 99 here)
+    reach no page, and no block outside the parts' spans is written."""
+    from s3kv.tiering.plan import LoadChunk
+
+    buf, caches = _overlaid(LAYOUTS[0])
+    io = PageIO(caches, NAMES, BLOCKS, GROUPS)
+    assert io.order == [2, 0, 1]
+    n = 3
+    chunks = [
+        LoadChunk(b"a" * 16, (3, 4, 5), 0, 3, (), group=0),
+        LoadChunk(b"b" * 16, (0, 40, 41), 1, 3, (), group=1),  # its first page: the null block
+    ]
+    values = [[1, 2], [7, 99]]
+    slots = []
+    for c, vals in zip(chunks, values):
+        frames = [io.host_buffer(io.layers[0].page_bytes * n, pinned=True) for _ in vals]
+        for f, v in zip(frames, vals):
+            f.fill_(v)
+        slots.append((c, [f.numpy() for f in frames]))
+    load = LayerwiseLoad(io, slots)
+    for i in io.order:
+        load.wait_layer(i)
+        group, frame = io.frame_of[i]
+        c = chunks[group]
+        idx = torch.tensor(c.block_ids[c.first_block : c.last_block], device="cuda")
+        got = caches[NAMES[i]].view(torch.uint8).index_select(io.layers[i].axis, idx)
+        assert bool((got == values[group][frame]).all()), f"layer {i} not loaded when the forward reached it"
+    load.wait_all()
+    assert load.elapsed_s() is not None and load.elapsed_s() > 0
+    u8 = buf.view(torch.uint8)
+    assert not bool((u8 == 99).any())  # the padding frame
+    written = {(0, 3), (0, 4), (0, 5), (1, 3), (1, 4), (1, 5), (0, 40), (0, 41)}  # (slot, block)
+    for slot in (0, 1):
+        for block in range(BLOCKS):
+            page = u8[slot].select(1, block)
+            assert bool(page.any()) == ((slot, block) in written), (slot, block)
 
 
 def test_copies_never_make_the_host_wait_for_the_forward():

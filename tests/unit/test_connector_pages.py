@@ -12,7 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from s3kv.connector.pages import PageIO  # noqa: E402
+from s3kv.errors import ConfigError  # noqa: E402
 from s3kv.frame_sinks import scatter  # noqa: E402
+from s3kv.kvgroups import FULL, SLIDING, GroupLayout, KVGroup  # noqa: E402
 
 BLOCKS = 12
 
@@ -111,6 +113,84 @@ def test_load_pages_put_each_chunks_layers_in_its_own_blocks(read_in):
         gate.close()
     for got, want in zip(io.layers, io_w.layers):
         assert torch.equal(got.u8, want.u8)
+
+
+@pytest.mark.parametrize("shape", [(BLOCKS, 2, 4, 8), (2, BLOCKS, 4, 8)])
+def test_read_into_from_a_first_page_leaves_zeros_before_it(shape):
+    """A store's pages before its first_block are zeros in its frame, and
+    their blocks are never read (vLLM may have freed them: block 0 is its
+    null block)."""
+    rng = random.Random(4)
+    cache = torch.randint(1, 255, shape, dtype=torch.uint8).view(torch.bfloat16)
+    io = PageIO({"l0": cache}, ["l0"], BLOCKS)
+    layer = io.layers[0]
+    for _ in range(30):
+        n = rng.randint(1, 6)
+        first = rng.randint(0, n)
+        ids = [0] * first + rng.sample(range(1, BLOCKS), n - first)
+        out = np.full(layer.page_bytes * n, 0xEE, dtype=np.uint8)
+        io.read_into(0, ids, out, first)
+        want = cache.view(torch.uint8).index_select(layer.axis, torch.tensor(ids)).clone()
+        want.narrow(layer.axis, 0, first).zero_()
+        assert np.array_equal(out, want.numpy().reshape(-1))
+
+
+GROUPS = GroupLayout((KVGroup(FULL, (0, 2)), KVGroup(SLIDING, (1,), 32)), 16)
+"""Layers a0 and a1 (0 and 2), and b0 (1), whose parts have a padding frame."""
+
+
+@pytest.mark.parametrize("read_in", [False, True], ids=["write", "read_into"])
+def test_load_pages_put_each_groups_frames_in_its_own_layers(read_in):
+    """A part's frame i goes to its group's layer i, pages first..last of
+    the part's block ids; a padding frame goes to no layer, and still to
+    the promotions (a CPU slot holds all frames)."""
+    from s3kv.tiering.plan import LoadChunk
+    from s3kv.tiering.worker.gate import Gate
+
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    names = ["a0", "b0", "a1"]
+    io = PageIO({n: torch.zeros(BLOCKS, 2, 4, 8, dtype=torch.bfloat16) for n in names}, names, BLOCKS, GROUPS)
+    io_w = PageIO({n: torch.zeros(BLOCKS, 2, 4, 8, dtype=torch.bfloat16) for n in names}, names, BLOCKS)
+    assert io.frames == 2 and io.frame_of == {0: (0, 0), 2: (0, 1), 1: (1, 0)}
+    pages = io.load_pages(io.forward_mark())
+    for _ in range(20):
+        n, ids, first, last = _random_load(rng)
+        group = rng.randrange(2)
+        c = LoadChunk(b"c" * 16, tuple(ids), first, last, (), group=group)
+        filled: dict[int, np.ndarray] = {}
+        gate = Gate(pages, c, [lambda i, data, filled=filled: filled.__setitem__(i, data.copy())])
+        frames = []
+        for frame in range(2):
+            size = io.layers[0].page_bytes * n
+            data = torch.randint(0, 255, (size,), dtype=torch.uint8, generator=gen).numpy()
+            frames.append(data)
+            if read_in:
+                gate.read_into(frame, size, lambda out, f=data: scatter(f, out))
+            else:
+                gate.write(frame, data)
+            layer = GROUPS.groups[group].layers[frame] if frame < len(GROUPS.groups[group].layers) else None
+            if layer is not None:
+                io_w.write(layer, ids, first, last, data)
+        gate.close()
+        assert sorted(filled) == [0, 1] and all(np.array_equal(filled[i], frames[i]) for i in (0, 1))
+    for got, want in zip(io.layers, io_w.layers):
+        assert torch.equal(got.u8, want.u8), got.name
+    with pytest.raises(ValueError, match="KV cache group 2: this engine has 2"):
+        pages.write(LoadChunk(b"c" * 16, (1,), 0, 1, (), group=2), 0, frames[0])
+
+
+def test_groups_must_hold_every_layer_once_and_copies_follow_the_models_order():
+    names = ["model.layers.1.attn", "model.layers.10.attn", "model.layers.0.attn"]
+    caches = {n: torch.zeros(BLOCKS, 2, 4, 8, dtype=torch.bfloat16) for n in names}
+    io = PageIO(caches, names, BLOCKS, GroupLayout((KVGroup(FULL, (0, 1)), KVGroup(SLIDING, (2,), 32)), 16))
+    assert io.order == [2, 0, 1]  # layers 0, 1, 10: the groups' layers interleave in the forward
+    plain = {n: torch.zeros(BLOCKS, 2, 4, 8, dtype=torch.bfloat16) for n in ["l1", "l0"]}
+    assert PageIO(plain, ["l1", "l0"], BLOCKS).order == [0, 1]  # names without numbers: as given
+    for bad in [((0, 1), (1,)), ((0,), (2,)), ((0, 1), (2, 3))]:
+        groups = GroupLayout(tuple(KVGroup(FULL, layers) for layers in bad), 16)
+        with pytest.raises(ConfigError, match="KV cache group"):
+            PageIO(caches, names, BLOCKS, groups)
 
 
 def test_no_target_where_a_run_of_blocks_is_not_contiguous():
