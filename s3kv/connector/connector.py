@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -207,6 +208,18 @@ class S3KVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's finished transfers, with the loads that failed: a model
+        with several KV cache groups has them recomputed whole (its block
+        ids are per group, so a failed block cannot say which)."""
+        sent, recved = self.worker.get_finished(finished_req_ids)
+        recved = set(recved or ())
+        return KVConnectorTransferResults(
+            finished_sending=set(sent or ()),
+            finished_recving=recved,
+            failed_recving=self.worker.take_failed_loads(recved),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()

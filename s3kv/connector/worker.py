@@ -84,6 +84,8 @@ class WorkerSide:
         """This step's synchronous loads (their requests and chunks), reported once copied."""
         self._stores: _StepStores | None = None
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()
+        """Requests whose asynchronous load failed in part, until vLLM hears they finished."""
         self._sending = FinishedSending()
         """Held requests whose copies are done, reported as finished sending once vLLM passed them."""
         self._report = TierReport()
@@ -166,6 +168,7 @@ class WorkerSide:
             errors, reqs = self.refusal.loads(meta.loads, meta.prefetch, self._report)
             self._sync_loads.start(reqs)
             self._load_errors |= errors
+            self._failed_loads.update(plan.req_id for plan in meta.loads if not plan.sync)
             return
         for plan in meta.prefetch:
             self.engine.submit_prefetch(plan.chunks)
@@ -177,6 +180,9 @@ class WorkerSide:
         sync: list[tuple[LoadChunk, list[np.ndarray]]] = []
         self._sync_loads.start()
         for plan in meta.loads:
+            if plan.failed:  # parts no tier holds: vLLM recomputes from there
+                self._load_errors.update(plan.failed)
+                self._failed_loads.add(plan.req_id)
             if not plan.sync:
                 self.engine.submit_load(plan.req_id, plan.chunks, into)
                 continue
@@ -298,9 +304,11 @@ class WorkerSide:
         polled = self.engine.poll()
         if polled.finished_loads and self.pages is not None:
             self.pages.synchronize()
-        for failed in polled.finished_loads.values():
+        for req_id, failed in polled.finished_loads.items():
             for chunk in failed:
                 self._load_errors.update(chunk.write_ids)
+            if failed:
+                self._failed_loads.add(req_id)
         self._report = self._report.aggregate(polled.report)
         # vLLM accepts only ids it has passed here as finished: held requests
         # are, in the same step that asks for their copies.
@@ -309,8 +317,18 @@ class WorkerSide:
         return sent or None, (set(polled.finished_loads) | refused) or None
 
     def take_load_errors(self) -> set[int]:
+        """Blocks whose load failed, for vLLM to recompute from the first;
+        none with several KV cache groups (a block id names no group: vLLM
+        takes whole failed requests instead, :meth:`take_failed_loads`)."""
         errors, self._load_errors = self._load_errors, set()
-        return errors
+        return errors if self.layout.groups is None else set()
+
+    def take_failed_loads(self, finished: set[str]) -> set[str]:
+        """Requests among ``finished`` (their asynchronous loads over) that
+        failed in part: with several KV cache groups vLLM recomputes them whole."""
+        failed = self._failed_loads & finished
+        self._failed_loads -= failed
+        return failed if self.layout.groups is not None else set()
 
     def take_report(self) -> S3KVWorkerMetadata | None:
         if self._report.is_empty():

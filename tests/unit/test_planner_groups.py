@@ -115,3 +115,16 @@ def test_a_chunked_local_group_needs_only_the_attention_chunk_of_the_hit_end():
     p, index = planner(groups=local)
     publish(index, KEYS[:4])
     assert p.lookup("r", PROMPT, N, 0) == (4 * CT, True)
+
+
+def test_with_groups_a_cpu_tier_hit_loads_asynchronously():
+    # vLLM takes a failed load of a model with several groups only as a whole
+    # request waiting for its KV: a synchronous load could not fail safely.
+    p, index = grouped(cpu_slots=16)
+    from tests.unit.test_planner import put_cpu
+
+    put_cpu(p, KEYS[:4] + [part(c, 1) for c in range(4)])
+    assert p.lookup("r", PROMPT, N, 0) == (4 * CT, True)
+    p.on_alloc("r", (list(range(1, 9)), [0] * 5 + [21, 22, 23]), 4 * CT)
+    (plan,) = p.plan_step([]).loads
+    assert not plan.sync and all(c.sources[0].tier is Tier.CPU for c in plan.chunks)

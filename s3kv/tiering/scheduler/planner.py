@@ -231,7 +231,7 @@ class Planner:
                     inflight[tier] = inflight.get(tier, 0) + n
             decision = self.cost.choose(
                 [m.tier for m in hit],
-                [m.sync_load for m in hit],
+                [m.sync_load and self.parts is None for m in hit],
                 first_token=start * ct,
                 chunk_tokens=ct,
                 local_tokens=num_computed_tokens,
@@ -287,7 +287,9 @@ class Planner:
     ) -> tuple[int, bool]:
         """(tokens a load of ``hit`` from chunk ``start`` supplies, synchronously?)."""
         end = (start + len(hit)) * self.chunk_tokens
-        sync = bool(hit) and all(m.sync_load for m in hit)
+        # With several KV cache groups every load is asynchronous: vLLM takes
+        # a failed one only as a whole request, which a synchronous load is not.
+        sync = bool(hit) and self.parts is None and all(m.sync_load for m in hit)
         if sync:
             # vLLM must compute at least one prompt token; leave it the whole
             # last block so our copies and its writes never share a block.
