@@ -90,6 +90,50 @@ def build_model(path: str | Path, *, seed: int = 0, **overrides: int | float) ->
     return path
 
 
+QWEN3_NEXT_SPEC = {
+    # Qwen3-Next's pattern: three gated-delta-net (linear attention) layers
+    # to one full-attention layer; vLLM's CPU kernel wants 128-wide heads.
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "max_position_embeddings": 8192,
+    "initializer_range": 0.05,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+}
+
+
+def build_qwen3_next(path: str | Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Write a random Qwen3-Next (linear attention and full attention) to
+    ``path`` (once: an existing one is reused)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    path = Path(path)
+    spec = {**QWEN3_NEXT_SPEC, **overrides}
+    marker = path / "s3kv-model.json"
+    wanted = {"seed": seed, "family": "qwen3_next", **spec}
+    if marker.is_file() and json.loads(marker.read_text()) == wanted:
+        return path
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(**spec, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    marker.write_text(json.dumps(wanted))
+    return path
+
+
 if __name__ == "__main__":
     import sys
 

@@ -204,6 +204,10 @@ class Planner:
             return 0, False
         ct = self.chunk_tokens
         n_chunks = num_tokens // ct
+        if self.parts is not None and self.parts.layout.has_state:
+            # A state after the whole prompt cannot take its last token again,
+            # which vLLM recomputes after a hit of all of it: leave it a token.
+            n_chunks = (num_tokens - 1) // ct
         start = num_computed_tokens // ct
         if start >= n_chunks:
             self.prefetcher.leave(req_id)  # vLLM holds all of it: nothing to fetch
