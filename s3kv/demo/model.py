@@ -8,6 +8,7 @@ early prompt tokens, so loading wrong KV changes what it says.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 SPEC = {
@@ -123,12 +124,21 @@ def build_qwen3_next(path: str | Path, *, seed: int = 0, **overrides: object) ->
     path = Path(path)
     spec = {**QWEN3_NEXT_SPEC, **overrides}
     marker = path / "s3kv-model.json"
-    wanted = {"seed": seed, "family": "qwen3_next", **spec}
+    wanted = {"seed": seed, "family": "qwen3_next", "slow_decay": True, **spec}
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return path
     torch.manual_seed(seed)
     config = Qwen3NextConfig(**spec, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    model = Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        # A random gated delta net forgets within a few tokens (its decay
+        # exp(-A * dt) with A up to 16): slow it so that the state carries the
+        # prompt's early tokens, and a wrong state changes what the model says.
+        for module in model.modules():
+            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+                module.A_log.fill_(math.log(0.01))
+                module.dt_bias.fill_(-2.0)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(path)
     marker.write_text(json.dumps(wanted))
     return path

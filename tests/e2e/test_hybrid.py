@@ -168,7 +168,7 @@ def _wrong_group(client: Any, bucket: str, group_kind: str):
             tokens=header.tokens,
             layers=decoded[donor][1],
             dtype=header.dtype,
-            itemsize=2,
+            itemsize=header.shuffle,  # byte shuffle's item: the pages' dtype size
             page_shape=header.page_shape,
         )
 

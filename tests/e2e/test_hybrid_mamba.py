@@ -55,14 +55,14 @@ def _kv(s3_server: Any, bucket: str, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory) -> Path:
-    from s3kv.demo.model import build_qwen3
+    from s3kv.demo.model import build_qwen3_next
 
-    return build_qwen3(tmp_path_factory.mktemp("qwen3") / "qwen3", seed=0)
+    return build_qwen3_next(tmp_path_factory.mktemp("qwen3_next") / "qwen3_next", seed=0)
 
 
 @pytest.fixture(scope="module")
 def ssm_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("hybrid")
+    return tmp_path_factory.mktemp("hybrid_ssm")
 
 
 @pytest.fixture(scope="module")
@@ -97,62 +97,57 @@ def _parts(client: Any, bucket: str, tokens: list[int]) -> dict[int, list[bytes]
     return {g: [part_key(k, g) for k in chain] for g in range(len(d["fields"]["kv_groups"]))}
 
 
-def test_the_ssm_manager_stays_on_with_the_capacity_of_no_connector(ssm_baseline, ssm_a, ssm_dir):
+def test_the_hybrid_manager_stays_on_with_the_capacity_of_no_connector(ssm_baseline, ssm_a, ssm_dir):
     (base,) = ssm_baseline["kv_cache"]
     (a,) = ssm_a["kv_cache"]
     assert a["groups"] == base["groups"]
-    assert a["groups"].count("SlidingWindowSpec") == 5 and a["groups"].count("FullAttentionSpec") == 1
+    assert a["groups"].count("MambaSpec") == 3 and a["groups"].count("FullAttentionSpec") == 1
     assert a["num_blocks"] == base["num_blocks"]
     assert "Turning off hybrid kv cache manager" not in (ssm_dir / "A.log").read_text()
-    assert ssm_a["outputs"] == ssm_baseline["outputs"][:1]
+    assert ssm_a["outputs"] == ssm_baseline["outputs"][:2]
 
 
-def test_every_group_of_every_chunk_is_stored(ssm_a, s3_server, ssm_bucket):
+def test_states_are_stored_where_vllm_kept_them(ssm_a, s3_server, ssm_bucket):
     client = s3_server.client()
     objects = chunk_objects(client, ssm_bucket)
-    parts = _parts(client, ssm_bucket, STORE[0])
-    stored = {parse_object_key(k)[1] for k in objects}
-    assert stored == {k for keys in parts.values() for k in keys}  # 6 groups x 6 chunks
-    assert worker_total(ssm_a, "store_chunks_s3") == 36
+    parts = _parts(client, ssm_bucket, STORE[1])
     kinds = [g["kind"] for g in _descriptor(client, ssm_bucket)["fields"]["kv_groups"]]
-    sliding = kinds.index("sliding_window")
+    full = kinds.index("full")
+    states = [g for g, kind in enumerate(kinds) if kind == "mamba"]
+    stored = {parse_object_key(k)[1] for k in objects}
+    # Full attention: every chunk; each state group: the states after 2 and 3 chunks only.
+    assert stored == set(parts[full]) | {parts[g][c] for g in states for c in (1, 2)}
     for key, blob in objects.items():
         ns, chunk_key, rank = parse_object_key(key)
         header, layers = decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
-        assert header.tokens == CHUNK and len(layers) == 1
-        if chunk_key in parts[sliding]:
-            # A window of 64 tokens never reaches a chunk's first two pages again: zeros.
-            half = layers[0].nbytes // 2
-            assert not layers[0][:half].any() and layers[0][half:].any()
+        assert header.tokens == CHUNK and len(layers) == 1 and layers[0].any()
 
 
-def test_a_fresh_replica_loads_the_window_only_and_matches(
+def test_a_fresh_replica_loads_the_state_at_the_hit_end_and_matches(
     ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket
 ):
     b = run_replica(ssm_dir, "B", qwen, PROBES[:1], _kv(s3_server, ssm_bucket), engine_args=ENGINE)
-    assert b["outputs"] == ssm_baseline["outputs"][1:2]
-    assert b["num_cached_tokens"][0] >= 5 * CHUNK
-    # 5 chunks: the global group's 5 parts, each sliding group's last one, not 6 x 5.
-    assert worker_total(b, "load_chunks_s3") == 5 + 5
+    assert b["outputs"] == ssm_baseline["outputs"][2:3]
+    assert b["num_cached_tokens"][0] >= 3 * CHUNK
+    # 3 chunks: the full-attention group's 3 parts, each state group's state after 3 chunks.
+    assert worker_total(b, "load_chunks_s3") == 3 + 3
     assert sum(worker_total(b, f"load_errors_{k}") for k in LOAD_ERRORS) == 0
-    assert metric(b, "hit_tokens") >= 5 * CHUNK
+    assert metric(b, "hit_tokens") >= 3 * CHUNK
 
 
-def test_partial_hits_around_window_and_chunk_boundaries(
-    ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket
-):
+def test_hits_at_and_around_chunk_boundaries(ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket):
     c = run_replica(ssm_dir, "C", qwen, PROBES, _kv(s3_server, ssm_bucket), engine_args=ENGINE)
-    assert c["outputs"] == ssm_baseline["outputs"][1:]
-    assert worker_total(c, "load_chunks_s3") > 0
+    assert c["outputs"] == ssm_baseline["outputs"][2:]
+    assert c["num_cached_tokens"][0] >= 3 * CHUNK
     assert sum(worker_total(c, f"load_errors_{k}") for k in LOAD_ERRORS) == 0
 
 
-def _wrong_group(client: Any, bucket: str, group_kind: str):
-    """Negative control: one group's objects (of the first probe's chunks)
-    get another chunk's pages of that group, valid objects of wrong KV."""
+def _wrong_group(client: Any, bucket: str, group_kind: str, chunks: tuple[int, ...]):
+    """Negative control: one group's objects of ``chunks`` get another of
+    those chunks' pages of that group: valid objects of the wrong state."""
     kinds = [g["kind"] for g in _descriptor(client, bucket)["fields"]["kv_groups"]]
     g = kinds.index(group_kind)
-    keys = _parts(client, bucket, STORE[0])[g]
+    keys = [_parts(client, bucket, STORE[1])[g][c] for c in chunks]
     objects = {parse_object_key(k)[1]: (k, v) for k, v in chunk_objects(client, bucket).items()}
     decoded = {}
     for key in keys:
@@ -173,29 +168,27 @@ def _wrong_group(client: Any, bucket: str, group_kind: str):
             tokens=header.tokens,
             layers=decoded[donor][1],
             dtype=header.dtype,
-            itemsize=2,
+            itemsize=header.shuffle,  # byte shuffle's item: the pages' dtype size
             page_shape=header.page_shape,
         )
 
     return transform
 
 
-def test_negative_control_wrong_kv_in_the_sliding_group_changes_output(
+def test_negative_control_a_wrong_state_changes_output(
     ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket
 ):
     client = s3_server.client()
-    wrong = copy_bucket(s3_server, ssm_bucket, _wrong_group(client, ssm_bucket, "sliding_window"))
+    wrong = copy_bucket(s3_server, ssm_bucket, _wrong_group(client, ssm_bucket, "mamba", (1, 2)))
     n = run_replica(ssm_dir, "wrong", qwen, PROBES[:1], _kv(s3_server, wrong), engine_args=ENGINE)
-    assert worker_total(n, "load_chunks_s3") == 5 + 5
-    assert n["outputs"] != ssm_baseline["outputs"][1:2]
+    assert worker_total(n, "load_chunks_s3") == 3 + 3
+    assert n["outputs"] != ssm_baseline["outputs"][2:3]
 
 
-def test_a_corrupt_part_of_one_group_is_recomputed(
-    ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket
-):
+def test_a_corrupt_state_is_recomputed(ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket):
     client = s3_server.client()
     kinds = [g["kind"] for g in _descriptor(client, ssm_bucket)["fields"]["kv_groups"]]
-    victim = _parts(client, ssm_bucket, STORE[0])[kinds.index("sliding_window")][4]  # in the window
+    victim = _parts(client, ssm_bucket, STORE[1])[kinds.index("mamba")][2]  # the state after 3 chunks
 
     def flip(name: str, body: bytes) -> bytes:
         if parse_object_key(name)[1] != victim:
@@ -206,5 +199,5 @@ def test_a_corrupt_part_of_one_group_is_recomputed(
 
     corrupt = copy_bucket(s3_server, ssm_bucket, flip)
     r = run_replica(ssm_dir, "corrupt", qwen, PROBES[:1], _kv(s3_server, corrupt), engine_args=ENGINE)
-    assert r["outputs"] == ssm_baseline["outputs"][1:2]
+    assert r["outputs"] == ssm_baseline["outputs"][2:3]
     assert worker_total(r, "load_errors_corrupt") >= 1

@@ -157,8 +157,13 @@ def test_a_mamba_group_in_prefix_caching_mode_is_a_state_part():
     assert [(g.kind, g.layers) for g in layout.kv_groups.groups] == [("full", (0,)), ("mamba", (1,))]
     assert layout.kv_groups.has_state
     (_, mamba) = layout.fields["kv_groups"]
-    assert mamba["shapes"] == [[3, 64], [4, 16, 16]] and mamba["dtypes"] == ["torch.bfloat16", "torch.float32"]
-    other = _grouped((_full(), ["f0"]), (_mamba(mamba_cache_mode="align", shapes=((3, 64), (4, 16, 8))), ["m0"]))
+    assert mamba["shapes"] == [[3, 64], [4, 16, 16]] and mamba["dtypes"] == [
+        "torch.bfloat16",
+        "torch.float32",
+    ]
+    other = _grouped(
+        (_full(), ["f0"]), (_mamba(mamba_cache_mode="align", shapes=((3, 64), (4, 16, 8))), ["m0"])
+    )
     assert other.namespace({}).id != layout.namespace({}).id  # another state layout: another namespace
 
 
