@@ -68,12 +68,17 @@ def by_group(block_ids: BlockIds) -> tuple[Sequence[int], ...]:
     return (block_ids,)  # type: ignore[return-value]
 
 
-class PartsRequest(Protocol):
-    """What :class:`GroupParts` reads of a request: its chain and part keys, its last hit."""
+class PartsKeyed(Protocol):
+    """A request's chain keys and part keys."""
 
     keys: list[bytes]
     fps: np.ndarray
     parts: PartKeys
+
+
+class PartsRequest(PartsKeyed, Protocol):
+    """What :class:`GroupParts` reads of a request: its keys, its last hit."""
+
     group_hit: GroupHit | None
     hit_start: int
     hit: list[TierManager]
@@ -186,7 +191,7 @@ class GroupParts:
                 counts[m.tier] = counts.get(m.tier, 0) + 1
         return counts
 
-    def part(self, req: PartsRequest, chunk: int, g: int) -> bytes:
+    def part(self, req: PartsKeyed, chunk: int, g: int) -> bytes:
         """The key of group ``g``'s part of the request's chunk ``chunk``."""
         return self.keys(req.keys, req.fps, req.parts, g, chunk + 1)[0][chunk]
 
@@ -272,7 +277,7 @@ class GroupParts:
                 out.append(StoreChunk(key, ids, targets, pinned, group=g, first_block=first))
         return out
 
-    def prefetching(self, prefetcher: Prefetching, req: PartsRequest, start: int, end: int) -> bool:
+    def prefetching(self, prefetcher: Prefetching, req: PartsKeyed, start: int, end: int) -> bool:
         """Is a part of chunks [start, end) of another group than the first
         being prefetched (the request's lookup waits for it)?"""
         return any(

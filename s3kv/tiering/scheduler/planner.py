@@ -239,7 +239,7 @@ class Planner:
             )
             if decision.chunks < len(hit):
                 hit = hit[: decision.chunks]
-                if ghit is not None:  # the parts the shorter hit needs, its windows' among them
+                if ghit is not None and self.parts is not None:  # the parts the shorter hit needs
                     end = start + decision.chunks
                     hit = self.parts.chunk_tiers(ghit, end, self.stack) if decision.chunks else []
                     self.stack.release(req_id, keep=ghit.managers(end))
