@@ -103,6 +103,7 @@ def test_the_hybrid_manager_stays_on_with_the_capacity_of_no_connector(ssm_basel
     assert a["groups"] == base["groups"]
     assert a["groups"].count("MambaSpec") == 3 and a["groups"].count("FullAttentionSpec") == 1
     assert a["num_blocks"] == base["num_blocks"]
+    assert metric(ssm_a, "kv_cache_groups") == 4
     assert "Turning off hybrid kv cache manager" not in (ssm_dir / "A.log").read_text()
     assert ssm_a["outputs"] == ssm_baseline["outputs"][:2]
 
