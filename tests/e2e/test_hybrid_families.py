@@ -86,18 +86,17 @@ def wrong_group(
 ) -> Callable[[str, bytes], bytes]:
     """Negative control, a :func:`copy_bucket` transform: group ``group``'s
     objects of each prompt's chunks (only rank ``rank``'s, if given) get the
-    next chunk's pages of that group, the last the first's: valid objects
-    of wrong KV."""
+    next stored chunk's pages of that group, the last the first's: valid
+    objects of wrong KV."""
     objects = {
         (parse_object_key(k)[1], parse_object_key(k)[2]): (k, v)
         for k, v in chunk_objects(client, bucket).items()
     }
     donor: dict[tuple[bytes, int], tuple[bytes, int]] = {}
-    for tokens in prompts:
-        keys = part_keys(client, bucket, tokens, chunk)[group]
-        for key, r in objects:
-            if key in keys and rank in (None, r):
-                donor[key, r] = (keys[(keys.index(key) + 1) % len(keys)], r)
+    ranks = {r for _, r in objects if rank in (None, r)}
+    for tokens, r in ((t, r) for t in prompts for r in ranks):
+        keys = [k for k in part_keys(client, bucket, tokens, chunk)[group] if (k, r) in objects]
+        donor.update({(k, r): (keys[(i + 1) % len(keys)], r) for i, k in enumerate(keys)})
 
     def decoded(key: bytes, r: int) -> tuple[Any, Any]:
         name, blob = objects[key, r]
@@ -228,3 +227,108 @@ def test_gpt_oss_negative_control_wrong_kv_in_the_sliding_group(
     assert worker_total(n, "load_chunks_s3") == OSS_LOADS[0]
     assert load_errors(n) == 0  # valid objects: loaded, and used
     assert n["outputs"] != oss_baseline["outputs"][len(OSS_STORE) : len(OSS_STORE) + 1]
+
+
+# -- Llama 4: chunked-local attention (128-token chunks) beside full ---------
+
+L4_CHUNK = 32
+"""One block per stored chunk, so that a hit can end a block before an attention-chunk boundary."""
+L4_ENV = {"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"}
+"""Without it vLLM turns its hybrid manager off for chunked-local attention."""
+L4_ENDS = [256, 257, 224, 288]
+"""Where the probes leave their prefixes: at an attention-chunk boundary,
+a token past it (both hits end at the boundary), a block before it and a
+block past it."""
+L4_LOADS = [8, 8, 7 + 3 * 3, 9 + 3 * 1]
+"""Parts each probe's hit loads, full group + three chunked groups: a hit
+ending at an attention-chunk boundary needs no chunked group's page (the
+next token starts a new attention chunk); one of 224 tokens needs their
+blocks 4-6 (tokens 128-223), one of 288 their block 8."""
+L4_HITS = [256, 256, 224, 288]
+L4_CHUNKED = ["ChunkedLocalAttentionSpec"] * 3 + ["FullAttentionSpec"]
+L4_STORE, L4_PROBES = _prompts(4, L4_ENDS)
+
+
+def _l4_kv(s3_server: Any, bucket: str) -> dict[str, Any]:
+    return kv_config(s3_server.endpoint_url, bucket, chunk_tokens=L4_CHUNK)
+
+
+def _l4_run(workdir: Path, name: str, model: Path, prompts: list[list[int]], kv: Any) -> dict[str, Any]:
+    return run_replica(workdir, name, model, prompts, kv, engine_args=ENGINE, env=L4_ENV)
+
+
+@pytest.fixture(scope="module")
+def l4_model(tmp_path_factory) -> Path:
+    from s3kv.demo.model import build_llama4
+
+    return build_llama4(tmp_path_factory.mktemp("llama4") / "llama4", seed=0)
+
+
+@pytest.fixture(scope="module")
+def l4_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("l4")
+
+
+@pytest.fixture(scope="module")
+def l4_baseline(l4_dir, l4_model) -> dict[str, Any]:
+    return _l4_run(l4_dir, "baseline", l4_model, L4_STORE + L4_PROBES, None)
+
+
+@pytest.fixture(scope="module")
+def l4_bucket(s3_server) -> str:
+    return s3_server.new_bucket()
+
+
+@pytest.fixture(scope="module")
+def l4_a(l4_dir, l4_model, s3_server, l4_bucket) -> dict[str, Any]:
+    return _l4_run(l4_dir, "A", l4_model, L4_STORE, _l4_kv(s3_server, l4_bucket))
+
+
+def test_llama4_keeps_its_chunked_groups_and_stores_them(l4_a, l4_baseline, s3_server, l4_bucket):
+    stays_hybrid(l4_a, l4_baseline, L4_CHUNKED)
+    assert l4_a["outputs"] == l4_baseline["outputs"][: len(L4_STORE)]
+    varied(l4_baseline["outputs"])
+    client = s3_server.client()
+    assert group_kinds(client, l4_bucket) == ["chunked_local"] * 3 + ["full"]
+    stored = {parse_object_key(k)[1] for k in chunk_objects(client, l4_bucket)}
+    # A chunked group's part of a chunk that ends an attention chunk (chunks
+    # 3, 7, 11) is one no hit needs: a hit ending there or later starts a
+    # new attention chunk. Not stored; every other part is.
+    wanted = {
+        k
+        for p in L4_STORE
+        for g, keys in part_keys(client, l4_bucket, p, L4_CHUNK).items()
+        for c, k in enumerate(keys)
+        if g == 3 or (c + 1) * L4_CHUNK % 128 != 0
+    }
+    assert stored == wanted
+    assert worker_total(l4_a, "store_chunks_s3") == len(wanted) == 4 * (13 * 4 - 3 * 3)
+
+
+def test_llama4_fresh_replica_loads_around_attention_chunk_boundaries_and_matches(
+    l4_a, l4_baseline, l4_dir, l4_model, s3_server, l4_bucket
+):
+    b = _l4_run(l4_dir, "B", l4_model, L4_PROBES, _l4_kv(s3_server, l4_bucket))
+    assert b["outputs"] == l4_baseline["outputs"][len(L4_STORE) :]
+    assert b["num_cached_tokens"] == L4_HITS
+    assert worker_total(b, "load_chunks_s3") == sum(L4_LOADS)
+    assert load_errors(b) == 0
+
+
+def test_llama4_negative_control_wrong_kv_in_one_chunked_group(
+    l4_a, l4_baseline, l4_dir, l4_model, s3_server, l4_bucket
+):
+    """Wrong KV in the first chunked group changes the output of the hit a
+    block before the boundary, and not that of the hit at the boundary,
+    which loads none of it."""
+    client = s3_server.client()
+    chunked = group_kinds(client, l4_bucket).index("chunked_local")
+    probes = [0, 2]  # at the boundary, a block before it
+    rewrite = wrong_group(client, l4_bucket, [L4_STORE[i] for i in probes], L4_CHUNK, chunked)
+    wrong = copy_bucket(s3_server, l4_bucket, rewrite)
+    n = _l4_run(l4_dir, "wrong", l4_model, [L4_PROBES[i] for i in probes], _l4_kv(s3_server, wrong))
+    assert worker_total(n, "load_chunks_s3") == L4_LOADS[0] + L4_LOADS[2]
+    assert load_errors(n) == 0  # valid objects: loaded, and used
+    base = l4_baseline["outputs"][len(L4_STORE) :]
+    assert n["outputs"][0] == base[0]
+    assert n["outputs"][1] != base[2]
