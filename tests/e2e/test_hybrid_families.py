@@ -32,7 +32,15 @@ from s3kv import codec
 from s3kv.chunk_reader import decode_chunk
 from s3kv.keys import Namespace, chain_keys, parse_object_key
 from s3kv.kvgroups import part_key
-from tests.e2e.harness import chunk_objects, copy_bucket, kv_config, run_replica, worker_total
+from tests.e2e.harness import (
+    REPLICA_TIMEOUT_S,
+    chunk_objects,
+    copy_bucket,
+    kv_config,
+    run_replica,
+    start_replica,
+    worker_total,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -332,3 +340,28 @@ def test_llama4_negative_control_wrong_kv_in_one_chunked_group(
     base = l4_baseline["outputs"][len(L4_STORE) :]
     assert n["outputs"][0] == base[0]
     assert n["outputs"][1] != base[2]
+
+
+# -- Qwen3-Next: gated delta net (Mamba-state) groups s3kv cannot share yet --
+
+
+def test_qwen3_next_fails_at_start_up_naming_the_mamba_group(tmp_path, s3_server):
+    """vLLM runs this model (``families`` survey); with s3kv its engine must
+    not start, and the log must say why: the group kind and what to do."""
+    from s3kv.demo.model import build_qwen3_next
+
+    model = build_qwen3_next(tmp_path / "qwen3_next", seed=0)
+    kv = kv_config(s3_server.endpoint_url, s3_server.new_bucket())
+    proc = start_replica(tmp_path, "qwen3_next", model, [list(range(3, 300))], kv, engine_args=ENGINE)
+    try:
+        returncode = proc.wait(REPLICA_TIMEOUT_S)
+    finally:
+        proc.s3kv_log.close()  # type: ignore[attr-defined]
+    log = (tmp_path / "qwen3_next.log").read_text()
+    assert returncode != 0
+    assert not (tmp_path / "qwen3_next.result.json").exists()
+    assert (
+        "s3kv cannot share Mamba / linear-attention state yet: KV cache group of kind MambaSpec "
+        "(layers model.layers.0.linear_attn)"
+    ) in log
+    assert "serve this model without the s3kv KV connector (remove --kv-transfer-config)" in log
