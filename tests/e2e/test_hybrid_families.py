@@ -214,7 +214,8 @@ def test_gpt_oss_keeps_its_two_groups_and_stores_both(oss_a, oss_baseline, s3_se
 def test_gpt_oss_fresh_replica_loads_the_window_and_matches(
     oss_a, oss_baseline, oss_dir, oss_model, s3_server, oss_bucket
 ):
-    b = run_replica(oss_dir, "B", oss_model, OSS_PROBES, _oss_kv(s3_server, oss_bucket), engine_args=ENGINE)
+    own = copy_bucket(s3_server, oss_bucket)  # B stores its probes: not into the bucket other tests copy
+    b = run_replica(oss_dir, "B", oss_model, OSS_PROBES, _oss_kv(s3_server, own), engine_args=ENGINE)
     assert b["outputs"] == oss_baseline["outputs"][len(OSS_STORE) :]
     assert b["num_cached_tokens"] == OSS_HITS
     assert worker_total(b, "load_chunks_s3") == sum(OSS_LOADS)
@@ -316,7 +317,8 @@ def test_llama4_keeps_its_chunked_groups_and_stores_them(l4_a, l4_baseline, s3_s
 def test_llama4_fresh_replica_loads_around_attention_chunk_boundaries_and_matches(
     l4_a, l4_baseline, l4_dir, l4_model, s3_server, l4_bucket
 ):
-    b = _l4_run(l4_dir, "B", l4_model, L4_PROBES, _l4_kv(s3_server, l4_bucket))
+    own = copy_bucket(s3_server, l4_bucket)  # B stores its probes: not into the bucket other tests copy
+    b = _l4_run(l4_dir, "B", l4_model, L4_PROBES, _l4_kv(s3_server, own))
     assert b["outputs"] == l4_baseline["outputs"][len(L4_STORE) :]
     assert b["num_cached_tokens"] == L4_HITS
     assert worker_total(b, "load_chunks_s3") == sum(L4_LOADS)

@@ -92,7 +92,8 @@ def test_tp2_keeps_the_groups_and_each_rank_stores_every_part(tp_a, tp_baseline,
 def test_tp2_fresh_replica_loads_both_ranks_and_matches(
     tp_a, tp_baseline, tp_dir, gemma, s3_server, tp_bucket
 ):
-    b = _run(tp_dir, "B", gemma, PROBES, _kv(s3_server, tp_bucket))
+    own = copy_bucket(s3_server, tp_bucket)  # B stores its probe: not into the bucket other tests copy
+    b = _run(tp_dir, "B", gemma, PROBES, _kv(s3_server, own))
     assert b["outputs"] == tp_baseline["outputs"][1:]
     assert b["num_cached_tokens"] == [5 * CHUNK]
     assert [w["load_chunks_s3"] for w in b["workers"]] == [LOADS, LOADS]
