@@ -124,30 +124,6 @@ LLAMA4_SPEC = {
     "tie_word_embeddings": False,
 }
 
-QWEN3_NEXT_SPEC = {
-    # Gated delta net (linear attention) layers beside full attention: vLLM
-    # gives the linear layers Mamba-state KV cache groups. The CPU kernel
-    # needs linear heads of 128.
-    "vocab_size": 2048,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128,
-    "max_position_embeddings": 8192,
-    "initializer_range": 0.05,
-    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-}
-
 
 def _build_family(path: str | Path, family: str, classes: tuple[str, str], spec: dict, seed: int) -> Path:
     """Write a random model of ``family`` (transformers' config and model
@@ -180,12 +156,6 @@ def build_llama4(path: str | Path, *, seed: int = 0, **overrides: object) -> Pat
     """Write a random Llama 4 text model (chunked-local and full attention) to ``path``."""
     spec = {**LLAMA4_SPEC, **overrides}
     return _build_family(path, "llama4", ("Llama4TextConfig", "Llama4ForCausalLM"), spec, seed)
-
-
-def build_qwen3_next(path: str | Path, *, seed: int = 0, **overrides: object) -> Path:
-    """Write a random Qwen3-Next (gated delta net and full attention, MoE) to ``path``."""
-    spec = {**QWEN3_NEXT_SPEC, **overrides}
-    return _build_family(path, "qwen3_next", ("Qwen3NextConfig", "Qwen3NextForCausalLM"), spec, seed)
 
 
 def build_model(path: str | Path, *, seed: int = 0, **overrides: int | float) -> Path:

@@ -6,8 +6,9 @@ sharing one bucket on a real S3 server on loopback:
   cache groups of three layers each, mixture of experts;
 - Llama 4 text: chunked-local attention (128-token attention chunks) and
   full attention, four groups of two layers;
-- Qwen3-Next: gated delta net layers, whose Mamba-state groups s3kv cannot
-  share yet: the engine must not start with s3kv.
+- Qwen3-Next without prefix caching: s3kv shares its gated delta net
+  layers' state only in vLLM's prefix-caching mode for it, so the engine
+  must not start, and say so (``test_hybrid_mamba.py`` shares it).
 
 A fresh replica B loads the prefixes replica A stored and must say exactly
 the baseline's (no connector) tokens; the parts it loads are counted, at
@@ -344,17 +345,19 @@ def test_llama4_negative_control_wrong_kv_in_one_chunked_group(
     assert n["outputs"][1] != base[2]
 
 
-# -- Qwen3-Next: gated delta net (Mamba-state) groups s3kv cannot share yet --
+# -- Qwen3-Next without prefix caching: no state to share -------------------
 
 
-def test_qwen3_next_fails_at_start_up_naming_the_mamba_group(tmp_path, s3_server):
-    """vLLM runs this model (``families`` survey); with s3kv its engine must
-    not start, and the log must say why: the group kind and what to do."""
+def test_qwen3_next_without_prefix_caching_fails_at_start_up_naming_what_to_do(tmp_path, s3_server):
+    """s3kv shares a gated delta net's state where vLLM keeps it at block
+    boundaries (``mamba_cache_mode="align"``, which prefix caching turns
+    on): without it the engine must not start, and the log must say why."""
     from s3kv.demo.model import build_qwen3_next
 
     model = build_qwen3_next(tmp_path / "qwen3_next", seed=0)
-    kv = kv_config(s3_server.endpoint_url, s3_server.new_bucket())
-    proc = start_replica(tmp_path, "qwen3_next", model, [list(range(3, 300))], kv, engine_args=ENGINE)
+    kv = kv_config(s3_server.endpoint_url, s3_server.new_bucket(), chunk_tokens=640)
+    engine = {**ENGINE, "block_size": None, "enable_prefix_caching": False}
+    proc = start_replica(tmp_path, "qwen3_next", model, [list(range(3, 300))], kv, engine_args=engine)
     try:
         returncode = proc.wait(REPLICA_TIMEOUT_S)
     finally:
@@ -362,8 +365,5 @@ def test_qwen3_next_fails_at_start_up_naming_the_mamba_group(tmp_path, s3_server
     log = (tmp_path / "qwen3_next.log").read_text()
     assert returncode != 0
     assert not (tmp_path / "qwen3_next.result.json").exists()
-    assert (
-        "s3kv cannot share Mamba / linear-attention state yet: KV cache group of kind MambaSpec "
-        "(layers model.layers.0.linear_attn)"
-    ) in log
-    assert "serve this model without the s3kv KV connector (remove --kv-transfer-config)" in log
+    assert "s3kv shares Mamba / linear-attention state only in vLLM's prefix-caching mode for it" in log
+    assert "turn prefix caching on (--enable-prefix-caching)" in log
