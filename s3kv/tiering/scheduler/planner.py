@@ -324,6 +324,7 @@ class Planner:
             self.counters.add(f"hit_tokens_{tier.value}", n)
         req.loaded = range(start // ct, -(-end // ct))
         # vLLM acts on what the lookup said (it may have trimmed the hit since).
+        self.events.hide(c.key for c in load.chunks if c.group)
         plan = LoadPlan(req_id, tuple(load.chunks), not req.load_async, failed=tuple(load.failed))
         self._pending_loads.append(plan)
         self._load_pins[req_id] = load.pins
@@ -345,6 +346,7 @@ class Planner:
             held=self._pending_held,
             prefetch=self.prefetcher.take(),
         )
+        self.events.hide(c.key for p in plan.prefetch for c in p.chunks if c.group)
         self._pending_loads, self._pending_stores, self._pending_held = [], [], []
         tokens, context = 0, 0
         for s in scheduled:
@@ -384,7 +386,9 @@ class Planner:
             if c in req.loaded and not req.load_failed:
                 continue
             if self.parts is not None:
-                out += self.parts.plan_stores(self.stack, req, group_ids, c)
+                stores = self.parts.plan_stores(self.stack, req, group_ids, c)
+                self.events.hide(st.key for st in stores if st.group)
+                out += stores
                 self._remember(req, c)
                 continue
             ids = tuple(group_ids[0][c * bpc : (c + 1) * bpc])
