@@ -28,7 +28,7 @@ def bucket(seeded_s3):
     seed(s3, name, plain, 4, groups=[kv_group("full", 0, layer_names(0, 1))])
     odd_groups = [
         kv_group("full", 0, layer_names(0)),
-        {**kv_group("full", 0, layer_names(1)), "kind": "mamba"},
+        {**kv_group("full", 0, layer_names(1)), "kind": "cross_attention"},
     ]
     odd = seed(s3, name, namespace("odd", kv_groups=odd_groups), 2, groups=odd_groups)
     return name, grouped, plain, odd

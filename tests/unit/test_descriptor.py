@@ -133,7 +133,7 @@ def test_a_grouped_descriptor_says_its_groups_and_the_pages_of_each_part():
         pytest.param({"0": GROUPS[0]}, id="not-a-list"),
         pytest.param([], id="no-group"),
         pytest.param([*GROUPS, "full"], id="a-group-not-an-object"),
-        pytest.param([_group("mamba", 0, _layers(0))], id="a-kind-s3kv-does-not-share"),
+        pytest.param([_group("cross_attention", 0, _layers(0))], id="a-kind-s3kv-does-not-share"),
         pytest.param([_group(["full"], 0, _layers(0))], id="a-kind-not-a-string"),
         pytest.param([_group("full", 128, _layers(0))], id="full-with-a-window"),
         pytest.param([_group("sliding_window", 0, _layers(0))], id="sliding-without-a-window"),
