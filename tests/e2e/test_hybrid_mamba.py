@@ -38,8 +38,10 @@ def _toks(n: int) -> list[int]:
 
 
 SHARED = _toks(3 * CHUNK)
-STORE = [SHARED[: 2 * CHUNK] + _toks(30), SHARED + _toks(50)]
-"""Replica A: a prompt whose first step ends at 2 chunks, then one at 3."""
+OTHER = _toks(3 * CHUNK)
+STORE = [SHARED[: 2 * CHUNK] + _toks(30), SHARED + _toks(50), OTHER + _toks(50)]
+"""Replica A: a prompt whose first step ends at 2 chunks, then one at 3,
+and another prefix whose first step ends at 3."""
 PROBES = [
     SHARED + _toks(40),  # a hit of 3 chunks
     SHARED[: 2 * CHUNK] + _toks(60),  # of 2 chunks
@@ -47,6 +49,8 @@ PROBES = [
     SHARED[: 3 * CHUNK],  # exactly 3 chunks: vLLM must compute a token, so 2
     SHARED[: CHUNK + 5] + _toks(20),  # 1 chunk: no state was kept there, no hit
 ]
+OTHER_PROBE = OTHER + _toks(40)
+"""A hit of the other prefix (its outputs follow the probes' in the baseline's)."""
 
 
 def _kv(s3_server: Any, bucket: str, **extra: Any) -> dict[str, Any]:
@@ -67,7 +71,7 @@ def ssm_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ssm_baseline(ssm_dir, qwen) -> dict[str, Any]:
-    return run_replica(ssm_dir, "baseline", qwen, STORE + PROBES, None, engine_args=ENGINE)
+    return run_replica(ssm_dir, "baseline", qwen, STORE + PROBES + [OTHER_PROBE], None, engine_args=ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -105,19 +109,26 @@ def test_the_hybrid_manager_stays_on_with_the_capacity_of_no_connector(ssm_basel
     assert a["num_blocks"] == base["num_blocks"]
     assert metric(ssm_a, "kv_cache_groups") == 4
     assert "Turning off hybrid kv cache manager" not in (ssm_dir / "A.log").read_text()
-    assert ssm_a["outputs"] == ssm_baseline["outputs"][:2]
+    assert ssm_a["outputs"] == ssm_baseline["outputs"][:3]
 
 
 def test_states_are_stored_where_vllm_kept_them(ssm_a, s3_server, ssm_bucket):
     client = s3_server.client()
     objects = chunk_objects(client, ssm_bucket)
     parts = _parts(client, ssm_bucket, STORE[1])
+    other = _parts(client, ssm_bucket, STORE[2])
     kinds = [g["kind"] for g in _descriptor(client, ssm_bucket)["fields"]["kv_groups"]]
     full = kinds.index("full")
     states = [g for g, kind in enumerate(kinds) if kind == "mamba"]
     stored = {parse_object_key(k)[1] for k in objects}
-    # Full attention: every chunk; each state group: the states after 2 and 3 chunks only.
-    assert stored == set(parts[full]) | {parts[g][c] for g in states for c in (1, 2)}
+    # Full attention: every chunk; each state group: the states after 2 and 3
+    # chunks of the shared prefix, after 3 of the other, and no others.
+    assert stored == (
+        set(parts[full])
+        | set(other[full])
+        | {parts[g][c] for g in states for c in (1, 2)}
+        | {other[g][2] for g in states}
+    )
     for key, blob in objects.items():
         ns, chunk_key, rank = parse_object_key(key)
         header, layers = decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
@@ -128,7 +139,7 @@ def test_a_fresh_replica_loads_the_state_at_the_hit_end_and_matches(
     ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket
 ):
     b = run_replica(ssm_dir, "B", qwen, PROBES[:1], _kv(s3_server, ssm_bucket), engine_args=ENGINE)
-    assert b["outputs"] == ssm_baseline["outputs"][2:3]
+    assert b["outputs"] == ssm_baseline["outputs"][3:4]
     assert b["num_cached_tokens"][0] >= 3 * CHUNK
     # 3 chunks: the full-attention group's 3 parts, each state group's state after 3 chunks.
     assert worker_total(b, "load_chunks_s3") == 3 + 3
@@ -138,7 +149,7 @@ def test_a_fresh_replica_loads_the_state_at_the_hit_end_and_matches(
 
 def test_hits_at_and_around_chunk_boundaries(ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket):
     c = run_replica(ssm_dir, "C", qwen, PROBES, _kv(s3_server, ssm_bucket), engine_args=ENGINE)
-    assert c["outputs"] == ssm_baseline["outputs"][2:]
+    assert c["outputs"] == ssm_baseline["outputs"][3 : 3 + len(PROBES)]
     assert c["num_cached_tokens"][0] >= 3 * CHUNK
     assert sum(worker_total(c, f"load_errors_{k}") for k in LOAD_ERRORS) == 0
 
@@ -176,29 +187,31 @@ def _wrong_group(client: Any, bucket: str, group_kind: str, chunks: tuple[int, .
     return transform
 
 
-def test_negative_control_a_wrong_state_changes_output(
+def test_a_wrong_state_changes_output_a_corrupt_state_is_recomputed(
     ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket
 ):
-    client = s3_server.client()
-    wrong = copy_bucket(s3_server, ssm_bucket, _wrong_group(client, ssm_bucket, "mamba", (1, 2)))
-    n = run_replica(ssm_dir, "wrong", qwen, PROBES[:1], _kv(s3_server, wrong), engine_args=ENGINE)
-    assert worker_total(n, "load_chunks_s3") == 3 + 3
-    assert n["outputs"] != ssm_baseline["outputs"][2:3]
-
-
-def test_a_corrupt_state_is_recomputed(ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket):
+    """One replica (one engine start), two prefixes: the first's state
+    group holds another chunk's state (valid objects: the negative
+    control), the other's state after 3 chunks is corrupt."""
     client = s3_server.client()
     kinds = [g["kind"] for g in _descriptor(client, ssm_bucket)["fields"]["kv_groups"]]
-    victim = _parts(client, ssm_bucket, STORE[1])[kinds.index("mamba")][2]  # the state after 3 chunks
+    wrong = _wrong_group(client, ssm_bucket, "mamba", (1, 2))
+    victim = _parts(client, ssm_bucket, STORE[2])[kinds.index("mamba")][2]
 
-    def flip(name: str, body: bytes) -> bytes:
+    def transform(name: str, body: bytes) -> bytes:
+        body = wrong(name, body)
         if parse_object_key(name)[1] != victim:
             return body
         data = bytearray(body)
         data[len(data) - 1 - len(data) // 3] ^= 0xFF
         return bytes(data)
 
-    corrupt = copy_bucket(s3_server, ssm_bucket, flip)
-    r = run_replica(ssm_dir, "corrupt", qwen, PROBES[:1], _kv(s3_server, corrupt), engine_args=ENGINE)
-    assert r["outputs"] == ssm_baseline["outputs"][2:3]
+    bucket = copy_bucket(s3_server, ssm_bucket, transform)
+    r = run_replica(
+        ssm_dir, "wrong", qwen, [PROBES[0], OTHER_PROBE], _kv(s3_server, bucket), engine_args=ENGINE
+    )
+    base = ssm_baseline["outputs"]
+    assert r["outputs"][0] != base[3]  # the wrong state was loaded and used
+    assert r["outputs"][1] == base[-1]  # the corrupt state: recomputed
+    assert worker_total(r, "load_chunks_s3") >= 3 + 3
     assert worker_total(r, "load_errors_corrupt") >= 1
