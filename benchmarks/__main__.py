@@ -32,6 +32,7 @@ SUITE = (
     "store_path",
     "lookup",
     "ttft",
+    "hybrid",
     "load_policy",
     "load_policy_concurrent",
     "prefetch",
