@@ -61,7 +61,11 @@ class S3KVConfig:
         ' without StartAfter, so manifest segments go under minute prefixes) or "auto": directory'
         ' when the bucket\'s name ends with "--x-s3".',
     )
-    chunk_tokens: int = _key(256, "Tokens per stored chunk; a multiple of vLLM's block size.")
+    chunk_tokens: int = _key(
+        256,
+        "Tokens per stored chunk; a multiple of vLLM's block size (by default, the fewest whole blocks "
+        "that hold 256 tokens).",
+    )
     codec: str = _key(
         "blosc2",
         'Chunk compression: "blosc2" (SIMD byte shuffle + zstd, decoded in one pass), "zstd" (numpy'
@@ -177,6 +181,17 @@ class S3KVConfig:
         if self.bucket_kind == "auto":
             return bool(self.bucket) and self.bucket.endswith(DIRECTORY_SUFFIX)  # type: ignore[union-attr]
         return self.bucket_kind == "directory"
+
+    def fit_block_size(self, block_size: int, *, chunk_tokens_set: bool) -> S3KVConfig:
+        """This config for vLLM's ``block_size``: a default ``chunk_tokens``
+        that is no whole number of blocks (a hybrid model's blocks are its
+        state's page: 640 tokens, say) becomes the fewest whole blocks that
+        hold it; one set by hand must be whole blocks already
+        (:meth:`validate_block_size`)."""
+        if chunk_tokens_set or self.chunk_tokens % block_size == 0:
+            self.validate_block_size(block_size)
+            return self
+        return dataclasses.replace(self, chunk_tokens=-(-self.chunk_tokens // block_size) * block_size)
 
     def validate_block_size(self, block_size: int) -> None:
         """Fail unless ``chunk_tokens`` is a whole number of vLLM blocks."""

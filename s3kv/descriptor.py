@@ -12,6 +12,13 @@ whoever can write to the bucket cannot make gc take a TP=2 namespace for a
 TP=1 one, or its layers for others. ``chunk_tokens`` is no namespace field
 (replicas of one namespace may store chunks of other sizes): it says only
 which chunks the ops commands decode.
+
+A model with several KV cache groups (:mod:`s3kv.kvgroups`) has a
+``kv_groups`` field, one entry per group (its kind, window, block and page
+size, layer names): each chunk is then one part object per group, each of
+``num_layers`` frames (the most layers a group has). A descriptor whose
+groups are not what s3kv writes, or have more layers than ``num_layers``,
+does not describe its chunks' pages.
 """
 
 from __future__ import annotations
@@ -22,11 +29,14 @@ from typing import Any
 
 from s3kv.codec import MAX_FRAME_RAW
 from s3kv.keys import Namespace
+from s3kv.kvgroups import KVGroup
 
 NAME = "namespace.json"
 MAX_BYTES = 64 << 10
 """The largest descriptor read; a replica's is a few KiB."""
 MAX_LAYERS = 4096
+MAX_GROUPS = 256
+MAX_WINDOW = 1 << 32
 
 
 def encode(namespace: Namespace, model: str | None, chunk_tokens: int) -> bytes:
@@ -51,13 +61,31 @@ class ChunkPages:
 
 
 @dataclass(frozen=True)
+class DescribedGroup:
+    """One KV cache group of a namespace, as its descriptor names it."""
+
+    kind: str
+    """``full``, ``sliding_window`` or ``chunked_local`` (:data:`s3kv.kvgroups.KINDS`)."""
+    window: int
+    """Its window or attention chunk, in tokens (0: full attention)."""
+    layers: tuple[str, ...]
+    """Its layers' names, in frame order."""
+
+
+@dataclass(frozen=True)
 class Described:
     """What the ops commands take from a namespace's descriptor."""
 
     tp_size: int | None
     """Ranks that each store a shard of every chunk; None: not said."""
     pages: ChunkPages | None
-    """The pages of the namespace's chunks of ``chunk_tokens`` tokens; None: not said."""
+    """The pages of each object (each part, with several KV cache groups) of
+    the namespace's chunks of ``chunk_tokens`` tokens; None: not said."""
+    groups: tuple[DescribedGroup, ...] | None = None
+    """The KV cache groups, each a part object of every chunk; None: one
+    full-attention group (no ``kv_groups`` field), or groups not read."""
+    groups_unread: bool = False
+    """It has a ``kv_groups`` field that is not groups s3kv writes."""
 
 
 def parse_descriptor(namespace_id: str, data: bytes) -> Described | None:
@@ -78,7 +106,13 @@ def parse_descriptor(namespace_id: str, data: bytes) -> Described | None:
             return None
     except TypeError:  # a value the namespace hash does not encode: not a replica's
         return None
-    return Described(_count(fields.get("tp_size"), 1 << 16), _pages(fields, d.get("chunk_tokens")))
+    tp_size, pages = _count(fields.get("tp_size"), 1 << 16), _pages(fields, d.get("chunk_tokens"))
+    if "kv_groups" not in fields:
+        return Described(tp_size, pages)
+    groups = _groups(fields)
+    if groups is None or pages is None or any(len(g.layers) > pages.num_layers for g in groups):
+        pages = None  # parts of groups it does not say, or frames fewer than a group's layers
+    return Described(tp_size, pages, groups, groups_unread=groups is None)
 
 
 def _count(value: Any, most: int) -> int | None:
@@ -95,3 +129,36 @@ def _pages(fields: dict[str, Any], chunk_tokens: Any) -> ChunkPages | None:
         return None
     layer_bytes = tokens // block * page
     return ChunkPages(layers, tokens, layer_bytes) if layer_bytes <= MAX_FRAME_RAW else None
+
+
+def _groups(fields: dict[str, Any]) -> tuple[DescribedGroup, ...] | None:
+    """The groups of the ``kv_groups`` field, or None unless it lists 1 to
+    MAX_GROUPS groups, each of a kind s3kv shares with a window that kind
+    has, 1 to MAX_LAYERS layer names, and the namespace's block and page
+    size (every part's frames are pages of one size)."""
+    value = fields.get("kv_groups")
+    block, page = fields.get("block_size"), fields.get("page_size_bytes")
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_GROUPS:
+        return None
+    out = []
+    for g in value:
+        if not isinstance(g, dict):
+            return None
+        kind, window, layers = g.get("kind"), g.get("window"), g.get("layers")
+        if not isinstance(kind, str) or type(window) is not int or not 0 <= window <= MAX_WINDOW:
+            return None
+        if not isinstance(layers, list) or not 1 <= len(layers) <= MAX_LAYERS:
+            return None
+        if not all(isinstance(n, str) for n in layers):
+            return None
+        if any(
+            type(g.get(f)) is not int or g.get(f) != v
+            for f, v in (("block_size", block), ("page_size_bytes", page))
+        ):
+            return None
+        try:
+            KVGroup(kind, (), window)  # a kind s3kv shares, with a window that kind has
+        except ValueError:
+            return None
+        out.append(DescribedGroup(kind, window, tuple(layers)))
+    return tuple(out)

@@ -17,7 +17,9 @@ A hit of a prefix needs every full-attention group's parts of every chunk,
 but a windowed group's parts only of the chunks its window reaches from the
 hit's end (:meth:`GroupLayout.needs`); the other chunks' parts are never
 loaded, so bytes loaded for a hit of a sliding-window model scale with its
-full-attention layers plus the window.
+full-attention layers plus the window. A Mamba group's part of a chunk holds
+its state at the chunk's end (its last page; the others are zeros), stored
+where vLLM kept that state, and a hit of k chunks loads only chunk k-1's.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ import xxhash
 FULL = "full"
 SLIDING = "sliding_window"
 CHUNKED = "chunked_local"
-KINDS = (FULL, SLIDING, CHUNKED)
+MAMBA = "mamba"
+"""Mamba / linear-attention state: a group whose block at a position holds
+the state after exactly the tokens up to that block's end (vLLM's
+``mamba_cache_mode="align"``); a hit needs only the state at its end."""
+KINDS = (FULL, SLIDING, CHUNKED, MAMBA)
 
 NULL_BLOCK = 0
 """vLLM's null block id: a block a windowed group does not hold."""
@@ -50,7 +56,7 @@ class KVGroup:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown KV cache group kind {self.kind!r}")
-        if (self.kind == FULL) != (self.window == 0) or self.window < 0:
+        if (self.kind in (FULL, MAMBA)) != (self.window == 0) or self.window < 0:
             raise ValueError(f"a {self.kind} group with window {self.window}")
 
     def skipped_tokens(self, computed: int) -> int:
@@ -60,6 +66,8 @@ class KVGroup:
             return max(0, computed - self.window + 1)
         if self.kind == CHUNKED:
             return computed // self.window * self.window
+        if self.kind == MAMBA:
+            return max(0, computed - 1)
         return 0
 
 
@@ -83,6 +91,12 @@ class GroupLayout:
     def single(self) -> bool:
         """One full-attention group: parts are chunks, as before groups."""
         return len(self.groups) == 1 and self.groups[0].kind == FULL
+
+    @property
+    def has_state(self) -> bool:
+        """Has a Mamba group: a hit must leave vLLM a token to compute (its
+        state after the whole prompt cannot take the last token again)."""
+        return any(g.kind == MAMBA for g in self.groups)
 
     @property
     def windowed(self) -> tuple[int, ...]:

@@ -78,7 +78,12 @@ FAMILIES: tuple[Family, ...] = (
         "Requests whose scheduling waited for their prefetch to finish (its chunks then load from the CPU "
         "or NVMe tier)",
     ),
-    _c("load_chunks", "Chunk shards loaded into the KV cache, by source tier", "tier", TIERS),
+    _c(
+        "load_chunks",
+        "Chunk shards loaded into the KV cache (with several KV cache groups, each group's part), by source tier",
+        "tier",
+        TIERS,
+    ),
     _c("load_bytes", "Bytes read for loads (object bytes; CPU: page bytes), by source tier", "tier", TIERS),
     _c(
         "load_errors",
@@ -222,6 +227,11 @@ FAMILIES: tuple[Family, ...] = (
         tuple(str(b) for b in CONTEXT_BUCKETS),
     ),
     Family("inflight_bytes", "gauge", "KV bytes copied out and waiting to be written to NVMe or S3"),
+    Family(
+        "kv_cache_groups",
+        "gauge",
+        "The model's KV cache groups (vLLM's hybrid KV cache manager): each chunk is one object per group",
+    ),
     Family("tier_used_bytes", "gauge", "Bytes held in a local tier", "tier", ("cpu", "disk")),
     Family("tier_capacity_bytes", "gauge", "Capacity of a local tier", "tier", ("cpu", "disk")),
 )

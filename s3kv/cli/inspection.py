@@ -1,5 +1,6 @@
 """``s3kv inspect``: one object's header (a chunk's or a manifest object's), by chunk key,
-object name or local file, its frames checked on request."""
+object name or local file, its frames checked on request; or what a namespace's
+descriptor says (its KV cache groups among it), by namespace id or object name."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from s3kv.auth import FleetKeys, load_keys
 from s3kv.cli import output as out
 from s3kv.cli.ops import run
 from s3kv.cli.settings import EXIT_CODES_HELP, EXIT_OK, EXIT_PROBLEMS, Settings, store_options
+from s3kv.descriptor import NAME as DESCRIPTOR
 from s3kv.errors import NotFound
 from s3kv.keys import namespace_prefix
+from s3kv.ops.described import short_names
 from s3kv.ops.inventory import list_namespaces
 from s3kv.ops.verify import inspect_object
 from s3kv.stores.base import ObjectStore
@@ -25,6 +28,8 @@ _KEY_RE = re.compile(r"^(?P<key>[0-9a-f]{32})(?:\.r(?P<rank>\d+))?$")
 
 
 async def _find_chunk(store: ObjectStore, prefix: str, key: str, rank: str | None) -> list[str]:
+    """The objects of chunk ``key`` (of rank ``rank``) in any namespace; none:
+    namespace ``key``'s descriptor, if ``key`` is a namespace's id."""
     namespaces, _ = await list_namespaces(store, prefix)
     names: list[str] = []
     for ns in namespaces:
@@ -32,7 +37,10 @@ async def _find_chunk(store: ObjectStore, prefix: str, key: str, rank: str | Non
         base = f"{shard}{key}.r" + (rank or "")
         # A directory bucket lists only prefixes that end with '/'.
         names += [n for n in await store.list_keys(shard if store.directory else base) if n.startswith(base)]
-    return [n for n in names if rank is None or n.endswith(f".r{rank}")]
+    names = [n for n in names if rank is None or n.endswith(f".r{rank}")]
+    if not names and rank is None and key in namespaces:
+        names = [namespace_prefix(prefix, key) + DESCRIPTOR]
+    return names
 
 
 async def _inspect(store: ObjectStore, name: str, check: bool, keys: FleetKeys | None) -> dict[str, Any]:
@@ -49,14 +57,16 @@ async def _inspect(store: ObjectStore, name: str, check: bool, keys: FleetKeys |
 
 @click.command("inspect", epilog=EXIT_CODES_HELP)
 @store_options
-@click.argument("target", metavar="KEY|OBJECT")
+@click.argument("target", metavar="KEY|NAMESPACE|OBJECT")
 @click.option("--check", is_flag=True, help="Also read and decode every frame (MACs too, with the secret).")
 @click.option(
     "--frames", is_flag=True, help="Show the frame table (offset, stored, raw, checksum per layer)."
 )
 def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
     """Decode and show one object's header: a chunk key (32 hex digits, optionally
-    .rN), an object name in the bucket, or a local file (an NVMe tier file)."""
+    .rN), an object name in the bucket, or a local file (an NVMe tier file). A
+    namespace id (or its namespace.json) shows what its descriptor says: model,
+    chunk size, TP size, the frames of each object, and its KV cache groups."""
     path = Path(target)
     if path.is_file():
         mem = MemoryStore()
@@ -73,7 +83,10 @@ def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
             if m:
                 names = await _find_chunk(store, s.config.prefix, m["key"], m["rank"])
                 if not names:
-                    raise NotFound(target, "no object holds this chunk key in any namespace")
+                    raise NotFound(
+                        target,
+                        "no object holds this chunk key in any namespace, and no namespace has this id",
+                    )
             else:
                 names = [target]
                 if s.config.prefix and not target.startswith(s.config.prefix + "/"):
@@ -89,13 +102,32 @@ def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
     else:
         con = out.stdout()
         for d in docs:
-            rows = [[k, v] for k, v in d.items() if k not in ("frame_table", "problems", "notes", "header")]
+            skip = ("frame_table", "problems", "notes", "header", "kv_groups", "fields")
+            rows = [[k, v] for k, v in d.items() if k not in skip]
             if "header" in d:
                 rows.append(["header", d["header"]])
             rows.append(["problems", "; ".join(d.get("problems", ())) or "none"])
             if d.get("notes"):
                 rows.append(["notes", "; ".join(d["notes"])])
             con.print(out.table(None, ["field", "value"], rows))
+            if d.get("kv_groups"):
+                con.print(
+                    out.table(
+                        "KV cache groups (one part object of every chunk each)",
+                        ["group", "kind", "window", "layers", "names"],
+                        [
+                            [
+                                g["group"],
+                                g["kind"],
+                                g["window"] or "-",
+                                g["layers"],
+                                short_names(g["layer_names"]),
+                            ]
+                            for g in d["kv_groups"]
+                        ],
+                        right=["group", "window", "layers"],
+                    )
+                )
             if frames and d.get("frame_table"):
                 con.print(
                     out.table(

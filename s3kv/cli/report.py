@@ -15,10 +15,27 @@ from s3kv.ops.inventory import Inventory
 from s3kv.stores.base import ObjectStore
 
 
+def _grouped(row: dict[str, Any]) -> bool:
+    """A namespace of several KV cache groups: its chunk keys are parts, one a group."""
+    return (row["groups"] or 1) > 1
+
+
+def _chunks(row: dict[str, Any]) -> str:
+    if _grouped(row):
+        return f"~{row['chunks_estimate']} ({row['chunks']} parts)"
+    return str(row["chunks"])
+
+
+def _estimate(row: dict[str, Any]) -> str:
+    return "?" if row["chunks_estimate"] is None else str(row["chunks_estimate"])
+
+
 @click.command("ls", epilog=EXIT_CODES_HELP)
 @store_options
 def ls_cmd(s: Settings) -> int:
-    """Namespaces in the bucket: model, layout, chunks, bytes, write and access times."""
+    """Namespaces in the bucket: model, layout, chunks, bytes, write and access times.
+    A namespace of several KV cache groups stores a part object of each chunk per
+    group: its layout names the groups, its chunks are about parts / groups."""
 
     async def body(store: ObjectStore) -> Inventory:
         return await scan_bucket(store, s)
@@ -49,7 +66,7 @@ def ls_cmd(s: Settings) -> int:
                     r["namespace"],
                     r["model"],
                     r["layout"],
-                    r["chunks"],
+                    _chunks(r),
                     out.size(r["bytes"]),
                     out.when(r["oldest_write"]),
                     out.when(r["newest_write"]),
@@ -61,7 +78,14 @@ def ls_cmd(s: Settings) -> int:
         )
     )
     total = sum(r["bytes"] for r in rows)
-    con.print(f"{len(rows)} namespace(s), {sum(r['chunks'] for r in rows)} chunks, {out.size(total)}")
+    keys = sum(r["chunks"] for r in rows)
+    if any(_grouped(r) for r in rows):
+        whole = sum(r["chunks_estimate"] if _grouped(r) else r["chunks"] for r in rows)
+        con.print(
+            f"{len(rows)} namespace(s), ~{whole} chunks in {keys} chunk and part keys, {out.size(total)}"
+        )
+    else:
+        con.print(f"{len(rows)} namespace(s), {keys} chunks, {out.size(total)}")
     if inv.foreign:
         con.print(f"{len(inv.foreign)} object(s) under the prefix are not s3kv's (`s3kv verify` lists them)")
     return EXIT_OK
@@ -84,7 +108,8 @@ def ls_cmd(s: Settings) -> int:
     help="Chunk headers read to estimate the compression ratio.",
 )
 def stats_cmd(s: Settings, namespaces: tuple[str, ...], sample: int) -> int:
-    """Size and age histograms, compression ratio, and the manifest's segments and snapshots."""
+    """Chunks by namespace (with its KV cache groups), size and age histograms,
+    compression ratio, and the manifest's segments and snapshots."""
 
     async def body(store: ObjectStore) -> dict[str, Any]:
         inv = await scan_bucket(store, s, namespaces)
@@ -98,6 +123,22 @@ def stats_cmd(s: Settings, namespaces: tuple[str, ...], sample: int) -> int:
     con.print(
         f"{st['namespaces']} namespace(s), {st['chunks']} chunks in {st['objects']} objects, {out.size(st['bytes'])}"
     )
+    con.print(
+        out.table(
+            "chunks by namespace",
+            ["namespace", "KV cache groups", "chunk keys", "objects", "bytes", "~ chunks"],
+            [
+                [ns, r["groups"] or "?", r["chunks"], r["objects"], out.size(r["bytes"]), _estimate(r)]
+                for ns, r in st["by_namespace"].items()
+            ],
+            right=["KV cache groups", "chunk keys", "objects", "bytes", "~ chunks"],
+        )
+    )
+    if any(_grouped(r) for r in st["by_namespace"].values()):
+        con.print(
+            "a namespace of several KV cache groups stores each chunk as one part object per group "
+            "(and rank): its chunk keys are parts, about chunks x groups"
+        )
     con.print(
         out.table(
             "object sizes",

@@ -134,7 +134,8 @@ class S3KVConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
         keys = load_keys(self.config.auth_key_file)  # each process reads its own: never pickled
         layout = engine_layout(vllm_config, kv_cache_config, self.config)
-        self.config.validate_block_size(layout.block_size)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.config = self.config.fit_block_size(layout.block_size, chunk_tokens_set="chunk_tokens" in extra)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

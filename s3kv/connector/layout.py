@@ -17,7 +17,7 @@ from s3kv.config import S3KVConfig
 from s3kv.errors import ConfigError
 from s3kv.identity import ModelSource, canonical_config
 from s3kv.keys import Namespace
-from s3kv.kvgroups import CHUNKED, FULL, SLIDING, GroupLayout, KVGroup
+from s3kv.kvgroups import CHUNKED, FULL, MAMBA, SLIDING, GroupLayout, KVGroup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,7 +57,7 @@ class EngineLayout:
         return chunk_tokens // self.block_size * self.page_size_bytes * self.kv_groups.frames
 
 
-SERVED = "full attention, sliding-window attention and chunked-local attention"
+SERVED = "full attention, sliding-window, chunked-local attention and Mamba / linear attention"
 
 
 def _group(spec: Any, layers: tuple[int, ...], names: list[str]) -> KVGroup:
@@ -66,6 +66,7 @@ def _group(spec: Any, layers: tuple[int, ...], names: list[str]) -> KVGroup:
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -79,9 +80,21 @@ def _group(spec: Any, layers: tuple[int, ...], names: list[str]) -> KVGroup:
         )
     if kind is ChunkedLocalAttentionSpec:
         return KVGroup(CHUNKED, layers, int(spec.attention_chunk_size))
-    what = "Mamba / linear-attention state" if "Mamba" in kind.__name__ else "this KV cache"
+    if kind is MambaSpec:
+        if spec.mamba_cache_mode != "align":
+            raise ConfigError(
+                f"s3kv shares Mamba / linear-attention state only in vLLM's prefix-caching mode for it "
+                f"(mamba_cache_mode 'align'); this engine's is {spec.mamba_cache_mode!r} (layers "
+                f"{', '.join(names[:3])}): turn prefix caching on (--enable-prefix-caching)"
+            )
+        if spec.num_speculative_blocks:
+            raise ConfigError(
+                "s3kv does not share Mamba / linear-attention state with speculative decoding yet "
+                f"(layers {', '.join(names[:3])}): turn speculative decoding off, or serve without s3kv"
+            )
+        return KVGroup(MAMBA, layers)
     raise ConfigError(
-        f"s3kv cannot share {what} yet: KV cache group of kind {kind.__name__} "
+        f"s3kv cannot share this KV cache yet: KV cache group of kind {kind.__name__} "
         f"(layers {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}). s3kv shares {SERVED} "
         "groups; serve this model without the s3kv KV connector (remove --kv-transfer-config)"
     )
@@ -109,7 +122,9 @@ def _groups(kv_cache_config: Any) -> tuple[tuple[str, ...], GroupLayout | None, 
                     f"{getattr(first, what)}, group {type(spec).__name__} {getattr(spec, what)}"
                 )
     layout = GroupLayout(tuple(kv_groups), int(first.block_size))
-    return tuple(names), (None if layout.single else layout), first
+    # The namespace's attention fields (and the CPU kernel's ISA) are an attention group's.
+    attention = next((g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "head_size")), first)
+    return tuple(names), (None if layout.single else layout), attention
 
 
 def _group_fields(kv_cache_config: Any, layout: GroupLayout) -> list[dict[str, Any]]:
@@ -128,6 +143,15 @@ def _group_fields(kv_cache_config: Any, layout: GroupLayout) -> list[dict[str, A
                 "head_size": getattr(spec, "head_size", None),
                 "head_size_v": getattr(spec, "head_size_v", None),
                 "dtype": str(getattr(spec, "dtype", "")),
+                **(
+                    {  # a state's layout: what its page bytes are
+                        "shapes": [list(x) for x in spec.shapes],
+                        "dtypes": [str(d) for d in spec.dtypes],
+                        "mamba_type": str(spec.mamba_type),
+                    }
+                    if kv.kind == MAMBA
+                    else {}
+                ),
                 "layers": list(g.layer_names),
             }
         )

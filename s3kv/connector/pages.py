@@ -72,9 +72,19 @@ class LayerPages:
                 f"(num_blocks={num_blocks})"
             )
         self.name = name
-        self.u8 = u8
         self.axis = axes[0]
         self.page_bytes = u8.numel() // num_blocks
+        self.real_bytes: int | None = None
+        """Bytes of a page that hold state, where fewer than the page's (a
+        Mamba layer's state padded to the attention layers' page)."""
+        stride = u8.stride(0) if self.axis == 0 else 0
+        if stride > self.page_bytes and u8[0].is_contiguous():
+            # vLLM pads a state layer's pages to the page size of the others:
+            # the page is the block stride, its tail unused by the layer.
+            self.real_bytes = self.page_bytes
+            u8 = u8.as_strided((num_blocks, stride), (stride, 1))
+            self.page_bytes = stride
+        self.u8 = u8
         self.dtype = str(tensor.dtype).removeprefix("torch.")
         self.itemsize = tensor.element_size()
 
@@ -205,6 +215,8 @@ class PageIO:
                     _along(frame, layer.axis, i, j),
                     _along(src, layer.axis, block_ids[i], block_ids[i] + j - i),
                 )
+            if layer.real_bytes is not None:  # a padded page's tail is not the layer's: zeros
+                frame[:, layer.real_bytes :] = 0
             return
         dst = torch.from_numpy(out).view(layer.shape_for(n))
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -216,6 +228,8 @@ class PageIO:
                     pages.narrow(layer.axis, first, n - first).copy_(got)
             else:
                 pages = layer.u8.index_select(layer.axis, self._index(block_ids))
+            if layer.real_bytes is not None:
+                pages[:, layer.real_bytes :] = 0
             dst.copy_(pages, non_blocking=True)
 
     def target(

@@ -45,6 +45,7 @@ from s3kv.manifest.protocol import (
     name_ts,
     parse_name,
 )
+from s3kv.ops.described import summary
 from s3kv.ops.reads import read_descriptor, read_manifest
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
 
@@ -138,6 +139,15 @@ class NamespaceInfo:
         """Ranks that store a shard of every chunk, by the descriptor; None: unknown."""
         return self.described.tp_size if self.described is not None else None
 
+    @property
+    def groups(self) -> int | None:
+        """KV cache groups, by the descriptor: the part objects (keys) of
+        each chunk (:mod:`s3kv.kvgroups`), 1 for one group; None: unknown."""
+        d = self.described
+        if d is None or d.groups_unread:
+            return None
+        return len(d.groups) if d.groups is not None else 1
+
     def layout(self) -> str:
         f = (self.descriptor or {}).get("fields") or {}
         if not f:
@@ -145,9 +155,15 @@ class NamespaceInfo:
         dtype = (
             f.get("kv_cache_dtype") if f.get("kv_cache_dtype") not in (None, "auto") else f.get("model_dtype")
         )
+        d = self.described
+        layers = f"{f.get('num_layers', '?')}L"
+        if d is not None and d.groups is not None:
+            layers = summary(d.groups)
+        elif d is not None and d.groups_unread:
+            layers += ", KV cache groups unread"
         parts = [
             str(dtype or "?"),
-            f"{f.get('num_layers', '?')}L",
+            layers,
             f"{f.get('num_kv_heads', '?')}x{f.get('head_size', '?')}",
             f"block {f.get('block_size', '?')}",
             f"chunk {(self.descriptor or {}).get('chunk_tokens', '?')}",

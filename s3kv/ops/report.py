@@ -10,12 +10,30 @@ from typing import Any
 from s3kv.chunk_reader import ChunkReader, ranged_get
 from s3kv.errors import CorruptChunk, CorruptManifest, NotFound, S3KVError
 from s3kv.manifest.protocol import Horizon, name_ts, record_hour
+from s3kv.ops.described import group_rows
 from s3kv.ops.inventory import Inventory, NamespaceInfo
 from s3kv.ops.reads import read_manifest_head
 from s3kv.stores.base import HEAD_BYTES, ObjectStore
 
 SIZE_EDGES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 AGE_EDGES = [(3600, "1h"), (86400, "1d"), (7 * 86400, "7d"), (30 * 86400, "30d"), (90 * 86400, "90d")]
+
+
+def parts_row(info: NamespaceInfo) -> dict[str, Any]:
+    """A namespace's chunk keys, objects and bytes, and its KV cache groups:
+    with several, each chunk key is one group's part of a chunk, and chunk
+    keys over groups estimates the chunks (more where a windowed group's part
+    of a chunk no hit reaches was not stored)."""
+    d = info.described
+    groups = info.groups
+    return {
+        "chunks": len(info.chunks),
+        "objects": info.object_count,
+        "bytes": info.chunk_bytes,
+        "groups": groups,
+        "kv_groups": group_rows(d.groups) if d is not None and d.groups is not None else None,
+        "chunks_estimate": round(len(info.chunks) / groups) if groups else None,
+    }
 
 
 def namespace_row(info: NamespaceInfo) -> dict[str, Any]:
@@ -25,9 +43,7 @@ def namespace_row(info: NamespaceInfo) -> dict[str, Any]:
         "namespace": info.id,
         "model": info.model,
         "layout": info.layout(),
-        "chunks": len(chunks),
-        "objects": info.object_count,
-        "bytes": info.chunk_bytes,
+        **parts_row(info),
         "manifest_objects": len(info.manifest_objects),
         "manifest_bytes": sum(o.size for o in info.manifest_objects),
         "oldest_write": min((c.written for c in chunks), default=None),
@@ -144,4 +160,5 @@ async def stats(store: ObjectStore, inv: Inventory, now: float, *, sample: int =
         "idle_histogram": age_histogram([(now - c.last_used, c.size) for c in chunks]),
         "compression": await compression(store, inv, sample),
         "manifest": {ns: await manifest_state(store, info, now) for ns, info in inv.namespaces.items()},
+        "by_namespace": {ns: parts_row(info) for ns, info in inv.namespaces.items()},
     }

@@ -65,6 +65,7 @@ from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import gc_writer_id
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
 from s3kv.ops.chunks import check_object
+from s3kv.ops.described import inspect_descriptor
 from s3kv.ops.inventory import Inventory, manifest_signed
 from s3kv.ops.reads import read_at_most, read_descriptor
 from s3kv.stores.base import HEAD_BYTES, ObjectMeta, ObjectStore
@@ -302,7 +303,10 @@ async def inspect_object(
     store: ObjectStore, name: str, *, check_frames: bool = False, keys: FleetKeys | None = None
 ) -> dict[str, Any]:
     """What one object is: a chunk's header (and, with ``check_frames``, its
-    frames checked), or a manifest object's kind, counts and header."""
+    frames checked), a manifest object's kind, counts and header, or what a
+    namespace's descriptor says (:func:`~s3kv.ops.described.inspect_descriptor`)."""
+    if name.rsplit("/", 1)[-1] == DESCRIPTOR:
+        return await inspect_descriptor(store, name)
     if "/manifest/" in name:
         data = await store.get(name)
         obj = mf.decode(data, name=name)

@@ -260,3 +260,29 @@ def test_copies_never_make_the_host_wait_for_the_forward():
     control_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     assert control_s > (time.perf_counter() - t0) / 2, control_s
+
+
+def test_a_state_layers_padded_pages_cross_whole_with_zeros_past_the_state():
+    # A Mamba layer as vLLM views it on a device: int8 [blocks, 1, 1, state
+    # bytes] over pages padded to the attention layers' (the block stride).
+    real, page = 1000, 1536
+    backing = torch.randint(0, 255, (BLOCKS * page,), dtype=torch.uint8, device="cuda")
+    state = backing.view(torch.int8).as_strided((BLOCKS, 1, 1, real), (page, real, real, 1))
+    io = PageIO({"m0": state}, ["m0"], BLOCKS)
+    assert (io.layers[0].page_bytes, io.layers[0].real_bytes) == (page, real)
+    out = torch.empty(3 * page, dtype=torch.uint8, pin_memory=True).numpy()
+    io.read_into(0, [7, 3, 40], out, first=1)
+    io.synchronize()
+    host = backing.cpu().numpy().reshape(BLOCKS, page)
+    frames = out.reshape(3, page)
+    assert not frames[0].any() and not frames[1:, real:].any()
+    assert np.array_equal(frames[1, :real], host[3, :real]) and np.array_equal(
+        frames[2, :real], host[40, :real]
+    )
+    data = np.random.default_rng(1).integers(0, 256, 3 * page, dtype=np.uint8)
+    io.write(0, [10, 11, 12], 1, 3, data)
+    io.synchronize()
+    after = backing.cpu().numpy().reshape(BLOCKS, page)
+    assert np.array_equal(after[11, :real], data[page : page + real])
+    assert np.array_equal(after[12, :real], data[2 * page : 2 * page + real])
+    assert np.array_equal(after[10], host[10])  # before ``first``: not written

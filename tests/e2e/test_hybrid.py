@@ -98,6 +98,7 @@ def test_the_hybrid_manager_stays_on_with_the_capacity_of_no_connector(hybrid_ba
     assert a["groups"] == base["groups"]
     assert a["groups"].count("SlidingWindowSpec") == 5 and a["groups"].count("FullAttentionSpec") == 1
     assert a["num_blocks"] == base["num_blocks"]
+    assert metric(hybrid_a, "kv_cache_groups") == 6
     assert "Turning off hybrid kv cache manager" not in (hybrid_dir / "A.log").read_text()
     assert hybrid_a["outputs"] == hybrid_baseline["outputs"][:1]
 
@@ -168,7 +169,7 @@ def _wrong_group(client: Any, bucket: str, group_kind: str):
             tokens=header.tokens,
             layers=decoded[donor][1],
             dtype=header.dtype,
-            itemsize=2,
+            itemsize=header.shuffle,  # byte shuffle's item: the pages' dtype size
             page_shape=header.page_shape,
         )
 

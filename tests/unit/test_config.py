@@ -409,3 +409,12 @@ def test_the_config_repr_never_shows_the_key_file():
         assert "auth_key_file=(not shown)" in text and "bucket='b-x1'" in text
     assert "auth_key_file=None" in repr(parse_config({"bucket": "b-x1"}))
     assert repr(config).startswith("S3KVConfig(") and "chunk_tokens=256" in repr(config)
+
+
+def test_a_default_chunk_fits_a_hybrid_models_blocks_one_set_by_hand_must_be_whole():
+    # A hybrid SSM model's blocks are its state's page: 640 tokens, say.
+    assert S3KVConfig().fit_block_size(640, chunk_tokens_set=False).chunk_tokens == 640
+    assert S3KVConfig().fit_block_size(128, chunk_tokens_set=False).chunk_tokens == 256
+    assert S3KVConfig(chunk_tokens=1280).fit_block_size(640, chunk_tokens_set=True).chunk_tokens == 1280
+    with pytest.raises(ConfigError, match="chunk_tokens: 256 is not a multiple of vLLM's block_size 640"):
+        S3KVConfig().fit_block_size(640, chunk_tokens_set=True)

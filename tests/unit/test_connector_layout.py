@@ -145,12 +145,41 @@ def test_sliding_and_chunked_groups_are_parts_with_their_windows():
     assert other.namespace({}).id != layout.namespace({}).id
 
 
-def test_a_mamba_group_fails_at_start_up_naming_its_kind():
+def _mamba(**kw):
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    mamba = MambaSpec(block_size=32, shapes=((3, 64), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32))
-    with pytest.raises(ConfigError, match=r"Mamba / linear-attention state.*MambaSpec.*m0.*without the s3kv"):
-        _grouped((_full(), ["f0"]), (mamba, ["m0", "m1"]))
+    spec = {"shapes": ((3, 64), (4, 16, 16)), "dtypes": (torch.bfloat16, torch.float32), **kw}
+    return MambaSpec(block_size=32, page_size_padded=_full().page_size_bytes, **spec)
+
+
+def test_a_mamba_group_in_prefix_caching_mode_is_a_state_part():
+    layout = _grouped((_full(), ["f0"]), (_mamba(mamba_cache_mode="align"), ["m0"]))
+    assert [(g.kind, g.layers) for g in layout.kv_groups.groups] == [("full", (0,)), ("mamba", (1,))]
+    assert layout.kv_groups.has_state
+    (_, mamba) = layout.fields["kv_groups"]
+    assert mamba["shapes"] == [[3, 64], [4, 16, 16]] and mamba["dtypes"] == [
+        "torch.bfloat16",
+        "torch.float32",
+    ]
+    other = _grouped(
+        (_full(), ["f0"]), (_mamba(mamba_cache_mode="align", shapes=((3, 64), (4, 16, 8))), ["m0"])
+    )
+    assert other.namespace({}).id != layout.namespace({}).id  # another state layout: another namespace
+
+
+def test_a_mamba_group_without_prefix_caching_or_with_speculation_fails_naming_what_to_do():
+    with pytest.raises(ConfigError, match=r"mamba_cache_mode 'align'.*'none'.*m0.*--enable-prefix-caching"):
+        _grouped((_full(), ["f0"]), (_mamba(), ["m0", "m1"]))
+    with pytest.raises(ConfigError, match=r"speculative decoding.*m0"):
+        _grouped((_full(), ["f0"]), (_mamba(mamba_cache_mode="align", num_speculative_blocks=2), ["m0"]))
+
+
+def test_a_group_of_a_kind_s3kv_does_not_know_fails_naming_it():
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec
+
+    cross = CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"kind CrossAttentionSpec.*x0.*without the s3kv"):
+        _grouped((_full(), ["f0"]), (cross, ["x0"]))
 
 
 def test_groups_of_other_block_sizes_fail_naming_them():

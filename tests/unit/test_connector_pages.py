@@ -224,3 +224,31 @@ def test_a_resident_host_buffer_is_mapped_before_any_write():
         assert buf.numel() == nbytes and not buf.is_pinned()  # no device: plain memory
         del buf
     assert grew[True] >= nbytes * 0.9 and grew[False] < nbytes * 0.25, grew
+
+
+def test_a_state_layers_padded_pages_are_its_block_stride_with_zeros_past_the_state():
+    # vLLM's view of a Mamba layer: int8 [num_blocks, 1, 1, state bytes] over
+    # pages padded to the attention layers' (the block stride), in one buffer.
+    real, page = 40, 64
+    backing = torch.zeros(BLOCKS * page, dtype=torch.int8)
+    state = backing.as_strided((BLOCKS, 1, 1, real), (page, real, real, 1))
+    io = PageIO({"m0": state}, ["m0"], BLOCKS)
+    layer = io.layers[0]
+    assert (layer.page_bytes, layer.real_bytes) == (page, real)
+    backing.view(torch.uint8).copy_(
+        torch.arange(BLOCKS * page, dtype=torch.int64).remainder(251).to(torch.uint8)
+    )
+    out = np.full(3 * page, 7, dtype=np.uint8)
+    io.read_into(0, [5, 2, 9], out, first=1)
+    frames = out.reshape(3, page)
+    assert not frames[0].any()  # before ``first``: zeros
+    for row, block in zip(frames[1:], [2, 9], strict=True):
+        assert np.array_equal(
+            row[:real], backing.view(torch.uint8)[block * page : block * page + real].numpy()
+        )
+        assert not row[real:].any()  # the padding is not the layer's: zeros, whatever the buffer held
+    data = np.random.default_rng(3).integers(0, 256, 3 * page, dtype=np.uint8)
+    io.write(0, [4, 6, 8], 1, 3, data)
+    got = backing.view(torch.uint8).numpy().reshape(BLOCKS, page)
+    assert np.array_equal(got[6], data[page : 2 * page]) and np.array_equal(got[8], data[2 * page :])
+    assert got[4][0] == (4 * page) % 251  # page 0 of the chunk was not written

@@ -1,13 +1,24 @@
 """The namespace descriptor: what a replica writes reads back as its
-namespace's TP size and chunk pages; one whose fields are not its
-namespace's (edited, forged, another namespace's), too large or not JSON
-says nothing the ops commands act on."""
+namespace's TP size, chunk pages and KV cache groups; one whose fields are
+not its namespace's (edited, forged, another namespace's), too large or not
+JSON says nothing the ops commands act on, and groups that are not what a
+replica writes describe no pages."""
 
 from __future__ import annotations
 
 import json
 
-from s3kv.descriptor import MAX_BYTES, ChunkPages, encode, parse_descriptor
+import pytest
+
+from s3kv.descriptor import (
+    MAX_BYTES,
+    MAX_GROUPS,
+    MAX_LAYERS,
+    ChunkPages,
+    DescribedGroup,
+    encode,
+    parse_descriptor,
+)
 from s3kv.keys import Namespace
 
 # The kinds of values a replica's namespace holds (connector/layout.py):
@@ -60,3 +71,109 @@ def test_pages_it_cannot_bound_are_not_said():
     bare = Namespace.from_fields({"model": "m", "tp_size": True})  # a bool is no TP size
     got = parse_descriptor(bare.id, encode(bare, "m", 256))
     assert got is not None and got.tp_size is None and got.pages is None
+
+
+def _group(kind: str, window: int, layers: list[str], **over) -> dict:
+    """One ``kv_groups`` entry, as connector/layout.py writes it."""
+    return {
+        "kind": kind,
+        "window": window,
+        "spec": "SlidingWindowSpec" if window else "FullAttentionSpec",
+        "block_size": 16,
+        "page_size_bytes": 8192,
+        "num_kv_heads": 2,
+        "head_size": 64,
+        "head_size_v": 64,
+        "dtype": "torch.bfloat16",
+        "layers": layers,
+        **over,
+    }
+
+
+def _layers(*idx: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in idx]
+
+
+# A Gemma 3 as vLLM's hybrid manager groups it: two sliding-window groups of
+# 3 layers (the second padded to 2), one full-attention group of 1.
+GROUPS = [
+    _group("sliding_window", 1024, _layers(0, 1, 2)),
+    _group("sliding_window", 1024, _layers(4, 6)),
+    _group("full", 0, _layers(3)),
+]
+GROUPED = {**FIELDS, "num_layers": 3, "kv_groups": GROUPS}
+
+
+def _parse(fields: dict, chunk_tokens: int = 256, compact: bool = False):
+    ns = Namespace.from_fields(fields)
+    if compact:  # as small as JSON gets: the bounds on groups and layers, not on bytes, refuse it
+        doc = {"namespace": ns.id, "fields": dict(ns.fields), "chunk_tokens": chunk_tokens}
+        return parse_descriptor(ns.id, json.dumps(doc, separators=(",", ":")).encode())
+    return parse_descriptor(ns.id, encode(ns, "google/gemma-3-1b-it", chunk_tokens))
+
+
+def test_a_grouped_descriptor_says_its_groups_and_the_pages_of_each_part():
+    got = _parse(GROUPED)
+    assert got is not None and got.tp_size == 2 and not got.groups_unread
+    assert got.groups == (
+        DescribedGroup("sliding_window", 1024, tuple(_layers(0, 1, 2))),
+        DescribedGroup("sliding_window", 1024, tuple(_layers(4, 6))),
+        DescribedGroup("full", 0, tuple(_layers(3))),
+    )
+    # Every part object holds num_layers frames of one chunk's pages each.
+    assert got.pages == ChunkPages(num_layers=3, tokens=256, layer_bytes=256 // 16 * 8192)
+    one = _parse(FIELDS)  # one full-attention group: no kv_groups field, no groups
+    assert one is not None and one.groups is None and not one.groups_unread and one.pages is not None
+
+
+@pytest.mark.parametrize(
+    "kv_groups",
+    [
+        pytest.param(None, id="null"),
+        pytest.param({"0": GROUPS[0]}, id="not-a-list"),
+        pytest.param([], id="no-group"),
+        pytest.param([*GROUPS, "full"], id="a-group-not-an-object"),
+        pytest.param([_group("mamba", 0, _layers(0))], id="a-kind-s3kv-does-not-share"),
+        pytest.param([_group(["full"], 0, _layers(0))], id="a-kind-not-a-string"),
+        pytest.param([_group("full", 128, _layers(0))], id="full-with-a-window"),
+        pytest.param([_group("sliding_window", 0, _layers(0))], id="sliding-without-a-window"),
+        pytest.param([_group("sliding_window", -4, _layers(0))], id="negative-window"),
+        pytest.param([_group("sliding_window", True, _layers(0))], id="bool-window"),
+        pytest.param([_group("sliding_window", "1024", _layers(0))], id="string-window"),
+        pytest.param([_group("chunked_local", 1 << 40, _layers(0))], id="huge-window"),
+        pytest.param([_group("full", 0, [])], id="no-layer"),
+        pytest.param([_group("full", 0, "model.layers.0")], id="layers-a-string"),
+        pytest.param([_group("full", 0, [0, 1])], id="layers-not-names"),
+        pytest.param([*GROUPS[:2], _group("full", 0, _layers(3), block_size=32)], id="other-block-size"),
+        pytest.param([*GROUPS[:2], _group("full", 0, _layers(3), page_size_bytes=4096)], id="other-page"),
+        pytest.param([*GROUPS[:2], _group("full", 0, _layers(3), page_size_bytes=None)], id="no-page"),
+    ],
+)
+def test_groups_it_cannot_read_are_not_said_and_describe_no_pages(kv_groups):
+    """Whoever writes the bucket may make a namespace of any fields: kv_groups
+    that are not what a replica writes say nothing (never an exception), and
+    the pages of its parts are then not known either."""
+    got = _parse({**GROUPED, "kv_groups": kv_groups})
+    assert got is not None and got.tp_size == 2  # the rest of it still reads
+    assert got.groups is None and got.groups_unread and got.pages is None
+
+
+def test_more_groups_or_layers_than_a_model_has_are_not_said():
+    small = {"kind": "full", "window": 0, "block_size": 16, "page_size_bytes": 8192, "layers": ["a"]}
+    for kv_groups in ([small] * (MAX_GROUPS + 1), [{**small, "layers": ["a"] * (MAX_LAYERS + 1)}]):
+        got = _parse({**GROUPED, "kv_groups": kv_groups}, compact=True)
+        assert got is not None and got.tp_size == 2
+        assert got.groups is None and got.groups_unread and got.pages is None
+    fits = _parse({**GROUPED, "kv_groups": [small] * MAX_GROUPS}, compact=True)
+    assert fits is not None and fits.groups is not None and len(fits.groups) == MAX_GROUPS
+
+
+def test_a_group_with_more_layers_than_the_frames_of_a_part_describes_no_pages():
+    """num_layers is the frames of every part: the most layers a group has.
+    A descriptor naming fewer frames than a group's layers does not say what
+    its parts hold (a part of that group would look corrupt against it)."""
+    got = _parse({**GROUPED, "num_layers": 2})
+    assert got is not None and got.groups is not None and len(got.groups) == 3
+    assert got.pages is None
+    more = _parse({**GROUPED, "num_layers": 4})  # more frames than any group: still bounded
+    assert more is not None and more.pages == ChunkPages(4, 256, 256 // 16 * 8192)

@@ -128,3 +128,14 @@ def test_with_groups_a_cpu_tier_hit_loads_asynchronously():
     p.on_alloc("r", (list(range(1, 9)), [0] * 5 + [21, 22, 23]), 4 * CT)
     (plan,) = p.plan_step([]).loads
     assert not plan.sync and all(c.sources[0].tier is Tier.CPU for c in plan.chunks)
+
+
+def test_kv_events_announce_a_chunk_by_its_first_groups_part_only():
+    p, index = grouped(emit_events=True)
+    assert p.lookup("r", PROMPT, N, 0) == (0, False)
+    plan = p.plan_step([ScheduledRequest("r", 0, N, lambda: (list(range(1, 11)), list(range(11, 21))))])
+    assert {s.group for s in plan.stores} == {0, 1}
+    for s in plan.stores:
+        p.stack.get(Tier.S3).complete_store(s.key, True)
+    stored = [e.key for e in p.take_events() if e.stored]
+    assert sorted(stored) == sorted(KEYS[:4])  # the chain's keys: no part of the sliding group

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -57,13 +57,31 @@ class GroupHit:
         return {m for c, g in self.needed.get(end, ()) if (m := self.tier(c, g)) is not None}
 
 
-class PartsRequest(Protocol):
-    """What :class:`GroupParts` reads of a request: its chain and part keys, its last hit."""
+BlockIds = Sequence[int] | Sequence[Sequence[int]]
+"""A request's block ids: one list, or one per KV cache group."""
+
+
+def by_group(block_ids: BlockIds) -> tuple[Sequence[int], ...]:
+    """``block_ids`` as one list per KV cache group."""
+    if block_ids and not isinstance(block_ids[0], int):
+        return tuple(block_ids)  # type: ignore[arg-type]
+    return (block_ids,)  # type: ignore[return-value]
+
+
+class PartsKeyed(Protocol):
+    """A request's chain keys and part keys."""
 
     keys: list[bytes]
     fps: np.ndarray
     parts: PartKeys
+
+
+class PartsRequest(PartsKeyed, Protocol):
+    """What :class:`GroupParts` reads of a request: its keys, its last hit."""
+
     group_hit: GroupHit | None
+    hit_start: int
+    hit: list[TierManager]
 
 
 @dataclass
@@ -173,7 +191,7 @@ class GroupParts:
                 counts[m.tier] = counts.get(m.tier, 0) + 1
         return counts
 
-    def part(self, req: PartsRequest, chunk: int, g: int) -> bytes:
+    def part(self, req: PartsKeyed, chunk: int, g: int) -> bytes:
         """The key of group ``g``'s part of the request's chunk ``chunk``."""
         return self.keys(req.keys, req.fps, req.parts, g, chunk + 1)[0][chunk]
 
@@ -258,3 +276,57 @@ class GroupParts:
             if targets:
                 out.append(StoreChunk(key, ids, targets, pinned, group=g, first_block=first))
         return out
+
+    def prefetching(self, prefetcher: Prefetching, req: PartsKeyed, start: int, end: int) -> bool:
+        """Is a part of chunks [start, end) of another group than the first
+        being prefetched (the request's lookup waits for it)?"""
+        return any(
+            prefetcher.awaits(self.keys(req.keys, req.fps, req.parts, g, end)[0], start, end)
+            for g in range(1, len(self.layout.groups))
+        )
+
+    def costs(self, hit: GroupHit, start: int) -> dict[str, Any]:
+        """The cost model's view of a hit's parts (:meth:`CostModel.choose`'s ``full_parts``, ``windowed``)."""
+        return {"full_parts": len(self.full), "windowed": lambda k: self.windowed_counts(hit, start + k)}
+
+
+class Prefetching(Protocol):
+    def awaits(self, keys: Sequence[bytes], start: int, end: int) -> bool: ...
+
+
+def chunk_load(
+    stack: TierStack,
+    owner: Hashable,
+    req: PartsRequest,
+    block_ids: Sequence[int],
+    start: int,
+    end: int,
+    chunk_tokens: int,
+    block_size: int,
+    promote: bool,
+) -> PartsLoad:
+    """The load of tokens [start, end) of a one-group model: each chunk of
+    the lookup's hit (``req.hit``) from the tier it chose."""
+    ct, bs = chunk_tokens, block_size
+    bpc = ct // bs
+    first_chunk, end_chunk = start // ct, -(-end // ct)
+    tiers = req.hit[first_chunk - req.hit_start : end_chunk - req.hit_start]
+    if len(tiers) != end_chunk - first_chunk:
+        raise ValueError(f"{end - start} tokens exceed the planned hit")
+    stack.release(owner, keep=tiers)  # vLLM may have trimmed the hit
+    # Hold every source first, so that promotions cannot evict a later chunk of this very hit.
+    pins = [(m, req.keys[c]) for c, m in zip(range(first_chunk, end_chunk), tiers, strict=True)]
+    places = [m.prepare_load(key) for m, key in pins]
+    for m in stack.tiers:
+        m.record_use(req.keys[first_chunk:end_chunk])
+    load = PartsLoad(end, [], [], pins, {})
+    for c, m, place in zip(range(first_chunk, end_chunk), tiers, places, strict=True):
+        ids = tuple(block_ids[c * bpc : (c + 1) * bpc])
+        if len(ids) != bpc:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold chunk {c}")
+        first = max(0, start // bs - c * bpc)
+        last = min(bpc, -(-(end - c * ct) // bs))
+        sources, promoted = stack.load(req.keys[c], m, place, promote)
+        load.chunks.append(LoadChunk(req.keys[c], ids, first, last, sources, promoted))
+        load.chunk_tiers[c] = m
+    return load

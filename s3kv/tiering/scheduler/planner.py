@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.keys import Namespace
@@ -22,7 +21,6 @@ from s3kv.kvgroups import GroupLayout
 from s3kv.stats import Counters
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import (
-    LoadChunk,
     LoadPlan,
     ScheduledRequest,
     StepPlan,
@@ -34,22 +32,12 @@ from s3kv.tiering.plan import (
 from s3kv.tiering.scheduler.cost import CostModel
 from s3kv.tiering.scheduler.keychain import ChainKeys, ExtrasFn, Keyed, PrefixIds
 from s3kv.tiering.scheduler.loads import LoadsInFlight, PrefillBacklog
-from s3kv.tiering.scheduler.parts import GroupHit, GroupParts
+from s3kv.tiering.scheduler.parts import BlockIds, GroupHit, GroupParts, by_group, chunk_load
 from s3kv.tiering.scheduler.prefetch import Prefetcher
 from s3kv.tiering.scheduler.ranks import RankCount
 from s3kv.tiering.scheduler.requests import RequestState
 from s3kv.tiering.scheduler.stack import TierStack
 from s3kv.tiering.tiers.manager import TierEvents, TierManager
-
-BlockIds = Sequence[int] | Sequence[Sequence[int]]
-"""A request's block ids: one list, or one per KV cache group."""
-
-
-def by_group(block_ids: BlockIds) -> tuple[Sequence[int], ...]:
-    """``block_ids`` as one list per KV cache group."""
-    if block_ids and not isinstance(block_ids[0], int):
-        return tuple(block_ids)  # type: ignore[arg-type]
-    return (block_ids,)  # type: ignore[return-value]
 
 
 class Planner:
@@ -204,12 +192,19 @@ class Planner:
             return 0, False
         ct = self.chunk_tokens
         n_chunks = num_tokens // ct
+        if self.parts is not None and self.parts.layout.has_state:
+            # A state after the whole prompt cannot take its last token again,
+            # which vLLM recomputes after a hit of all of it: leave it a token.
+            n_chunks = (num_tokens - 1) // ct
         start = num_computed_tokens // ct
         if start >= n_chunks:
             self.prefetcher.leave(req_id)  # vLLM holds all of it: nothing to fetch
             return 0, False
         keys = self.chain.extend(req, n_chunks)
-        if self._prefetching(req, keys, start, n_chunks):
+        waiting = self.prefetcher.awaits(keys, start, n_chunks)
+        if not waiting and self.parts is not None:
+            waiting = self.parts.prefetching(self.prefetcher, req, start, n_chunks)
+        if waiting:
             if not req.waited:
                 req.waited = True
                 self.counters.add("prefetch_waits")
@@ -240,11 +235,11 @@ class Planner:
                 policy=policy,
                 ahead_tokens=ahead,
                 inflight=inflight,
-                **self._part_costs(ghit, start),
+                **(self.parts.costs(ghit, start) if self.parts is not None and ghit is not None else {}),
             )
             if decision.chunks < len(hit):
                 hit = hit[: decision.chunks]
-                if ghit is not None:  # the parts the shorter hit needs, its windows' among them
+                if ghit is not None and self.parts is not None:  # the parts the shorter hit needs
                     end = start + decision.chunks
                     hit = self.parts.chunk_tiers(ghit, end, self.stack) if decision.chunks else []
                     self.stack.release(req_id, keep=ghit.managers(end))
@@ -261,26 +256,6 @@ class Planner:
         req.load_async = n > 0 and not sync
         self._backlog.set(req_id, num_tokens - num_computed_tokens - n)
         return (n, not sync) if n > 0 else (0, False)
-
-    def _prefetching(self, req: RequestState, keys: list[bytes], start: int, n_chunks: int) -> bool:
-        """Is a part of chunks [start, n_chunks) of the request being prefetched (its lookup waits)?"""
-        if self.prefetcher.awaits(keys, start, n_chunks):
-            return True
-        parts = self.parts
-        return parts is not None and any(
-            self.prefetcher.awaits(parts.keys(keys, req.fps, req.parts, g, n_chunks)[0], start, n_chunks)
-            for g in range(1, len(parts.layout.groups))
-        )
-
-    def _part_costs(self, ghit: GroupHit | None, start: int) -> dict[str, Any]:
-        """The cost model's view of a hit's parts (nothing for a one-group model)."""
-        if ghit is None or self.parts is None:
-            return {}
-        parts = self.parts
-        return {
-            "full_parts": len(parts.full),
-            "windowed": lambda k: parts.windowed_counts(ghit, start + k),
-        }
 
     def _offer(
         self, hit: Sequence[TierManager], start: int, num_tokens: int, num_computed_tokens: int
@@ -327,65 +302,29 @@ class Planner:
         if num_external_tokens <= 0:
             self.stack.release(req_id)  # vLLM loads nothing: a probe it took is not one
             return
-        if self.parts is not None:
-            self._on_alloc_parts(req_id, req, by_group(block_ids), num_external_tokens)
-            return
-        block_ids = by_group(block_ids)[0]
-        ct, bs, bpc = self.chunk_tokens, self.block_size, self.blocks_per_chunk
         start = req.local_tokens
         end = start + num_external_tokens
-        first_chunk, end_chunk = start // ct, -(-end // ct)
-        tiers = req.hit[first_chunk - req.hit_start : end_chunk - req.hit_start]
-        if len(tiers) != end_chunk - first_chunk:
-            raise ValueError(f"request {req_id}: {num_external_tokens} tokens exceed the planned hit")
-        self.stack.release(req_id, keep=tiers)  # vLLM may have trimmed the hit
-        # Hold every source first, so that promotions cannot evict a later
-        # chunk of this very hit.
-        pins = [(m, req.keys[c]) for c, m in zip(range(first_chunk, end_chunk), tiers)]
-        places = [m.prepare_load(key) for m, key in pins]
-        for m in self.stack.tiers:
-            m.record_use(req.keys[first_chunk:end_chunk])
-        chunks = []
+        ct = self.chunk_tokens
+        try:
+            if self.parts is not None:
+                load = self.parts.plan_load(
+                    self.stack, req_id, req, by_group(block_ids), start, end, self.promote
+                )
+            else:
+                ids = by_group(block_ids)[0]
+                load = chunk_load(self.stack, req_id, req, ids, start, end, ct, self.block_size, self.promote)
+        except ValueError as e:
+            raise ValueError(f"request {req_id}: {e}") from None
         req.hit_tokens = {}
-        for c, m, place in zip(range(first_chunk, end_chunk), tiers, places):
-            ids = tuple(block_ids[c * bpc : (c + 1) * bpc])
-            if len(ids) != bpc:
-                raise ValueError(f"request {req_id}: {len(block_ids)} blocks cannot hold chunk {c}")
-            first = max(0, start // bs - c * bpc)
-            last = min(bpc, -(-(end - c * ct) // bs))
+        for c, m in load.chunk_tiers.items():
             self._remember(req, c)
-            sources, promote = self.stack.load(req.keys[c], m, place, self.promote)
-            chunks.append(LoadChunk(req.keys[c], ids, first, last, sources, promote))
             n_tokens = min(end, (c + 1) * ct) - max(start, c * ct)
             req.hit_tokens[m.tier] = req.hit_tokens.get(m.tier, 0) + n_tokens
         for tier, n in req.hit_tokens.items():
             self.counters.add(f"hit_tokens_{tier.value}", n)
-        req.loaded = range(first_chunk, end_chunk)
+        req.loaded = range(start // ct, -(-end // ct))
         # vLLM acts on what the lookup said (it may have trimmed the hit since).
-        plan = LoadPlan(req_id, tuple(chunks), not req.load_async)
-        self._pending_loads.append(plan)
-        self._load_pins[req_id] = pins
-        self._loads.planned(req_id, [m.tier for m in tiers], req.load_async)
-        if req.load_async:
-            self._async_loading.add(req_id)
-
-    def _on_alloc_parts(
-        self, req_id: str, req: RequestState, group_ids: Sequence[Sequence[int]], num_external_tokens: int
-    ) -> None:
-        """:meth:`on_alloc` of a model with several KV cache groups (:meth:`GroupParts.plan_load`)."""
-        assert self.parts is not None
-        start = req.local_tokens
-        load = self.parts.plan_load(
-            self.stack, req_id, req, group_ids, start, start + num_external_tokens, self.promote
-        )
-        req.hit_tokens = {}
-        for c, m in load.chunk_tiers.items():
-            self._remember(req, c)
-            n_tokens = min(load.end, (c + 1) * self.chunk_tokens) - max(start, c * self.chunk_tokens)
-            req.hit_tokens[m.tier] = req.hit_tokens.get(m.tier, 0) + n_tokens
-        for tier, n in req.hit_tokens.items():
-            self.counters.add(f"hit_tokens_{tier.value}", n)
-        req.loaded = range(start // self.chunk_tokens, -(-load.end // self.chunk_tokens))
+        self.events.hide(c.key for c in load.chunks if c.group)
         plan = LoadPlan(req_id, tuple(load.chunks), not req.load_async, failed=tuple(load.failed))
         self._pending_loads.append(plan)
         self._load_pins[req_id] = load.pins
@@ -407,6 +346,7 @@ class Planner:
             held=self._pending_held,
             prefetch=self.prefetcher.take(),
         )
+        self.events.hide(c.key for p in plan.prefetch for c in p.chunks if c.group)
         self._pending_loads, self._pending_stores, self._pending_held = [], [], []
         tokens, context = 0, 0
         for s in scheduled:
@@ -446,7 +386,9 @@ class Planner:
             if c in req.loaded and not req.load_failed:
                 continue
             if self.parts is not None:
-                out += self.parts.plan_stores(self.stack, req, group_ids, c)
+                stores = self.parts.plan_stores(self.stack, req, group_ids, c)
+                self.events.hide(st.key for st in stores if st.group)
+                out += stores
                 self._remember(req, c)
                 continue
             ids = tuple(group_ids[0][c * bpc : (c + 1) * bpc])

@@ -233,6 +233,7 @@ class SchedulerRuntime:
             c.set("manifest_staleness_seconds", round(max(0.0, time.time() - self.sync.refreshed_at)))
         p = self.planner
         if p is not None:
+            c.set("kv_cache_groups", len(p.parts.layout.groups) if p.parts is not None else 1)
             for name in SERIES:  # a tier that is off has no breaker, and it is not open
                 if name.startswith("breaker_open_"):
                     c.set(name, 0)

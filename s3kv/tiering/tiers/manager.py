@@ -34,6 +34,8 @@ class TierEvents:
         self._events: list[TierEvent] = []
         self._info: OrderedDict[bytes, tuple[bytes | None, tuple[int, ...]]] = OrderedDict()
         """Parent key and tokens of chunks being written, for their events."""
+        self._hidden: OrderedDict[bytes, None] = OrderedDict()
+        """Keys announced by no event (:meth:`hide`), the most recent kept."""
 
     def remember(self, key: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> None:
         """Keep what a chunk's BlockStored event needs until it is written."""
@@ -42,13 +44,25 @@ class TierEvents:
         while len(self._info) > 1 << 14:
             self._info.popitem(last=False)
 
-    def stored(self, tier: Tier, key: bytes) -> None:
+    def hide(self, keys: Iterable[bytes]) -> None:
+        """Announce nothing of these keys: parts of a chunk's KV cache groups
+        after the first, which a router, knowing blocks by the chain's
+        hashes, would take for blocks of no prefix (the chunk is announced
+        by its first group's part, keyed by the chain)."""
         if self.enabled:
+            for key in keys:
+                self._hidden[key] = None
+                self._hidden.move_to_end(key)
+            while len(self._hidden) > 1 << 16:
+                self._hidden.popitem(last=False)
+
+    def stored(self, tier: Tier, key: bytes) -> None:
+        if self.enabled and key not in self._hidden:
             parent, tokens = self._info.get(key, (None, ()))
             self._events.append(TierEvent(True, tier, key, parent, tokens))
 
     def removed(self, tier: Tier, key: bytes) -> None:
-        if self.enabled:
+        if self.enabled and key not in self._hidden:
             self._events.append(TierEvent(False, tier, key))
 
     def take(self) -> list[TierEvent]:
