@@ -27,7 +27,7 @@ Per family, engines alive at once take turns (each a process of
 ``benchmarks._multi_runner``'s; the order turning with every prompt), so
 the machine's drift falls on each alike:
 
-- ``vllm`` (the sliding family only): no connector, vLLM's prefix cache on:
+- ``vllm`` (the hybrid families, not the Llama): no connector, vLLM's prefix cache on:
   each prompt computed (the recompute every ratio is to), then again as hits
   of its own prefix cache (the outputs' reference for hits);
 - ``store``: s3kv with a CPU tier, an NVMe directory and the loopback S3
@@ -87,7 +87,8 @@ MAX_TOKENS = 8
 TAIL_TOKENS = 2
 """Tokens past the last chunk (and block) boundary: what every hit leaves vLLM to compute."""
 LAYERS = 6
-"""Depth of every family: Gemma 3's pattern once (five sliding, one full).
+"""Depth of every family: Gemma 3's pattern once (five sliding, one full);
+Qwen3-Next's rule (a full layer every fourth) gives one full layer too.
 The demo's Llama has 8; at 6 a 32k prefill of the Llama still takes
 minutes on this machine (its full attention is quadratic)."""
 WINDOW = 1024
