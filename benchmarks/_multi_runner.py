@@ -10,7 +10,10 @@ SPEC:
 - ``engines``: name -> ``{"model", "engine_args", "kv_transfer_config"}``
   (s3kv.testing.replica's keys), each run by a process of its own (its
   own Prometheus registry: vLLM's metrics are per process), started one
-  after another; an engine not at work is idle;
+  after another; an engine not at work is idle; with
+  ``"reset_prefix_cache": true`` vLLM's own prefix cache is emptied before
+  each of its turns (the connector's tiers kept), so that a repeated
+  prompt is a hit of the connector's, not of vLLM's cache;
 - ``max_tokens``: tokens generated per request (EOS ignored, greedy);
 - ``turns``: a list of ``{"engine": name, "prompts": [...]}``, run in
   order: the prompts (token ids, or ``{"prompt": [...], "max_tokens": n}``)
@@ -56,11 +59,13 @@ def _delta(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> dict[st
 def _engine(conn: Connection, spec: dict[str, Any], max_tokens: int) -> None:
     """One engine's process: build it, then run the turns the parent sends."""
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     from s3kv.connector.replica import DRAIN_TIMEOUT_S, WORKER_EXTENSION, metrics
 
     args = dict(spec.get("engine_args", {}))
     s3kv = bool(spec.get("kv_transfer_config"))
+    reset = bool(spec.get("reset_prefix_cache"))
     if s3kv:
         args.setdefault("worker_extension_cls", WORKER_EXTENSION)
     t0 = time.perf_counter()
@@ -84,6 +89,15 @@ def _engine(conn: Connection, spec: dict[str, Any], max_tokens: int) -> None:
             return {"prompt_token_ids": list(entry["prompt"])}, p
         return {"prompt_token_ids": list(entry)}, params
 
+    def reset_prefix_cache() -> None:
+        # vLLM refuses while blocks are held (a store's blocks until the
+        # scheduler hears it finished): a step of the flush prompt lets it hear.
+        for _ in range(3):
+            if llm.reset_prefix_cache():
+                return
+            llm.generate(TokensPrompt(prompt_token_ids=FLUSH_PROMPT), params, use_tqdm=False)
+        raise RuntimeError("vLLM did not reset its prefix cache (blocks still held)")
+
     while True:
         prompts = conn.recv()
         if prompts is None:  # the last turn was run
@@ -91,6 +105,8 @@ def _engine(conn: Connection, spec: dict[str, Any], max_tokens: int) -> None:
             llm.generate([{"prompt_token_ids": FLUSH_PROMPT}], params, use_tqdm=False)
             conn.send({"metrics": metrics(llm), "workers": workers})
             break
+        if reset:  # the last turn's stores drained at its end
+            reset_prefix_cache()
         before = drain()
         inputs, sampling = zip(*(request(entry) for entry in prompts))
         outs = llm.generate(list(inputs), list(sampling), use_tqdm=False)
