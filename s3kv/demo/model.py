@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SPEC = {
     "vocab_size": 2048,
@@ -55,21 +57,8 @@ GEMMA3_SPEC = {
 def build_gemma3(path: str | Path, *, seed: int = 0, **overrides: object) -> Path:
     """Write a random Gemma 3 text model (local and global layers) to ``path``
     (once: an existing one is reused)."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    path = Path(path)
     spec = {**GEMMA3_SPEC, **overrides}
-    marker = path / "s3kv-model.json"
-    wanted = {"seed": seed, "family": "gemma3", **spec}
-    if marker.is_file() and json.loads(marker.read_text()) == wanted:
-        return path
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(**spec, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
-    marker.write_text(json.dumps(wanted))
-    return path
+    return _build_family(path, "gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), spec, seed)
 
 
 GPT_OSS_SPEC = {
@@ -125,22 +114,35 @@ LLAMA4_SPEC = {
 }
 
 
-def _build_family(path: str | Path, family: str, classes: tuple[str, str], spec: dict, seed: int) -> Path:
+def _build_family(
+    path: str | Path,
+    family: str,
+    classes: tuple[str, str],
+    spec: dict,
+    seed: int,
+    adjust: Callable[[Any], None] | None = None,
+    **marked: object,
+) -> Path:
     """Write a random model of ``family`` (transformers' config and model
     classes ``classes``) with config ``spec`` to ``path``, once: an existing
-    one of the same family, spec and seed is reused."""
+    one of the same family, spec, seed and ``marked`` is reused. ``adjust``
+    changes the random weights (in float32, before the cast to bfloat16)."""
     import torch
     import transformers
 
     path = Path(path)
     marker = path / "s3kv-model.json"
-    wanted = json.loads(json.dumps({"seed": seed, "family": family, **spec}))
+    wanted = json.loads(json.dumps({"seed": seed, "family": family, **marked, **spec}))
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return path
     torch.manual_seed(seed)
     config_cls, model_cls = (getattr(transformers, name) for name in classes)
     config = config_cls(**spec, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = model_cls(config).to(torch.bfloat16)
+    model = model_cls(config)
+    if adjust is not None:
+        with torch.no_grad():
+            adjust(model)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(path)
     marker.write_text(json.dumps(wanted))
     return path
@@ -201,33 +203,22 @@ QWEN3_NEXT_SPEC = {
 }
 
 
+def _slow_decay(model: Any) -> None:
+    """A random gated delta net forgets within a few tokens (its decay
+    exp(-A * dt) with A up to 16): slow it so that the state carries the
+    prompt's early tokens, and a wrong state changes what the model says."""
+    for module in model.modules():
+        if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+            module.A_log.fill_(math.log(0.01))
+            module.dt_bias.fill_(-2.0)
+
+
 def build_qwen3_next(path: str | Path, *, seed: int = 0, **overrides: object) -> Path:
     """Write a random Qwen3-Next (linear attention and full attention) to
     ``path`` (once: an existing one is reused)."""
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    path = Path(path)
     spec = {**QWEN3_NEXT_SPEC, **overrides}
-    marker = path / "s3kv-model.json"
-    wanted = {"seed": seed, "family": "qwen3_next", "slow_decay": True, **spec}
-    if marker.is_file() and json.loads(marker.read_text()) == wanted:
-        return path
-    torch.manual_seed(seed)
-    config = Qwen3NextConfig(**spec, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Qwen3NextForCausalLM(config)
-    with torch.no_grad():
-        # A random gated delta net forgets within a few tokens (its decay
-        # exp(-A * dt) with A up to 16): slow it so that the state carries the
-        # prompt's early tokens, and a wrong state changes what the model says.
-        for module in model.modules():
-            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
-                module.A_log.fill_(math.log(0.01))
-                module.dt_bias.fill_(-2.0)
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(path)
-    marker.write_text(json.dumps(wanted))
-    return path
+    classes = ("Qwen3NextConfig", "Qwen3NextForCausalLM")
+    return _build_family(path, "qwen3_next", classes, spec, seed, _slow_decay, slow_decay=True)
 
 
 if __name__ == "__main__":
