@@ -7,8 +7,14 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from s3kv import codec
+from s3kv.chunk_reader import decode_chunk
+from s3kv.keys import Namespace, chain_keys, parse_object_key
+from s3kv.kvgroups import part_key
 
 ENGINE_ARGS = {
     "block_size": 32,
@@ -339,3 +345,69 @@ def complete(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS, timeout:
     )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+# -- reading and rewriting a bucket's parts (models with several KV cache groups)
+
+
+def descriptor(client: Any, bucket: str) -> dict[str, Any]:
+    """The namespace descriptor of the bucket's one namespace."""
+    (key,) = [
+        o["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for o in page.get("Contents", ())
+        if o["Key"].endswith("/namespace.json")
+    ]
+    return json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+
+def group_kinds(client: Any, bucket: str) -> list[str]:
+    return [g["kind"] for g in descriptor(client, bucket)["fields"]["kv_groups"]]
+
+
+def part_keys(client: Any, bucket: str, tokens: list[int], chunk: int) -> dict[int, list[bytes]]:
+    """Each KV cache group's part keys of the whole chunks of ``tokens``."""
+    d = descriptor(client, bucket)
+    chain = chain_keys(Namespace.from_fields(d["fields"]), tokens, chunk)
+    return {g: [part_key(k, g) for k in chain] for g in range(len(d["fields"]["kv_groups"]))}
+
+
+def wrong_group(
+    client: Any, bucket: str, prompts: list[list[int]], chunk: int, group: int, rank: int | None = None
+) -> Callable[[str, bytes], bytes]:
+    """Negative control, a :func:`copy_bucket` transform: group ``group``'s
+    objects of each prompt's chunks (only rank ``rank``'s, if given) get the
+    next stored chunk's pages of that group, the last the first's: valid
+    objects of wrong KV."""
+    objects = {
+        (parse_object_key(k)[1], parse_object_key(k)[2]): (k, v)
+        for k, v in chunk_objects(client, bucket).items()
+    }
+    donor: dict[tuple[bytes, int], tuple[bytes, int]] = {}
+    ranks = {r for _, r in objects if rank in (None, r)}
+    for tokens, r in ((t, r) for t in prompts for r in ranks):
+        keys = [k for k in part_keys(client, bucket, tokens, chunk)[group] if (k, r) in objects]
+        donor.update({(k, r): (keys[(i + 1) % len(keys)], r) for i, k in enumerate(keys)})
+
+    def decoded(key: bytes, r: int) -> tuple[Any, Any]:
+        name, blob = objects[key, r]
+        ns, chunk_key, rank_ = parse_object_key(name)
+        return decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank_)
+
+    def transform(name: str, body: bytes) -> bytes:
+        _, key, r = parse_object_key(name)
+        if (key, r) not in donor:
+            return body
+        header, _ = decoded(key, r)
+        return codec.encode_chunk(
+            namespace=header.namespace,
+            key=header.key,
+            rank=header.rank,
+            tokens=header.tokens,
+            layers=decoded(*donor[key, r])[1],
+            dtype=header.dtype,
+            itemsize=header.shuffle,  # byte shuffle's item: the pages' dtype size
+            page_shape=header.page_shape,
+        )
+
+    return transform

@@ -8,18 +8,25 @@ last chunk's last two pages."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from s3kv import codec
 from s3kv.chunk_reader import decode_chunk
-from s3kv.keys import Namespace, chain_keys, parse_object_key
-from s3kv.kvgroups import part_key
-from tests.e2e.harness import chunk_objects, copy_bucket, kv_config, metric, run_replica, worker_total
+from s3kv.keys import parse_object_key
+from tests.e2e.harness import (
+    chunk_objects,
+    copy_bucket,
+    group_kinds,
+    kv_config,
+    metric,
+    part_keys,
+    run_replica,
+    worker_total,
+    wrong_group,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -80,23 +87,6 @@ def hybrid_a(hybrid_dir, gemma, s3_server, hybrid_bucket) -> dict[str, Any]:
     return run_replica(hybrid_dir, "A", gemma, STORE, _kv(s3_server, hybrid_bucket), engine_args=ENGINE)
 
 
-def _descriptor(client: Any, bucket: str) -> dict[str, Any]:
-    (key,) = [
-        o["Key"]
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-        for o in page.get("Contents", ())
-        if o["Key"].endswith("/namespace.json")
-    ]
-    return json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
-
-
-def _parts(client: Any, bucket: str, tokens: list[int]) -> dict[int, list[bytes]]:
-    """Each KV cache group's part keys of the chunks of ``tokens``, from the namespace's descriptor."""
-    d = _descriptor(client, bucket)
-    chain = chain_keys(Namespace.from_fields(d["fields"]), tokens, CHUNK)
-    return {g: [part_key(k, g) for k in chain] for g in range(len(d["fields"]["kv_groups"]))}
-
-
 def test_the_hybrid_manager_stays_on_with_the_capacity_of_no_connector(hybrid_baseline, hybrid_a, hybrid_dir):
     (base,) = hybrid_baseline["kv_cache"]
     (a,) = hybrid_a["kv_cache"]
@@ -111,13 +101,13 @@ def test_the_hybrid_manager_stays_on_with_the_capacity_of_no_connector(hybrid_ba
 def test_every_group_of_every_chunk_is_stored(hybrid_a, s3_server, hybrid_bucket):
     client = s3_server.client()
     objects = chunk_objects(client, hybrid_bucket)
-    parts = {**_parts(client, hybrid_bucket, STORE[0])}
-    other = _parts(client, hybrid_bucket, STORE[1])
+    parts = part_keys(client, hybrid_bucket, STORE[0], CHUNK)
+    other = part_keys(client, hybrid_bucket, STORE[1], CHUNK)
     stored = {parse_object_key(k)[1] for k in objects}
     want = {k for keys in parts.values() for k in keys} | {k for keys in other.values() for k in keys}
     assert stored == want  # 6 groups x 6 chunks, of each prompt
     assert worker_total(hybrid_a, "store_chunks_s3") == 72
-    kinds = [g["kind"] for g in _descriptor(client, hybrid_bucket)["fields"]["kv_groups"]]
+    kinds = group_kinds(client, hybrid_bucket)
     sliding = kinds.index("sliding_window")
     for key, blob in objects.items():
         ns, chunk_key, rank = parse_object_key(key)
@@ -150,39 +140,6 @@ def test_partial_hits_around_window_and_chunk_boundaries(
     assert sum(worker_total(c, f"load_errors_{k}") for k in LOAD_ERRORS) == 0
 
 
-def _wrong_group(client: Any, bucket: str, group_kind: str):
-    """Negative control: one group's objects (of the first probe's chunks)
-    get another chunk's pages of that group, valid objects of wrong KV."""
-    kinds = [g["kind"] for g in _descriptor(client, bucket)["fields"]["kv_groups"]]
-    g = kinds.index(group_kind)
-    keys = _parts(client, bucket, STORE[0])[g]
-    objects = {parse_object_key(k)[1]: (k, v) for k, v in chunk_objects(client, bucket).items()}
-    decoded = {}
-    for key in keys:
-        name, blob = objects[key]
-        ns, chunk_key, rank = parse_object_key(name)
-        decoded[key] = decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
-
-    def transform(name: str, body: bytes) -> bytes:
-        key = parse_object_key(name)[1]
-        if key not in decoded:
-            return body
-        header, _ = decoded[key]
-        donor = keys[(keys.index(key) + 1) % len(keys)]
-        return codec.encode_chunk(
-            namespace=header.namespace,
-            key=header.key,
-            rank=header.rank,
-            tokens=header.tokens,
-            layers=decoded[donor][1],
-            dtype=header.dtype,
-            itemsize=header.shuffle,  # byte shuffle's item: the pages' dtype size
-            page_shape=header.page_shape,
-        )
-
-    return transform
-
-
 def _flip(victim: bytes):
     """A bit flipped inside a frame of the object of key ``victim``."""
 
@@ -203,9 +160,11 @@ def test_wrong_kv_in_a_sliding_group_changes_output_a_corrupt_part_is_recomputed
     group holds another chunk's pages (valid objects: the negative control),
     the second's part in the window is corrupt."""
     client = s3_server.client()
-    kinds = [g["kind"] for g in _descriptor(client, hybrid_bucket)["fields"]["kv_groups"]]
-    wrong = _wrong_group(client, hybrid_bucket, "sliding_window")
-    victim = _parts(client, hybrid_bucket, STORE[1])[kinds.index("sliding_window")][4]  # in the window
+    kinds = group_kinds(client, hybrid_bucket)
+    wrong = wrong_group(client, hybrid_bucket, STORE[:1], CHUNK, kinds.index("sliding_window"))
+    victim = part_keys(client, hybrid_bucket, STORE[1], CHUNK)[kinds.index("sliding_window")][
+        4
+    ]  # in the window
     flip = _flip(victim)
     bucket = copy_bucket(s3_server, hybrid_bucket, lambda name, body: flip(name, wrong(name, body)))
     r = run_replica(

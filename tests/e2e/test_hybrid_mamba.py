@@ -10,18 +10,25 @@ chunk's full-attention part and the state after exactly k chunks."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from s3kv import codec
 from s3kv.chunk_reader import decode_chunk
-from s3kv.keys import Namespace, chain_keys, parse_object_key
-from s3kv.kvgroups import part_key
-from tests.e2e.harness import chunk_objects, copy_bucket, kv_config, metric, run_replica, worker_total
+from s3kv.keys import parse_object_key
+from tests.e2e.harness import (
+    chunk_objects,
+    copy_bucket,
+    group_kinds,
+    kv_config,
+    metric,
+    part_keys,
+    run_replica,
+    worker_total,
+    wrong_group,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -84,23 +91,6 @@ def ssm_a(ssm_dir, qwen, s3_server, ssm_bucket) -> dict[str, Any]:
     return run_replica(ssm_dir, "A", qwen, STORE, _kv(s3_server, ssm_bucket), engine_args=ENGINE)
 
 
-def _descriptor(client: Any, bucket: str) -> dict[str, Any]:
-    (key,) = [
-        o["Key"]
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-        for o in page.get("Contents", ())
-        if o["Key"].endswith("/namespace.json")
-    ]
-    return json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
-
-
-def _parts(client: Any, bucket: str, tokens: list[int]) -> dict[int, list[bytes]]:
-    """Each KV cache group's part keys of the chunks of ``tokens``, from the namespace's descriptor."""
-    d = _descriptor(client, bucket)
-    chain = chain_keys(Namespace.from_fields(d["fields"]), tokens, CHUNK)
-    return {g: [part_key(k, g) for k in chain] for g in range(len(d["fields"]["kv_groups"]))}
-
-
 def test_the_hybrid_manager_stays_on_with_the_capacity_of_no_connector(ssm_baseline, ssm_a, ssm_dir):
     (base,) = ssm_baseline["kv_cache"]
     (a,) = ssm_a["kv_cache"]
@@ -115,9 +105,9 @@ def test_the_hybrid_manager_stays_on_with_the_capacity_of_no_connector(ssm_basel
 def test_states_are_stored_where_vllm_kept_them(ssm_a, s3_server, ssm_bucket):
     client = s3_server.client()
     objects = chunk_objects(client, ssm_bucket)
-    parts = _parts(client, ssm_bucket, STORE[1])
-    other = _parts(client, ssm_bucket, STORE[2])
-    kinds = [g["kind"] for g in _descriptor(client, ssm_bucket)["fields"]["kv_groups"]]
+    parts = part_keys(client, ssm_bucket, STORE[1], CHUNK)
+    other = part_keys(client, ssm_bucket, STORE[2], CHUNK)
+    kinds = group_kinds(client, ssm_bucket)
     full = kinds.index("full")
     states = [g for g, kind in enumerate(kinds) if kind == "mamba"]
     stored = {parse_object_key(k)[1] for k in objects}
@@ -154,39 +144,6 @@ def test_hits_at_and_around_chunk_boundaries(ssm_a, ssm_baseline, ssm_dir, qwen,
     assert sum(worker_total(c, f"load_errors_{k}") for k in LOAD_ERRORS) == 0
 
 
-def _wrong_group(client: Any, bucket: str, group_kind: str, chunks: tuple[int, ...]):
-    """Negative control: one group's objects of ``chunks`` get another of
-    those chunks' pages of that group: valid objects of the wrong state."""
-    kinds = [g["kind"] for g in _descriptor(client, bucket)["fields"]["kv_groups"]]
-    g = kinds.index(group_kind)
-    keys = [_parts(client, bucket, STORE[1])[g][c] for c in chunks]
-    objects = {parse_object_key(k)[1]: (k, v) for k, v in chunk_objects(client, bucket).items()}
-    decoded = {}
-    for key in keys:
-        name, blob = objects[key]
-        ns, chunk_key, rank = parse_object_key(name)
-        decoded[key] = decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
-
-    def transform(name: str, body: bytes) -> bytes:
-        key = parse_object_key(name)[1]
-        if key not in decoded:
-            return body
-        header, _ = decoded[key]
-        donor = keys[(keys.index(key) + 1) % len(keys)]
-        return codec.encode_chunk(
-            namespace=header.namespace,
-            key=header.key,
-            rank=header.rank,
-            tokens=header.tokens,
-            layers=decoded[donor][1],
-            dtype=header.dtype,
-            itemsize=header.shuffle,  # byte shuffle's item: the pages' dtype size
-            page_shape=header.page_shape,
-        )
-
-    return transform
-
-
 def test_a_wrong_state_changes_output_a_corrupt_state_is_recomputed(
     ssm_a, ssm_baseline, ssm_dir, qwen, s3_server, ssm_bucket
 ):
@@ -194,9 +151,11 @@ def test_a_wrong_state_changes_output_a_corrupt_state_is_recomputed(
     group holds another chunk's state (valid objects: the negative
     control), the other's state after 3 chunks is corrupt."""
     client = s3_server.client()
-    kinds = [g["kind"] for g in _descriptor(client, ssm_bucket)["fields"]["kv_groups"]]
-    wrong = _wrong_group(client, ssm_bucket, "mamba", (1, 2))
-    victim = _parts(client, ssm_bucket, STORE[2])[kinds.index("mamba")][2]
+    kinds = group_kinds(client, ssm_bucket)
+    wrong = wrong_group(
+        client, ssm_bucket, STORE[1:2], CHUNK, kinds.index("mamba")
+    )  # its states after 2 and 3 chunks
+    victim = part_keys(client, ssm_bucket, STORE[2], CHUNK)[kinds.index("mamba")][2]
 
     def transform(name: str, body: bytes) -> bytes:
         body = wrong(name, body)

@@ -14,8 +14,17 @@ from typing import Any
 import pytest
 
 from s3kv.keys import parse_object_key
-from tests.e2e.harness import chunk_objects, copy_bucket, kv_config, run_replica, worker_total
-from tests.e2e.test_hybrid_families import group_kinds, load_errors, part_keys, stays_hybrid, wrong_group
+from tests.e2e.harness import (
+    chunk_objects,
+    copy_bucket,
+    group_kinds,
+    kv_config,
+    part_keys,
+    run_replica,
+    worker_total,
+    wrong_group,
+)
+from tests.e2e.test_hybrid_families import load_errors, stays_hybrid
 
 pytestmark = pytest.mark.engine
 
