@@ -18,6 +18,9 @@ from s3kv.errors import ConfigError
 from s3kv.identity import ModelSource, canonical_config
 from s3kv.keys import Namespace
 from s3kv.kvgroups import CHUNKED, FULL, MAMBA, SLIDING, GroupLayout, KVGroup
+from s3kv.shards import ShardRole, Slicing
+from s3kv.shards import ranks as rank_slicing
+from s3kv.shards import roles as shard_roles
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,6 +43,24 @@ class EngineLayout:
     groups: GroupLayout | None = None
     """The KV cache groups, their layers as indexes into ``layer_names``
     (None: one full-attention group of every layer)."""
+    cut: Slicing | None = None
+    """How each part is cut into shards (None: one per rank)."""
+    total_kv_heads: int | None = None
+    """The model's KV heads (all ranks'), where its pages are KV heads."""
+
+    @property
+    def slicing(self) -> Slicing:
+        return self.cut or rank_slicing(self.world_size)
+
+    def roles(self, rank: int) -> tuple[ShardRole, ...]:
+        """The shards rank ``rank`` holds (:func:`s3kv.shards.roles`)."""
+        return shard_roles(self.slicing, tp_size=self.world_size, rank=rank, total_heads=self.total_kv_heads)
+
+    def object_bytes(self, chunk_tokens: int) -> int:
+        """Raw bytes of one shard's object of a part: a rank's shard
+        (:meth:`shard_bytes`) or the slice of it one shard holds."""
+        held = self.roles(0)
+        return self.shard_bytes(chunk_tokens) // len(held)
 
     @property
     def kv_groups(self) -> GroupLayout:
