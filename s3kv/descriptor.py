@@ -1,9 +1,9 @@
 """The namespace descriptor, ``{prefix}/{namespace}/namespace.json``: what a
 replica leaves beside a namespace's chunks (:func:`encode`), so that
 operators can tell namespaces apart (``s3kv ls``) and the ops commands know
-what the namespace's chunks are (:func:`parse_descriptor`): how many ranks store a
-shard of each, and how many page bytes each shard holds, the bound on what
-checking one may cost.
+what the namespace's chunks are (:func:`parse_descriptor`): how many shard
+objects each part is cut into, and how many page bytes each holds, the bound
+on what checking one may cost.
 
 Its bytes are untrusted, as every object's: the ops commands act only on a
 descriptor that is small and whose fields hash to its namespace's id (the
@@ -19,6 +19,13 @@ size, layer names): each chunk is then one part object per group, each of
 ``num_layers`` frames (the most layers a group has). A descriptor whose
 groups are not what s3kv writes, or have more layers than ``num_layers``,
 does not describe its chunks' pages.
+
+A namespace whose parts are cut by KV head, or stored once (:mod:`s3kv.shards`),
+has a ``kv_shards`` field (its mode, shards and heads per shard) and no
+``tp_size`` (replicas of every TP size share it); its ``page_size_bytes`` is
+one shard's page. Without the field each part is one object per rank, of
+the namespace's ``tp_size``. A ``kv_shards`` that is not what s3kv writes
+says neither how many objects a part has nor what their pages are.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ from typing import Any
 from s3kv.codec import MAX_FRAME_RAW
 from s3kv.keys import Namespace
 from s3kv.kvgroups import KVGroup
+from s3kv.shards import HEADS, MAX_SHARDS, REPLICATED, Slicing, ranks
+
+MAX_TP = 1 << 16
+"""The largest TP size a descriptor is taken to say."""
 
 NAME = "namespace.json"
 MAX_BYTES = 64 << 10
@@ -86,6 +97,17 @@ class Described:
     full-attention group (no ``kv_groups`` field), or groups not read."""
     groups_unread: bool = False
     """It has a ``kv_groups`` field that is not groups s3kv writes."""
+    slicing: Slicing | None = None
+    """How each part is cut into shard objects: its ``kv_shards`` field,
+    else one shard per rank of its ``tp_size``; None: neither read."""
+    shards_unread: bool = False
+    """It has a ``kv_shards`` field that is not what s3kv writes (or beside a ``tp_size``)."""
+
+    @property
+    def shards(self) -> int | None:
+        """Shard objects of each part (``.r0`` to ``.r{shards-1}``): a part
+        is whole once every one is stored; None: not said."""
+        return self.slicing.shards if self.slicing is not None else None
 
 
 def parse_descriptor(namespace_id: str, data: bytes) -> Described | None:
@@ -106,18 +128,51 @@ def parse_descriptor(namespace_id: str, data: bytes) -> Described | None:
             return None
     except TypeError:  # a value the namespace hash does not encode: not a replica's
         return None
-    tp_size, pages = _count(fields.get("tp_size"), 1 << 16), _pages(fields, d.get("chunk_tokens"))
+    tp_size, pages = _count(fields.get("tp_size"), MAX_TP), _pages(fields, d.get("chunk_tokens"))
+    slicing = _slicing(fields, tp_size)
+    shards_unread = "kv_shards" in fields and slicing is None
+    if shards_unread:
+        pages = None  # a page of what? its objects are not said
     if "kv_groups" not in fields:
-        return Described(tp_size, pages)
+        return Described(tp_size, pages, slicing=slicing, shards_unread=shards_unread)
     groups = _groups(fields)
     if groups is None or pages is None or any(len(g.layers) > pages.num_layers for g in groups):
         pages = None  # parts of groups it does not say, or frames fewer than a group's layers
-    return Described(tp_size, pages, groups, groups_unread=groups is None)
+    return Described(
+        tp_size, pages, groups, groups_unread=groups is None, slicing=slicing, shards_unread=shards_unread
+    )
 
 
 def _count(value: Any, most: int) -> int | None:
     """``value`` if it is an int in 1..``most`` (not a bool), else None."""
     return value if type(value) is int and 1 <= value <= most else None
+
+
+def _slicing(fields: dict[str, Any], tp_size: int | None) -> Slicing | None:
+    """The ``kv_shards`` field as s3kv writes it (:meth:`Slicing.field
+    <s3kv.shards.Slicing.field>`): ``heads``, 1 to MAX_SHARDS shards of at
+    least one head each, or ``replicated``, one shard of no heads, and no
+    ``tp_size`` beside it; else None. Without the field, one shard per rank
+    of ``tp_size`` (None where that is not said)."""
+    if "kv_shards" not in fields:
+        return ranks(tp_size) if tp_size is not None else None
+    value = fields["kv_shards"]
+    if not isinstance(value, dict) or set(value) != {"mode", "shards", "heads_per_shard"}:
+        return None
+    if "tp_size" in fields:
+        return None  # a shared namespace has no TP size: not a replica's
+    mode, q = value["mode"], value["heads_per_shard"]
+    if mode == HEADS:
+        shards = _count(value["shards"], MAX_SHARDS)
+        q = _count(q, MAX_TP)
+    elif mode == REPLICATED:
+        shards = _count(value["shards"], 1)
+        q = q if type(q) is int and q == 0 else None
+    else:
+        return None
+    if shards is None or q is None:
+        return None
+    return Slicing(mode, shards, q)
 
 
 def _pages(fields: dict[str, Any], chunk_tokens: Any) -> ChunkPages | None:

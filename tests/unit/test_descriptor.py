@@ -20,6 +20,7 @@ from s3kv.descriptor import (
     parse_descriptor,
 )
 from s3kv.keys import Namespace
+from s3kv.shards import HEADS, MAX_SHARDS, RANKS, REPLICATED, Slicing
 
 # The kinds of values a replica's namespace holds (connector/layout.py):
 # strings, ints, None, a list.
@@ -177,3 +178,76 @@ def test_a_group_with_more_layers_than_the_frames_of_a_part_describes_no_pages()
     assert got.pages is None
     more = _parse({**GROUPED, "num_layers": 4})  # more frames than any group: still bounded
     assert more is not None and more.pages == ChunkPages(4, 256, 256 // 16 * 8192)
+
+
+# A namespace replicas of every TP size share (s3kv.shards): kv_shards, no tp_size.
+SHARED = {k: v for k, v in FIELDS.items() if k != "tp_size"}
+GROUPED_SHARED = {k: v for k, v in GROUPED.items() if k != "tp_size"}
+BY_HEAD = {"mode": "heads", "shards": 4, "heads_per_shard": 2}
+
+
+def test_a_shared_namespace_says_its_shards_and_the_pages_of_each():
+    got = _parse({**SHARED, "kv_shards": BY_HEAD})
+    assert got is not None and got.tp_size is None and not got.shards_unread
+    assert got.shards == 4 and got.slicing == Slicing(HEADS, 4, 2) and got.slicing.shared
+    # page_size_bytes is one shard's page: each shard object holds num_layers frames of them.
+    assert got.pages == ChunkPages(num_layers=24, tokens=256, layer_bytes=256 // 16 * 8192)
+    mla = _parse({**SHARED, "kv_shards": {"mode": "replicated", "shards": 1, "heads_per_shard": 0}})
+    assert mla is not None and mla.shards == 1 and mla.slicing == Slicing(REPLICATED, 1)
+    widest = _parse({**SHARED, "kv_shards": {**BY_HEAD, "shards": MAX_SHARDS}})
+    assert widest is not None and widest.shards == MAX_SHARDS
+    grouped = _parse({**GROUPED_SHARED, "kv_shards": BY_HEAD})  # every part of 4 shards
+    assert grouped is not None and grouped.shards == 4 and grouped.groups is not None
+    assert grouped.pages == ChunkPages(num_layers=3, tokens=256, layer_bytes=256 // 16 * 8192)
+
+
+def test_without_kv_shards_a_part_is_one_object_a_rank():
+    got = _parse(FIELDS)
+    assert got is not None and got.shards == 2 and got.slicing == Slicing(RANKS, 2)
+    assert not got.slicing.shared and not got.shards_unread
+    bare = _parse({k: v for k, v in FIELDS.items() if k != "tp_size"})  # neither said
+    assert bare is not None and bare.shards is None and bare.slicing is None and not bare.shards_unread
+
+
+@pytest.mark.parametrize(
+    "kv_shards",
+    [
+        pytest.param(None, id="null"),
+        pytest.param([4, 2], id="not-an-object"),
+        pytest.param("heads", id="a-string"),
+        pytest.param({"mode": "heads", "shards": 4}, id="no-heads-per-shard"),
+        pytest.param({**BY_HEAD, "order": "reversed"}, id="a-field-s3kv-does-not-write"),
+        pytest.param({**BY_HEAD, "mode": "ranks"}, id="ranks-mode-is-no-field"),
+        pytest.param({**BY_HEAD, "mode": "layers"}, id="unknown-mode"),
+        pytest.param({**BY_HEAD, "mode": ["heads"]}, id="mode-not-a-string"),
+        pytest.param({**BY_HEAD, "shards": True}, id="bool-shards"),
+        pytest.param({**BY_HEAD, "shards": 4.0}, id="float-shards"),
+        pytest.param({**BY_HEAD, "shards": "4"}, id="string-shards"),
+        pytest.param({**BY_HEAD, "shards": 0}, id="no-shard"),
+        pytest.param({**BY_HEAD, "shards": -4}, id="negative-shards"),
+        pytest.param({**BY_HEAD, "shards": MAX_SHARDS + 1}, id="more-shards-than-s3kv-cuts"),
+        pytest.param({**BY_HEAD, "shards": 1 << 40}, id="huge-shards"),
+        pytest.param({**BY_HEAD, "heads_per_shard": 0}, id="slices-of-no-head"),
+        pytest.param({**BY_HEAD, "heads_per_shard": -1}, id="negative-heads"),
+        pytest.param({**BY_HEAD, "heads_per_shard": True}, id="bool-heads"),
+        pytest.param({"mode": "replicated", "shards": 2, "heads_per_shard": 0}, id="replicated-twice"),
+        pytest.param({"mode": "replicated", "shards": 1, "heads_per_shard": 1}, id="replicated-heads"),
+        pytest.param({"mode": "replicated", "shards": 1, "heads_per_shard": False}, id="replicated-bool"),
+    ],
+)
+def test_kv_shards_it_cannot_read_say_no_objects_and_no_pages(kv_shards):
+    """Whoever writes the bucket may make a namespace of any fields: a
+    kv_shards that is not what a replica writes says nothing (never an
+    exception): neither how many objects a part has nor what they hold."""
+    got = _parse({**SHARED, "kv_shards": kv_shards})
+    assert got is not None and got.shards_unread
+    assert got.shards is None and got.slicing is None and got.pages is None
+    grouped = _parse({**GROUPED_SHARED, "kv_shards": kv_shards})  # the groups still read
+    assert grouped is not None and grouped.groups is not None and grouped.shards is None
+
+
+def test_kv_shards_beside_a_tp_size_is_not_a_replicas():
+    """A shared namespace has no TP size: one with both does not say which its objects follow."""
+    got = _parse({**FIELDS, "kv_shards": BY_HEAD})
+    assert got is not None and got.shards_unread and got.shards is None and got.pages is None
+    assert got.tp_size == 2  # the rest of it still reads
