@@ -24,21 +24,23 @@ from s3kv.ops.verify import inspect_object
 from s3kv.stores.base import ObjectStore
 from s3kv.stores.memory import MemoryStore
 
-_KEY_RE = re.compile(r"^(?P<key>[0-9a-f]{32})(?:\.r(?P<rank>\d+))?$")
+_KEY_RE = re.compile(r"^(?P<key>[0-9a-f]{32})(?:\.r(?P<shard>\d+))?$")
 
 
-async def _find_chunk(store: ObjectStore, prefix: str, key: str, rank: str | None) -> list[str]:
-    """The objects of chunk ``key`` (of rank ``rank``) in any namespace; none:
+async def _find_chunk(store: ObjectStore, prefix: str, key: str, shard: str | None) -> list[str]:
+    """The objects of chunk ``key`` (of shard ``shard``) in any namespace; none:
     namespace ``key``'s descriptor, if ``key`` is a namespace's id."""
     namespaces, _ = await list_namespaces(store, prefix)
     names: list[str] = []
     for ns in namespaces:
-        shard = f"{namespace_prefix(prefix, ns)}{key[:2]}/"
-        base = f"{shard}{key}.r" + (rank or "")
+        directory = f"{namespace_prefix(prefix, ns)}{key[:2]}/"
+        base = f"{directory}{key}.r" + (shard or "")
         # A directory bucket lists only prefixes that end with '/'.
-        names += [n for n in await store.list_keys(shard if store.directory else base) if n.startswith(base)]
-    names = [n for n in names if rank is None or n.endswith(f".r{rank}")]
-    if not names and rank is None and key in namespaces:
+        names += [
+            n for n in await store.list_keys(directory if store.directory else base) if n.startswith(base)
+        ]
+    names = [n for n in names if shard is None or n.endswith(f".r{shard}")]
+    if not names and shard is None and key in namespaces:
         names = [namespace_prefix(prefix, key) + DESCRIPTOR]
     return names
 
@@ -64,9 +66,9 @@ async def _inspect(store: ObjectStore, name: str, check: bool, keys: FleetKeys |
 )
 def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
     """Decode and show one object's header: a chunk key (32 hex digits, optionally
-    .rN), an object name in the bucket, or a local file (an NVMe tier file). A
+    .rN: its shard N), an object name in the bucket, or a local file (an NVMe tier file). A
     namespace id (or its namespace.json) shows what its descriptor says: model,
-    chunk size, TP size, the frames of each object, and its KV cache groups."""
+    chunk size, TP size or shards, the frames of each object, and its KV cache groups."""
     path = Path(target)
     if path.is_file():
         mem = MemoryStore()
@@ -81,7 +83,7 @@ def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
         async def body(store: ObjectStore) -> list[dict[str, Any]]:
             m = _KEY_RE.match(target.lower())
             if m:
-                names = await _find_chunk(store, s.config.prefix, m["key"], m["rank"])
+                names = await _find_chunk(store, s.config.prefix, m["key"], m["shard"])
                 if not names:
                     raise NotFound(
                         target,

@@ -137,7 +137,7 @@ def stats_cmd(s: Settings, namespaces: tuple[str, ...], sample: int) -> int:
     if any(_grouped(r) for r in st["by_namespace"].values()):
         con.print(
             "a namespace of several KV cache groups stores each chunk as one part object per group "
-            "(and rank): its chunk keys are parts, about chunks x groups"
+            "(and shard): its chunk keys are parts, about chunks x groups"
         )
     con.print(
         out.table(

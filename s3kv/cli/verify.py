@@ -34,7 +34,7 @@ from s3kv.stores.base import ObjectStore
 @click.option(
     "--delete-corrupt",
     is_flag=True,
-    help="Delete corrupt objects (every rank of a corrupt chunk) and tell replicas.",
+    help="Delete corrupt objects (every shard of a corrupt chunk) and tell replicas.",
 )
 @click.option("--seed", type=int, default=None, help="Seed of the random sample (for a reproducible sample).")
 @click.option(

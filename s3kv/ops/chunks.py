@@ -33,7 +33,7 @@ RANGE_BYTES = 8 << 20
 MAX_UNDESCRIBED_RAW = 1 << 30
 """The most page bytes of one chunk object the ops commands decode where no
 descriptor of its namespace bounds them (a replica's chunk object holds one
-rank's layers of ``chunk_tokens`` tokens: tens of MiB for most models)."""
+shard of every layer of ``chunk_tokens`` tokens: tens of MiB for most models)."""
 
 
 def ops_reader(pages: ChunkPages | None, keys: FleetKeys | None = None) -> ChunkReader:

@@ -3,8 +3,8 @@
 segments and snapshots it makes redundant pruned, and each closed hour's
 access records merged into one.
 
-The live keys: the listing is the truth (complete chunks: every rank's
-object; those no manifest object named only if they verify, see
+The live keys: the listing is the truth (complete chunks: every shard's
+object, ``.r0`` to ``.r{shards-1}`` whoever wrote it; those no manifest object named only if they verify, see
 :meth:`_Namespace.orphans`), less what was deleted, plus keys in segments
 written since the listing began (their objects may have been stored after
 it), replayed as replicas replay them (:func:`~s3kv.manifest.replay.replay`).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,13 +53,14 @@ from s3kv.manifest.protocol import (
     name_ts,
     record_hour,
 )
-from s3kv.manifest.ranks import RankTally, rank_fields
+from s3kv.manifest.ranks import MAX_RANKS, RankTally, rank_fields
 from s3kv.manifest.replay import replay
 from s3kv.manifest.snapshots import stale_snapshots, write_snapshot
 from s3kv.manifest.tombstones import Held, delete_keys
 from s3kv.ops.chunks import check_object
 from s3kv.ops.inventory import Chunk, NamespaceInfo
 from s3kv.ops.reads import read_manifest, read_manifest_head
+from s3kv.shards import Slicing
 from s3kv.stores.base import ObjectMeta, ObjectStore, PutMode
 
 
@@ -117,15 +118,28 @@ def _needed(name: str) -> Iterator[None]:
         raise Unread(str(e) if name in str(e) else f"{name}: {e}") from e
 
 
-def _ranks(chunk: Chunk) -> list[int]:
-    """The ranks whose objects of ``chunk`` the listing holds."""
+def _shards(chunk: Chunk) -> list[int]:
+    """The shards whose objects of ``chunk`` the listing holds."""
     return [parsed[2] for o in chunk.objects if (parsed := parse_object_key(o.key)) is not None]
 
 
-def _complete(chunk: Chunk, tp: int | None) -> bool:
-    """Whether every rank's object of ``chunk`` is listed (``.r0`` to
-    ``.r{tp-1}``); with the TP size unknown, any chunk may be."""
-    return tp is None or set(_ranks(chunk)).issuperset(range(tp))
+def _complete(chunk: Chunk, shards: int | None) -> bool:
+    """Whether every shard's object of ``chunk`` is listed (``.r0`` to
+    ``.r{shards-1}``); with the shards unknown, any chunk may be."""
+    return shards is None or set(_shards(chunk)).issuperset(range(shards))
+
+
+def _held(chunk: Chunk | None, slicing: Slicing | None) -> Iterable[int]:
+    """The ranks a rank segment's ``chunk`` counts as named by, from the
+    listing: where each rank stores its own shard, those whose objects are
+    listed; in a namespace replicas of every TP size share, a shard is no
+    rank's (any replica may have written it): every rank once every shard
+    is listed, else none."""
+    if chunk is None:
+        return ()
+    if slicing is None or not slicing.shared:
+        return _shards(chunk)
+    return range(MAX_RANKS) if _complete(chunk, slicing.shards) else ()
 
 
 async def compact(
@@ -203,7 +217,7 @@ class _Namespace:
         newest = await self.head(snapshots[-1]) if snapshots else None
         covered = Horizon.of(newest or {})
         new = [m for m in segments if not covered.covers(m.key)]
-        listed = {fingerprint(k): c for k, c in info.chunks.items() if _complete(c, info.tp_size)}
+        listed = {fingerprint(k): c for k, c in info.chunks.items() if _complete(c, info.shards)}
         orphans = await self.orphans(listed, snapshots[-1] if snapshots else None, new)
         live: np.ndarray | None = None
         if new or changed or any(orphans.values()):
@@ -235,7 +249,7 @@ class _Namespace:
     async def live(self, start: list[int], recent: list[ObjectMeta]) -> np.ndarray:
         """``start`` (the listing's live keys) with the segments ``recent``
         replayed over it; a rank segment's chunk counts once every rank
-        named it or has its object listed."""
+        named it or the listing holds its objects (:func:`_held`)."""
         read: list[tuple[str, mf.ManifestObject]] = []
         for m in recent:
             try:
@@ -248,7 +262,8 @@ class _Namespace:
                 continue
             read.append((m.key, obj))
         chunks = {fingerprint(k): c for k, c in self.info.chunks.items()}
-        tally = RankTally(held=lambda fp: _ranks(chunks[fp]) if fp in chunks else ())
+        slicing = self.info.described.slicing if self.info.described is not None else None
+        tally = RankTally(held=lambda fp: _held(chunks.get(fp), slicing))
         return replay(as_sorted_unique(start), read, tally)
 
     async def prune(
@@ -298,15 +313,15 @@ class _Namespace:
     ) -> dict[int, bool | None]:
         """Complete chunks in the listing that neither the newest snapshot nor
         a segment after it names (a replica killed before it published them),
-        and whether every rank's object verifies (header, frames and, with the
+        and whether every shard's object verifies (header, frames and, with the
         fleet secret, MAC): the compaction adds those that do, so a bucket
         filled by replicas that died never stays invisible. None for a chunk
         not judged this run: one of its objects gc may not read (a 403:
         another KMS key, a bucket policy), that failed to read (a 503),
         changed while read, or that it does not decode
         (:class:`~s3kv.errors.Unchecked`); or every chunk of a namespace whose
-        descriptor does not say its TP size, so that no chunk is taken for
-        whole without every rank's object."""
+        descriptor does not say its shards, so that no chunk is taken for
+        whole without every shard's object."""
         named: set[int] = set()
         if snapshot is not None:
             # None that reads: every chunk is checked; one unread: no compaction.
@@ -320,18 +335,18 @@ class _Namespace:
             except (NotFound, CorruptManifest):
                 continue
         todo = {fp: c for fp, c in listed.items() if fp not in named}
-        tp, pages = self.info.tp_size, self.info.pages
+        shards, pages = self.info.shards, self.info.pages
         sem = asyncio.Semaphore(self.s.concurrency)
 
         async def sound(chunk: Chunk) -> bool | None:
-            if tp is None:
+            if shards is None:
                 return None
-            by_rank = {p[2]: o for o in chunk.objects if (p := parse_object_key(o.key)) is not None}
-            for rank in range(tp):
+            by_shard = {p[2]: o for o in chunk.objects if (p := parse_object_key(o.key)) is not None}
+            for shard in range(shards):
                 async with sem:
                     try:
                         await check_object(
-                            self.store, by_rank[rank].key, pages, self.s.keys, sound_first=False
+                            self.store, by_shard[shard].key, pages, self.s.keys, sound_first=False
                         )
                     except NotFound:
                         return False

@@ -1,6 +1,6 @@
 """What the ops commands show of a namespace's descriptor: its KV cache
-groups in a line (``s3kv ls``), as rows (``--json``), and the whole
-descriptor (``s3kv inspect`` of a namespace).
+groups and its shards in a line (``s3kv ls``), as rows (``--json``), and
+the whole descriptor (``s3kv inspect`` of a namespace).
 
 A namespace of a model with several KV cache groups stores each chunk as
 one part object per group (:mod:`s3kv.kvgroups`), so its chunk keys are
@@ -8,6 +8,10 @@ part keys: about ``groups`` of them a chunk (fewer where a windowed group's
 part of a chunk no hit reaches was not stored). Only what
 :func:`~s3kv.descriptor.parse_descriptor` read from a descriptor of the
 namespace is shown as its groups: the descriptor's bytes are untrusted.
+
+A namespace that replicas of every TP size share (:mod:`s3kv.shards`) has
+no TP size: each chunk key is its shard objects, cut by KV head or stored
+once, whoever wrote them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from s3kv.descriptor import MAX_BYTES, Described, DescribedGroup, parse_descript
 from s3kv.errors import CorruptChunk
 from s3kv.keys import is_namespace_id
 from s3kv.ops.reads import read_at_most
+from s3kv.shards import REPLICATED
 from s3kv.stores.base import ObjectStore
 
 
@@ -45,6 +50,20 @@ def summary(groups: Sequence[DescribedGroup]) -> str:
     return f"{len(groups)} groups ({' + '.join(f'{n}x {k}' for k, n in kinds.items())}, {each} each)"
 
 
+def sharding(described: Described | None, tp_size: Any) -> str:
+    """How a namespace's chunk keys are cut into objects, in a few words:
+    ``tp2`` (an object a rank of TP ``tp_size``, the descriptor's field as
+    it reads), or for a namespace replicas of every TP size share ``tp any,
+    8 shards by head`` or ``tp any, 1 shard (replicated)``."""
+    d = described
+    if d is not None and d.shards_unread:
+        return "kv_shards unread"
+    if d is None or d.slicing is None or not d.slicing.shared:
+        return f"tp{tp_size}"
+    how = "(replicated)" if d.slicing.mode == REPLICATED else "by head"
+    return f"tp any, {_plural(d.slicing.shards, 'shard')} {how}"
+
+
 def short_names(names: Sequence[str], shown: int = 3) -> str:
     """The first ``shown`` names, and how many more there are."""
     more = len(names) - shown
@@ -66,8 +85,8 @@ async def inspect_descriptor(store: ObjectStore, name: str) -> dict[str, Any]:
     """What the descriptor object ``name`` says, read no further than a
     descriptor may be (CorruptChunk past that): its namespace (its
     directory's, or for a file elsewhere the one it names), model, chunk
-    size, and what the ops commands take from it (TP size, the pages of each
-    object, the KV cache groups); its problems where it is not what a
+    size, and what the ops commands take from it (TP size, the shard objects
+    of each part, the pages of each object, the KV cache groups); its problems where it is not what a
     replica of that namespace writes. NotFound if there is no such object."""
     meta = await store.head(name)
     data = await read_at_most(store, meta, MAX_BYTES, CorruptChunk, "descriptor")
@@ -90,11 +109,16 @@ async def inspect_descriptor(store: ObjectStore, name: str) -> dict[str, Any]:
         )
     else:
         out.update(_described(described))
+        if described.shards_unread:
+            problems.append(
+                "its kv_shards is not a slicing s3kv writes (or is beside a tp_size): "
+                "its chunks' shards and pages are not said"
+            )
         if described.groups_unread:
             problems.append(
                 "its kv_groups are not KV cache groups s3kv writes: its chunks' pages are not said"
             )
-        elif described.pages is None:
+        elif described.pages is None and not described.shards_unread:
             notes.append("it does not say its chunks' pages: verify and gc check them without")
     out["fields"] = d.get("fields")
     out["problems"] = problems
@@ -107,6 +131,8 @@ def _described(described: Described) -> dict[str, Any]:
     p = described.pages
     return {
         "tp_size": described.tp_size,
+        "shards": described.shards,
+        "shard_mode": described.slicing.mode if described.slicing is not None else None,
         "frames": p.num_layers if p is not None else None,
         "frame_bytes": p.layer_bytes if p is not None else None,
         "kv_groups": group_rows(described.groups, names=True) if described.groups is not None else None,

@@ -7,7 +7,7 @@ combine: retiring namespaces, ``max_age`` (no use for that long: the
 fleet's access records, else the write time) and ``max_bytes`` (least
 recently used first until the rest fits) each select chunks; the
 ``min_age`` guard then keeps any chunk written or used more recently than
-that, whatever selected it. A chunk is deleted whole (every rank's object).
+that, whatever selected it. A chunk is deleted whole (every shard's object).
 
 :func:`execute` carries a plan out, holding the gc lease
 (:mod:`s3kv.ops.lock`):

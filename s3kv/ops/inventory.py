@@ -45,7 +45,7 @@ from s3kv.manifest.protocol import (
     name_ts,
     parse_name,
 )
-from s3kv.ops.described import summary
+from s3kv.ops.described import sharding, summary
 from s3kv.ops.reads import read_descriptor, read_manifest
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
 
@@ -58,7 +58,7 @@ def is_namespace_id(name: str) -> bool:
 
 @dataclass
 class Chunk:
-    """One chunk key: its rank objects, size, and times."""
+    """One chunk key: its shard objects, size, and times."""
 
     key: bytes
     objects: list[ObjectMeta] = field(default_factory=list)
@@ -136,8 +136,15 @@ class NamespaceInfo:
 
     @property
     def tp_size(self) -> int | None:
-        """Ranks that store a shard of every chunk, by the descriptor; None: unknown."""
+        """The TP size of the replicas that store here, by the descriptor;
+        None: unknown, or shared by replicas of every TP size (:attr:`shards`)."""
         return self.described.tp_size if self.described is not None else None
+
+    @property
+    def shards(self) -> int | None:
+        """Shard objects of every chunk key (``.r0`` to ``.r{shards-1}``), by
+        the descriptor: its ``kv_shards``, else one a rank; None: unknown."""
+        return self.described.shards if self.described is not None else None
 
     @property
     def groups(self) -> int | None:
@@ -167,7 +174,7 @@ class NamespaceInfo:
             f"{f.get('num_kv_heads', '?')}x{f.get('head_size', '?')}",
             f"block {f.get('block_size', '?')}",
             f"chunk {(self.descriptor or {}).get('chunk_tokens', '?')}",
-            f"tp{f.get('tp_size', '?')}",
+            sharding(self.described, f.get("tp_size", "?")),
         ]
         return ", ".join(p.replace("torch.", "") for p in parts)
 
@@ -321,7 +328,7 @@ def _classify(info: NamespaceInfo, meta: ObjectMeta) -> None:
     if parsed is None or parsed[0] != info.id or meta.key.count("/") != info.base.count("/") + 1:
         info.foreign.append(meta)
         return
-    _, key, _rank = parsed
+    _, key, _shard = parsed
     chunk = info.chunks.get(key)
     if chunk is None:
         chunk = info.chunks[key] = Chunk(key)

@@ -20,7 +20,8 @@ AGE_EDGES = [(3600, "1h"), (86400, "1d"), (7 * 86400, "7d"), (30 * 86400, "30d")
 
 
 def parts_row(info: NamespaceInfo) -> dict[str, Any]:
-    """A namespace's chunk keys, objects and bytes, and its KV cache groups:
+    """A namespace's chunk keys, objects and bytes, the shard objects of
+    each chunk key (None: not said), and its KV cache groups:
     with several, each chunk key is one group's part of a chunk, and chunk
     keys over groups estimates the chunks (more where a windowed group's part
     of a chunk no hit reaches was not stored)."""
@@ -31,6 +32,7 @@ def parts_row(info: NamespaceInfo) -> dict[str, Any]:
         "objects": info.object_count,
         "bytes": info.chunk_bytes,
         "groups": groups,
+        "shards": info.shards,
         "kv_groups": group_rows(d.groups) if d is not None and d.groups is not None else None,
         "chunks_estimate": round(len(info.chunks) / groups) if groups else None,
     }

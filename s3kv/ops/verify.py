@@ -2,7 +2,7 @@
 manifest objects, descriptors; and telling apart objects s3kv did not write.
 
 A chunk object is *corrupt* when it does not parse, names another
-namespace, key or rank than its object name says, has another length than
+namespace, key or shard than its object name says, has another length than
 its header says, holds other pages than its namespace's descriptor names
 (another layer count, a frame that is not one layer's pages), or a frame
 fails its checksum or does not decode to its raw length (bad zstd bytes,
@@ -241,7 +241,7 @@ async def delete_corrupt(
     concurrency: int = 8,
     keys: FleetKeys | None = None,
 ) -> list[str]:
-    """Delete what verify found corrupt: every rank of a damaged chunk (after
+    """Delete what verify found corrupt: every shard's object of a damaged chunk (after
     a tombstone, as gc does), or the damaged manifest object or descriptor.
     Returns the keys deleted.
 
@@ -325,7 +325,7 @@ async def inspect_object(
         "type": "chunk",
         "namespace": h.namespace,
         "key": h.key,
-        "rank": h.rank,
+        "shard": h.rank,
         "tokens": h.tokens,
         "codec": h.codec,
         "shuffle": h.shuffle,

@@ -72,13 +72,13 @@ def test_inspect_shows_a_chunk_header(seeded_s3, bucket, capsys):
     header = codec.parse_header(body)
     rc, doc = run_json(capsys, seeded_s3, ds.bucket, "inspect", name, "--check")
     assert rc == 0 and doc["problems"] == []
-    assert (doc["namespace"], doc["key"], doc["rank"], doc["frames"]) == (chunk.ns, chunk.key.hex(), 1, 2)
+    assert (doc["namespace"], doc["key"], doc["shard"], doc["frames"]) == (chunk.ns, chunk.key.hex(), 1, 2)
     assert doc["raw_bytes"] == header.raw_bytes and doc["object_bytes"] == len(body)
-    # By chunk key: both ranks; with .r0: one; a name relative to the prefix works too.
+    # By chunk key: both shards (one a rank); with .r0: one; a name relative to the prefix works too.
     rc, both = run_json(capsys, seeded_s3, ds.bucket, "inspect", chunk.key.hex())
-    assert rc == 0 and sorted(d["rank"] for d in both) == [0, 1]
+    assert rc == 0 and sorted(d["shard"] for d in both) == [0, 1]
     rc, r0 = run_json(capsys, seeded_s3, ds.bucket, "inspect", chunk.key.hex() + ".r0")
-    assert rc == 0 and r0["rank"] == 0
+    assert rc == 0 and r0["shard"] == 0
     rc, rel = run_json(capsys, seeded_s3, ds.bucket, "inspect", name.removeprefix(PREFIX + "/"))
     assert rc == 0 and rel["object"] == name
     seg = next(k for k in ds.other if "/manifest/seg/" in k)
@@ -290,7 +290,7 @@ def test_the_tools_on_a_directory_bucket_list_as_s3_express_allows(seeded_s3, ca
             assert m["segments"] == -(-len(ds.of(ns)) // 200) and len(m["snapshots"]) == 1
         chunk = next(c for c in ds.chunks if ds.namespaces[c.ns] == 2)
         rc, both = run("inspect", chunk.key.hex())
-        assert rc == 0 and sorted(d["rank"] for d in both) == [0, 1]
+        assert rc == 0 and sorted(d["shard"] for d in both) == [0, 1]
         rc, clean = run("verify", "--all")
         assert rc == 0 and clean["corrupt"] == [] and clean["foreign"] == []
         assert clean["checked"] == len(ds.objects()) + len(ds.other)
