@@ -370,7 +370,7 @@ def test_settings_objects_are_cut_from_the_config():
     ns = Namespace.from_fields({"model": "m"})
     p = Planner.from_config(c, namespace=ns, block_size=16)
     assert (p.chunk_tokens, p.promote, p.save_generated) == (64, False, False)
-    nvme = NvmeTierManager.from_config(TierIndex("disk", 1 << 20), c, world_size=1, shard_bytes=1)
+    nvme = NvmeTierManager.from_config(TierIndex("disk", 1 << 20), c, shards=1, object_bytes=1)
     s3 = S3TierManager.from_config(Manifest(), c)
     for m in (nvme, s3):  # a probe never reported fails once its load would have timed out
         assert m.breaker._probe_timeout_s == c.load_timeout_s + 10

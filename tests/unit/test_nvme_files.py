@@ -93,7 +93,7 @@ def test_scan_finds_complete_chunks_oldest_first(tmp_path):
     other_ns = "ab" * 16
     foreign0 = write_shard(root, foreign, 0, 600, namespace=other_ns)
     foreign1 = write_shard(root, foreign, 1, 650, namespace=other_ns)
-    extra_rank = write_shard(root, whole, 2, 800)  # beyond world_size
+    extra_rank = write_shard(root, whole, 2, 800)  # beyond the 2 shards
     # Not chunk files: ignored.
     (root / NAMESPACE / "stray").write_bytes(b"x")
     (root / NAMESPACE / whole.hex()[:2] / "notes.txt").write_bytes(b"x")
@@ -101,7 +101,7 @@ def test_scan_finds_complete_chunks_oldest_first(tmp_path):
     (root / "short").mkdir()
     (root / "short" / "x").write_bytes(b"x")
 
-    result = disk.scan(root, NAMESPACE, world_size=2)
+    result = disk.scan(root, NAMESPACE, shards=2)
     assert result.chunks == [(old, old_size, 500), (whole, whole_size, 1005)]
 
     def rel(ns: str, key: bytes, rank: int) -> str:
@@ -120,10 +120,44 @@ def test_scan_finds_complete_chunks_oldest_first(tmp_path):
         disk.SKIP_UNKNOWN_DIR: 1,  # short/
     }
     assert result.skipped == 4 and result.root_error is None
-    # With one rank, every rank-0 file of the namespace is a complete chunk.
-    single = disk.scan(root, NAMESPACE, world_size=1)
+    # With one shard, every .r0 file of the namespace is a complete chunk.
+    single = disk.scan(root, NAMESPACE, shards=1)
     assert [c[0] for c in single.chunks] == [old, half, whole]
     assert disk.scan(tmp_path / "absent", NAMESPACE, 1).chunks == []
+
+
+def test_scan_and_delete_count_a_chunks_shards_whichever_rank_wrote_them(tmp_path):
+    """A part cut into 4 shards by KV head (a TP 2 replica's ranks write two
+    each) is whole with its 4 files; stored once (MLA), with its one. A file
+    of a shard the namespace's parts do not have is not a chunk's."""
+    root = tmp_path / "disk"
+    whole, three, beyond = (key_of(i) for i in range(3))
+    whole_size = sum(write_shard(root, whole, s, 100 + s) for s in range(4))
+    three_sizes = [write_shard(root, three, s, 200 + s) for s in range(3)]
+    extra = write_shard(root, beyond, 4, 300)  # no part of 4 shards has a shard 4
+    four = disk.scan(root, NAMESPACE, shards=4)
+    assert four.chunks == [(whole, whole_size, 103)]
+
+    def rel(key: bytes, shard: int) -> str:
+        return os.path.relpath(disk.shard_path(root, NAMESPACE, key, shard), root)
+
+    assert four.other == [
+        *((rel(three, s), three_sizes[s], 200 + s) for s in range(3)),
+        (rel(beyond, 4), extra, 300),
+    ]
+    one = disk.scan(root, NAMESPACE, shards=1)
+    assert [c[0] for c in one.chunks] == [whole, three]  # each has its .r0
+    assert {o[0] for o in one.other} == {
+        *(rel(whole, s) for s in (1, 2, 3)),
+        rel(three, 1),
+        rel(three, 2),
+        rel(beyond, 4),
+    }
+
+    disk.delete_chunk(root, NAMESPACE, whole, 4)  # every shard's file, not one a rank of TP 2
+    disk.delete_chunk(root, NAMESPACE, three, 1)  # its one shard; files past it are not its
+    assert not any(disk.shard_path(root, NAMESPACE, whole, s).exists() for s in range(4))
+    assert [disk.shard_path(root, NAMESPACE, three, s).exists() for s in range(3)] == [False, True, True]
 
 
 def deny_listing(monkeypatch, directory: Path) -> None:
@@ -251,7 +285,7 @@ def test_scan_skips_and_counts_whatever_else_the_directory_holds(tmp_path, monke
 
     monkeypatch.setattr(os, "lstat", lstat)
     try:
-        result = disk.scan(root, NAMESPACE, world_size=2)
+        result = disk.scan(root, NAMESPACE, shards=2)
     finally:
         monkeypatch.setattr(os, "lstat", real_lstat)
         unreadable_dir.chmod(0o755)
@@ -279,7 +313,7 @@ def test_scan_and_open_disk_survive_an_unreadable_root(tmp_path, monkeypatch, ca
     write_shard(root, key_of(0), 0, 100)
     deny_listing(monkeypatch, root)
     try:
-        result = disk.scan(root, NAMESPACE, world_size=1)
+        result = disk.scan(root, NAMESPACE, shards=1)
         assert result.chunks == [] and result.other == [] and result.root_error
         assert "Permission" in result.root_error
         with caplog.at_level("WARNING", logger="s3kv.tiers"):
@@ -332,12 +366,12 @@ def test_scan_removes_stale_partials_only(tmp_path):
         p.write_bytes(b"half a chunk")
     long_ago = time.time() - 7200
     os.utime(old_live, (long_ago, long_ago))
-    result = disk.scan(root, NAMESPACE, world_size=1)
+    result = disk.scan(root, NAMESPACE, shards=1)
     assert result.removed_partials == 3
     assert not dead.exists() and not junk.exists() and not old_live.exists()
     assert live.exists()
     assert [c[0] for c in result.chunks] == [k] and result.other == []
-    assert disk.scan(root, NAMESPACE, world_size=1).removed_partials == 0
+    assert disk.scan(root, NAMESPACE, shards=1).removed_partials == 0
 
 
 FOREIGN = "0123456789ab"
@@ -420,7 +454,7 @@ def test_scan_cleans_partials_of_other_containers_by_age(tmp_path):
     age(old_style_young_dead, 120)
     age(old_style_old_live, FOREIGN_PARTIAL_MAX_AGE_S + 120)
 
-    result = disk.scan(root, NAMESPACE, world_size=1)
+    result = disk.scan(root, NAMESPACE, shards=1)
     assert result.removed_partials == 3
     assert not ours_dead.exists() and not foreign_old_live.exists() and not old_style_old_live.exists()
     assert ours_live_aging.exists() and foreign_young_dead.exists() and old_style_young_dead.exists()
@@ -428,7 +462,7 @@ def test_scan_cleans_partials_of_other_containers_by_age(tmp_path):
     # Once they age past the bound, the young ones go too.
     for p in (foreign_young_dead, old_style_young_dead):
         age(p, FOREIGN_PARTIAL_MAX_AGE_S + 1)
-    assert disk.scan(root, NAMESPACE, world_size=1).removed_partials == 2
+    assert disk.scan(root, NAMESPACE, shards=1).removed_partials == 2
     assert not foreign_young_dead.exists() and not old_style_young_dead.exists() and ours_live_aging.exists()
 
 
@@ -574,7 +608,7 @@ def test_writer_killed_mid_write_leaves_no_file_loaded_as_valid(tmp_path):
     for round_ in range(5):
         run_and_kill(root, start=3 * round_, rng=rng)
     partials = list(root.rglob("*.partial"))
-    result = disk.scan(root, NAMESPACE, world_size=1)
+    result = disk.scan(root, NAMESPACE, shards=1)
     assert result.removed_partials == len(partials)
     assert list(root.rglob("*.partial")) == []
 

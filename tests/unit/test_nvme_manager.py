@@ -20,7 +20,7 @@ def stack(*tiers, events=False):
 
 
 def test_nvme_files_of_failed_or_forgotten_chunks_are_deleted_before_a_rewrite():
-    disk = NvmeTierManager(TierIndex("disk", 10 * disk_estimate(100)), shard_bytes=100)
+    disk = NvmeTierManager(TierIndex("disk", 10 * disk_estimate(100)), object_bytes=100)
     stack(disk)
     assert disk.prepare_store(KEYS[0], store_owner(KEYS[0])) == Place(Tier.DISK)
     assert disk.prepare_store(KEYS[0], store_owner(KEYS[0])) is None  # being written
@@ -48,7 +48,7 @@ def test_a_promotion_whose_load_failed_before_it_began_leaves_no_files_to_wait_f
     at once: its NVMe promotion never began on any rank, so nothing is to be
     deleted and the store is not refused while a delete is pending. One rank
     that did begin (or may have) still sends the key's files to be deleted."""
-    disk = NvmeTierManager(TierIndex("disk", 10 * disk_estimate(100)), world_size=2, shard_bytes=100)
+    disk = NvmeTierManager(TierIndex("disk", 10 * disk_estimate(100)), shards=2, object_bytes=100)
     stack(disk)
     ranks = RankCount(world_size=2)
     for k, unstarted in ((KEYS[0], 2), (KEYS[1], 1)):

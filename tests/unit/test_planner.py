@@ -44,7 +44,7 @@ def planner(
         tiers.append(CpuTierManager(TierIndex("cpu", cpu_slots, slots=True)))
     if disk_bytes:
         disk_index = TierIndex("disk", disk_bytes)
-        tiers.append(NvmeTierManager(disk_index, world_size=world_size, shard_bytes=SHARD, **breaker))
+        tiers.append(NvmeTierManager(disk_index, shards=world_size, object_bytes=SHARD, **breaker))
     if index is not None:
         tiers.append(S3TierManager(index, store_retry_s=store_retry_s, **breaker))
     p = Planner(

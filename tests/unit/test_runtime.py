@@ -15,6 +15,7 @@ from s3kv.config import parse_config
 from s3kv.connector.layout import EngineLayout
 from s3kv.errors import ConfigError
 from s3kv.identity import DigestCache, ModelSource, resolve_identity
+from s3kv.shards import HEADS, Slicing
 from s3kv.stats import Counters
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.scheduler import runtime
@@ -73,6 +74,31 @@ def test_local_only_needs_no_bucket_and_rebuilds_its_disk_index(tmp_path, patien
         assert s.planner.tier(Tier.CPU).index.capacity == (1 << 20) // (
             256 // 32 * (16 << 10)
         )  # 8 blocks a chunk
+    finally:
+        s.shutdown()
+
+
+def test_the_disk_tier_counts_a_chunk_by_the_namespaces_shards(tmp_path, patient_startup):
+    """Parts cut into 4 shards by KV head at TP 2 (each rank holds two): the
+    NVMe tier finds a chunk whole with its 4 files, whichever rank wrote
+    them, and reserves one estimate of a shard's object for each."""
+    from s3kv.tiering.tiers.nvme.files import shard_path
+    from s3kv.tiering.tiers.nvme.manager import disk_estimate
+
+    layout = dataclasses.replace(LAYOUT, tp_size=2, world_size=2, cut=Slicing(HEADS, 4, 1), total_kv_heads=4)
+    key = b"\x07" * 16
+    namespace = layout.namespace(resolve_identity(layout.model))
+    for shard in range(4):
+        path = shard_path(tmp_path, namespace.id, key, shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 1000)
+    config = parse_config({"write_policy": "local_only", "disk_path": str(tmp_path), "disk_bytes": "1MiB"})
+    s = SchedulerRuntime(config, layout, **parts())
+    try:
+        disk = s.planner.tier(Tier.DISK)
+        assert key in disk.index and disk.index.get(key).size == 4000
+        assert layout.object_bytes(256) == layout.shard_bytes(256) // 2
+        assert disk.reserve_bytes == 4 * disk_estimate(layout.object_bytes(256))
     finally:
         s.shutdown()
 

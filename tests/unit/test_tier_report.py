@@ -53,7 +53,7 @@ def test_aggregate_over_ranks_then_index():
         namespace=Namespace.from_fields({}),
         chunk_tokens=64,
         block_size=32,
-        tiers=[NvmeTierManager(disk, world_size=2), S3TierManager(index)],
+        tiers=[NvmeTierManager(disk, shards=2), S3TierManager(index)],
         world_size=2,
     )
     planner.on_report(total)  # the planner takes the whole report, summed over ranks

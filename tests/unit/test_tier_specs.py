@@ -221,6 +221,35 @@ def test_the_nvme_wing_opens_its_directory_and_deletes_its_own_evicted_files(tmp
     os.close(fd)
 
 
+@pytest.mark.parametrize("world_size, shards", [(2, 4), (2, 1)], ids=["4-shards-by-head", "1-replicated"])
+def test_the_nvme_wing_counts_a_chunks_shards_not_the_ranks(tmp_path, world_size, shards):
+    """A namespace that replicas of every TP size share cuts each part into
+    shards that are no rank's: a chunk on the disk is whole with a file of
+    each, its reservation is one estimate a shard, and evicting it deletes
+    every shard's file (a file of a shard the parts do not have is not its)."""
+    files = [disk.shard_path(tmp_path, NS, KEYS[0], s) for s in range(shards + 1)]
+    half = [disk.shard_path(tmp_path, NS, KEYS[2], s) for s in range(shards - 1)]
+    for f in files + half:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"x" * 1000)
+    counters = Counters()
+    cfg = config(disk_path=str(tmp_path), disk_bytes=1 << 20)
+    m = NvmeSpec().manager(
+        ManagerEnv(cfg, world_size, 2 * SHARD, counters, shards=shards, object_bytes=SHARD * 2 // shards)
+    )
+    assert m is not None and m.reserve_bytes == shards * disk_estimate(SHARD * 2 // shards)
+    TierStack([m], counters, TierEvents())
+    try:
+        assert m.activate(NS)
+        assert KEYS[0] in m.index and m.index.get(KEYS[0]).size == shards * 1000
+        assert KEYS[2] not in m.index  # a shard short
+        m.forget(KEYS[0])
+        wait_until("every shard's file deleted", lambda: not any(f.exists() for f in files[:shards]))
+        assert files[shards].exists() and all(f.exists() for f in half)
+    finally:
+        m.close()
+
+
 def test_an_unusable_nvme_directory_leaves_the_tier_out(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_bytes(b"")

@@ -33,6 +33,7 @@ from s3kv.keys import Namespace, namespace_prefix
 from s3kv.kvgroups import GroupLayout
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest.protocol import manifest_prefix
+from s3kv.shards import Slicing
 from s3kv.stats import SERIES, Counters
 from s3kv.stores.base import PutMode
 from s3kv.stores.factory import make_store
@@ -68,6 +69,11 @@ class ModelShape(Protocol):
     def namespace(self, identity: Mapping[str, Any]) -> Namespace: ...
 
     def shard_bytes(self, chunk_tokens: int) -> int: ...
+
+    @property
+    def slicing(self) -> Slicing: ...
+
+    def object_bytes(self, chunk_tokens: int) -> int: ...
 
     @property
     def kv_groups(self) -> GroupLayout: ...
@@ -131,6 +137,8 @@ class SchedulerRuntime:
             self.index,
             self.store,
             lambda coro, timeout_s: self.loop.run(coro, timeout=timeout_s),
+            shards=shape.slicing.shards,
+            object_bytes=shape.object_bytes(config.chunk_tokens),
         )
         try:
             self._managers: dict[TierSpec, TierManager] = {
@@ -201,13 +209,15 @@ class SchedulerRuntime:
         self.namespace = namespace
         self.planner = planner  # last: the scheduling loop starts using it now
         log.info(
-            "s3kv: namespace %s (identity in %.2f s); tiers: %s (chunk_tokens=%d, block_size=%d, ranks=%d)",
+            "s3kv: namespace %s (identity in %.2f s); tiers: %s (chunk_tokens=%d, block_size=%d, ranks=%d, "
+            "shards=%d)",
             namespace.id,
             identity_s,
             ", ".join(f"{s.tier.value} {tiers[s].describe() if s in tiers else 'off'}" for s in TIERS),
             config.chunk_tokens,
             shape.block_size,
             shape.world_size,
+            shape.slicing.shards,
         )
 
     async def _describe_namespace(self, namespace: Namespace) -> None:

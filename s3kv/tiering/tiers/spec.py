@@ -33,7 +33,7 @@ class ManagerEnv:
     config: S3KVConfig
     world_size: int
     shard_bytes: int
-    """Raw bytes of one rank's shard of a chunk."""
+    """Raw bytes one rank holds of a chunk (of each part: all its shards)."""
     counters: Counters
     """The scheduler side's counters."""
     manifest: Manifest | None = None
@@ -41,6 +41,12 @@ class ManagerEnv:
     store: S3Store | None = None
     """The bucket (None without S3)."""
     run: Run | None = None
+    shards: int = 1
+    """Objects of each part in the tiers replicas share (NVMe, S3): the
+    namespace's shards (:mod:`s3kv.shards`), one a rank unless its parts are
+    cut by KV head or stored once; a part is whole there once every one is."""
+    object_bytes: int = 0
+    """Raw bytes of one of those objects; 0: :attr:`shard_bytes` (one a rank)."""
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,10 @@ class DiskSetup:
 
 
 def open_disk(
-    path: str, namespace: str, world_size: int, capacity_bytes: int | None
+    path: str, namespace: str, shards: int, capacity_bytes: int | None
 ) -> tuple[DiskSetup | None, list[Hashable]]:
-    """Check the directory, rebuild its index from what it holds (oldest
+    """Check the directory, rebuild its index from what it holds (chunks of
+    ``namespace`` with a file of each of its ``shards``, oldest
     first, so they are evicted first) and return what must be deleted to fit
     the capacity. An unusable directory (not writable, not readable) turns the
     tier off with a warning: the cache is an optimisation, the engine still
@@ -68,7 +69,7 @@ def open_disk(
                 root,
             )
     started = time.monotonic()
-    found = disk.scan(root, namespace, world_size)
+    found = disk.scan(root, namespace, shards)
     if found.root_error is not None:
         _setup_log.warning(
             "s3kv: disk_path %s cannot be listed (%s); the NVMe tier is off", root, found.root_error
@@ -120,10 +121,11 @@ class DiskCleaner:
     scheduler collects what is done with :meth:`take_done` (so it never plans
     a write of a key whose old files are still being removed)."""
 
-    def __init__(self, root: Path, namespace: str, world_size: int) -> None:
+    def __init__(self, root: Path, namespace: str, shards: int) -> None:
         self.root = root
         self.namespace = namespace
-        self.world_size = world_size
+        self.shards = shards
+        """Files of each chunk: an evicted chunk's are all deleted."""
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3kv-disk-gc")
         self._done: queue.SimpleQueue[Hashable] = queue.SimpleQueue()
 
@@ -134,7 +136,7 @@ class DiskCleaner:
     def _delete(self, key: Hashable) -> None:
         try:
             if isinstance(key, bytes):
-                disk.delete_chunk(self.root, self.namespace, key, self.world_size)
+                disk.delete_chunk(self.root, self.namespace, key, self.shards)
             else:
                 disk.delete_file(self.root, str(key))
         except OSError as e:
@@ -171,10 +173,11 @@ class Directory:
     then its evicted files are deleted by a :class:`DiskCleaner`; closing
     lets both go."""
 
-    def __init__(self, path: str, capacity_bytes: int | None, world_size: int, counters: Counters) -> None:
+    def __init__(self, path: str, capacity_bytes: int | None, shards: int, counters: Counters) -> None:
         self.path = path
         self.capacity_bytes = capacity_bytes
-        self.world_size = world_size
+        self.shards = shards
+        """Shard files of each chunk (:attr:`ManagerEnv.shards <s3kv.tiering.tiers.spec.ManagerEnv.shards>`)."""
         self.counters = counters
         self.setup: DiskSetup | None = None
         self.cleaner: DiskCleaner | None = None
@@ -182,13 +185,13 @@ class Directory:
     def open(self, namespace: str) -> TierIndex | None:
         """The index of what the directory holds for ``namespace``, or None:
         the directory is unusable and the tier is off."""
-        setup, evicted = open_disk(self.path, namespace, self.world_size, self.capacity_bytes)
+        setup, evicted = open_disk(self.path, namespace, self.shards, self.capacity_bytes)
         if setup is None:
             return None
         if setup.skipped:
             self.counters.add("disk_scan_skipped", setup.skipped)
         self.setup = setup
-        self.cleaner = DiskCleaner(setup.root, namespace, self.world_size)
+        self.cleaner = DiskCleaner(setup.root, namespace, self.shards)
         self.cleaner.delete(evicted)
         return setup.index
 

@@ -1,6 +1,6 @@
 """The NVMe tier's bytes: one file per chunk shard under ``disk_path``.
 
-``{disk_path}/{namespace}/{kk}/{key}.r{rank}`` (the shard's name, as
+``{disk_path}/{namespace}/{kk}/{key}.r{shard}`` (the shard's name, as
 :func:`s3kv.keys.chunk_path` builds it for S3 too) holds the shard in the
 chunk object format, encoded with ``disk_codec`` (by default ``none``: a
 disk is read faster than a frame decodes). A chunk promoted from S3 is
@@ -51,9 +51,9 @@ LOCK_NAME = ".s3kv.lock"
 PROBE_NAME = ".s3kv-probe"
 
 
-def shard_path(root: Path, namespace: str, key: bytes, rank: int) -> Path:
-    """The file of one rank's shard of a chunk under ``root``."""
-    return root / chunk_path(namespace, key, rank)
+def shard_path(root: Path, namespace: str, key: bytes, shard: int) -> Path:
+    """The file of one shard of a chunk under ``root``."""
+    return root / chunk_path(namespace, key, shard)
 
 
 class DiskTier:
@@ -221,7 +221,7 @@ SKIP_UNKNOWN_DIR = "unknown directory"
 """A directory not named as a namespace (32 hex) or shard (2 hex) directory
 is, or one inside a shard directory."""
 SKIP_NOT_CHUNK = "not a chunk file"
-"""A file in a shard directory not named ``{key}.r{rank}`` for that shard."""
+"""A file in a shard directory not named ``{key}.r{shard}`` for that directory."""
 SKIP_UNREADABLE = "unreadable"
 """A directory that cannot be listed or an entry that cannot be stat'ed."""
 SKIP_VANISHED = "vanished"
@@ -233,11 +233,12 @@ SKIP_PARTIAL_KEPT = "stale partial not removable"
 @dataclass
 class ScanResult:
     chunks: list[tuple[bytes, int, float]] = field(default_factory=list)
-    """(key, bytes of all its rank files, newest mtime) of complete chunks of the
-    namespace, oldest first."""
+    """(key, bytes of all its shard files, newest mtime) of complete chunks of
+    the namespace (a file of every shard), oldest first."""
     other: list[tuple[str, int, float]] = field(default_factory=list)
     """(path relative to the root, bytes, mtime) of every other chunk file:
-    other namespaces, chunks missing a rank. They count against the capacity
+    other namespaces, chunks missing a shard, shards a chunk of the namespace
+    does not have. They count against the capacity
     and are evicted first-come by age."""
     removed_partials: int = 0
     skipped: int = 0
@@ -254,13 +255,15 @@ class ScanResult:
         self.skipped_reasons[reason] = self.skipped_reasons.get(reason, 0) + 1
 
 
-def scan(root: Path, namespace: str, world_size: int) -> ScanResult:
-    """What the directory holds, for the scheduler's index; removes the
+def scan(root: Path, namespace: str, shards: int) -> ScanResult:
+    """What the directory holds, for the scheduler's index (a chunk of
+    ``namespace`` is whole with a file of each of its ``shards``, whichever
+    rank wrote it); removes the
     partial files of writers that are gone. Never raises for what it finds:
     an entry it cannot use or read is skipped and counted, and symlinks are
     never followed (the root itself may be one)."""
     result = ScanResult()
-    ranks: dict[bytes, dict[int, tuple[str, int, float]]] = defaultdict(dict)
+    found: dict[bytes, dict[int, tuple[str, int, float]]] = defaultdict(dict)
     now_s = time.time()
     try:
         top = _list_dir(root)
@@ -303,19 +306,19 @@ def scan(root: Path, namespace: str, world_size: int) -> ScanResult:
                 if parsed is None:
                     result.skip(SKIP_NOT_CHUNK)
                     continue
-                key, rank = parsed
+                key, index = parsed  # the shard's index
                 entry = (os.path.relpath(f.path, root), st.st_size, st.st_mtime)
-                if ns_entry.name == namespace and rank < world_size:
-                    ranks[key][rank] = entry
+                if ns_entry.name == namespace and index < shards:
+                    found[key][index] = entry
                 else:
                     result.other.append(entry)
-    for key, by_rank in ranks.items():
-        if len(by_rank) == world_size:
+    for key, by_shard in found.items():
+        if len(by_shard) == shards:
             result.chunks.append(
-                (key, sum(e[1] for e in by_rank.values()), max(e[2] for e in by_rank.values()))
+                (key, sum(e[1] for e in by_shard.values()), max(e[2] for e in by_shard.values()))
             )
         else:
-            result.other.extend(by_rank.values())
+            result.other.extend(by_shard.values())
     result.chunks.sort(key=lambda c: c[2])
     result.other.sort(key=lambda c: c[2])
     return result
@@ -384,11 +387,11 @@ def _clean_partial(path: str, st: os.stat_result, now_s: float, result: ScanResu
     result.removed_partials += 1
 
 
-def delete_chunk(root: Path, namespace: str, key: bytes, world_size: int) -> None:
-    """Remove every rank's file of a chunk (the scheduler evicts whole chunks)."""
-    for rank in range(world_size):
+def delete_chunk(root: Path, namespace: str, key: bytes, shards: int) -> None:
+    """Remove every shard's file of a chunk (the scheduler evicts whole chunks)."""
+    for shard in range(shards):
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(shard_path(root, namespace, key, rank))
+            os.unlink(shard_path(root, namespace, key, shard))
 
 
 def delete_file(root: Path, rel: str) -> None:

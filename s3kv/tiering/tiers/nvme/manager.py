@@ -14,15 +14,15 @@ from s3kv.tiering.tiers.nvme.directory import Directory
 from s3kv.tiering.tiers.nvme.report import NvmeReport
 
 
-def disk_estimate(shard_bytes: int) -> int:
-    """Bytes to reserve for one rank's file of a chunk before its size is
+def disk_estimate(object_bytes: int) -> int:
+    """Bytes to reserve for one shard's file of a chunk before its size is
     known: the raw pages plus zstd's worst-case growth and the header."""
-    return shard_bytes + shard_bytes // 64 + (16 << 10)
+    return object_bytes + object_bytes // 64 + (16 << 10)
 
 
 class NvmeTierManager(IndexedTierManager):
     """The NVMe directory's byte-bounded index. A chunk is reserved at its
-    estimate (every rank's file) and takes its real size once written;
+    estimate (every shard's file) and takes its real size once written;
     evicted and failed entries become file deletes, run off the scheduling
     thread by its :class:`Directory`'s cleaner (without one, as in tests,
     they wait for :meth:`take_evictions`), and a key is not written again
@@ -34,8 +34,8 @@ class NvmeTierManager(IndexedTierManager):
         self,
         index: TierIndex,
         *,
-        world_size: int = 1,
-        shard_bytes: int = 0,
+        shards: int = 1,
+        object_bytes: int = 0,
         backoff_s: tuple[float, float] = BACKOFF_S,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
@@ -45,7 +45,8 @@ class NvmeTierManager(IndexedTierManager):
         self.directory = directory
         """The directory to open for the namespace (:meth:`activate`), and whose cleaner deletes files."""
         self.breaker = self._breaker(backoff_s, probe_timeout_s, clock)
-        self.reserve_bytes = world_size * disk_estimate(shard_bytes)
+        self.reserve_bytes = shards * disk_estimate(object_bytes)
+        """A chunk's files before their sizes are known: ``shards`` files of ``object_bytes`` raw bytes."""
         self._sizes: dict[bytes, int] = {}
         """Bytes the ranks reported written so far, per pending key."""
         self._failures: dict[bytes, tuple[int, int]] = {}
@@ -56,11 +57,9 @@ class NvmeTierManager(IndexedTierManager):
 
     @classmethod
     def from_config(
-        cls, index: TierIndex, config: S3KVConfig, *, world_size: int, shard_bytes: int
+        cls, index: TierIndex, config: S3KVConfig, *, shards: int, object_bytes: int
     ) -> NvmeTierManager:
-        return cls(
-            index, world_size=world_size, shard_bytes=shard_bytes, probe_timeout_s=probe_timeout_s(config)
-        )
+        return cls(index, shards=shards, object_bytes=object_bytes, probe_timeout_s=probe_timeout_s(config))
 
     # -- life --------------------------------------------------------------------
     def activate(self, namespace: str) -> bool:
@@ -135,7 +134,7 @@ class NvmeTierManager(IndexedTierManager):
     def forget(self, key: bytes) -> None:
         if self.index.has(key):
             self.index.remove(key)
-            self._forget_files(key)  # the other ranks' files of it
+            self._forget_files(key)  # the other shards' files of it
         super().forget(key)
 
     def on_report(

@@ -32,10 +32,10 @@ class NvmeSpec(TierSpec):
             return None
         return NvmeTierManager(
             TierIndex("disk", 0),
-            world_size=env.world_size,
-            shard_bytes=env.shard_bytes,
+            shards=env.shards,
+            object_bytes=env.object_bytes or env.shard_bytes,
             probe_timeout_s=probe_timeout_s(c),
-            directory=Directory(c.disk_path, c.disk_bytes, env.world_size, env.counters),
+            directory=Directory(c.disk_path, c.disk_bytes, env.shards, env.counters),
         )
 
     def settings(self, config: S3KVConfig) -> NvmeSettings | None:
