@@ -156,6 +156,12 @@ class S3KVConfig:
     namespace_salt: str | None = _key(
         None, "Any string: replicas with different salts never share KV (per tenant, per deployment)."
     )
+    share_across_tp: bool = _key(
+        False,
+        "Replicas of every TP size share one cache: each part is stored as one object per KV head "
+        "slice (up to 8), which ranks of any TP size write and read. Their KV differs from a "
+        "replica's own in the low bits, so greedy tokens may too.",
+    )
     auth_key_file: str | None = _key(
         None,
         "File holding the fleet secret (or several, comma-separated: the first signs, all verify); "
@@ -401,6 +407,7 @@ _PARSERS = {
     "manifest_max_bytes": lambda v: _size("manifest_max_bytes", v, MiB, 64 * GiB),
     "model_digest": _digest,
     "namespace_salt": _salt,
+    "share_across_tp": lambda v: _bool("share_across_tp", v),
     "auth_key_file": _key_file,
 }
 assert set(_PARSERS) == set(KNOWN_KEYS), set(_PARSERS) ^ set(KNOWN_KEYS)

@@ -21,9 +21,9 @@ groups are not what s3kv writes, or have more layers than ``num_layers``,
 does not describe its chunks' pages.
 
 A namespace whose parts are cut by KV head, or stored once (:mod:`s3kv.shards`),
-has a ``kv_shards`` field (its mode, shards and heads per shard) and no
-``tp_size`` (replicas of every TP size share it); its ``page_size_bytes`` is
-one shard's page. Without the field each part is one object per rank, of
+has a ``kv_shards`` field (its mode, shards and heads per shard), and no
+``tp_size`` where replicas of every TP size share it; its
+``page_size_bytes`` is one shard's page. Without the field each part is one object per rank, of
 the namespace's ``tp_size``. A ``kv_shards`` that is not what s3kv writes
 says neither how many objects a part has nor what their pages are.
 """
@@ -101,7 +101,7 @@ class Described:
     """How each part is cut into shard objects: its ``kv_shards`` field,
     else one shard per rank of its ``tp_size``; None: neither read."""
     shards_unread: bool = False
-    """It has a ``kv_shards`` field that is not what s3kv writes (or beside a ``tp_size``)."""
+    """It has a ``kv_shards`` field that is not what s3kv writes."""
 
     @property
     def shards(self) -> int | None:
@@ -151,16 +151,14 @@ def _count(value: Any, most: int) -> int | None:
 def _slicing(fields: dict[str, Any], tp_size: int | None) -> Slicing | None:
     """The ``kv_shards`` field as s3kv writes it (:meth:`Slicing.field
     <s3kv.shards.Slicing.field>`): ``heads``, 1 to MAX_SHARDS shards of at
-    least one head each, or ``replicated``, one shard of no heads, and no
-    ``tp_size`` beside it; else None. Without the field, one shard per rank
+    least one head each, or ``replicated``, one shard of no heads; else
+    None. Without the field, one shard per rank
     of ``tp_size`` (None where that is not said)."""
     if "kv_shards" not in fields:
         return ranks(tp_size) if tp_size is not None else None
     value = fields["kv_shards"]
     if not isinstance(value, dict) or set(value) != {"mode", "shards", "heads_per_shard"}:
         return None
-    if "tp_size" in fields:
-        return None  # a shared namespace has no TP size: not a replica's
     mode, q = value["mode"], value["heads_per_shard"]
     if mode == HEADS:
         shards = _count(value["shards"], MAX_SHARDS)

@@ -7,9 +7,10 @@ Three ways, decided once per namespace (:func:`choose`):
   :attr:`Slicing.heads_per_shard` heads each, whatever the TP size: shard
   ``s`` holds heads ``[s*q, (s+1)*q)`` of every frame. A rank holds the
   slices of the heads it owns and stores and loads exactly those, so TP 1,
-  2, 4 and 8 replicas of one model read what any of them wrote. A head
-  that several ranks hold (fewer KV heads than ranks) is written by the
-  first of them only and read by all.
+  2, 4 and 8 replicas of one model read what any of them wrote (where the
+  namespace leaves the TP size out: the config's ``share_across_tp``). A
+  head that several ranks hold (fewer KV heads than ranks) is written by
+  the first of them only and read by all.
 - ``replicated``: every rank holds the same page (MLA's latent KV): one
   shard, written by rank 0, read by every rank.
 - ``ranks``: the page's heads cannot be cut (a layout s3kv does not know,
@@ -47,9 +48,9 @@ class Slicing:
     """``heads``: KV heads in each shard; 0 otherwise."""
 
     @property
-    def shared(self) -> bool:
-        """Do replicas of every TP size read one another's shards (the namespace has no TP size)?"""
-        return self.mode != RANKS
+    def per_rank(self) -> bool:
+        """One shard per rank (heads not cut, nothing stored once): the namespace must keep its TP size."""
+        return self.mode == RANKS
 
     def field(self) -> dict[str, Any] | None:
         """The namespace field ``kv_shards`` (None in ``ranks`` mode: those

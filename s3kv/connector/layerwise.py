@@ -24,19 +24,28 @@ class LayerwiseLoad:
     layers are copied in the model's order (:attr:`PageIO.order`), layer
     i+1 while layer i computes. A layer's copies are every chunk's frame of
     it: each chunk is one group's part, its frames held in a slot
-    (``chunks``: (the chunk, the slot's frames)), and a layer takes the
+    (``chunks``: (the chunk, the slot's frames); ``heads``: each one's
+    shard of the KV heads, where cut), and a layer takes the
     frame its group gives it, pages ``first_block..last_block``; padding
     frames are not copied. On the CPU platform a thread does the copies; on
     a device, the side stream, with one event per layer."""
 
-    def __init__(self, pages: PageIO, chunks: Sequence[tuple[LoadChunk, Sequence[np.ndarray]]]) -> None:
+    def __init__(
+        self,
+        pages: PageIO,
+        chunks: Sequence[tuple[LoadChunk, Sequence[np.ndarray]]],
+        heads: Sequence[tuple[int, int] | None] | None = None,
+    ) -> None:
         self.pages = pages
         self.error: BaseException | None = None
-        self._copies: list[list[tuple[LoadChunk, np.ndarray]]] = [[] for _ in pages.layers]
-        """Layer -> (chunk, its frame of the layer)."""
-        for chunk, frames in chunks:
+        self._copies: list[list[tuple[LoadChunk, np.ndarray, tuple[int, int] | None]]] = [
+            [] for _ in pages.layers
+        ]
+        """Layer -> (chunk, its frame of the layer, the shard's KV heads in it)."""
+        for i, (chunk, frames) in enumerate(chunks):
+            shard = heads[i] if heads is not None else None
             for f, layer in enumerate(pages.layers_of(chunk.group)):
-                self._copies[layer].append((chunk, frames[f]))
+                self._copies[layer].append((chunk, frames[f], shard))
         self._events: list = [None] * len(pages.layers)
         self._started = time.perf_counter()
         self._finished: float | None = None
@@ -57,8 +66,8 @@ class LayerwiseLoad:
             self._thread.start()
 
     def _copy_layer(self, i: int) -> None:
-        for chunk, frame in self._copies[i]:
-            self.pages.write(i, chunk.block_ids, chunk.first_block, chunk.last_block, frame)
+        for chunk, frame, heads in self._copies[i]:
+            self.pages.write(i, chunk.block_ids, chunk.first_block, chunk.last_block, frame, heads=heads)
 
     def _run(self) -> None:
         unbind_thread()
@@ -82,7 +91,7 @@ class LayerwiseLoad:
     @property
     def nbytes(self) -> int:
         """Bytes the copies read out of the host (every chunk's frames of layers)."""
-        return sum(frame.nbytes for copies in self._copies for _, frame in copies)
+        return sum(frame.nbytes for copies in self._copies for _, frame, _ in copies)
 
     def elapsed_s(self) -> float | None:
         """How long the copies took, once :meth:`wait_all` returned (they

@@ -18,9 +18,10 @@ from s3kv.errors import ConfigError
 from s3kv.identity import ModelSource, canonical_config
 from s3kv.keys import Namespace
 from s3kv.kvgroups import CHUNKED, FULL, MAMBA, SLIDING, GroupLayout, KVGroup
-from s3kv.shards import ShardRole, Slicing
+from s3kv.shards import HEADS, ShardRole, Slicing, choose
 from s3kv.shards import ranks as rank_slicing
 from s3kv.shards import roles as shard_roles
+from s3kv.shards import writers as shard_writers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,6 +48,20 @@ class EngineLayout:
     """How each part is cut into shards (None: one per rank)."""
     total_kv_heads: int | None = None
     """The model's KV heads (all ranks'), where its pages are KV heads."""
+    head_axis: int | None = None
+    """The axis of the KV heads in every layer's KV cache tensor, where parts are cut by head."""
+
+    @property
+    def local_kv_heads(self) -> int | None:
+        """KV heads in each rank's pages, where parts are cut by head."""
+        if self.total_kv_heads is None:
+            return None
+        return max(1, self.total_kv_heads // self.world_size)
+
+    @property
+    def writers(self) -> list[int]:
+        """The ranks that write a shard to the shared tiers (and publish what they stored)."""
+        return shard_writers(self.slicing, self.world_size, self.total_kv_heads)
 
     @property
     def slicing(self) -> Slicing:
@@ -179,6 +194,51 @@ def _group_fields(kv_cache_config: Any, layout: GroupLayout) -> list[dict[str, A
     return out
 
 
+_SLICED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")
+"""Attention kinds whose pages are KV heads (MLA's latent is one shared page; Mamba state is no heads)."""
+
+
+def _slicing(
+    vllm_config: Any, kv_cache_config: Any, platform: str, across_tp: bool
+) -> tuple[Slicing, int | None, int | None]:
+    """How this engine's parts are cut into shards, the model's KV heads
+    and the head axis of its KV cache tensors (:mod:`s3kv.shards`): cut by
+    head where replicas of every TP size share (``across_tp``) or ranks
+    hold the same heads (fewer KV heads than ranks: each written once).
+
+    Cut by head only where a head's bytes are the same whatever the TP
+    size: vLLM's CPU attention pages are ``[blocks, heads, block_size,
+    2*head_size]`` (the ISA kernel lays out each head's block; the ISA is in
+    the namespace), so a head is a run of bytes per block. MLA's latent KV
+    is the same on every rank: one shard. Anything else (a device's
+    layout, Mamba state, context parallelism, per-token-head scales) stays
+    one shard per rank."""
+    parallel = vllm_config.parallel_config
+    tp = int(parallel.tensor_parallel_size)
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    if (
+        int(getattr(parallel, "decode_context_parallel_size", 1)) > 1
+        or int(getattr(parallel, "prefill_context_parallel_size", 1) or 1) > 1
+    ):
+        return rank_slicing(tp), None, None
+    if any(getattr(getattr(spec, "kv_quant_mode", None), "is_per_token_head", False) for spec in specs):
+        return rank_slicing(tp), None, None
+    if all(type(spec).__name__ == "MLAAttentionSpec" for spec in specs):
+        return choose(total_heads=1, tp_size=tp, replicated=True, sliceable=False), None, None
+    heads = {getattr(spec, "num_kv_heads", None) for spec in specs}
+    total = int(vllm_config.model_config.get_total_num_kv_heads())
+    sliceable = (
+        platform == "cpu"
+        and all(type(spec).__name__ in _SLICED_SPECS for spec in specs)
+        and heads == {max(1, total // tp)}
+        and len({spec.head_size for spec in specs}) == 1
+    )
+    cut = choose(total_heads=total, tp_size=tp, replicated=False, sliceable=sliceable)
+    if cut.mode != HEADS or not (across_tp or total < tp):  # within one TP size a rank's heads are one shard
+        return rank_slicing(tp), None, None
+    return cut, total, 1
+
+
 def _cpu_attention_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -267,6 +327,20 @@ def engine_layout(
     }
     if kv_groups is not None:  # absent for one full-attention group: those namespaces are unchanged
         fields["kv_groups"] = _group_fields(kv_cache_config, kv_groups)
+    cut, total_heads, head_axis = _slicing(
+        vllm_config, kv_cache_config, str(current_platform.device_type), config.share_across_tp
+    )
+    if not cut.per_rank:  # pages are one shard's; without a TP size, every TP size reads these shards
+        if config.share_across_tp:
+            del fields["tp_size"]
+        fields["kv_shards"] = cut.field()
+        if cut.mode == HEADS:
+            assert total_heads is not None
+            local = max(1, total_heads // int(parallel.tensor_parallel_size))
+            shard_page = int(spec.page_size_bytes) // local * cut.heads_per_shard
+            fields.update(num_kv_heads=total_heads, page_size_bytes=shard_page)
+            for group in fields.get("kv_groups", ()):
+                group.update(num_kv_heads=total_heads, page_size_bytes=shard_page)
     if current_platform.device_type == "cpu":
         fields["cpu_attention_isa"] = _cpu_attention_isa(
             getattr(spec, "dtype", model.dtype),
@@ -288,4 +362,7 @@ def engine_layout(
         world_size=int(parallel.tensor_parallel_size),
         page_size_bytes=int(spec.page_size_bytes),
         groups=kv_groups,
+        cut=cut,
+        total_kv_heads=total_heads,
+        head_axis=head_axis,
     )

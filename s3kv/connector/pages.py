@@ -15,6 +15,7 @@ One small interface, two implementations:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
@@ -61,7 +62,9 @@ def _along(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
 class LayerPages:
     """One layer's KV tensor seen as uint8, with its block axis."""
 
-    def __init__(self, name: str, tensor: torch.Tensor, num_blocks: int) -> None:
+    def __init__(
+        self, name: str, tensor: torch.Tensor, num_blocks: int, head_axis: int | None = None
+    ) -> None:
         if tensor.stride(-1) != 1:
             raise ConfigError(f"{name}: KV cache tensor's last axis is not contiguous")
         u8 = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
@@ -87,6 +90,26 @@ class LayerPages:
         self.u8 = u8
         self.dtype = str(tensor.dtype).removeprefix("torch.")
         self.itemsize = tensor.element_size()
+        self.head_axis = head_axis
+        """The axis of the layer's KV heads (None: heads are not cut)."""
+        if head_axis is not None and not (head_axis != self.axis and 0 <= head_axis < u8.dim() - 1):
+            raise ConfigError(f"{name}: KV heads on axis {head_axis} of KV cache shape {tuple(tensor.shape)}")
+
+    @property
+    def num_heads(self) -> int | None:
+        """The rank's KV heads in a page (None: heads are not cut)."""
+        return None if self.head_axis is None else int(self.u8.shape[self.head_axis])
+
+    def heads(self, a: Any, heads: tuple[int, int] | None) -> Any:
+        """``a`` (the layer's pages, or a frame of them: numpy or torch) cut
+        to the KV heads ``heads`` along the head axis; ``a`` itself for None."""
+        if heads is None:
+            return a
+        assert self.head_axis is not None, "a layer whose heads are not cut"
+        first, n = heads
+        if isinstance(a, torch.Tensor):
+            return a.narrow(self.head_axis, first, n)
+        return _along(a, self.head_axis, first, first + n)
 
     @cached_property
     def outer(self) -> list[tuple[int, ...]]:
@@ -109,9 +132,13 @@ class LayerPages:
             planes.append(plane.reshape(plane.shape[0], -1))
         return planes
 
-    def shape_for(self, n_blocks: int) -> tuple[int, ...]:
+    def shape_for(self, n_blocks: int, heads: tuple[int, int] | None = None) -> tuple[int, ...]:
+        """The shape of ``n_blocks`` of the layer's pages (of ``heads`` only, where given)."""
         shape = list(self.u8.shape)
         shape[self.axis] = n_blocks
+        if heads is not None:
+            assert self.head_axis is not None, "a layer whose heads are not cut"
+            shape[self.head_axis] = heads[1]
         return tuple(shape)
 
 
@@ -134,11 +161,12 @@ class PageIO:
         layer_names: Sequence[str],
         num_blocks: int,
         groups: GroupLayout | None = None,
+        head_axis: int | None = None,
     ) -> None:
         missing = [n for n in layer_names if n not in kv_caches]
         if missing:
             raise ConfigError(f"KV caches of layers {missing[:3]} were not registered")
-        self.layers = [LayerPages(n, kv_caches[n], num_blocks) for n in layer_names]
+        self.layers = [LayerPages(n, kv_caches[n], num_blocks, head_axis) for n in layer_names]
         self.index_of = {n: i for i, n in enumerate(layer_names)}
         self.group_layers: list[tuple[int, ...]] = (
             [g.layers for g in groups.groups] if groups is not None else [tuple(range(len(self.layers)))]
@@ -199,16 +227,24 @@ class PageIO:
         layers = self.layers_of(group)
         return layers[frame] if frame < len(layers) else None
 
-    def read_into(self, layer_index: int, block_ids: Sequence[int], out: np.ndarray, first: int = 0) -> None:
+    def read_into(
+        self,
+        layer_index: int,
+        block_ids: Sequence[int],
+        out: np.ndarray,
+        first: int = 0,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
         """Copy the pages of ``block_ids[first:]`` of one layer into ``out``
         (host, uint8, the size of all of ``block_ids``' pages), and zeros in
         place of the pages before ``first`` (blocks vLLM may have freed: never
-        read). Call after the forward wrote them."""
+        read). Call after the forward wrote them. ``heads``: only those KV
+        heads (first local head, heads) of each page, a shard's."""
         layer = self.layers[layer_index]
         n = len(block_ids)
         if self._stream is None:
-            src = layer.u8.numpy()
-            frame = out.reshape(layer.shape_for(n))
+            src = layer.heads(layer.u8.numpy(), heads)
+            frame = out.reshape(layer.shape_for(n, heads))
             _along(frame, layer.axis, 0, first).fill(0)
             for i, j in _runs(block_ids, first, n):
                 np.copyto(
@@ -218,16 +254,20 @@ class PageIO:
             if layer.real_bytes is not None:  # a padded page's tail is not the layer's: zeros
                 frame[:, layer.real_bytes :] = 0
             return
-        dst = torch.from_numpy(out).view(layer.shape_for(n))
+        dst = torch.from_numpy(out).view(layer.shape_for(n, heads))
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             if first:  # the frame is made on the device, to cross in one copy
-                pages = torch.zeros(layer.shape_for(n), dtype=torch.uint8, device=self.device)
+                pages = torch.zeros(layer.shape_for(n, heads), dtype=torch.uint8, device=self.device)
                 if first < n:
-                    got = layer.u8.index_select(layer.axis, self._index(block_ids[first:]))
+                    got = layer.heads(
+                        layer.u8.index_select(layer.axis, self._index(block_ids[first:])), heads
+                    )
                     pages.narrow(layer.axis, first, n - first).copy_(got)
             else:
-                pages = layer.u8.index_select(layer.axis, self._index(block_ids))
+                pages = layer.heads(layer.u8.index_select(layer.axis, self._index(block_ids)), heads)
+                if heads is not None:
+                    pages = pages.contiguous()
             if layer.real_bytes is not None:
                 pages[:, layer.real_bytes :] = 0
             dst.copy_(pages, non_blocking=True)
@@ -240,10 +280,12 @@ class PageIO:
         last: int,
         *,
         after: object | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> PageTarget | None:
         """Where a chunk's layer frame (all of the chunk's pages, as
-        :meth:`write` takes them) can be read or decoded straight into, for
-        pages ``first..last`` going to ``block_ids[first:last]``.
+        :meth:`write` takes them; of ``heads`` only, where given) can be read
+        or decoded straight into, for pages ``first..last`` going to
+        ``block_ids[first:last]``.
 
         On the host: the pages themselves, one buffer per run of consecutive
         blocks and index of the axes before the block axis (K and V), the
@@ -251,18 +293,20 @@ class PageIO:
         are not contiguous (then :meth:`write` copies). On a device: a pinned
         staging buffer of the frame's size, made for this target alone
         (:attr:`PageTarget.private`), whose commit copies its runs into the
-        pages on the side stream (after ``after``)."""
+        pages on the side stream (after ``after``). A shard's heads of a
+        page are not one run of bytes on the host: then None too."""
         layer = self.layers[layer_index]
         n = len(block_ids)
         if self._stream is not None:
-            staging = torch.empty(layer.page_bytes * n, dtype=torch.uint8, pin_memory=True)
+            nbytes = math.prod(layer.shape_for(n, heads))
+            staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             return PageTarget(
                 [staging.numpy()],  # keeps ``staging`` alive while a reader holds it
-                lambda: self._to_device(layer, block_ids, first, last, staging, after),
+                lambda: self._to_device(layer, block_ids, first, last, staging, after, heads),
                 private=True,
             )
         planes = layer.planes
-        if planes is None:
+        if planes is None or (heads is not None and heads[1] != layer.num_heads):
             return None
         block_bytes = planes[0].shape[1]
         runs = _runs(block_ids, first, last)
@@ -284,6 +328,7 @@ class PageIO:
         last: int,
         staging: torch.Tensor,
         after: object | None,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         """Copy pages ``first..last`` of a chunk's layer from pinned
         ``staging`` into ``block_ids[first:last]`` on the side stream, after
@@ -298,18 +343,20 @@ class PageIO:
         with torch.cuda.stream(self._stream):
             if after is not None:
                 self._stream.wait_event(after)
-            frame = staging.to(self.device, non_blocking=True).view(layer.shape_for(len(block_ids)))
+            frame = staging.to(self.device, non_blocking=True).view(layer.shape_for(len(block_ids), heads))
             pages = frame.narrow(layer.axis, first, last - first)
+            dst = layer.heads(layer.u8, heads)
             if len(runs) == 1:
-                layer.u8.narrow(layer.axis, block_ids[first], last - first).copy_(pages)
+                dst.narrow(layer.axis, block_ids[first], last - first).copy_(pages)
             else:
-                layer.u8.index_copy_(layer.axis, self._index(block_ids[first:last]), pages)
+                dst.index_copy_(layer.axis, self._index(block_ids[first:last]), pages)
 
-    def load_pages(self, after: object | None) -> LoadPages:
+    def load_pages(self, after: object | None, heads: tuple[int, int] | None = None) -> LoadPages:
         """The pages this step's background loads write (the transfer
         engine's :class:`~s3kv.tiering.worker.gate.PageSink`), after the
-        forward work marked by ``after`` (:meth:`forward_mark`)."""
-        return LoadPages(self, after)
+        forward work marked by ``after`` (:meth:`forward_mark`); of one
+        shard's ``heads`` only, where given."""
+        return LoadPages(self, after, heads)
 
     def forward_mark(self) -> object | None:
         """A point on the forward's stream that later :meth:`write` calls
@@ -329,19 +376,20 @@ class PageIO:
         data: np.ndarray,
         *,
         after: object | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         """Write pages ``first..last`` of a chunk's layer (``data`` holds all of
-        the chunk's pages) into ``block_ids[first:last]``, after the forward
-        work marked by ``after`` (:meth:`forward_mark`). Thread-safe for
-        distinct blocks."""
+        the chunk's pages; of ``heads`` only, where given) into
+        ``block_ids[first:last]``, after the forward work marked by ``after``
+        (:meth:`forward_mark`). Thread-safe for distinct blocks."""
         layer = self.layers[layer_index]
         n = len(block_ids)
         if self._stream is None:
             # numpy, one copy per run of consecutive blocks: torch's uint8
             # index_copy_ is slow on the CPU and starts OpenMP work from
             # every codec thread, which collapses on a busy CPU.
-            dst = layer.u8.numpy()
-            pages = np.asarray(data).reshape(layer.shape_for(n))
+            dst = layer.heads(layer.u8.numpy(), heads)
+            pages = np.asarray(data).reshape(layer.shape_for(n, heads))
             for i, j in _runs(block_ids, first, last):
                 np.copyto(
                     _along(dst, layer.axis, block_ids[i], block_ids[i] + j - i),
@@ -353,7 +401,7 @@ class PageIO:
         src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
         if not src.is_pinned():
             src = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True).copy_(src)
-        self._to_device(layer, block_ids, first, last, src, after)
+        self._to_device(layer, block_ids, first, last, src, after, heads)
 
     def fence(self) -> Callable[[], None]:
         """Order the forward's later work after every copy issued so far, and
@@ -381,20 +429,32 @@ class LoadPages:
     ``first_block..last_block`` to their blocks, by :meth:`PageIO.write` or
     :meth:`PageIO.target`, after ``after``; padding frames to none."""
 
-    def __init__(self, io: PageIO, after: object | None) -> None:
+    def __init__(self, io: PageIO, after: object | None, heads: tuple[int, int] | None = None) -> None:
         self.io = io
         self.after = after
+        self.heads = heads
+        """The KV heads of the shard these loads bring (None: whole pages)."""
 
     def write(self, chunk: LoadChunk, frame: int, data: np.ndarray) -> None:
         layer = self.io.layer_of(chunk.group, frame)
         if layer is not None:  # a padding frame goes nowhere
-            self.io.write(layer, chunk.block_ids, chunk.first_block, chunk.last_block, data, after=self.after)
+            self.io.write(
+                layer,
+                chunk.block_ids,
+                chunk.first_block,
+                chunk.last_block,
+                data,
+                after=self.after,
+                heads=self.heads,
+            )
 
     def target(self, chunk: LoadChunk, frame: int) -> PageTarget | None:
         layer = self.io.layer_of(chunk.group, frame)
         if layer is None:  # read into scratch, then write() drops it
             return None
-        return self.io.target(layer, chunk.block_ids, chunk.first_block, chunk.last_block, after=self.after)
+        return self.io.target(
+            layer, chunk.block_ids, chunk.first_block, chunk.last_block, after=self.after, heads=self.heads
+        )
 
 
 class StepClock:

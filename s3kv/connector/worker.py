@@ -11,11 +11,18 @@ With several KV cache groups each load and store is one group's part of a
 chunk: its frames are that group's layers (:class:`PageIO` maps them), its
 block ids that group's, and every part has as many frames as the largest
 group has layers (padding frames are stored as zeros and never loaded).
+
+Where a part is cut into shards by KV head (:mod:`s3kv.shards`), a rank
+holds several: one transfer engine moves each (siblings on one loop), each
+with the shard's CPU slots, its heads of every page, and its objects; their
+reports are combined into the rank's (:class:`ShardReports`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from s3kv.auth import FleetKeys
@@ -26,14 +33,16 @@ from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.connector.pages import PageIO
 from s3kv.errors import ConfigError
-from s3kv.manifest.publish import ShardPublisher
+from s3kv.manifest.publish import Published, ShardPublisher
+from s3kv.shards import ShardRole
 from s3kv.stats import Counters
 from s3kv.stores.factory import make_store
-from s3kv.tiering.plan import LoadChunk, StoreChunk, TierReport
+from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
 from s3kv.tiering.worker.hostpool import HostPool, slots_for
 from s3kv.tiering.worker.publisher import start_publisher
 from s3kv.tiering.worker.refusal import Refusal
 from s3kv.tiering.worker.sending import FinishedSending
+from s3kv.tiering.worker.shard_reports import PublishedShards, ShardReports
 from s3kv.tiering.worker.steps import StepTimer
 from s3kv.tiering.worker.stores import StoreJob
 from s3kv.tiering.worker.sync_loads import SyncLoads
@@ -43,16 +52,32 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from s3kv.frame_sinks import PageTarget  # noqa: F401
+
 log = logging.getLogger("s3kv.worker")
 
 
 class _StepStores:
-    """This step's stores and the host buffers their pages go to."""
+    """This step's stores and the host buffers their pages go to (each shard's frames)."""
 
-    def __init__(self, meta: S3KVMetadata, buffers: list[tuple[StoreChunk, list[np.ndarray]]]) -> None:
+    def __init__(self, meta: S3KVMetadata, buffers: list[tuple[StoreChunk, list[list[np.ndarray]]]]) -> None:
         self.meta = meta
         self.buffers = buffers
         self.copied: set[int] = set()
+
+
+class _Shard:
+    """One shard this rank holds: its role, its engine, and its CPU slots."""
+
+    def __init__(self, role: ShardRole, engine: TransferEngine) -> None:
+        self.role = role
+        self.engine = engine
+        self.pool: HostPool | None = None
+
+    @property
+    def heads(self) -> tuple[int, int] | None:
+        """Its KV heads in the rank's pages (None: whole pages)."""
+        return (self.role.head_offset, self.role.heads) if self.role.heads else None
 
 
 class WorkerSide:
@@ -70,14 +95,30 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.keys = keys
         self.counters = Counters(f"rank{rank}")
-        self.engine = TransferEngine(
+        roles = layout.roles(rank)
+        # Every object, CPU slot and NVMe file holds one group's part: frames, not layers.
+        base = EngineSettings.from_config(config, rank=rank, num_layers=layout.kv_groups.frames, keys=keys)
+
+        def settings(i: int, role: ShardRole) -> EngineSettings:
+            return dataclasses.replace(
+                base,
+                rank=role.index,
+                writes=role.writer,
+                observes=rank == 0 and i == 0,
+                threads=max(1, base.threads // len(roles)),
+            )
+
+        first = TransferEngine(
             make_store(config, self.counters) if config.uses_s3 else None,
-            # Every object, CPU slot and NVMe file holds one group's part: frames, not layers.
-            EngineSettings.from_config(config, rank=rank, num_layers=layout.kv_groups.frames, keys=keys),
+            settings(0, roles[0]),
             self.counters,
         )
+        self.shards = [_Shard(roles[0], first)] + [
+            _Shard(role, first.sibling(settings(i, role))) for i, role in enumerate(roles) if i
+        ]
+        """The shards this rank holds (one, unless parts are cut by KV head)."""
+        self._combined = ShardReports(len(self.shards))
         self.pages: PageIO | None = None
-        self.pool: HostPool | None = None
         self._pool_tensor: torch.Tensor | None = None
         self._sync: LayerwiseLoad | None = None
         self._sync_loads = SyncLoads(rank, self.counters)
@@ -96,8 +137,24 @@ class WorkerSide:
         self._steps = StepTimer()
         """Rank 0: the forwards timed, for the scheduler side's cost model."""
 
+    @property
+    def engine(self) -> TransferEngine:
+        """The engine of this rank's first shard (the one with the loop, the store and the publisher)."""
+        return self.shards[0].engine
+
+    @property
+    def pool(self) -> HostPool | None:
+        """The CPU slots of this rank's first shard."""
+        return self.shards[0].pool
+
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.pages = PageIO(kv_caches, self.layout.layer_names, self.num_blocks, self.layout.kv_groups)
+        self.pages = PageIO(
+            kv_caches,
+            self.layout.layer_names,
+            self.num_blocks,
+            self.layout.kv_groups,
+            head_axis=self.layout.head_axis,
+        )
         first = self.pages.layers[0]
         expected = self.layout.page_size_bytes
         if expected and any(layer.page_bytes != expected for layer in self.pages.layers):
@@ -105,25 +162,38 @@ class WorkerSide:
                 f"KV cache pages are {first.page_bytes} bytes a block, vLLM's spec says {expected}: "
                 "this attention backend's layout is not supported"
             )
+        local = self.layout.local_kv_heads
+        if self.layout.head_axis is not None and any(layer.num_heads != local for layer in self.pages.layers):
+            raise ConfigError(
+                f"KV cache shape {tuple(first.u8.shape)} does not hold this rank's {local} KV heads on "
+                f"axis {self.layout.head_axis}: this attention backend's layout cannot be cut by head"
+            )
         bpc = self.config.chunk_tokens // self.layout.block_size
-        layer_bytes = bpc * first.page_bytes
         frames = self.pages.frames
-        num_slots = slots_for(self.config.cpu_bytes, layer_bytes * frames)
+        shards = self.shards
+        shapes = [first.shape_for(bpc, shard.heads) for shard in shards]
+        layer_bytes = [math.prod(shape) for shape in shapes]
+        num_slots = slots_for(self.config.cpu_bytes, sum(layer_bytes) * frames)
         if num_slots:
             self._pool_tensor = self.pages.host_buffer(
-                num_slots * layer_bytes * frames, pinned=True, resident=True
+                num_slots * sum(layer_bytes) * frames, pinned=True, resident=True
             )
-            self.pool = HostPool(num_slots, layer_bytes, frames, buffer=self._pool_tensor.numpy())
-        self.engine.configure(
-            PageFormat(
-                dtype=first.dtype,
-                itemsize=first.itemsize,
-                page_shape=first.shape_for(bpc),
-                tokens=self.config.chunk_tokens,
-                layer_bytes=layer_bytes,
-            ),
-            self.pool,
-        )
+            buffer, at = self._pool_tensor.numpy(), 0
+            for shard, nbytes in zip(shards, layer_bytes, strict=True):
+                size = num_slots * nbytes * frames
+                shard.pool = HostPool(num_slots, nbytes, frames, buffer=buffer[at : at + size])
+                at += size
+        for shard, shape, nbytes in zip(shards, shapes, layer_bytes, strict=True):
+            shard.engine.configure(
+                PageFormat(
+                    dtype=first.dtype,
+                    itemsize=first.itemsize,
+                    page_shape=shape,
+                    tokens=self.config.chunk_tokens,
+                    layer_bytes=nbytes,
+                ),
+                shard.pool,
+            )
 
     def bind(self, meta: S3KVMetadata) -> None:
         """A step's plans: the first that names the namespace sets it (the
@@ -139,19 +209,25 @@ class WorkerSide:
                 if refusal is not None:
                     self.refusal = refusal
                     self.counters.add("key_mismatch")
-            if self.publisher is None and meta.writer is not None:
+            writers = self.layout.writers
+            if self.publisher is None and meta.writer is not None and self.rank in writers:
                 self.publisher = start_publisher(
                     self.engine,
                     self.config,
                     namespace,
                     meta.writer,
-                    rank=self.rank,
-                    ranks=self.layout.world_size,
+                    rank=writers.index(self.rank),
+                    ranks=len(writers),
+                    shards=[shard.role.index for shard in self.shards],
                     counters=self.counters,
                 )
                 fresh = fresh or self.publisher is not None
             if fresh:  # the handlers are built for it, S3's with the publisher it tells of its PUTs
-                self.engine.set_namespace(namespace, self.publisher)
+                published: Published | None = self.publisher
+                if published is not None and len(self.shards) > 1:  # a chunk once all its shards are
+                    published = PublishedShards(published, len(self.shards))
+                for shard in self.shards:
+                    shard.engine.set_namespace(namespace, published)
         if self.publisher is not None and meta.clock_ms:
             self.publisher.observe(meta.clock_ms)
 
@@ -171,37 +247,47 @@ class WorkerSide:
             self._failed_loads.update(plan.req_id for plan in meta.loads if not plan.sync)
             return
         for plan in meta.prefetch:
-            self.engine.submit_prefetch(plan.chunks)
+            for shard in self.shards:
+                shard.engine.submit_prefetch(plan.chunks)
         pages = self.pages
         # Async writes wait for the forward's use of the blocks (a device event: only when needed).
         after = pages.forward_mark() if any(not plan.sync for plan in meta.loads) else None
-        into = pages.load_pages(after)
+        into = [pages.load_pages(after, shard.heads) for shard in self.shards]
 
         sync: list[tuple[LoadChunk, list[np.ndarray]]] = []
+        heads: list[tuple[int, int] | None] = []
         self._sync_loads.start()
         for plan in meta.loads:
             if plan.failed:  # parts no tier holds: vLLM recomputes from there
                 self._load_errors.update(plan.failed)
                 self._failed_loads.add(plan.req_id)
             if not plan.sync:
-                self.engine.submit_load(plan.req_id, plan.chunks, into)
+                for shard, sink in zip(self.shards, into, strict=True):
+                    shard.engine.submit_load(plan.req_id, plan.chunks, sink)
                 continue
             self._sync_loads.reqs.append(plan.req_id)
             for c in plan.chunks:
                 src = c.sources[0]  # a synchronous load reads a tier that holds pages (a CPU slot)
-                tier = self.engine.page_tier(src)
-                views = tier.pages(src, c.key) if tier is not None else None
-                if views is None:
+                held = [self._slot_pages(shard, src, c.key) for shard in self.shards]
+                if any(views is None for views in held):
                     log.warning(
                         "s3kv: %s slot %s does not hold chunk %s", src.tier.value, src.slot, c.key.hex()
                     )
                     self._load_errors.update(c.write_ids)
                     self._report.missing.add((src.tier, c.key))
                     continue
-                sync.append((c, views))
+                for shard, views in zip(self.shards, held, strict=True):
+                    sync.append((c, views))  # type: ignore[arg-type]
+                    heads.append(shard.heads)
                 self._sync_loads.chunks.append(c)
         if sync:
-            self._sync = LayerwiseLoad(pages, sync)
+            self._sync = LayerwiseLoad(pages, sync, heads)
+
+    @staticmethod
+    def _slot_pages(shard: _Shard, src: Place, key: bytes) -> list[np.ndarray] | None:
+        """``shard``'s frames of ``key`` in the tier at ``src`` that holds pages; None if not there."""
+        tier = shard.engine.page_tier(src)
+        return tier.pages(src, key) if tier is not None else None
 
     def wait_for_layer(self, layer_name: str) -> None:
         if self._sync is not None and self.pages is not None:
@@ -227,26 +313,35 @@ class WorkerSide:
         self._stores = None
         if not meta.stores or self.pages is None or self.refusal is not None:
             return None
-        frames = self.pages.frames
         buffers = []
         for s in meta.stores:
-            group = self.pages.layers_of(s.group)
-            place = next((p for p in s.targets if self.engine.takes_pages(p)), None)
-            tier = self.engine.page_tier(place) if place is not None else None
-            if tier is not None and place is not None and place.slot is not None:  # copied into its slot
-                bufs = tier.stage(place)
-            else:
-                nbytes = len(s.block_ids) * self.pages.layers[0].page_bytes
-                if not self.engine.accepts(nbytes * frames):
-                    self.engine.drop(s)  # over the byte budget: not even copied
-                    continue
-                flat = self.pages.host_buffer(nbytes * frames, pinned=True).numpy()
-                bufs = [flat[i * nbytes : (i + 1) * nbytes] for i in range(frames)]
-            for pad in bufs[len(group) :]:  # frames past the group's layers: zeros (a slot held others)
-                pad.fill(0)
+            bufs = [self._store_buffers(shard, s) for shard in self.shards]
+            if any(b is None for b in bufs):  # over the byte budget: not even copied
+                for shard in self.shards:
+                    shard.engine.drop(s)
+                continue
             buffers.append((s, bufs))
-        self._stores = _StepStores(meta, buffers)
+        self._stores = _StepStores(meta, buffers)  # type: ignore[arg-type]
         return self._stores
+
+    def _store_buffers(self, shard: _Shard, s: StoreChunk) -> list[np.ndarray] | None:
+        """Where ``shard``'s frames of the store ``s`` are copied: its CPU
+        slot, or private host memory (None: over the byte budget)."""
+        assert self.pages is not None
+        engine, frames = shard.engine, self.pages.frames
+        place = next((p for p in s.targets if engine.takes_pages(p)), None)
+        tier = engine.page_tier(place) if place is not None else None
+        if tier is not None and place is not None and place.slot is not None:  # copied into its slot
+            bufs = tier.stage(place)
+        else:
+            nbytes = math.prod(self.pages.layers[0].shape_for(len(s.block_ids), shard.heads))
+            if not engine.accepts(nbytes * frames):
+                return None
+            flat = self.pages.host_buffer(nbytes * frames, pinned=True).numpy()
+            bufs = [flat[i * nbytes : (i + 1) * nbytes] for i in range(frames)]
+        for pad in bufs[len(self.pages.layers_of(s.group)) :]:  # frames past the group's layers: zeros
+            pad.fill(0)
+        return bufs
 
     def save_layer(self, meta: S3KVMetadata, layer_name: str) -> None:
         """The forward has written this layer's KV for the step: copy it out."""
@@ -263,9 +358,10 @@ class WorkerSide:
         if layer in step.copied:
             return
         group, frame = self.pages.frame_of[layer]
-        for s, bufs in step.buffers:
+        for s, per_shard in step.buffers:
             if s.group == group:
-                self.pages.read_into(layer, s.block_ids, bufs[frame], s.first_block)
+                for shard, bufs in zip(self.shards, per_shard, strict=True):
+                    self.pages.read_into(layer, s.block_ids, bufs[frame], s.first_block, shard.heads)
         step.copied.add(layer)
 
     def save(self, meta: S3KVMetadata) -> None:
@@ -284,10 +380,11 @@ class WorkerSide:
             for i in range(len(self.pages.layers)):
                 self._copy_out(step, i)
             ready = self.pages.fence()
-            for s, bufs in step.buffers:
-                self.engine.submit_store(
-                    StoreJob(s.key, bufs, s.targets, ready if self.pages.on_device else None, s.pinned)
-                )
+            for s, per_shard in step.buffers:
+                for shard, bufs in zip(self.shards, per_shard, strict=True):
+                    shard.engine.submit_store(
+                        StoreJob(s.key, bufs, s.targets, ready if self.pages.on_device else None, s.pinned)
+                    )
             if meta.held:
                 ready()  # the blocks of finished requests go back to vLLM next
         self._stores = None
@@ -301,7 +398,7 @@ class WorkerSide:
 
     # -- reports -------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        polled = self.engine.poll()
+        polled = self._combined.combine([shard.engine.poll() for shard in self.shards])
         if polled.finished_loads and self.pages is not None:
             self.pages.synchronize()
         for req_id, failed in polled.finished_loads.items():
@@ -347,7 +444,11 @@ class WorkerSide:
         self._finish_sync_load()
         budget = self.config.shutdown_flush_s if budget_s is None else budget_s
         publisher = self.publisher
-        self.engine.close(budget, publisher.publish if publisher is not None else None)
+        self.engine.close(
+            budget, publisher.publish if publisher is not None else None
+        )  # the loop: every shard's
+        for shard in self.shards[1:]:
+            shard.engine.close()
         left = publisher.close() if publisher is not None else 0
         if left:
             self.counters.add("manifest_unpublished", left)
@@ -356,5 +457,6 @@ class WorkerSide:
                 "(the front end's journal replay, or else gc's compaction, publishes them)",
                 left,
             )
-        self.pool = None
+        for shard in self.shards:
+            shard.pool = None
         self._pool_tensor = None

@@ -130,7 +130,8 @@ def recorded_config(config: S3KVConfig, keys: FleetKeys | None) -> dict[str, Any
 class RankJournal:
     """One rank publisher's journal: ``{writer}.json`` (how to publish: the
     connector config as :func:`recorded_config` gives it, the manifest base,
-    rank and ranks; no secrets),
+    rank and ranks among the ranks that publish, the shards whose objects
+    it writes; no secrets),
     ``{writer}.fps`` (the fingerprints stored, appended) and ``{writer}.done``
     (how many of them are published, and the last stamp used)."""
 
@@ -258,16 +259,22 @@ async def _publish(
     keys = load_keys(config.auth_key_file)
     store = make_store(config)
 
+    shards = info.get("shards")
+    if not (isinstance(shards, list) and shards and all(type(n) is int and n >= 0 for n in shards)):
+        shards = [info["rank"]]  # a journal of a rank holding one shard, its own
+
     async def created(key: bytes) -> int | None:
-        """The fingerprint of ``key`` if its unanswered PUT left a sound object."""
-        name = object_key(config.prefix, info["namespace"], key, info["rank"])
-        try:
-            head = await read_chunk_head(store, name)
-            if head is None:
+        """The fingerprint of ``key`` if its unanswered PUTs left a sound
+        object of every shard the rank writes."""
+        for shard in shards:
+            name = object_key(config.prefix, info["namespace"], key, shard)
+            try:
+                head = await read_chunk_head(store, name)
+                if head is None:
+                    return None
+                check_chunk_head(name, head.data, head.size, keys)
+            except (NotFound, CorruptChunk):
                 return None
-            check_chunk_head(name, head.data, head.size, keys)
-        except (NotFound, CorruptChunk):
-            return None
         return fingerprint(key)
 
     async def publish() -> None:

@@ -132,12 +132,12 @@ def _complete(chunk: Chunk, shards: int | None) -> bool:
 def _held(chunk: Chunk | None, slicing: Slicing | None) -> Iterable[int]:
     """The ranks a rank segment's ``chunk`` counts as named by, from the
     listing: where each rank stores its own shard, those whose objects are
-    listed; in a namespace replicas of every TP size share, a shard is no
-    rank's (any replica may have written it): every rank once every shard
-    is listed, else none."""
+    listed; in a namespace cut into shards, a shard is no rank's (whichever
+    rank or replica wrote it): every rank once every shard is listed, else
+    none."""
     if chunk is None:
         return ()
-    if slicing is None or not slicing.shared:
+    if slicing is None or slicing.per_rank:
         return _shards(chunk)
     return range(MAX_RANKS) if _complete(chunk, slicing.shards) else ()
 

@@ -53,15 +53,17 @@ def summary(groups: Sequence[DescribedGroup]) -> str:
 def sharding(described: Described | None, tp_size: Any) -> str:
     """How a namespace's chunk keys are cut into objects, in a few words:
     ``tp2`` (an object a rank of TP ``tp_size``, the descriptor's field as
-    it reads), or for a namespace replicas of every TP size share ``tp any,
-    8 shards by head`` or ``tp any, 1 shard (replicated)``."""
+    it reads), or for a namespace cut into shards ``tp any, 8 shards by
+    head`` (replicas of every TP size share it), ``tp8, 1 shard
+    (replicated)``."""
     d = described
     if d is not None and d.shards_unread:
         return "kv_shards unread"
-    if d is None or d.slicing is None or not d.slicing.shared:
+    if d is None or d.slicing is None or d.slicing.per_rank:
         return f"tp{tp_size}"
     how = "(replicated)" if d.slicing.mode == REPLICATED else "by head"
-    return f"tp any, {_plural(d.slicing.shards, 'shard')} {how}"
+    tp = "tp any" if d.tp_size is None else f"tp{d.tp_size}"
+    return f"{tp}, {_plural(d.slicing.shards, 'shard')} {how}"
 
 
 def short_names(names: Sequence[str], shown: int = 3) -> str:

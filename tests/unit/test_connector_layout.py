@@ -32,6 +32,7 @@ def _configs(**over):
         hf_overrides={},
         quantization=None,
         quantization_config=None,
+        get_total_num_kv_heads=lambda: 2,
     )
     cache = SimpleNamespace(cache_dtype="auto", kv_cache_dtype_skip_layers=[])
     load = SimpleNamespace(load_format="auto", download_dir=None)

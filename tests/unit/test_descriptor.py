@@ -189,7 +189,7 @@ BY_HEAD = {"mode": "heads", "shards": 4, "heads_per_shard": 2}
 def test_a_shared_namespace_says_its_shards_and_the_pages_of_each():
     got = _parse({**SHARED, "kv_shards": BY_HEAD})
     assert got is not None and got.tp_size is None and not got.shards_unread
-    assert got.shards == 4 and got.slicing == Slicing(HEADS, 4, 2) and got.slicing.shared
+    assert got.shards == 4 and got.slicing == Slicing(HEADS, 4, 2) and not got.slicing.per_rank
     # page_size_bytes is one shard's page: each shard object holds num_layers frames of them.
     assert got.pages == ChunkPages(num_layers=24, tokens=256, layer_bytes=256 // 16 * 8192)
     mla = _parse({**SHARED, "kv_shards": {"mode": "replicated", "shards": 1, "heads_per_shard": 0}})
@@ -204,7 +204,7 @@ def test_a_shared_namespace_says_its_shards_and_the_pages_of_each():
 def test_without_kv_shards_a_part_is_one_object_a_rank():
     got = _parse(FIELDS)
     assert got is not None and got.shards == 2 and got.slicing == Slicing(RANKS, 2)
-    assert not got.slicing.shared and not got.shards_unread
+    assert got.slicing.per_rank and not got.shards_unread
     bare = _parse({k: v for k, v in FIELDS.items() if k != "tp_size"})  # neither said
     assert bare is not None and bare.shards is None and bare.slicing is None and not bare.shards_unread
 
@@ -246,8 +246,9 @@ def test_kv_shards_it_cannot_read_say_no_objects_and_no_pages(kv_shards):
     assert grouped is not None and grouped.groups is not None and grouped.shards is None
 
 
-def test_kv_shards_beside_a_tp_size_is_not_a_replicas():
-    """A shared namespace has no TP size: one with both does not say which its objects follow."""
+def test_kv_shards_beside_a_tp_size_is_a_cut_that_keeps_its_tp_size():
+    """Replicas that do not share across TP sizes (``share_across_tp`` off)
+    still store replicated KV once: kv_shards says the objects, tp_size stays."""
     got = _parse({**FIELDS, "kv_shards": BY_HEAD})
-    assert got is not None and got.shards_unread and got.shards is None and got.pages is None
-    assert got.tp_size == 2  # the rest of it still reads
+    assert got is not None and not got.shards_unread and got.tp_size == 2
+    assert got.slicing is not None and got.shards == BY_HEAD["shards"] and got.pages is not None

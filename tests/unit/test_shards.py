@@ -62,7 +62,7 @@ def test_fewer_heads_than_ranks_first_holder_writes():
 
 def test_replicated_one_shard_rank_zero_writes():
     s = choose(total_heads=1, tp_size=8, replicated=True, sliceable=False)
-    assert s.mode == REPLICATED and s.shards == 1 and s.shared
+    assert s.mode == REPLICATED and s.shards == 1 and not s.per_rank
     assert [roles(s, tp_size=8, rank=r) for r in (0, 5)] == [
         (ShardRole(0, writer=True),),
         (ShardRole(0, writer=False),),
@@ -75,7 +75,7 @@ def test_ranks_where_heads_cannot_be_cut():
         total_heads=None, tp_size=2, replicated=False, sliceable=True
     )
     s = choose(total_heads=8, tp_size=2, replicated=False, sliceable=False)
-    assert s.mode == RANKS and s.shards == 2 and not s.shared and s.field() is None
+    assert s.mode == RANKS and s.shards == 2 and s.per_rank and s.field() is None
     assert roles(s, tp_size=2, rank=1) == (ShardRole(1),)
     # a rank holding part of a slice could not write it whole: 16 heads (8 slices of 2) at TP 16
     assert choose(total_heads=16, tp_size=16, replicated=False, sliceable=True).mode == RANKS

@@ -29,6 +29,9 @@ class EngineSettings:
     prefix: str
     """The fleet's prefix in the bucket, where its chunks and manifest live."""
     rank: int
+    """The shard this engine moves (:class:`~s3kv.shards.ShardRole`): its
+    objects' ``r{rank}`` and their headers' rank; with one shard per rank
+    (the default cut), the rank itself."""
     num_layers: int
     codec: str = DEFAULTS.codec
     zstd_level: int = DEFAULTS.zstd_level
@@ -44,6 +47,17 @@ class EngineSettings:
     keys: FleetKeys | None = None
     """The fleet secret: sign what is stored, read only what is signed (on
     every tier: the chunk codec checks it)."""
+    writes: bool = True
+    """Writes its shard to the tiers that hold encoded objects (NVMe, S3);
+    False where another rank holds the same bytes and writes them: this
+    engine's writes there are that rank's, and count as done."""
+    observes: bool | None = None
+    """Times its loads for the cost model (one engine of the replica does;
+    None: the engine of rank 0)."""
+
+    @property
+    def timing(self) -> bool:
+        return self.observes if self.observes is not None else self.rank == 0
 
     @classmethod
     def from_config(

@@ -78,7 +78,7 @@ class Loads:
                 self._e.report.failed(promotion.place.tier, promotion.key, started=False)
             raise
         failed = [c for c, a in zip(chunks, attempts) if a is None]
-        if not failed and self._e.s.rank == 0:  # one observation per request, not per rank
+        if not failed and self._e.s.timing:  # one observation per request, not per rank
             took = clock() - start
             if job_id is not None:
                 self._e.counters.observe("request_load_seconds", took)
@@ -128,7 +128,9 @@ class Loads:
             self._e.report.written(p.tier, key)
             self._e.counters.add(f"promote_chunks_{p.tier.value}")
         for h, p in copies:
-            if blob is None or h is None:
+            if not self._e.s.writes:  # the rank that writes this shard promotes it
+                self._e.report.written(p.tier, key)
+            elif blob is None or h is None:
                 self._e.report.failed(p.tier, key)
             elif later is not None:
                 later.append(_Promotion(h, p, key, blob))

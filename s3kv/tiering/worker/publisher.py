@@ -28,6 +28,7 @@ def start_publisher(
     rank: int,
     ranks: int,
     counters: Counters,
+    shards: list[int] | None = None,
 ) -> ShardPublisher | None:
     """Rank ``rank``'s publisher (None without S3): it publishes the chunk
     objects this rank creates from ``engine``'s loop, as their PUTs return,
@@ -51,6 +52,7 @@ def start_publisher(
                     "namespace": namespace,
                     "rank": rank,
                     "ranks": ranks,
+                    "shards": shards if shards is not None else [rank],
                 },
             )
         except OSError as e:

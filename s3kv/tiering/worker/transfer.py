@@ -54,6 +54,8 @@ class TransferEngine:
         settings: EngineSettings,
         counters: Counters | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        loop: JobLoop | None = None,
     ) -> None:
         self.s3 = s3
         self.s = settings
@@ -65,13 +67,15 @@ class TransferEngine:
         drives them all with one fake clock)."""
         self.meter = LoadMeter(clock)
         """Times each load's chunks, tier by tier, for the cost model."""
-        self._loop = JobLoop("s3kv-transfer", settings.threads, clock)
+        self._owns_loop = loop is None
+        """False for a :meth:`sibling`: the loop, its threads and the store are the first engine's."""
+        self._loop = loop if loop is not None else JobLoop("s3kv-transfer", settings.threads, clock)
         self._loads = Loads(self, self._loop)
         self._stores = Stores(self, self._loop)
         self.report = RankReport()
         self.handlers: dict[Tier, TierHandler] = {}
         """The tiers this rank holds, nearest first (built once the namespace is known)."""
-        if s3 is not None:
+        if s3 is not None and self._owns_loop:
             self._loop.track(s3.open())  # connect before the first load
         self.namespace: str | None = settings.namespace
         self.codec: ChunkCodec | None = None
@@ -79,6 +83,12 @@ class TransferEngine:
         self._fmt: PageFormat | None = None
         self._published: Published | None = None
         """Who the handlers tell of their chunk PUTs (:meth:`set_namespace`)."""
+
+    def sibling(self, settings: EngineSettings) -> TransferEngine:
+        """An engine for another shard of this rank (``settings.rank``): on
+        this engine's loop and threads, with its store, counters and clock;
+        :meth:`close` of this engine ends both (close the sibling after it)."""
+        return TransferEngine(self.s3, settings, self.counters, self.clock, loop=self._loop)
 
     def configure(self, fmt: PageFormat, pool: HostPool | None = None) -> None:
         """The KV cache is known: loads must match ``fmt``, stores record it."""
@@ -162,6 +172,10 @@ class TransferEngine:
                 self.report.failed(p.tier, job.key)
         pages = [p for p in job.targets if p.tier in self.handlers and self.takes_pages(p)]
         encoded = [p for p in job.targets if p.tier in self.handlers and not self.takes_pages(p)]
+        if not self.s.writes:  # another rank writes the same bytes there: its write is ours
+            for p in encoded:
+                self.report.written(p.tier, job.key)
+            encoded = []
         nbytes = job.nbytes
         through = bool(encoded) and self._stores.reserve(nbytes)
         if not through:
@@ -198,7 +212,8 @@ class TransferEngine:
         PUT never completes: no incomplete object under a real name)."""
         if not self._stores.close():  # submit_store drops write-throughs from here
             return
-        self._loop.close(timeout_s, flush, self.s3.close if self.s3 is not None else None)
+        if self._owns_loop:
+            self._loop.close(timeout_s, flush, self.s3.close if self.s3 is not None else None)
         for h in self.handlers.values():
             h.close()
         self._pool = None
