@@ -279,7 +279,12 @@ def engine_layout(
     from vllm.platforms import current_platform
 
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise ConfigError("s3kv does not support pipeline parallelism yet (pipeline_parallel_size > 1)")
+        raise ConfigError(
+            "s3kv does not support pipeline parallelism yet (pipeline_parallel_size > 1): vLLM 0.32 "
+            "passes the connector through its stages, but s3kv's scheduler side sees only the first "
+            "stage's layers, and storing each stage's own layers is not built; serve with "
+            "pipeline_parallel_size 1, or without the s3kv KV connector"
+        )
     layer_names, kv_groups, spec = _groups(kv_cache_config)
     block_size = int(spec.block_size)
     model = vllm_config.model_config

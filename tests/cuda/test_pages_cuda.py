@@ -286,3 +286,50 @@ def test_a_state_layers_padded_pages_cross_whole_with_zeros_past_the_state():
     assert np.array_equal(after[11, :real], data[page : page + real])
     assert np.array_equal(after[12, :real], data[2 * page : 2 * page + real])
     assert np.array_equal(after[10], host[10])  # before ``first``: not written
+
+
+HEAD_LAYOUTS = [((BLOCKS, 4, 16, 128), 1), ((2, BLOCKS, 16, 4, 64), 3)]
+"""(shape, head axis): vLLM's CPU layout, and flash-attn's (K/V first, heads after tokens)."""
+
+
+@pytest.mark.parametrize("shape,head_axis", HEAD_LAYOUTS)
+def test_a_shards_heads_cross_alone_both_ways(shape, head_axis):
+    """A shard of KV heads (1..2 of 4) copied out of the device pages and
+    back into other blocks, through a write and through a pinned target:
+    exactly those heads move, the others' bytes are left as they were."""
+    rng = random.Random(7)
+    cache = torch.randn(shape, dtype=torch.float32, device="cuda").to(torch.bfloat16)
+    io = PageIO({"l0": cache}, ["l0"], BLOCKS, head_axis=head_axis)
+    layer = io.layers[0]
+    u8 = cache.view(torch.uint8)
+    for first, n in ((1, 2), (3, 1)):
+        src, dst = _ids(rng, 4), [60, 61, 62, 63]
+        heads = (first, n)
+        nbytes = int(np.prod(layer.shape_for(len(src), heads)))
+        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        io.read_into(0, src, out, heads=heads)
+        io.synchronize()
+        idx = torch.tensor(src, device="cuda")
+        want = u8.index_select(layer.axis, idx).narrow(head_axis, first, n).contiguous()
+        assert np.array_equal(out, want.cpu().numpy().reshape(-1))
+        before = u8.clone()
+        io.write(0, dst, 1, 4, out, heads=heads)  # pages 1..3 only
+        io.synchronize()
+        expect = before.clone()
+        got_pages = torch.from_numpy(out).cuda().view(layer.shape_for(len(src), heads))
+        expect.narrow(head_axis, first, n).index_copy_(
+            layer.axis, torch.tensor(dst[1:], device="cuda"), got_pages.narrow(layer.axis, 1, 3)
+        )
+        assert torch.equal(u8, expect)
+        u8.copy_(before)
+        target = io.target(0, dst, 0, 4, heads=heads)
+        assert target is not None and target.private
+        (buf,) = target.buffers
+        buf[:] = out
+        target.commit()
+        io.synchronize()
+        expect = before.clone()
+        expect.narrow(head_axis, first, n).index_copy_(
+            layer.axis, torch.tensor(dst, device="cuda"), got_pages
+        )
+        assert torch.equal(u8, expect)

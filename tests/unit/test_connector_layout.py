@@ -187,3 +187,68 @@ def test_groups_of_other_block_sizes_fail_naming_them():
     other = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     with pytest.raises(ConfigError, match="one block_size for every KV cache group"):
         _grouped((_full(), ["f0"]), (other, ["f1"]))
+
+
+def _parallel(tp: int, total_heads: int, spec=None, **extra):
+    """A layout at TP ``tp`` of a model with ``total_heads`` KV heads (the spec: each rank's)."""
+    vllm_config, kv = _configs()
+    vllm_config.parallel_config.tensor_parallel_size = tp
+    vllm_config.model_config.get_total_num_kv_heads = lambda: total_heads
+    local = max(1, total_heads // tp)
+    spec = spec or FullAttentionSpec(block_size=32, num_kv_heads=local, head_size=64, dtype=torch.bfloat16)
+    kv.kv_cache_groups[0].kv_cache_spec = spec
+    return engine_layout(vllm_config, kv, parse_config({"bucket": "b-ok", **extra}))
+
+
+def test_by_default_a_namespace_keeps_its_tp_size_and_one_object_per_rank():
+    one, two = _parallel(1, 4), _parallel(2, 4)
+    assert one.slicing.per_rank and two.slicing.per_rank and "kv_shards" not in two.fields
+    ids = {lay.namespace({"model_content": "w"}).id for lay in (one, two)}
+    assert len(ids) == 2  # TP 1 and TP 2 never share
+
+
+def test_share_across_tp_cuts_by_head_and_every_tp_size_shares():
+    lays = [_parallel(tp, 4, share_across_tp=True) for tp in (1, 2, 4)]
+    assert {lay.namespace({"model_content": "w"}).id for lay in lays} == {
+        lays[0].namespace({"model_content": "w"}).id
+    }
+    for lay in lays:
+        assert "tp_size" not in lay.fields and lay.fields["kv_shards"] == {
+            "mode": "heads",
+            "shards": 4,
+            "heads_per_shard": 1,
+        }
+        assert lay.fields["page_size_bytes"] == lay.page_size_bytes // lay.local_kv_heads  # one head's page
+        assert lay.head_axis == 1 and lay.object_bytes(256) * len(lay.roles(0)) == lay.shard_bytes(256)
+    assert [r.index for r in lays[1].roles(1)] == [2, 3]
+    salted = _parallel(2, 4, share_across_tp=True, namespace_salt="x")
+    assert salted.namespace({"model_content": "w"}).id != lays[1].namespace({"model_content": "w"}).id
+
+
+def test_heads_that_ranks_hold_alike_are_written_once_with_the_tp_size_kept():
+    lay = _parallel(2, 1)
+    assert lay.fields["tp_size"] == 2 and lay.fields["kv_shards"]["shards"] == 1
+    assert [(r.index, r.writer) for rank in (0, 1) for r in lay.roles(rank)] == [(0, True), (0, False)]
+    assert lay.writers == [0]
+
+
+def test_an_mla_latent_is_one_object_at_any_tp_size():
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    lay = _parallel(4, 1, spec=mla)
+    assert lay.fields["kv_shards"] == {"mode": "replicated", "shards": 1, "heads_per_shard": 0}
+    assert lay.fields["tp_size"] == 4 and lay.writers == [0] and lay.object_bytes(256) == lay.shard_bytes(256)
+    shared = _parallel(4, 1, spec=mla, share_across_tp=True)
+    assert "tp_size" not in shared.fields
+    assert (
+        shared.namespace({"model_content": "w"}).id
+        == _parallel(1, 1, spec=mla, share_across_tp=True).namespace({"model_content": "w"}).id
+    )
+
+
+def test_pipeline_parallelism_is_refused_saying_why():
+    vllm_config, kv = _configs()
+    vllm_config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ConfigError, match="pipeline parallelism.*first stage's layers"):
+        engine_layout(vllm_config, kv, parse_config({"bucket": "b-ok"}))

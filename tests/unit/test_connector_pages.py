@@ -252,3 +252,36 @@ def test_a_state_layers_padded_pages_are_its_block_stride_with_zeros_past_the_st
     got = backing.view(torch.uint8).numpy().reshape(BLOCKS, page)
     assert np.array_equal(got[6], data[page : 2 * page]) and np.array_equal(got[8], data[2 * page :])
     assert got[4][0] == (4 * page) % 251  # page 0 of the chunk was not written
+
+
+@pytest.mark.parametrize("shape,head_axis", [((12, 4, 16, 32), 1), ((2, 12, 16, 4, 16), 3)])
+def test_a_shards_heads_are_copied_alone_both_ways(shape, head_axis):
+    """A shard of KV heads of each page (vLLM's CPU layout; flash-attn's,
+    heads after tokens): out of the pages, then into other blocks; exactly
+    those heads move, the other heads' bytes stay; no target straight into
+    the pages for part of a page's heads (not one run of bytes)."""
+    cache = torch.randint(-100, 100, shape, dtype=torch.int16).to(torch.bfloat16)
+    io = PageIO({"l0": cache}, ["l0"], 12, head_axis=head_axis)
+    layer = io.layers[0]
+    assert layer.num_heads == 4
+    u8 = cache.view(torch.uint8)
+    src, dst, heads = [3, 7, 8, 1], [9, 10, 11, 0], (1, 2)
+    out = np.empty(int(np.prod(layer.shape_for(4, heads))), np.uint8)
+    io.read_into(0, src, out, heads=heads)
+    want = u8.index_select(layer.axis, torch.tensor(src)).narrow(head_axis, 1, 2).contiguous()
+    assert np.array_equal(out, want.numpy().reshape(-1))
+    before = u8.clone()
+    io.write(0, dst, 1, 4, out, heads=heads)
+    expect = before.clone()
+    pages = torch.from_numpy(out).view(layer.shape_for(4, heads))
+    expect.narrow(head_axis, 1, 2).index_copy_(
+        layer.axis, torch.tensor(dst[1:]), pages.narrow(layer.axis, 1, 3)
+    )
+    assert torch.equal(u8, expect)
+    assert io.target(0, dst, 0, 4, heads=heads) is None
+    assert io.target(0, dst, 0, 4, heads=(0, 4)) is not None  # every head: the pages themselves
+
+
+def test_heads_on_the_block_axis_are_refused():
+    with pytest.raises(ConfigError, match="KV heads on axis 0"):
+        PageIO({"l0": torch.zeros(12, 4, 16, 32)}, ["l0"], 12, head_axis=0)
