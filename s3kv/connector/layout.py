@@ -202,17 +202,18 @@ def _slicing(
     vllm_config: Any, kv_cache_config: Any, platform: str, across_tp: bool
 ) -> tuple[Slicing, int | None, int | None]:
     """How this engine's parts are cut into shards, the model's KV heads
-    and the head axis of its KV cache tensors (:mod:`s3kv.shards`): cut by
-    head where replicas of every TP size share (``across_tp``) or ranks
-    hold the same heads (fewer KV heads than ranks: each written once).
+    and the head axis of its KV cache tensors (:mod:`s3kv.shards`).
 
-    Cut by head only where a head's bytes are the same whatever the TP
-    size: vLLM's CPU attention pages are ``[blocks, heads, block_size,
-    2*head_size]`` (the ISA kernel lays out each head's block; the ISA is in
-    the namespace), so a head is a run of bytes per block. MLA's latent KV
-    is the same on every rank: one shard. Anything else (a device's
-    layout, Mamba state, context parallelism, per-token-head scales) stays
-    one shard per rank."""
+    What every rank holds alike is one shard, written once: MLA's latent
+    KV, and a KV head each of several ranks holds (fewer KV heads than
+    ranks: a rank's page is that one head's, on any platform). Where
+    replicas of every TP size share (``across_tp``), parts are cut by head
+    only where a head's bytes are the same whatever the TP size: vLLM's CPU
+    attention pages are ``[blocks, heads, block_size, 2*head_size]`` (the
+    ISA kernel lays out each head's page; the ISA is in the namespace), so
+    a head is a run of bytes per block. Anything else (a device's layout,
+    Mamba state, context parallelism, per-token-head scales) stays one
+    shard per rank."""
     parallel = vllm_config.parallel_config
     tp = int(parallel.tensor_parallel_size)
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
@@ -225,18 +226,18 @@ def _slicing(
         return rank_slicing(tp), None, None
     if all(type(spec).__name__ == "MLAAttentionSpec" for spec in specs):
         return choose(total_heads=1, tp_size=tp, replicated=True, sliceable=False), None, None
-    heads = {getattr(spec, "num_kv_heads", None) for spec in specs}
     total = int(vllm_config.model_config.get_total_num_kv_heads())
-    sliceable = (
-        platform == "cpu"
-        and all(type(spec).__name__ in _SLICED_SPECS for spec in specs)
-        and heads == {max(1, total // tp)}
+    heads_alike = (
+        all(type(spec).__name__ in _SLICED_SPECS for spec in specs)
+        and {spec.num_kv_heads for spec in specs} == {max(1, total // tp)}
         and len({spec.head_size for spec in specs}) == 1
     )
-    cut = choose(total_heads=total, tp_size=tp, replicated=False, sliceable=sliceable)
-    if cut.mode != HEADS or not (across_tp or total < tp):  # within one TP size a rank's heads are one shard
+    by_head = heads_alike and across_tp and platform == "cpu"
+    held_alike = heads_alike and total < tp
+    cut = choose(total_heads=total, tp_size=tp, replicated=False, sliceable=by_head or held_alike)
+    if cut.mode != HEADS:
         return rank_slicing(tp), None, None
-    return cut, total, 1
+    return cut, total, (1 if by_head else None)  # a head held alike is a rank's whole page
 
 
 def _cpu_attention_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:

@@ -69,15 +69,14 @@ class _StepStores:
 class _Shard:
     """One shard this rank holds: its role, its engine, and its CPU slots."""
 
-    def __init__(self, role: ShardRole, engine: TransferEngine) -> None:
+    def __init__(self, role: ShardRole, engine: TransferEngine, local_heads: int | None) -> None:
         self.role = role
         self.engine = engine
         self.pool: HostPool | None = None
-
-    @property
-    def heads(self) -> tuple[int, int] | None:
+        self.heads: tuple[int, int] | None = None
         """Its KV heads in the rank's pages (None: whole pages)."""
-        return (self.role.head_offset, self.role.heads) if self.role.heads else None
+        if role.heads and role.heads != local_heads:
+            self.heads = (role.head_offset, role.heads)
 
 
 class WorkerSide:
@@ -105,7 +104,6 @@ class WorkerSide:
                 rank=role.index,
                 writes=role.writer,
                 observes=rank == 0 and i == 0,
-                threads=max(1, base.threads // len(roles)),
             )
 
         first = TransferEngine(
@@ -113,8 +111,9 @@ class WorkerSide:
             settings(0, roles[0]),
             self.counters,
         )
-        self.shards = [_Shard(roles[0], first)] + [
-            _Shard(role, first.sibling(settings(i, role))) for i, role in enumerate(roles) if i
+        local = layout.local_kv_heads
+        self.shards = [_Shard(roles[0], first, local)] + [
+            _Shard(role, first.sibling(settings(i, role)), local) for i, role in enumerate(roles) if i
         ]
         """The shards this rank holds (one, unless parts are cut by KV head)."""
         self._combined = ShardReports(len(self.shards))

@@ -230,6 +230,9 @@ def test_heads_that_ranks_hold_alike_are_written_once_with_the_tp_size_kept():
     assert lay.fields["tp_size"] == 2 and lay.fields["kv_shards"]["shards"] == 1
     assert [(r.index, r.writer) for rank in (0, 1) for r in lay.roles(rank)] == [(0, True), (0, False)]
     assert lay.writers == [0]
+    assert lay.head_axis is None and lay.object_bytes(256) == lay.shard_bytes(
+        256
+    )  # the rank's whole page, any layout
 
 
 def test_an_mla_latent_is_one_object_at_any_tp_size():
