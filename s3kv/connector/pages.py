@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from s3kv.connector.layer_pages import LayerPages, along
 from s3kv.errors import ConfigError
 from s3kv.frame_sinks import PageTarget
 from s3kv.kvgroups import GroupLayout
@@ -51,95 +51,6 @@ def _nothing() -> None:
 def _layer_numbers(name: str) -> tuple[int, ...]:
     """The numbers in a layer's name ("model.layers.7.self_attn.attn": (7,))."""
     return tuple(int(part) for part in name.split(".") if part.isdigit())
-
-
-def _along(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
-    index = [slice(None)] * a.ndim
-    index[axis] = slice(start, stop)
-    return a[tuple(index)]
-
-
-class LayerPages:
-    """One layer's KV tensor seen as uint8, with its block axis."""
-
-    def __init__(
-        self, name: str, tensor: torch.Tensor, num_blocks: int, head_axis: int | None = None
-    ) -> None:
-        if tensor.stride(-1) != 1:
-            raise ConfigError(f"{name}: KV cache tensor's last axis is not contiguous")
-        u8 = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
-        axes = [i for i, n in enumerate(u8.shape) if n == num_blocks]
-        if len(axes) != 1:
-            raise ConfigError(
-                f"{name}: cannot find the block axis of KV cache shape {tuple(tensor.shape)} "
-                f"(num_blocks={num_blocks})"
-            )
-        self.name = name
-        self.axis = axes[0]
-        self.page_bytes = u8.numel() // num_blocks
-        self.real_bytes: int | None = None
-        """Bytes of a page that hold state, where fewer than the page's (a
-        Mamba layer's state padded to the attention layers' page)."""
-        stride = u8.stride(0) if self.axis == 0 else 0
-        if stride > self.page_bytes and u8[0].is_contiguous():
-            # vLLM pads a state layer's pages to the page size of the others:
-            # the page is the block stride, its tail unused by the layer.
-            self.real_bytes = self.page_bytes
-            u8 = u8.as_strided((num_blocks, stride), (stride, 1))
-            self.page_bytes = stride
-        self.u8 = u8
-        self.dtype = str(tensor.dtype).removeprefix("torch.")
-        self.itemsize = tensor.element_size()
-        self.head_axis = head_axis
-        """The axis of the layer's KV heads (None: heads are not cut)."""
-        if head_axis is not None and not (head_axis != self.axis and 0 <= head_axis < u8.dim() - 1):
-            raise ConfigError(f"{name}: KV heads on axis {head_axis} of KV cache shape {tuple(tensor.shape)}")
-
-    @property
-    def num_heads(self) -> int | None:
-        """The rank's KV heads in a page (None: heads are not cut)."""
-        return None if self.head_axis is None else int(self.u8.shape[self.head_axis])
-
-    def heads(self, a: Any, heads: tuple[int, int] | None) -> Any:
-        """``a`` (the layer's pages, or a frame of them: numpy or torch) cut
-        to the KV heads ``heads`` along the head axis; ``a`` itself for None."""
-        if heads is None:
-            return a
-        assert self.head_axis is not None, "a layer whose heads are not cut"
-        first, n = heads
-        if isinstance(a, torch.Tensor):
-            return a.narrow(self.head_axis, first, n)
-        return _along(a, self.head_axis, first, first + n)
-
-    @cached_property
-    def outer(self) -> list[tuple[int, ...]]:
-        """The indexes of the axes before the block axis (K and V, where they come first)."""
-        return list(np.ndindex(*self.u8.shape[: self.axis]))
-
-    @cached_property
-    def planes(self) -> list[np.ndarray] | None:
-        """Host tensors: the layer as [num_blocks, page bytes] arrays, one per
-        index of the axes before the block axis, each a view of the cache;
-        None where a run of blocks would not be contiguous in them."""
-        if self.u8.device.type != "cpu":
-            return None
-        a = self.u8.numpy()
-        planes = []
-        for outer in self.outer:
-            plane = a[outer]
-            if not plane.flags.c_contiguous:
-                return None
-            planes.append(plane.reshape(plane.shape[0], -1))
-        return planes
-
-    def shape_for(self, n_blocks: int, heads: tuple[int, int] | None = None) -> tuple[int, ...]:
-        """The shape of ``n_blocks`` of the layer's pages (of ``heads`` only, where given)."""
-        shape = list(self.u8.shape)
-        shape[self.axis] = n_blocks
-        if heads is not None:
-            assert self.head_axis is not None, "a layer whose heads are not cut"
-            shape[self.head_axis] = heads[1]
-        return tuple(shape)
 
 
 class PageIO:
@@ -245,11 +156,11 @@ class PageIO:
         if self._stream is None:
             src = layer.heads(layer.u8.numpy(), heads)
             frame = out.reshape(layer.shape_for(n, heads))
-            _along(frame, layer.axis, 0, first).fill(0)
+            along(frame, layer.axis, 0, first).fill(0)
             for i, j in _runs(block_ids, first, n):
                 np.copyto(
-                    _along(frame, layer.axis, i, j),
-                    _along(src, layer.axis, block_ids[i], block_ids[i] + j - i),
+                    along(frame, layer.axis, i, j),
+                    along(src, layer.axis, block_ids[i], block_ids[i] + j - i),
                 )
             if layer.real_bytes is not None:  # a padded page's tail is not the layer's: zeros
                 frame[:, layer.real_bytes :] = 0
@@ -392,8 +303,8 @@ class PageIO:
             pages = np.asarray(data).reshape(layer.shape_for(n, heads))
             for i, j in _runs(block_ids, first, last):
                 np.copyto(
-                    _along(dst, layer.axis, block_ids[i], block_ids[i] + j - i),
-                    _along(pages, layer.axis, i, j),
+                    along(dst, layer.axis, block_ids[i], block_ids[i] + j - i),
+                    along(pages, layer.axis, i, j),
                 )
             return
         # From pinned memory (the CPU tier's slots are; a decoded frame is

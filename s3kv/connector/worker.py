@@ -20,25 +20,22 @@ reports are combined into the rank's (:class:`ShardReports`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from typing import TYPE_CHECKING
 
 from s3kv.auth import FleetKeys
-from s3kv.chunk_reader import PageFormat
 from s3kv.config import S3KVConfig
 from s3kv.connector.layerwise import LayerwiseLoad
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
 from s3kv.connector.pages import PageIO
+from s3kv.connector.rank_shards import Shard, configure, rank_shards
 from s3kv.errors import ConfigError
 from s3kv.manifest.publish import Published, ShardPublisher
-from s3kv.shards import ShardRole
 from s3kv.stats import Counters
-from s3kv.stores.factory import make_store
 from s3kv.tiering.plan import LoadChunk, Place, StoreChunk, TierReport
-from s3kv.tiering.worker.hostpool import HostPool, slots_for
+from s3kv.tiering.worker.hostpool import HostPool
 from s3kv.tiering.worker.publisher import start_publisher
 from s3kv.tiering.worker.refusal import Refusal
 from s3kv.tiering.worker.sending import FinishedSending
@@ -46,13 +43,11 @@ from s3kv.tiering.worker.shard_reports import PublishedShards, ShardReports
 from s3kv.tiering.worker.steps import StepTimer
 from s3kv.tiering.worker.stores import StoreJob
 from s3kv.tiering.worker.sync_loads import SyncLoads
-from s3kv.tiering.worker.transfer import EngineSettings, TransferEngine
+from s3kv.tiering.worker.transfer import TransferEngine
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
-
-    from s3kv.frame_sinks import PageTarget  # noqa: F401
 
 log = logging.getLogger("s3kv.worker")
 
@@ -64,19 +59,6 @@ class _StepStores:
         self.meta = meta
         self.buffers = buffers
         self.copied: set[int] = set()
-
-
-class _Shard:
-    """One shard this rank holds: its role, its engine, and its CPU slots."""
-
-    def __init__(self, role: ShardRole, engine: TransferEngine, local_heads: int | None) -> None:
-        self.role = role
-        self.engine = engine
-        self.pool: HostPool | None = None
-        self.heads: tuple[int, int] | None = None
-        """Its KV heads in the rank's pages (None: whole pages)."""
-        if role.heads and role.heads != local_heads:
-            self.heads = (role.head_offset, role.heads)
 
 
 class WorkerSide:
@@ -94,27 +76,7 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.keys = keys
         self.counters = Counters(f"rank{rank}")
-        roles = layout.roles(rank)
-        # Every object, CPU slot and NVMe file holds one group's part: frames, not layers.
-        base = EngineSettings.from_config(config, rank=rank, num_layers=layout.kv_groups.frames, keys=keys)
-
-        def settings(i: int, role: ShardRole) -> EngineSettings:
-            return dataclasses.replace(
-                base,
-                rank=role.index,
-                writes=role.writer,
-                observes=rank == 0 and i == 0,
-            )
-
-        first = TransferEngine(
-            make_store(config, self.counters) if config.uses_s3 else None,
-            settings(0, roles[0]),
-            self.counters,
-        )
-        local = layout.local_kv_heads
-        self.shards = [_Shard(roles[0], first, local)] + [
-            _Shard(role, first.sibling(settings(i, role)), local) for i, role in enumerate(roles) if i
-        ]
+        self.shards = rank_shards(config, layout, rank, self.counters, keys)
         """The shards this rank holds (one, unless parts are cut by KV head)."""
         self._combined = ShardReports(len(self.shards))
         self.pages: PageIO | None = None
@@ -167,32 +129,14 @@ class WorkerSide:
                 f"KV cache shape {tuple(first.u8.shape)} does not hold this rank's {local} KV heads on "
                 f"axis {self.layout.head_axis}: this attention backend's layout cannot be cut by head"
             )
-        bpc = self.config.chunk_tokens // self.layout.block_size
-        frames = self.pages.frames
-        shards = self.shards
-        shapes = [first.shape_for(bpc, shard.heads) for shard in shards]
-        layer_bytes = [math.prod(shape) for shape in shapes]
-        num_slots = slots_for(self.config.cpu_bytes, sum(layer_bytes) * frames)
-        if num_slots:
-            self._pool_tensor = self.pages.host_buffer(
-                num_slots * sum(layer_bytes) * frames, pinned=True, resident=True
-            )
-            buffer, at = self._pool_tensor.numpy(), 0
-            for shard, nbytes in zip(shards, layer_bytes, strict=True):
-                size = num_slots * nbytes * frames
-                shard.pool = HostPool(num_slots, nbytes, frames, buffer=buffer[at : at + size])
-                at += size
-        for shard, shape, nbytes in zip(shards, shapes, layer_bytes, strict=True):
-            shard.engine.configure(
-                PageFormat(
-                    dtype=first.dtype,
-                    itemsize=first.itemsize,
-                    page_shape=shape,
-                    tokens=self.config.chunk_tokens,
-                    layer_bytes=nbytes,
-                ),
-                shard.pool,
-            )
+
+        pages = self.pages
+
+        def host_buffer(nbytes: int) -> np.ndarray:
+            self._pool_tensor = pages.host_buffer(nbytes, pinned=True, resident=True)
+            return self._pool_tensor.numpy()
+
+        configure(self.shards, first, pages.frames, self.config, self.layout.block_size, host_buffer)
 
     def bind(self, meta: S3KVMetadata) -> None:
         """A step's plans: the first that names the namespace sets it (the
@@ -283,7 +227,7 @@ class WorkerSide:
             self._sync = LayerwiseLoad(pages, sync, heads)
 
     @staticmethod
-    def _slot_pages(shard: _Shard, src: Place, key: bytes) -> list[np.ndarray] | None:
+    def _slot_pages(shard: Shard, src: Place, key: bytes) -> list[np.ndarray] | None:
         """``shard``'s frames of ``key`` in the tier at ``src`` that holds pages; None if not there."""
         tier = shard.engine.page_tier(src)
         return tier.pages(src, key) if tier is not None else None
@@ -323,7 +267,7 @@ class WorkerSide:
         self._stores = _StepStores(meta, buffers)  # type: ignore[arg-type]
         return self._stores
 
-    def _store_buffers(self, shard: _Shard, s: StoreChunk) -> list[np.ndarray] | None:
+    def _store_buffers(self, shard: Shard, s: StoreChunk) -> list[np.ndarray] | None:
         """Where ``shard``'s frames of the store ``s`` are copied: its CPU
         slot, or private host memory (None: over the byte budget)."""
         assert self.pages is not None
