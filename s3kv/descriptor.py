@@ -40,6 +40,7 @@ from s3kv.kvgroups import KVGroup
 from s3kv.shards import HEADS, MAX_SHARDS, REPLICATED, Slicing, ranks
 
 MAX_TP = 1 << 16
+MAX_PP = 1 << 8
 """The largest TP size a descriptor is taken to say."""
 
 NAME = "namespace.json"
@@ -102,12 +103,18 @@ class Described:
     else one shard per rank of its ``tp_size``; None: neither read."""
     shards_unread: bool = False
     """It has a ``kv_shards`` field that is not what s3kv writes."""
+    pp_size: int | None = 1
+    """Pipeline stages, each with shards of its own (its ``pp_size``
+    field, 1 without it); None: a ``pp_size`` that is not one."""
 
     @property
     def shards(self) -> int | None:
-        """Shard objects of each part (``.r0`` to ``.r{shards-1}``): a part
-        is whole once every one is stored; None: not said."""
-        return self.slicing.shards if self.slicing is not None else None
+        """Shard objects of each part (``.r0`` to ``.r{shards-1}``, every
+        pipeline stage's): a part is whole once every one is stored; None:
+        not said."""
+        if self.slicing is None or self.pp_size is None:
+            return None
+        return self.slicing.shards * self.pp_size
 
 
 def parse_descriptor(namespace_id: str, data: bytes) -> Described | None:
@@ -130,16 +137,23 @@ def parse_descriptor(namespace_id: str, data: bytes) -> Described | None:
         return None
     tp_size, pages = _count(fields.get("tp_size"), MAX_TP), _pages(fields, d.get("chunk_tokens"))
     slicing = _slicing(fields, tp_size)
+    pp_size = _count(fields.get("pp_size", 1), MAX_PP)
     shards_unread = "kv_shards" in fields and slicing is None
     if shards_unread:
         pages = None  # a page of what? its objects are not said
     if "kv_groups" not in fields:
-        return Described(tp_size, pages, slicing=slicing, shards_unread=shards_unread)
+        return Described(tp_size, pages, slicing=slicing, shards_unread=shards_unread, pp_size=pp_size)
     groups = _groups(fields)
     if groups is None or pages is None or any(len(g.layers) > pages.num_layers for g in groups):
         pages = None  # parts of groups it does not say, or frames fewer than a group's layers
     return Described(
-        tp_size, pages, groups, groups_unread=groups is None, slicing=slicing, shards_unread=shards_unread
+        tp_size,
+        pages,
+        groups,
+        groups_unread=groups is None,
+        slicing=slicing,
+        shards_unread=shards_unread,
+        pp_size=pp_size,
     )
 
 

@@ -7,6 +7,7 @@ vLLM-free core.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -151,10 +152,12 @@ class S3KVConnector(KVConnectorBase_V1, SupportsHMA):
                 keys=keys,
             )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             from s3kv.connector.worker import WorkerSide
 
+            if layout.pp_size > 1:  # this worker's stage: its shards follow the earlier stages'
+                layout = dataclasses.replace(layout, pp_rank=get_pp_group().rank_in_group)
             self._worker = WorkerSide(
                 self.config, layout, get_tensor_model_parallel_rank(), kv_cache_config.num_blocks, keys
             )

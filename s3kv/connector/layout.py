@@ -6,6 +6,7 @@ scheduling loop), block size and layer order."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ class EngineLayout:
     layer_names: tuple[str, ...]
     tp_size: int
     world_size: int
-    """Ranks that each store a shard of every chunk."""
+    """Workers that each report on every chunk: TP ranks times pipeline stages."""
     page_size_bytes: int = 0
     """Bytes of one block of one layer on one rank."""
     groups: GroupLayout | None = None
@@ -50,26 +51,48 @@ class EngineLayout:
     """The model's KV heads (all ranks'), where its pages are KV heads."""
     head_axis: int | None = None
     """The axis of the KV heads in every layer's KV cache tensor, where parts are cut by head."""
+    pp_size: int = 1
+    """Pipeline stages: each stores its own layers' part, as shards of its own."""
+    pp_rank: int = 0
+    """This worker's stage (0 on the scheduler side)."""
+    stage_frames: int = 0
+    """Frames of every part with pipeline stages: the most layers a stage
+    has, so that every stage's objects are one size (0: the groups')."""
+
+    @property
+    def frames(self) -> int:
+        """Frames of every part object (the groups' most layers, or a stage's)."""
+        return max(self.kv_groups.frames, self.stage_frames)
 
     @property
     def local_kv_heads(self) -> int | None:
         """KV heads in each rank's pages, where parts are cut by head."""
         if self.total_kv_heads is None:
             return None
-        return max(1, self.total_kv_heads // self.world_size)
+        return max(1, self.total_kv_heads // self.tp_size)
 
     @property
     def writers(self) -> list[int]:
-        """The ranks that write a shard to the shared tiers (and publish what they stored)."""
-        return shard_writers(self.slicing, self.world_size, self.total_kv_heads)
+        """The workers (``stage * tp_size + rank``) that write a shard to the
+        shared tiers, and publish what they stored."""
+        ranks = shard_writers(self.slicing, self.tp_size, self.total_kv_heads)
+        return [stage * self.tp_size + r for stage in range(self.pp_size) for r in ranks]
 
     @property
     def slicing(self) -> Slicing:
-        return self.cut or rank_slicing(self.world_size)
+        return self.cut or rank_slicing(self.tp_size)
+
+    @property
+    def shards_per_part(self) -> int:
+        """Objects of every part: each stage's shards."""
+        return self.slicing.shards * self.pp_size
 
     def roles(self, rank: int) -> tuple[ShardRole, ...]:
-        """The shards rank ``rank`` holds (:func:`s3kv.shards.roles`)."""
-        return shard_roles(self.slicing, tp_size=self.world_size, rank=rank, total_heads=self.total_kv_heads)
+        """The shards TP rank ``rank`` of this worker's stage holds
+        (:func:`s3kv.shards.roles`; a later stage's indexes follow the earlier ones')."""
+        held = shard_roles(self.slicing, tp_size=self.tp_size, rank=rank, total_heads=self.total_kv_heads)
+        offset = self.pp_rank * self.slicing.shards
+        return tuple(dataclasses.replace(r, index=r.index + offset) for r in held)
 
     def object_bytes(self, chunk_tokens: int) -> int:
         """Raw bytes of one shard's object of a part: a rank's shard
@@ -90,7 +113,7 @@ class EngineLayout:
     def shard_bytes(self, chunk_tokens: int) -> int:
         """Bytes of one rank's object of a chunk's part (every layer of a
         one-group model): :attr:`GroupLayout.frames` layers' pages."""
-        return chunk_tokens // self.block_size * self.page_size_bytes * self.kv_groups.frames
+        return chunk_tokens // self.block_size * self.page_size_bytes * self.frames
 
 
 SERVED = "full attention, sliding-window, chunked-local attention and Mamba / linear attention"
@@ -194,6 +217,35 @@ def _group_fields(kv_cache_config: Any, layout: GroupLayout) -> list[dict[str, A
     return out
 
 
+def _stage_frames(vllm_config: Any, groups: GroupLayout | None, layers: int) -> int:
+    """Frames of every part with pipeline stages: the most decoder layers a
+    stage has (vLLM's own split of them), each stage's part padded to it.
+
+    The scheduler side sees only the first stage's KV cache, so s3kv shares
+    a pipeline-parallel model whose decoder layers each have one attention
+    layer of one KV cache group: then every stage's layer count follows
+    from vLLM's split, and the first stage's is checked against it."""
+    from vllm.distributed.utils import get_pp_indices
+
+    pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if groups is not None:
+        raise ConfigError(
+            "s3kv does not share a model with several KV cache groups under pipeline parallelism yet "
+            "(pipeline_parallel_size > 1): serve it with pipeline_parallel_size 1, or without the s3kv "
+            "KV connector"
+        )
+    hf = vllm_config.model_config.hf_text_config
+    total = int(hf.num_hidden_layers)
+    spans = [get_pp_indices(total, stage, pp) for stage in range(pp)]
+    first = spans[0][1] - spans[0][0]
+    if layers != first:
+        raise ConfigError(
+            f"s3kv shares a pipeline-parallel model only where each decoder layer has one attention "
+            f"layer: the first stage has {layers} KV cache layers for {first} decoder layers"
+        )
+    return max(end - start for start, end in spans)
+
+
 _SLICED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")
 """Attention kinds whose pages are KV heads (MLA's latent is one shared page; Mamba state is no heads)."""
 
@@ -279,14 +331,9 @@ def engine_layout(
     weights) or that s3kv does not support."""
     from vllm.platforms import current_platform
 
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise ConfigError(
-            "s3kv does not support pipeline parallelism yet (pipeline_parallel_size > 1): vLLM 0.32 "
-            "passes the connector through its stages, but s3kv's scheduler side sees only the first "
-            "stage's layers, and storing each stage's own layers is not built; serve with "
-            "pipeline_parallel_size 1, or without the s3kv KV connector"
-        )
     layer_names, kv_groups, spec = _groups(kv_cache_config)
+    pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+    stage_frames = _stage_frames(vllm_config, kv_groups, len(layer_names)) if pp > 1 else 0
     block_size = int(spec.block_size)
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -324,13 +371,15 @@ def engine_layout(
         "head_size_v": getattr(spec, "head_size_v", None),
         "page_size_bytes": int(spec.page_size_bytes),
         "sliding_window": getattr(spec, "sliding_window", None),
-        "num_layers": kv_groups.frames if kv_groups is not None else len(layer_names),
+        "num_layers": max(kv_groups.frames if kv_groups is not None else len(layer_names), stage_frames),
         "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", "")),
         "platform": str(current_platform.device_type),
         "attention_backend": str(attention_backend),
         "tp_size": int(parallel.tensor_parallel_size),
         "dcp_size": int(getattr(parallel, "decode_context_parallel_size", 1)),
     }
+    if pp > 1:  # absent without pipeline stages: those namespaces are unchanged
+        fields["pp_size"] = pp
     if kv_groups is not None:  # absent for one full-attention group: those namespaces are unchanged
         fields["kv_groups"] = _group_fields(kv_cache_config, kv_groups)
     cut, total_heads, head_axis = _slicing(
@@ -365,10 +414,12 @@ def engine_layout(
         block_size=block_size,
         layer_names=layer_names,
         tp_size=int(parallel.tensor_parallel_size),
-        world_size=int(parallel.tensor_parallel_size),
+        world_size=int(parallel.tensor_parallel_size) * pp,
         page_size_bytes=int(spec.page_size_bytes),
         groups=kv_groups,
         cut=cut,
         total_kv_heads=total_heads,
         head_axis=head_axis,
+        pp_size=pp,
+        stage_frames=stage_frames,
     )

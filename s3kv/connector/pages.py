@@ -73,6 +73,7 @@ class PageIO:
         num_blocks: int,
         groups: GroupLayout | None = None,
         head_axis: int | None = None,
+        frames: int = 0,
     ) -> None:
         missing = [n for n in layer_names if n not in kv_caches]
         if missing:
@@ -91,8 +92,9 @@ class PageIO:
                 self.frame_of[layer] = (g, f)
         if len(self.frame_of) != len(self.layers):
             raise ConfigError("KV cache groups leave layers out: every layer must be in one group")
-        self.frames = max(len(layers) for layers in self.group_layers)
-        """Frames of every part: the most layers a group has."""
+        self.frames = max(frames, *(len(layers) for layers in self.group_layers))
+        """Frames of every part: the most layers a group has (or ``frames``,
+        where a pipeline stage's parts are padded to the largest stage's)."""
         self.order = sorted(range(len(self.layers)), key=lambda i: _layer_numbers(layer_names[i]))
         """The layers in the model's order (the forward's, by the numbers in
         their names): the groups' layers interleave there."""

@@ -49,10 +49,11 @@ def rank_shards(
     replicas share."""
     roles = layout.roles(rank)
     # Every object, CPU slot and NVMe file holds one group's part: frames, not layers.
-    base = EngineSettings.from_config(config, rank=rank, num_layers=layout.kv_groups.frames, keys=keys)
+    base = EngineSettings.from_config(config, rank=rank, num_layers=layout.frames, keys=keys)
 
     def settings(i: int, role: ShardRole) -> EngineSettings:
-        return dataclasses.replace(base, rank=role.index, writes=role.writer, observes=rank == 0 and i == 0)
+        first = rank == 0 and layout.pp_rank == 0 and i == 0  # one engine of the replica times its loads
+        return dataclasses.replace(base, rank=role.index, writes=role.writer, observes=first)
 
     first = TransferEngine(
         make_store(config, counters) if config.uses_s3 else None, settings(0, roles[0]), counters

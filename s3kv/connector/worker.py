@@ -73,16 +73,19 @@ class WorkerSide:
         self.config = config
         self.layout = layout
         self.rank = rank
+        """This worker's TP rank in its pipeline stage."""
+        self.worker = layout.pp_rank * layout.tp_size + rank
+        """This worker among all of the engine's (stage by stage)."""
         self.num_blocks = num_blocks
         self.keys = keys
-        self.counters = Counters(f"rank{rank}")
+        self.counters = Counters(f"rank{self.worker}")
         self.shards = rank_shards(config, layout, rank, self.counters, keys)
         """The shards this rank holds (one, unless parts are cut by KV head)."""
         self._combined = ShardReports(len(self.shards))
         self.pages: PageIO | None = None
         self._pool_tensor: torch.Tensor | None = None
         self._sync: LayerwiseLoad | None = None
-        self._sync_loads = SyncLoads(rank, self.counters)
+        self._sync_loads = SyncLoads(self.worker, self.counters)
         """This step's synchronous loads (their requests and chunks), reported once copied."""
         self._stores: _StepStores | None = None
         self._load_errors: set[int] = set()
@@ -115,6 +118,7 @@ class WorkerSide:
             self.num_blocks,
             self.layout.kv_groups,
             head_axis=self.layout.head_axis,
+            frames=self.layout.frames,
         )
         first = self.pages.layers[0]
         expected = self.layout.page_size_bytes
@@ -153,13 +157,13 @@ class WorkerSide:
                     self.refusal = refusal
                     self.counters.add("key_mismatch")
             writers = self.layout.writers
-            if self.publisher is None and meta.writer is not None and self.rank in writers:
+            if self.publisher is None and meta.writer is not None and self.worker in writers:
                 self.publisher = start_publisher(
                     self.engine,
                     self.config,
                     namespace,
                     meta.writer,
-                    rank=writers.index(self.rank),
+                    rank=writers.index(self.worker),
                     ranks=len(writers),
                     shards=[shard.role.index for shard in self.shards],
                     counters=self.counters,
@@ -177,7 +181,7 @@ class WorkerSide:
     def begin_step(self, meta: S3KVMetadata) -> None:
         """vLLM bound this step's plans, before its forward: rank 0 times a
         prefill's forward, for the scheduler side's cost model."""
-        pages = self.pages if self.rank == 0 and meta.step is not None else None
+        pages = self.pages if self.worker == 0 and meta.step is not None else None
         self._steps.begin(pages.step_clock() if pages is not None else None, meta.step)
 
     # -- loads ---------------------------------------------------------------------

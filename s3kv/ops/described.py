@@ -55,15 +55,17 @@ def sharding(described: Described | None, tp_size: Any) -> str:
     ``tp2`` (an object a rank of TP ``tp_size``, the descriptor's field as
     it reads), or for a namespace cut into shards ``tp any, 8 shards by
     head`` (replicas of every TP size share it), ``tp8, 1 shard
-    (replicated)``."""
+    (replicated)``; `` x pp2`` after it with pipeline stages, each with
+    shards of its own."""
     d = described
     if d is not None and d.shards_unread:
         return "kv_shards unread"
+    stages = f" x pp{d.pp_size}" if d is not None and d.pp_size != 1 else ""  # each stage its shards
     if d is None or d.slicing is None or d.slicing.per_rank:
-        return f"tp{tp_size}"
+        return f"tp{tp_size}{stages}"
     how = "(replicated)" if d.slicing.mode == REPLICATED else "by head"
     tp = "tp any" if d.tp_size is None else f"tp{d.tp_size}"
-    return f"{tp}, {_plural(d.slicing.shards, 'shard')} {how}"
+    return f"{tp}, {_plural(d.slicing.shards, 'shard')} {how}{stages}"
 
 
 def short_names(names: Sequence[str], shown: int = 3) -> str:

@@ -3,6 +3,7 @@ bytes splits it, and dummy weights are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -250,8 +251,37 @@ def test_an_mla_latent_is_one_object_at_any_tp_size():
     )
 
 
-def test_pipeline_parallelism_is_refused_saying_why():
+def _staged(pp: int, first_stage_layers: int, hidden_layers: int, groups=None):
+    """A layout as the scheduler side of a ``pp``-stage engine sees it: the first stage's KV cache."""
     vllm_config, kv = _configs()
-    vllm_config.parallel_config.pipeline_parallel_size = 2
-    with pytest.raises(ConfigError, match="pipeline parallelism.*first stage's layers"):
-        engine_layout(vllm_config, kv, parse_config({"bucket": "b-ok"}))
+    vllm_config.parallel_config.pipeline_parallel_size = pp
+    vllm_config.model_config.hf_text_config = SimpleNamespace(num_hidden_layers=hidden_layers)
+    if groups is not None:
+        kv = SimpleNamespace(
+            kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=names) for spec, names in groups]
+        )
+    else:
+        kv.kv_cache_groups[0].layer_names = [f"l{i}" for i in range(first_stage_layers)]
+    return engine_layout(vllm_config, kv, parse_config({"bucket": "b-ok"}))
+
+
+def test_pipeline_stages_store_their_own_layers_as_shards_of_their_own():
+    lay = _staged(3, 3, 10)  # vLLM splits 10 decoder layers 3 + 4 + 3
+    assert lay.fields["pp_size"] == 3 and lay.fields["num_layers"] == 4 and lay.frames == 4
+    assert lay.world_size == 3 and lay.shards_per_part == 3 and lay.writers == [0, 1, 2]
+    assert lay.shard_bytes(256) == 256 // 32 * lay.page_size_bytes * 4  # every stage's parts padded alike
+    second = dataclasses.replace(lay, pp_rank=1)
+    assert [r.index for r in second.roles(0)] == [1]
+    assert "pp_size" not in _staged(1, 2, 2).fields  # without stages, namespaces are as they were
+
+
+def test_pipeline_stages_of_layers_vllm_did_not_split_alike_or_of_groups_are_refused():
+    with pytest.raises(ConfigError, match="one attention layer"):
+        _staged(2, 3, 8)  # vLLM's first stage of 8 layers has 4
+    with pytest.raises(ConfigError, match="several KV cache groups under pipeline parallelism"):
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        swa = SlidingWindowSpec(
+            block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64
+        )
+        _staged(2, 2, 4, groups=[(_full(), ["l0"]), (swa, ["l1"])])

@@ -252,3 +252,16 @@ def test_kv_shards_beside_a_tp_size_is_a_cut_that_keeps_its_tp_size():
     got = _parse({**FIELDS, "kv_shards": BY_HEAD})
     assert got is not None and not got.shards_unread and got.tp_size == 2
     assert got.slicing is not None and got.shards == BY_HEAD["shards"] and got.pages is not None
+
+
+def test_pipeline_stages_each_have_their_shards():
+    """Each pipeline stage stores its own layers' shards: a part is its
+    stages' shards together; a pp_size that is not one says no shards."""
+    got = _parse({**FIELDS, "pp_size": 2})
+    assert got is not None and got.pp_size == 2 and got.shards == 2 * 2  # tp 2, two stages
+    cut = _parse({**SHARED, "kv_shards": BY_HEAD, "pp_size": 3})
+    assert cut is not None and cut.shards == BY_HEAD["shards"] * 3
+    for bad in (0, True, "2", 1 << 9):
+        got = _parse({**FIELDS, "pp_size": bad})
+        assert got is not None and got.pp_size is None and got.shards is None, bad
+    assert _parse(FIELDS).pp_size == 1

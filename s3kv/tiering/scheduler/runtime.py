@@ -73,6 +73,9 @@ class ModelShape(Protocol):
     @property
     def slicing(self) -> Slicing: ...
 
+    @property
+    def shards_per_part(self) -> int: ...
+
     def object_bytes(self, chunk_tokens: int) -> int: ...
 
     @property
@@ -137,7 +140,7 @@ class SchedulerRuntime:
             self.index,
             self.store,
             lambda coro, timeout_s: self.loop.run(coro, timeout=timeout_s),
-            shards=shape.slicing.shards,
+            shards=shape.shards_per_part,
             object_bytes=shape.object_bytes(config.chunk_tokens),
         )
         try:
@@ -217,7 +220,7 @@ class SchedulerRuntime:
             config.chunk_tokens,
             shape.block_size,
             shape.world_size,
-            shape.slicing.shards,
+            shape.shards_per_part,
         )
 
     async def _describe_namespace(self, namespace: Namespace) -> None:
