@@ -7,7 +7,6 @@ vLLM-free core.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -134,7 +133,12 @@ class S3KVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
         keys = load_keys(self.config.auth_key_file)  # each process reads its own: never pickled
-        layout = engine_layout(vllm_config, kv_cache_config, self.config)
+        stage = 0  # the scheduler side sees the first pipeline stage's KV cache
+        if role != KVConnectorRole.SCHEDULER and vllm_config.parallel_config.pipeline_parallel_size > 1:
+            from vllm.distributed.parallel_state import get_pp_group
+
+            stage = get_pp_group().rank_in_group
+        layout = engine_layout(vllm_config, kv_cache_config, self.config, pp_rank=stage)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = self.config.fit_block_size(layout.block_size, chunk_tokens_set="chunk_tokens" in extra)
         self._scheduler: SchedulerSide | None = None
@@ -152,12 +156,10 @@ class S3KVConnector(KVConnectorBase_V1, SupportsHMA):
                 keys=keys,
             )
         else:
-            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             from s3kv.connector.worker import WorkerSide
 
-            if layout.pp_size > 1:  # this worker's stage: its shards follow the earlier stages'
-                layout = dataclasses.replace(layout, pp_rank=get_pp_group().rank_in_group)
             self._worker = WorkerSide(
                 self.config, layout, get_tensor_model_parallel_rank(), kv_cache_config.num_blocks, keys
             )

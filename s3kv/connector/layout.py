@@ -217,14 +217,14 @@ def _group_fields(kv_cache_config: Any, layout: GroupLayout) -> list[dict[str, A
     return out
 
 
-def _stage_frames(vllm_config: Any, groups: GroupLayout | None, layers: int) -> int:
+def _stage_frames(vllm_config: Any, groups: GroupLayout | None, layers: int, stage: int) -> int:
     """Frames of every part with pipeline stages: the most decoder layers a
     stage has (vLLM's own split of them), each stage's part padded to it.
 
     The scheduler side sees only the first stage's KV cache, so s3kv shares
     a pipeline-parallel model whose decoder layers each have one attention
     layer of one KV cache group: then every stage's layer count follows
-    from vLLM's split, and the first stage's is checked against it."""
+    from vLLM's split, and ``stage``'s (``layers``) is checked against it."""
     from vllm.distributed.utils import get_pp_indices
 
     pp = int(vllm_config.parallel_config.pipeline_parallel_size)
@@ -237,11 +237,11 @@ def _stage_frames(vllm_config: Any, groups: GroupLayout | None, layers: int) -> 
     hf = vllm_config.model_config.hf_text_config
     total = int(hf.num_hidden_layers)
     spans = [get_pp_indices(total, stage, pp) for stage in range(pp)]
-    first = spans[0][1] - spans[0][0]
-    if layers != first:
+    own = spans[stage][1] - spans[stage][0]
+    if layers != own:
         raise ConfigError(
             f"s3kv shares a pipeline-parallel model only where each decoder layer has one attention "
-            f"layer: the first stage has {layers} KV cache layers for {first} decoder layers"
+            f"layer: pipeline stage {stage} has {layers} KV cache layers for {own} decoder layers"
         )
     return max(end - start for start, end in spans)
 
@@ -323,7 +323,11 @@ def _hf_config_dict(model: Any) -> dict[str, Any]:
 
 
 def engine_layout(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: S3KVConfig | None = None
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    config: S3KVConfig | None = None,
+    *,
+    pp_rank: int = 0,
 ) -> EngineLayout:
     """Everything that must match for two engines to exchange KV pages.
 
@@ -333,7 +337,7 @@ def engine_layout(
 
     layer_names, kv_groups, spec = _groups(kv_cache_config)
     pp = int(vllm_config.parallel_config.pipeline_parallel_size)
-    stage_frames = _stage_frames(vllm_config, kv_groups, len(layer_names)) if pp > 1 else 0
+    stage_frames = _stage_frames(vllm_config, kv_groups, len(layer_names), pp_rank) if pp > 1 else 0
     block_size = int(spec.block_size)
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -421,5 +425,6 @@ def engine_layout(
         total_kv_heads=total_heads,
         head_axis=head_axis,
         pp_size=pp,
+        pp_rank=pp_rank,
         stage_frames=stage_frames,
     )

@@ -3,7 +3,6 @@ bytes splits it, and dummy weights are refused."""
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -251,8 +250,9 @@ def test_an_mla_latent_is_one_object_at_any_tp_size():
     )
 
 
-def _staged(pp: int, first_stage_layers: int, hidden_layers: int, groups=None):
-    """A layout as the scheduler side of a ``pp``-stage engine sees it: the first stage's KV cache."""
+def _staged(pp: int, first_stage_layers: int, hidden_layers: int, groups=None, stage: int = 0):
+    """A layout as the scheduler side of a ``pp``-stage engine sees it
+    (the first stage's KV cache), or a worker of ``stage`` (its own)."""
     vllm_config, kv = _configs()
     vllm_config.parallel_config.pipeline_parallel_size = pp
     vllm_config.model_config.hf_text_config = SimpleNamespace(num_hidden_layers=hidden_layers)
@@ -262,7 +262,7 @@ def _staged(pp: int, first_stage_layers: int, hidden_layers: int, groups=None):
         )
     else:
         kv.kv_cache_groups[0].layer_names = [f"l{i}" for i in range(first_stage_layers)]
-    return engine_layout(vllm_config, kv, parse_config({"bucket": "b-ok"}))
+    return engine_layout(vllm_config, kv, parse_config({"bucket": "b-ok"}), pp_rank=stage)
 
 
 def test_pipeline_stages_store_their_own_layers_as_shards_of_their_own():
@@ -270,14 +270,17 @@ def test_pipeline_stages_store_their_own_layers_as_shards_of_their_own():
     assert lay.fields["pp_size"] == 3 and lay.fields["num_layers"] == 4 and lay.frames == 4
     assert lay.world_size == 3 and lay.shards_per_part == 3 and lay.writers == [0, 1, 2]
     assert lay.shard_bytes(256) == 256 // 32 * lay.page_size_bytes * 4  # every stage's parts padded alike
-    second = dataclasses.replace(lay, pp_rank=1)
-    assert [r.index for r in second.roles(0)] == [1]
+    second = _staged(3, 4, 10, stage=1)  # the second stage's worker: its own 4 layers
+    assert second.frames == 4 and second.pp_rank == 1 and [r.index for r in second.roles(0)] == [1]
+    assert second.namespace({"model_content": "w"}) == lay.namespace({"model_content": "w"})
     assert "pp_size" not in _staged(1, 2, 2).fields  # without stages, namespaces are as they were
 
 
 def test_pipeline_stages_of_layers_vllm_did_not_split_alike_or_of_groups_are_refused():
     with pytest.raises(ConfigError, match="one attention layer"):
         _staged(2, 3, 8)  # vLLM's first stage of 8 layers has 4
+    with pytest.raises(ConfigError, match="pipeline stage 1 has 4"):
+        _staged(3, 4, 9, stage=1)  # 3 + 3 + 3
     with pytest.raises(ConfigError, match="several KV cache groups under pipeline parallelism"):
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
