@@ -50,7 +50,7 @@ demo: install
 # own pytest base directory; the reports follow stream A's; any failing
 # fails the run (their directories are kept then).
 ENGINE_A := tests/e2e/test_stop.py tests/e2e/test_serve.py tests/e2e/test_gc.py tests/e2e/test_tiers.py \
-	tests/e2e/test_hybrid.py tests/e2e/test_hybrid_families.py
+	tests/e2e/test_hybrid.py tests/e2e/test_hybrid_families.py tests/e2e/test_pipeline.py
 
 test: install infra-tools
 	@dir=$$(mktemp -d); \

@@ -366,27 +366,39 @@ def group_kinds(client: Any, bucket: str) -> list[str]:
 
 
 def part_keys(client: Any, bucket: str, tokens: list[int], chunk: int) -> dict[int, list[bytes]]:
-    """Each KV cache group's part keys of the whole chunks of ``tokens``."""
+    """Each KV cache group's part keys of the whole chunks of ``tokens`` (one
+    group, the chain keys themselves, where the namespace has no ``kv_groups``)."""
     d = descriptor(client, bucket)
     chain = chain_keys(Namespace.from_fields(d["fields"]), tokens, chunk)
-    return {g: [part_key(k, g) for k in chain] for g in range(len(d["fields"]["kv_groups"]))}
+    return {g: [part_key(k, g) for k in chain] for g in range(len(d["fields"].get("kv_groups", [None])))}
 
 
 def wrong_group(
-    client: Any, bucket: str, prompts: list[list[int]], chunk: int, group: int, rank: int | None = None
+    client: Any,
+    bucket: str,
+    prompts: list[list[int]],
+    chunk: int,
+    group: int,
+    rank: int | None = None,
+    donors: list[list[int]] | None = None,
 ) -> Callable[[str, bytes], bytes]:
     """Negative control, a :func:`copy_bucket` transform: group ``group``'s
     objects of each prompt's chunks (only rank ``rank``'s, if given) get the
-    next stored chunk's pages of that group, the last the first's: valid
-    objects of wrong KV."""
+    next stored chunk's pages of that group, the last the first's (or, with
+    ``donors``, the pages of the same chunk of the donor prompt in their
+    place): valid objects of wrong KV."""
     objects = {
         (parse_object_key(k)[1], parse_object_key(k)[2]): (k, v)
         for k, v in chunk_objects(client, bucket).items()
     }
     donor: dict[tuple[bytes, int], tuple[bytes, int]] = {}
     ranks = {r for _, r in objects if rank in (None, r)}
-    for tokens, r in ((t, r) for t in prompts for r in ranks):
+    for i_prompt, tokens, r in ((i, t, r) for i, t in enumerate(prompts) for r in ranks):
         keys = [k for k in part_keys(client, bucket, tokens, chunk)[group] if (k, r) in objects]
+        if donors is not None:
+            other = part_keys(client, bucket, donors[i_prompt], chunk)[group]
+            donor.update({(k, r): (d, r) for k, d in zip(keys, other, strict=False) if (d, r) in objects})
+            continue
         donor.update({(k, r): (keys[(i + 1) % len(keys)], r) for i, k in enumerate(keys)})
 
     def decoded(key: bytes, r: int) -> tuple[Any, Any]:

@@ -81,8 +81,8 @@ def test_a_fresh_pp2_replica_loads_both_stages_and_wrong_kv_in_one_stage_changes
     stored, pp_dir, model, s3_server, pp_bucket
 ):
     client = s3_server.client()
-    # The second prompt's second-stage shards get another chunk's KV (valid objects, wrong KV).
-    transform = wrong_group(client, pp_bucket, PROMPTS[1:], CHUNK_TOKENS, 0, rank=1)
+    # The second prompt's second-stage shards get the first prompt's KV (valid objects, wrong KV).
+    transform = wrong_group(client, pp_bucket, PROMPTS[1:], CHUNK_TOKENS, 0, rank=1, donors=PROMPTS[:1])
     bucket = copy_bucket(s3_server, pp_bucket, transform)
     got = _run(pp_dir, "load", model, kv_config(s3_server.endpoint_url, bucket))
     assert got["num_cached_tokens"] == [CHUNKS * CHUNK_TOKENS] * 2
