@@ -98,7 +98,7 @@ class WorkerSide:
         """This rank refuses every transfer (its fleet key is not the scheduler side's)."""
         self.publisher: ShardPublisher | None = None
         """This rank's publisher of the chunk objects it creates (with S3; journaled where asked)."""
-        self._steps = StepTimer()
+        self._steps = StepTimer(layout.pp_size)
         """Rank 0: the forwards timed, for the scheduler side's cost model."""
 
     @property

@@ -44,3 +44,11 @@ def test_a_step_without_a_watch_or_tokens_is_not_timed_and_untold_times_are_boun
     for w in watches:
         w.time = 1.0
     assert [t.tokens for t in timer.end()] == list(range(5, KEPT + 5))  # the oldest were let go
+
+
+def test_a_pipelines_first_stage_stands_for_every_stage():
+    timer = StepTimer(stages=2)
+    watch = Watch()
+    timer.begin(watch, StepTokens(512, 512))
+    watch.time = 0.25
+    assert timer.end() == [StepTiming(512, 512, 0.5)]

@@ -23,9 +23,13 @@ class Stopwatch(Protocol):
 
 
 class StepTimer:
-    """The forwards timed, in order, until their times are known."""
+    """The forwards timed, in order, until their times are known. With
+    ``stages`` pipeline stages the first stage's forward is timed, and
+    stands for the pipeline's as ``stages`` times it (vLLM's split balances
+    the stages' layers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stages: int = 1) -> None:
+        self.stages = stages
         self._running: tuple[Stopwatch, StepTokens] | None = None
         """The forward being timed, and what it computes."""
         self._timed: list[tuple[Stopwatch, StepTokens]] = []
@@ -51,5 +55,5 @@ class StepTimer:
             if seconds is None:
                 break
             self._timed.pop(0)
-            out.append(StepTiming(step.tokens, step.context, seconds))
+            out.append(StepTiming(step.tokens, step.context, seconds * self.stages))
         return out
