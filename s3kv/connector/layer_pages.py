@@ -28,14 +28,17 @@ class LayerPages:
         if tensor.stride(-1) != 1:
             raise ConfigError(f"{name}: KV cache tensor's last axis is not contiguous")
         u8 = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
+        # The block axis: of the axes of num_blocks, the one with the largest
+        # stride (another may be as long: a page's bytes, tokens or heads).
         axes = [i for i, n in enumerate(u8.shape) if n == num_blocks]
-        if len(axes) != 1:
+        strides = sorted((u8.stride(i) for i in axes), reverse=True)
+        if not axes or (len(strides) > 1 and strides[0] == strides[1]):
             raise ConfigError(
                 f"{name}: cannot find the block axis of KV cache shape {tuple(tensor.shape)} "
                 f"(num_blocks={num_blocks})"
             )
         self.name = name
-        self.axis = axes[0]
+        self.axis = max(axes, key=u8.stride)
         self.page_bytes = u8.numel() // num_blocks
         self.real_bytes: int | None = None
         """Bytes of a page that hold state, where fewer than the page's (a

@@ -285,3 +285,23 @@ def test_a_shards_heads_are_copied_alone_both_ways(shape, head_axis):
 def test_heads_on_the_block_axis_are_refused():
     with pytest.raises(ConfigError, match="KV heads on axis 0"):
         PageIO({"l0": torch.zeros(12, 4, 16, 32)}, ["l0"], 12, head_axis=0)
+
+
+@pytest.mark.parametrize(
+    "shape,axis",
+    [((256, 2, 32, 128), 0), ((2, 64, 16, 4, 32), 1), ((32, 4, 32, 16), 0)],
+)
+def test_the_block_axis_is_found_where_another_axis_is_as_long(shape, axis):
+    """vLLM's CPU layout with 256 blocks of 256-byte rows (a 64-wide bf16
+    K and V), flash-attn's with as many blocks as bytes in a head, and as
+    many blocks as tokens a block: the block axis is the one of the longest
+    stride, and its pages copy as torch's index ops do."""
+    num_blocks = shape[axis]
+    cache = torch.randint(-100, 100, shape, dtype=torch.int16).to(torch.bfloat16)
+    io = PageIO({"l0": cache}, ["l0"], num_blocks)
+    assert io.layers[0].axis == axis
+    ids = [3, 1, 2]
+    out = np.empty(io.layers[0].page_bytes * len(ids), np.uint8)
+    io.read_into(0, ids, out)
+    want = cache.view(torch.uint8).index_select(axis, torch.tensor(ids))
+    assert np.array_equal(out, want.numpy().reshape(-1))
