@@ -520,7 +520,6 @@ def report(got: dict[str, Any], quick: bool, started: float) -> Result:
         notes=_notes(got, quick),
         bars=table.bars,
         ylabel="ratio (TP 2 / TP 1 per token; TTFT / same-TP hit)",
-        goal_line=1.0,
         seconds=round(time.perf_counter() - started, 1),
     )
 
