@@ -33,6 +33,7 @@ SUITE = (
     "lookup",
     "ttft",
     "hybrid",
+    "parallel",
     "load_policy",
     "load_policy_concurrent",
     "prefetch",
