@@ -44,13 +44,13 @@ demo: install
 # Three streams side by side: two of engine tests (one vLLM engine at a
 # time each; most of an engine test's time is start-up and teardown, not
 # CPU) and the tests that start no engine. Stream A takes the tests that
-# share no session fixture with the others (stops, serve, gc, tiers, and
-# the hybrid families beside Gemma 3); stream B every other engine test,
-# new files included. Each stream has its
+# share no session fixture with the others (stops, serve, gc, tiers, the
+# hybrid families beside Gemma 3, and sharing across TP sizes and MLA);
+# stream B every other engine test, new files included. Each stream has its
 # own pytest base directory; the reports follow stream A's; any failing
 # fails the run (their directories are kept then).
 ENGINE_A := tests/e2e/test_stop.py tests/e2e/test_serve.py tests/e2e/test_gc.py tests/e2e/test_tiers.py \
-	tests/e2e/test_hybrid.py tests/e2e/test_hybrid_families.py tests/e2e/test_pipeline.py
+	tests/e2e/test_hybrid.py tests/e2e/test_hybrid_families.py tests/e2e/test_parallel.py
 
 test: install infra-tools
 	@dir=$$(mktemp -d); \

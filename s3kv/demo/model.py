@@ -160,6 +160,41 @@ def build_llama4(path: str | Path, *, seed: int = 0, **overrides: object) -> Pat
     return _build_family(path, "llama4", ("Llama4TextConfig", "Llama4ForCausalLM"), spec, seed)
 
 
+DEEPSEEK_V2_SPEC = {
+    # DeepSeek V2's multi-head latent attention (MLA): every layer caches one
+    # latent of kv_lora_rank + qk_rope_head_dim values per token, the same on
+    # every TP rank. vLLM's CPU MLA kernel takes only that 576 (512 + 64).
+    # Dense layers only (first_k_dense_replace: every layer): the experts are
+    # not what the tests look at.
+    "vocab_size": 2048,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 128,
+    "first_k_dense_replace": 2,
+    "max_position_embeddings": 8192,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+}
+
+
+def build_deepseek_v2(path: str | Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Write a random DeepSeek V2 (MLA attention) to ``path`` (once: an
+    existing one is reused)."""
+    spec = {**DEEPSEEK_V2_SPEC, **overrides}
+    return _build_family(path, "deepseek_v2", ("DeepseekV2Config", "DeepseekV2ForCausalLM"), spec, seed)
+
+
 def build_model(path: str | Path, *, seed: int = 0, **overrides: int | float) -> Path:
     """Write a random Llama to ``path`` (once: an existing one is reused)."""
     import torch
