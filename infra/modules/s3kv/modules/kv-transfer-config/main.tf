@@ -38,6 +38,7 @@ locals {
     "manifest_max_bytes",
     "model_digest",
     "namespace_salt",
+    "share_across_tp",
     "auth_key_file",
   ]
 
