@@ -286,15 +286,18 @@ def test_one_kv_head_fresh_tp2_replica_loads_it_on_both_ranks(
 # -- 3. MLA: a random DeepSeek V2's latent KV, the same on every rank, stored once
 #
 # vLLM 0.32's CPU MLA does not say a cold run's tokens after a prefix is
-# loaded, whichever connector loads it: measured for this prompt, a TP 1 or
-# TP 2 replica that loads its own TP size's latents (the codec checks their
-# bytes) says the cold run's first token (computed by the prefill over the
-# loaded latents), then other tokens, in bfloat16 and float32 alike; vLLM's
-# own ExampleConnector gives other tokens after a load too (even the first).
-# And TP 1 and TP 2 say different tokens from the first one on, cold (layer
-# 1's latents differ by up to 11 between them; layer 0's are equal). So on
-# tokens these tests assert the first token, which shows whose latents a
-# replica loaded, and the object counts and hits in full.
+# loaded, whichever connector loads it, nor after a hit of its own prefix
+# cache (forced on: vLLM turns it off for MLA on CPU). Measured for this
+# prompt: the latents a replica loads are the cold run's, bit for bit, in
+# every layer; the tokens it then computes are not, because vLLM's CPU
+# rotary embedding on MLA's strided rope slice rotates the i-th token of a
+# forward at position start + 9*i (576 / 64) while that is inside the
+# forward, and leaves the rest unrotated: a token's latent depends on how
+# many tokens share its forward. A replica that loads says the cold run's
+# first token, then other tokens, in bfloat16 and float32 alike. And TP 1
+# and TP 2 say different tokens from the first one on, cold. So on tokens
+# these tests assert the first token, which shows whose latents a replica
+# loaded, and the object counts and hits in full.
 
 MLA = {"block_size": 16}
 """vLLM's CPU MLA kernel takes 16-token blocks only."""
