@@ -11,8 +11,9 @@ shard's object was created."""
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from s3kv.tiering.placement import Tier
@@ -44,7 +45,14 @@ class ShardReports:
             raise ValueError(f"{len(polls)} polls of {self.shards} shards")
         if self.shards == 1:
             return polls[0]
-        out = TierReport()
+        # Sets, lists, sync loads and tier sections add up as over ranks
+        # (TierReport.aggregate); what counts ranks is combined below.
+        out = functools.reduce(TierReport.aggregate, (p.report for p in polls))
+        out.written, out.failed, out.unstarted, out.released = {}, {}, {}, {}
+        out.tier_ok = _most(
+            p.report.tier_ok for p in polls
+        )  # one transfer of the rank's is one of each shard
+        out.tier_failed = _most(p.report.tier_failed for p in polls)
         for p in polls:
             r = p.report
             for (tier, key), n in r.written.items():
@@ -58,20 +66,6 @@ class ShardReports:
                     out.released[key] = 1
                 else:
                     self._released[key] = seen
-            out.missing |= r.missing
-            out.load_failed |= r.load_failed
-            for tier, n in r.tier_ok.items():  # one transfer of the rank's is a transfer of each shard
-                out.tier_ok[tier] = max(out.tier_ok.get(tier, 0), n)
-            for tier, n in r.tier_failed.items():
-                out.tier_failed[tier] = max(out.tier_failed.get(tier, 0), n)
-            out.load_timings += r.load_timings
-            out.step_timings += r.step_timings
-            for req, n in r.sync_loaded.items():
-                out.sync_loaded[req] = out.sync_loaded.get(req, 0) + n
-            sections = TierReport(sections=dict(out.sections)).aggregate(
-                TierReport(sections=dict(r.sections))
-            )
-            out.sections = sections.sections
         finished: dict[str, list[LoadChunk]] = {}
         for p in polls:
             for job, failed in p.finished_loads.items():
@@ -100,6 +94,15 @@ class ShardReports:
         out.failed[(tier, key)] = 1
         if counts[2] == self.shards:  # no shard's write began: nothing of it to delete
             out.unstarted[(tier, key)] = 1
+
+
+def _most(counts: Iterable[dict[Tier, int]]) -> dict[Tier, int]:
+    """Per tier, the most any one shard's engine counted."""
+    out: dict[Tier, int] = {}
+    for c in counts:
+        for tier, n in c.items():
+            out[tier] = max(out.get(tier, 0), n)
+    return out
 
 
 class PublishedShards:
