@@ -82,6 +82,9 @@ class WorkerSide:
         self.shards = rank_shards(config, layout, rank, self.counters, keys)
         """The shards this rank holds (one, unless parts are cut by KV head)."""
         self._combined = ShardReports(len(self.shards))
+        writers = layout.writers
+        self._publishes = (writers.index(self.worker), len(writers)) if self.worker in writers else None
+        """(Its index, how many) among the workers that write shards and publish them; None: it writes none."""
         self.pages: PageIO | None = None
         self._pool_tensor: torch.Tensor | None = None
         self._sync: LayerwiseLoad | None = None
@@ -156,15 +159,14 @@ class WorkerSide:
                 if refusal is not None:
                     self.refusal = refusal
                     self.counters.add("key_mismatch")
-            writers = self.layout.writers
-            if self.publisher is None and meta.writer is not None and self.worker in writers:
+            if self.publisher is None and meta.writer is not None and self._publishes is not None:
                 self.publisher = start_publisher(
                     self.engine,
                     self.config,
                     namespace,
                     meta.writer,
-                    rank=writers.index(self.worker),
-                    ranks=len(writers),
+                    rank=self._publishes[0],
+                    ranks=self._publishes[1],
                     shards=[shard.role.index for shard in self.shards],
                     counters=self.counters,
                 )
