@@ -4,6 +4,7 @@ heads (:class:`LayerPages`); :mod:`s3kv.connector.pages` copies pages with it.""
 
 from __future__ import annotations
 
+import math
 from functools import cached_property
 from typing import Any
 
@@ -94,6 +95,10 @@ class LayerPages:
                 return None
             planes.append(plane.reshape(plane.shape[0], -1))
         return planes
+
+    def frame_bytes(self, n_blocks: int, heads: tuple[int, int] | None = None) -> int:
+        """Bytes of ``n_blocks`` of the layer's pages (of ``heads`` only, where given)."""
+        return math.prod(self.shape_for(n_blocks, heads))
 
     def shape_for(self, n_blocks: int, heads: tuple[int, int] | None = None) -> tuple[int, ...]:
         """The shape of ``n_blocks`` of the layer's pages (of ``heads`` only, where given)."""

@@ -15,7 +15,6 @@ One small interface, two implementations:
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -211,8 +210,7 @@ class PageIO:
         layer = self.layers[layer_index]
         n = len(block_ids)
         if self._stream is not None:
-            nbytes = math.prod(layer.shape_for(n, heads))
-            staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            staging = torch.empty(layer.frame_bytes(n, heads), dtype=torch.uint8, pin_memory=True)
             return PageTarget(
                 [staging.numpy()],  # keeps ``staging`` alive while a reader holds it
                 lambda: self._to_device(layer, block_ids, first, last, staging, after, heads),

@@ -7,7 +7,6 @@ CPU slots and its own objects."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -78,7 +77,7 @@ def configure(
     (``host_buffer(nbytes)``) cut into one pool a shard."""
     bpc = config.chunk_tokens // block_size
     shapes = [layer.shape_for(bpc, shard.heads) for shard in shards]
-    layer_bytes = [math.prod(shape) for shape in shapes]
+    layer_bytes = [layer.frame_bytes(bpc, shard.heads) for shard in shards]
     num_slots = slots_for(config.cpu_bytes, sum(layer_bytes) * frames)
     if num_slots:
         buffer, at = host_buffer(num_slots * sum(layer_bytes) * frames), 0

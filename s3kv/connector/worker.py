@@ -21,7 +21,6 @@ reports are combined into the rank's (:class:`ShardReports`).
 from __future__ import annotations
 
 import logging
-import math
 from typing import TYPE_CHECKING
 
 from s3kv.auth import FleetKeys
@@ -283,7 +282,7 @@ class WorkerSide:
         if tier is not None and place is not None and place.slot is not None:  # copied into its slot
             bufs = tier.stage(place)
         else:
-            nbytes = math.prod(self.pages.layers[0].shape_for(len(s.block_ids), shard.heads))
+            nbytes = self.pages.layers[0].frame_bytes(len(s.block_ids), shard.heads)
             if not engine.accepts(nbytes * frames):
                 return None
             flat = self.pages.host_buffer(nbytes * frames, pinned=True).numpy()
