@@ -10,8 +10,8 @@ so a reader that listed a snapshot a moment ago still finds it."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,15 +36,16 @@ async def write_snapshot(
     next_ts: Callable[[], int],
     keys: FleetKeys | None = None,
     by: str | None = None,
+    offload: Callable[..., Awaitable[Any]] = asyncio.to_thread,
 ) -> ObjectMeta:
     """Write a snapshot of ``live`` (sorted, unique) covering ``horizon``
     under the manifest prefix ``base``, create-only, stamped by ``next_ts``
-    once it is encoded (off the event loop: it may hold millions of keys);
+    once it is encoded (by ``offload``, off the event loop: it may hold millions of keys);
     with ``keys``, signed. ``by`` marks who wrote it (gc's are "gc")."""
     meta = {**horizon.meta(), "writer": writer}
     if by is not None:
         meta["by"] = by
-    body = await asyncio.to_thread(mf.encode, mf.ManifestObject("snapshot", live, meta=meta), keys)
+    body = await offload(mf.encode, mf.ManifestObject("snapshot", live, meta=meta), keys)
     ts = next_ts()
     name = snapshot_name(base, ts, writer)
     await store.put(name, body, mode=PutMode.CREATE)

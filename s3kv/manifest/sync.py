@@ -22,8 +22,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +55,10 @@ from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore, PutMode
 
 log = logging.getLogger("s3kv.manifest")
+
+Offload = Callable[..., Awaitable[Any]]
+"""Runs ``f(*args)`` off the event loop: :func:`asyncio.to_thread`, or
+inline where the loop's time is virtual (the fleet model)."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,11 @@ class ManifestSync:
         writer: str | None = None,
         clock: Callable[[], float] = time.time,
         keys: FleetKeys | None = None,
+        offload: Offload = asyncio.to_thread,
     ) -> None:
         self.store = store
+        self._offload = offload
+        """Where numpy work on millions of keys runs (a thread by default)."""
         self.keys = keys
         """The fleet secret: what is written is signed, only what is signed is read."""
         self.base = base
@@ -153,6 +161,9 @@ class ManifestSync:
         self._snapshot_ts = 0
         self.loaded = False
         self.refreshed_at: float | None = None
+        self._next_publish = 0.0
+        self._next_refresh = 0.0
+        """When (``clock`` seconds) :meth:`tick` next publishes and refreshes."""
         """Wall time the manifest was last up to date with S3 (every segment listed was read)."""
         manifest.sync = self
 
@@ -199,7 +210,7 @@ class ManifestSync:
         if not fetched:
             return 0
         changed = changes(fetched, self._tally)
-        await asyncio.to_thread(self.manifest.fps.update_many, changed)
+        await self._offload(self.manifest.fps.update_many, changed)
         self._applied(fetched)
         return sum(len(added) for added, _ in changed)
 
@@ -248,14 +259,14 @@ class ManifestSync:
         listed = await self._lister.after(start_after)
         todo = [(m.key, m.size) for m in self.reader.sift(listed, "segment", self._now_ms(), self._seen)]
         fetched = await self.reader.segments(todo)
-        live = await asyncio.to_thread(replay, snapshot, fetched, self._tally)
-        await asyncio.to_thread(self.manifest.fps.replace, live)
+        live = await self._offload(replay, snapshot, fetched, self._tally)
+        await self._offload(self.manifest.fps.replace, live)
         self._since_snapshot = 0
         self._applied(fetched)
         self._lister.done()
-        await asyncio.to_thread(self.manifest.fps.merge)
+        await self._offload(self.manifest.fps.merge)
         self.loaded = True
-        self.refreshed_at = time.time()
+        self.refreshed_at = self._clock()
         return len(live)
 
     def _segment_floor(self) -> str:
@@ -270,13 +281,13 @@ class ManifestSync:
         keys = await self._apply(await self.reader.segments(sorted(todo.items()))) if todo else 0
         self._lister.done()
         if not self.reader.retry:
-            self.refreshed_at = time.time()
+            self.refreshed_at = self._clock()
         floor = self.clock_ms - 2 * int(self.s.skew_s * 1000)
         self._seen = {n: ts for n, ts in self._seen.items() if ts >= floor}
         if len(self._tally):
             self._tally.expire(self._lister.floor(self.clock_ms, PARTIAL_TTL_MS))
         if self.manifest.fps.needs_merge():
-            await asyncio.to_thread(self.manifest.fps.merge)
+            await self._offload(self.manifest.fps.merge)
         return keys
 
     # -- writing -----------------------------------------------------------------
@@ -357,7 +368,7 @@ class ManifestSync:
         horizon = Horizon.over(
             (n for n in self._seen if oldest is None or n < oldest), int(self.s.skew_s * 1000)
         )
-        live = await asyncio.to_thread(self.manifest.fps.array)  # a merge: millions of keys
+        live = await self._offload(self.manifest.fps.array)  # a merge: millions of keys
         snap = await write_snapshot(
             self.store,
             self.base,
@@ -366,6 +377,7 @@ class ManifestSync:
             writer=self.writer,
             next_ts=self._stamps.next,
             keys=self.keys,
+            offload=self._offload,
         )
         self._since_snapshot, self._snapshot_ts = 0, name_ts(snap.key) or 0
         self.counters.add("manifest_snapshots_written")
@@ -378,14 +390,31 @@ class ManifestSync:
         return True
 
     # -- the loop ----------------------------------------------------------------
+    def next_due(self) -> float:
+        """When (``clock`` seconds) :meth:`tick` next has something to do."""
+        return min(self._next_publish, self._next_refresh)
+
+    async def tick(self) -> None:
+        """What is due now: a publish, a refresh (and maybe a snapshot)."""
+        now = self._clock()
+        if now >= self._next_publish:
+            self._next_publish = now + self.s.publish_s
+            await self.publish()
+        if now >= self._next_refresh:
+            self._next_refresh = now + self.s.refresh_s
+            await self.refresh()
+            await self.maybe_snapshot()
+
     async def run(self, on_loaded: Callable[[], None] | None = None) -> None:
-        """Load, then publish and refresh forever (until cancelled)."""
+        """Load, then publish and refresh forever (until cancelled). Timed by
+        ``clock`` and :func:`asyncio.sleep` only, so that many replicas' loops
+        can share one event loop whose time is virtual (the fleet model)."""
         retry = self.s.refresh_s
         while not self.loaded:
             try:
-                started = time.monotonic()
+                started = self._clock()
                 n = await self.load()
-                log.info("s3kv: manifest loaded: %d keys in %.2f s", n, time.monotonic() - started)
+                log.info("s3kv: manifest loaded: %d keys in %.2f s", n, self._clock() - started)
             except Exception as e:
                 self.counters.add("manifest_errors")
                 log.warning("s3kv: loading the manifest failed (%s); retrying in %.0f s", e, retry)
@@ -393,21 +422,18 @@ class ManifestSync:
                 retry = min(retry * 2, 60.0)
         if on_loaded is not None:
             on_loaded()
-        next_publish = time.monotonic() + self.s.publish_s
-        next_refresh = time.monotonic() + self.s.refresh_s  # load() just looked
+        now = self._clock()
+        self._next_publish = now + self.s.publish_s
+        self._next_refresh = now + self.s.refresh_s  # load() just looked
+        longest = min(self.s.publish_s, self.s.refresh_s)
         while True:
-            now = time.monotonic()
             try:
-                if now >= next_publish:
-                    next_publish = now + self.s.publish_s
-                    await self.publish()
-                if now >= next_refresh:
-                    next_refresh = now + self.s.refresh_s
-                    await self.refresh()
-                    await self.maybe_snapshot()
+                await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 self.counters.add("manifest_errors")
                 log.warning("s3kv: manifest sync failed (%s); trying again", e)
-            await asyncio.sleep(max(0.05, min(next_publish, next_refresh) - time.monotonic()))
+            # Never longer than an interval: a wall clock stepped back must
+            # not stall the loop.
+            await asyncio.sleep(min(longest, max(0.05, self.next_due() - self._clock())))
