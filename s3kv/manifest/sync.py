@@ -227,6 +227,15 @@ class ManifestSync:
         self._epoch_lister = SegmentLister(store, base, skew_s=self.s.skew_s, clock=clock)
         self._jitter = (xxhash.xxh3_64_intdigest(self.writer.encode()) % 1000) / 1000
         self._warned_ahead = False
+        self._others_ms = 0
+        self._others_new_at = 0
+        """When (this replica's clock, ms) :attr:`_others_ms` last moved."""
+        self._refused_at: float | None = None
+        """When this replica last refused to aggregate (its clock ahead): for
+        a skew margin after, it only asks for epochs."""
+        """The newest stamp of another replica's seen: its segments listed, the
+        epochs it wrote (their clocks when they did). This replica aggregates
+        no epoch while its clock is more than the skew margin past it."""
         manifest.sync = self
 
     @property
@@ -414,8 +423,14 @@ class ManifestSync:
             self.counters.add("manifest_errors")
             log.warning("s3kv: fetching manifest epoch %s failed (%s); trying again", name, err)
             return "failed", None
+        if epoch.writer != self.writer:
+            self._saw_others(epoch.ts)
         self.counters.add("manifest_epochs_read")
         return "ok", epoch
+
+    def _saw_others(self, ts: int) -> None:
+        if ts > self._others_ms:
+            self._others_ms, self._others_new_at = ts, self._now_ms()
 
     def _bad_epoch(self, name: str, err: Exception) -> tuple[str, None]:
         self.counters.add("manifest_epochs_skipped")
@@ -439,23 +454,28 @@ class ManifestSync:
         """The segments epoch ``e`` covers, listed and read: stamped up to
         its end, from ``lookback`` before its start, none an earlier epoch
         covered. With ``check_clock``, None when this replica's clock looks
-        far ahead of the fleet's: the other writers' newest stamp is more
-        than the skew margin behind it."""
+        far ahead of the fleet's: the newest stamp of other replicas' it has
+        seen (segments listed now, epochs they wrote) is more than the skew
+        margin behind it. (None seen at all: a fleet of one, or a new one.)"""
         now_ms = self._now_ms()
         skew_ms = int(self.s.skew_s * 1000)
         self._epoch_lister.restart()
         listed = await self._epoch_lister.after(self._epoch_lister.floor(epoch_start(e, self.e_ms), self._lookback_ms))
-        if check_clock:
-            others = [
-                p.ts
-                for m in listed
-                if (p := parse_name(self.base, m.key, directory=self.store.directory)) is not None
-                and p.kind == "segment"
-                and replica_of(p.writer) != self.writer
-                and p.ts <= now_ms + skew_ms
-            ]
-            if others and max(others) < now_ms - skew_ms:
-                return None
+        others = [
+            p.ts
+            for m in listed
+            if (p := parse_name(self.base, m.key, directory=self.store.directory)) is not None
+            and p.kind == "segment"
+            and replica_of(p.writer) != self.writer
+            and p.ts <= now_ms + skew_ms
+        ]
+        self._saw_others(max(others, default=0))
+        if (
+            check_clock
+            and self._others_ms < now_ms - skew_ms
+            and now_ms - self._others_new_at < skew_ms  # the fleet is still there: not a fleet of one now
+        ):
+            return None
         end = epoch_end(e, self.e_ms)
         todo = [
             (m.key, m.size)
@@ -486,21 +506,24 @@ class ManifestSync:
     def _next(self, e: int) -> None:
         self.next_epoch, self._epoch_gets = e + 1, 0
 
-    async def aggregate(self, e: int) -> int:
+    async def aggregate(self, e: int) -> int | None:
         """Write epoch ``e`` (create-only: of racing aggregators one wins; a
         loser reads the winner's), apply it, and, every ``snapshot_epochs``,
-        snapshot. Returns the fingerprints added."""
+        snapshot. Returns the fingerprints added; None when this replica's
+        clock looks far ahead of the fleet's (it writes nothing: the epoch
+        is left to the others, and read when they have written it)."""
         members = await self._segments_of(e, check_clock=True)
         if members is None:
             self.counters.add("manifest_epochs_refused")
+            self._refused_at = self._clock()
             if not self._warned_ahead:
                 self._warned_ahead = True
                 log.warning(
                     "s3kv: this replica's clock looks more than %.0f s ahead of the fleet's (the other "
-                    "replicas' newest segments are older than that); not aggregating manifest epochs",
+                    "replicas' newest stamps are older than that); leaving manifest epochs to them",
                     self.s.skew_s,
                 )
-            return await self._cover(e, await self._segments_of(e, check_clock=False))
+            return None
         epoch = me.Epoch(e, self.e_ms, self.writer, self._now_ms(), members)
         body: bytes = await self._offload(me.encode, self.base, epoch, self.keys)
         name = epoch_name(self.base, e, self.e_ms)
@@ -530,17 +553,23 @@ class ManifestSync:
         if now < min(aggregate_at, read_at):
             self._epoch_due = min(aggregate_at, read_at)
             return None
-        if self._epoch_gets == 0 or now < aggregate_at:
+        refused = self._refused_at is not None and now - self._refused_at < self.s.skew_s
+        if self._epoch_gets == 0 or now < aggregate_at or refused:
             self._epoch_gets += 1
             status, epoch = await self._get_epoch(e)
             if status == "ok" and epoch is not None:
                 return await self._read(e, epoch)
             if status == "bad":
                 return await self._cover(e)
-            if now < aggregate_at:
-                self._epoch_due = min(aggregate_at, now + self.s.epoch_retry_s)
+            if now < aggregate_at or refused:
+                self._epoch_due = now + self.s.epoch_retry_s
+                if not refused:
+                    self._epoch_due = min(aggregate_at, self._epoch_due)
                 return None
-        return await self.aggregate(e)
+        keys = await self.aggregate(e)
+        if keys is None:
+            self._epoch_due, self._epoch_gets = now + self.s.epoch_retry_s, 0
+        return keys
 
     async def _advance(self) -> int:
         """Every epoch due by now, in order."""
