@@ -1,6 +1,10 @@
 """Epoch objects (s3kv.manifest.epochs): a round trip, and every epoch that
 is not what its name says refused."""
 
+import contextvars
+import dataclasses
+import random
+
 import numpy as np
 import pytest
 
@@ -126,11 +130,18 @@ T0 = 1_700_000_000.0
 def bucket_kind(request):
     """As tests/unit/test_manifest_sync.py's: both kinds of bucket."""
 
+    stores = []
+
     def make(inner=None):
         inner = MemoryStore() if inner is None else inner
-        return DirectoryBucketStore(inner) if request.param == "directory" else inner
+        store = DirectoryBucketStore(inner) if request.param == "directory" else inner
+        stores.append(store)
+        return store
 
-    return make
+    yield make
+    for store in stores:
+        if store.directory:
+            assert store.start_after_ignored == 0 and store.listed
 
 
 class Clock:
@@ -141,10 +152,17 @@ class Clock:
         return self.t
 
 
+async def inline(f, *args):
+    """The fleet model's offload: numpy work on the event loop itself."""
+    return f(*args)
+
+
 def replica(store, clock, writer, keys=None, **kw):
     kw.setdefault("protocol", "epochs")
     settings = SyncSettings(publish_s=PUBLISH_S, refresh_s=PUBLISH_S, skew_s=SKEW_S, **kw)
-    return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=clock, keys=keys)
+    return ManifestSync(
+        store, BASE, Manifest(), settings, writer=writer, clock=clock, keys=keys, offload=inline
+    )
 
 
 def run(coro):
@@ -441,3 +459,180 @@ def test_a_replica_whose_clock_is_behind_loses_nothing():
     every = [key(i) for i in range(6)] + [key(200 + i) for i in range(6)]
     for r in (a, b, slow):
         assert all(k in r.manifest for k in every), r.writer
+
+
+class LatePuts(MemoryStore):
+    """Segment PUTs that land ``late_s`` after they were sent (chosen by
+    ``late``): the writer's PUT call returns only then, as a slow S3's does,
+    while the other replicas go on."""
+
+    def __init__(self, clock, late, late_s):
+        super().__init__()
+        self.clock, self.late, self.late_s = clock, late, late_s
+        self.waiting = []
+        self.tasks = {}
+        """Each replica's tick under way (:func:`drive_concurrently`)."""
+
+    async def put(self, key, data, *, mode=PutMode.OVERWRITE):
+        if "/seg/" in key and self.late(key):
+            landed = asyncio.get_running_loop().create_future()
+            self.waiting.append((self.clock.t + self.late_s, landed))
+            await landed
+        return await super().put(key, data, mode=mode)
+
+    def land(self):
+        now = [(t, f) for t, f in self.waiting if t <= self.clock.t]
+        self.waiting = [(t, f) for t, f in self.waiting if t > self.clock.t]
+        for _, f in now:
+            f.set_result(None)
+
+
+async def drive_concurrently(replicas, clock, store, until, step=0.05):
+    """Each replica's loop as its own task (tick when due; an error counted),
+    on ``clock``: a replica waiting for a late PUT holds only itself up."""
+    tasks = store.tasks
+
+    async def tick(r):
+        try:
+            await r.tick()
+        except Exception:
+            r.counters.add("manifest_errors")
+
+    while clock.t < until:
+        for r in replicas:
+            if (r not in tasks or tasks[r].done()) and r._clock() >= r.next_due():
+                tasks[r] = asyncio.ensure_future(tick(r))
+        for _ in range(1000):  # until every task is done or waits for its PUT to land
+            await asyncio.sleep(0)
+            if sum(not t.done() for t in tasks.values()) == len(store.waiting):
+                break
+        else:
+            raise AssertionError("a replica's tick neither ends nor waits for a PUT")
+        clock.t = round(clock.t + step, 6)
+        store.land()
+    for _ in range(100):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_clocks_a_margin_apart_and_late_puts_lose_no_key(seed):
+    """Ten replicas whose clocks are up to the skew margin apart, a third of
+    the segment PUTs landing 0.45 of the margin late: every fingerprint any
+    replica published reaches every replica."""
+    rng = random.Random(seed)
+    clock = Clock()
+    store = LatePuts(clock, lambda _key: rng.random() < 0.3, 0.45 * SKEW_S)
+
+    def skewed(offset):
+        return lambda: clock.t + offset
+
+    replicas = [replica(store, skewed(rng.uniform(-0.5, 0.5) * SKEW_S), f"r{i:03d}") for i in range(10)]
+    published = set()
+
+    async def go():
+        await start(replicas, clock)
+        n = 0
+        for _ in range(40):
+            for r in rng.sample(replicas, 4):
+                r.manifest.add(key(n))
+                published.add(n)
+                n += 1
+            await drive_concurrently(replicas, clock, store, clock.t + rng.uniform(0.2, 1.5))
+        await drive_concurrently(replicas, clock, store, clock.t + 2 * SKEW_S)
+
+    run(go())
+    for r in replicas:
+        missing = [i for i in sorted(published) if key(i) not in r.manifest]
+        assert not missing, (r.writer, missing)
+    written = sum(r.counters.totals().get("manifest_epochs_written", 0) for r in replicas)
+    assert written >= 40  # epochs carried them, not a fallback
+
+
+def test_an_older_replica_reading_segments_and_a_new_one_reading_epochs_share_every_chunk(bucket_kind):
+    store = bucket_kind()
+    clock = Clock()
+    old = replica(store, clock, "oldr", protocol="segments")
+    new, other = replica(store, clock, "neww"), replica(store, clock, "othr")
+
+    async def go():
+        await start([old, new, other], clock)
+        old._next_refresh = clock.t + PUBLISH_S
+        for i in range(5):
+            old.manifest.add(key(i))
+            new.manifest.add(key(100 + i))
+            await drive([old, new, other], clock, clock.t + 1)
+        await drive([old, new, other], clock, clock.t + 4)
+
+    run(go())
+    every = [key(i) for i in range(5)] + [key(100 + i) for i in range(5)]
+    for r in (old, new, other):
+        assert all(k in r.manifest for k in every), r.writer
+    assert not old.counters.totals().get("manifest_epochs_read")  # the old one never reads epochs
+    assert epochs_in(store)
+
+
+WHO = contextvars.ContextVar("who", default="")
+"""The replica whose tick runs (tasks it starts inherit it)."""
+
+
+async def tick_as(r):
+    WHO.set(r.writer)
+    await r.tick()
+
+
+@dataclasses.dataclass
+class CountingStore(WrappedStore):
+    """Counts GETs and LISTs by the replica that sent them (:data:`WHO`)."""
+
+    by: dict = dataclasses.field(default_factory=dict)
+
+    def _count(self, what):
+        who = WHO.get()
+        self.by.setdefault(who, {"get": 0, "list": 0})[what] += 1
+
+    async def get(self, key, range=None):
+        self._count("get")
+        return await super().get(key, range)
+
+    async def list(self, prefix="", *, start_after=None):
+        self._count("list")
+        async for m in super().list(prefix, start_after=start_after):
+            yield m
+
+
+@pytest.mark.parametrize("n", [4, 16])
+def test_a_replicas_gets_per_epoch_do_not_grow_with_the_fleet(n):
+    """Every replica publishes every interval. Reading segments, each would
+    GET n of them an interval; reading epochs, a replica GETs about one
+    epoch (and a retry) an interval, plus an aggregator's n now and then:
+    per replica, a constant on average, whatever n."""
+    store = CountingStore(MemoryStore())
+    clock = Clock()
+    replicas = [replica(store, clock, f"r{i:03d}") for i in range(n)]
+    epochs = 20
+
+    async def go():
+        await start(replicas, clock)
+        await drive(replicas, clock, clock.t + 3)
+        store.by.clear()
+        for i in range(epochs):
+            for j, r in enumerate(replicas):
+                r.manifest.add(key(i * 1000 + j))
+            await drive_named(replicas, clock, clock.t + 1)
+
+    async def drive_named(rs, clock, until, step=0.05):
+        while clock.t < until:
+            for r in rs:
+                if r._clock() >= r.next_due():
+                    await asyncio.create_task(tick_as(r))
+            clock.t = round(clock.t + step, 6)
+
+    run(go())
+    gets = [store.by.get(r.writer, {"get": 0})["get"] for r in replicas]
+    lists = [store.by.get(r.writer, {"list": 0})["list"] for r in replicas]
+    # Mean per replica per epoch: one epoch GET, a retry, n segment GETs for the 1/n-th it aggregates.
+    assert sum(gets) / n / epochs <= 4, gets
+    assert max(gets) / epochs <= 4 + n, gets  # no replica reads every segment every interval
+    assert sum(lists) / n / epochs <= 1.5, lists
+    for r in replicas:
+        assert all(key(i * 1000 + j) in r.manifest for i in range(epochs - 3) for j in range(n))
