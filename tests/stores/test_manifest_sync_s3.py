@@ -101,3 +101,46 @@ async def test_junk_in_a_real_bucket_neither_stops_a_warm_start_nor_sharing(s3_s
         assert len(ours) == 2 and all(mp.name_ts(m.key) <= int(clock[0] * 1000) for m in ours)
     finally:
         await store.close()
+
+
+async def test_replicas_share_through_epochs_on_a_real_bucket(s3_server, bucket):
+    """Protocol "epochs" against a real S3 server: the create-only PUT of an
+    epoch (If-None-Match), two replicas sharing through epoch objects, a
+    third starting from the snapshot and the epochs after it."""
+    options = S3Options(endpoint_url=s3_server.endpoint_url, region="us-east-1")
+    store = WrappedStore(S3Store(bucket, options))
+    clock = [time.time()]
+    try:
+        settings = SyncSettings(protocol="epochs", publish_s=1, refresh_s=1, skew_s=SKEW_S, snapshot_epochs=3)
+
+        def epochs_replica(writer):
+            return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=lambda: clock[0])
+
+        a, b = epochs_replica("aaaa"), epochs_replica("bbbb")
+        for r in (a, b):
+            await r.load()
+        for i in range(6):
+            a.manifest.add(key(i))
+            b.manifest.add(key(100 + i))
+            for _ in range(10):
+                clock[0] += 0.1
+                for r in (a, b):
+                    if clock[0] >= r.next_due():
+                        await r.tick()
+        for _ in range(40):
+            clock[0] += 0.1
+            for r in (a, b):
+                if clock[0] >= r.next_due():
+                    await r.tick()
+        every = [key(i) for i in range(6)] + [key(100 + i) for i in range(6)]
+        assert all(k in a.manifest and k in b.manifest for k in every)
+        epochs = [m.key async for m in store.list(BASE + "ep/")]
+        assert len(epochs) >= 6 and all(mp.parse_name(BASE, n).kind == "epoch" for n in epochs)
+        assert [m.key async for m in store.list(BASE + "snap/")]
+        store.gets.clear()
+        c = epochs_replica("cccc")
+        await c.load()
+        assert all(k in c.manifest for k in every)
+        assert not [g for g in store.gets if "/seg/" in g.key]  # a snapshot and epochs, no segment
+    finally:
+        await store.close()

@@ -323,6 +323,7 @@ def _not_defaults() -> S3KVConfig:
             "manifest_refresh_s": 3,
             "manifest_clock_skew_s": 30,
             "manifest_max_bytes": "2MiB",
+            "manifest_protocol": "segments",
         }
     )
 
@@ -365,8 +366,9 @@ def test_settings_objects_are_cut_from_the_config():
         },
     )
     assert SyncSettings.from_config(c) == SyncSettings(
-        publish_s=2, refresh_s=3, skew_s=30, max_object_bytes=2 << 20
+        publish_s=2, refresh_s=3, skew_s=30, max_object_bytes=2 << 20, protocol="segments"
     )
+    assert SyncSettings.from_config(S3KVConfig()).protocol == "epochs"
     ns = Namespace.from_fields({"model": "m"})
     p = Planner.from_config(c, namespace=ns, block_size=16)
     assert (p.chunk_tokens, p.promote, p.save_generated) == (64, False, False)
@@ -388,7 +390,9 @@ def test_settings_built_by_hand_default_to_the_config_defaults():
 
     defaults = S3KVConfig()
     assert S3Options() == S3Options.from_config(defaults)
-    assert SyncSettings() == SyncSettings.from_config(defaults)
+    # but the manifest protocol: a config reads epochs, a SyncSettings built
+    # by hand (tests, tools) reads segments, as s3kv did before epochs.
+    assert SyncSettings(protocol="epochs") == SyncSettings.from_config(defaults)
     assert EngineSettings(
         None, defaults.prefix, 0, 4, wings={Tier.S3: S3Settings()}
     ) == EngineSettings.from_config(defaults, rank=0, num_layers=4)

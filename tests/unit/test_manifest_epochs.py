@@ -4,6 +4,7 @@ is not what its name says refused."""
 import contextvars
 import dataclasses
 import random
+import time
 
 import numpy as np
 import pytest
@@ -636,3 +637,36 @@ def test_a_replicas_gets_per_epoch_do_not_grow_with_the_fleet(n):
     assert sum(lists) / n / epochs <= 1.5, lists
     for r in replicas:
         assert all(key(i * 1000 + j) in r.manifest for i in range(epochs - 3) for j in range(n))
+
+
+def test_the_loop_of_each_replica_carries_keys_through_epochs_on_the_wall_clock():
+    """ManifestSync.run (load, then tick when due) on the real clock: a key
+    one replica stores reaches the other within a few intervals."""
+    store = MemoryStore()
+    fast = dict(publish_s=0.2, refresh_s=0.2, skew_s=2.0, settle_s=0.05, grace_step_s=0.05)
+
+    def looping(writer):
+        settings = SyncSettings(protocol="epochs", **fast)
+        return ManifestSync(store, BASE, Manifest(), settings, writer=writer)
+
+    a, b = looping("aaaa"), looping("bbbb")
+
+    async def go():
+        tasks = [asyncio.ensure_future(r.run()) for r in (a, b)]
+        try:
+            while not (a.loaded and b.loaded):
+                await asyncio.sleep(0.01)
+            a.manifest.add(key(1))
+            started = time.monotonic()
+            while key(1) not in b.manifest and time.monotonic() - started < 20:
+                await asyncio.sleep(0.01)
+            return time.monotonic() - started
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    took = run(go())
+    assert key(1) in b.manifest, took
+    assert took < 3 * 0.2 + 0.05 + 1.0, took  # two intervals, the settle, a grace or two (a slow CI)
+    assert epochs_in(store)
