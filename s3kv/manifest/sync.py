@@ -8,6 +8,21 @@ segments newer than the newest it has seen, less a clock-skew margin, and
 applies the ones it has not. Nothing here runs in vLLM's scheduling loop:
 the loop only reads the in-memory :class:`~s3kv.manifest.keyset.Manifest`.
 
+That is protocol "segments" (``SyncSettings.protocol``), every replica
+reading every segment: N requests a replica an interval. Protocol "epochs"
+(the config's default, ``manifest_protocol``) publishes the same segments
+but reads them through epoch objects (:mod:`s3kv.manifest.epochs`): time is
+cut into epochs of ``publish_s``; a ``settle_s`` after an epoch ends, one
+replica (candidates ranked by a hash of the epoch and the replica, each
+next one a ``grace_step_s`` later) lists the segments from a lookback of
+twice the skew margin before it, leaves out those earlier epochs named,
+and writes them as epoch ``e`` with a create-only PUT; every other replica
+GETs that one object. An epoch that does not read is covered from the
+segments by each reader alone; a replica whose clock runs far ahead of
+every other's stamps writes no epoch. Start-up: the newest snapshot
+(meta ``epoch``), then the epochs after it, many GETs in flight; the
+segments themselves where epochs are missing long after their end.
+
 A bucket holds more than s3kv wrote: what is skipped, how it is counted
 and what is retried is :mod:`s3kv.manifest.reader`'s. What the log says is
 :func:`~s3kv.manifest.replay.replay`'s, which gc's compaction reads it with

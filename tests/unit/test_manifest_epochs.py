@@ -553,7 +553,7 @@ def test_an_older_replica_reading_segments_and_a_new_one_reading_epochs_share_ev
     store = bucket_kind()
     clock = Clock()
     old = replica(store, clock, "oldr", protocol="segments")
-    new, other = replica(store, clock, "neww"), replica(store, clock, "othr")
+    new, other = (replica(store, clock, w, snapshot_epochs=3) for w in ("neww", "othr"))
 
     async def go():
         await start([old, new, other], clock)
@@ -570,6 +570,13 @@ def test_an_older_replica_reading_segments_and_a_new_one_reading_epochs_share_ev
         assert all(k in r.manifest for k in every), r.writer
     assert not old.counters.totals().get("manifest_epochs_read")  # the old one never reads epochs
     assert epochs_in(store)
+    # An older replica starting now starts from the newest snapshot, which
+    # the epochs' aggregators wrote (their legacy horizon), and the segments after it.
+    (newest, *_) = sorted(run(store.list_keys(BASE + "snap/")), reverse=True)
+    assert "epoch" in mf.decode(run(store.get(newest))).meta
+    late = replica(store, clock, "late", protocol="segments")
+    run(late.load())
+    assert all(k in late.manifest for k in every)
 
 
 WHO = contextvars.ContextVar("who", default="")
