@@ -459,7 +459,7 @@ class ManifestSync:
         epochs leave them out. Returns those not applied yet."""
         for name, _ in members:
             parsed = parse_name(self.base, name)
-            if parsed is not None:
+            if parsed is not None and not parsed.writer.startswith("gc"):  # gc's runs aggregate nothing
                 self._candidates[replica_of(parsed.writer)] = e
             if covered:
                 self._covered[name] = e
@@ -595,7 +595,10 @@ class ManifestSync:
         keys = 0
         while (got := await self._step()) is not None:
             keys += got
-        self.refreshed_at = self._clock()
+        # Up to date: every epoch its aggregators have had time to write, read.
+        late_ms = int((self.s.settle_s + (self.s.max_rank + 4) * self.s.grace_step_s) * 1000)
+        if self.next_epoch > self._last_closed(self._now_ms() - late_ms):
+            self.refreshed_at = self._clock()
         self._forget()
         if self.manifest.fps.needs_merge():
             await self._offload(self.manifest.fps.merge)
@@ -813,6 +816,7 @@ class ManifestSync:
             await self.publish()
         if self.epochs:
             if now >= self._epoch_due:
+                self._epoch_due = now + self.s.epoch_retry_s  # unless it says when (S3 down: not at once)
                 await self._advance()
         elif now >= self._next_refresh:
             self._next_refresh = now + self.s.refresh_s

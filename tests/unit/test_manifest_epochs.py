@@ -677,3 +677,22 @@ def test_the_loop_of_each_replica_carries_keys_through_epochs_on_the_wall_clock(
     assert key(1) in b.manifest, took
     assert took < 3 * 0.2 + 0.05 + 1.0, took  # two intervals, the settle, a grace or two (a slow CI)
     assert epochs_in(store)
+
+
+def test_what_a_replica_remembers_of_epochs_stays_within_the_lookback():
+    store = MemoryStore()
+    clock = Clock()
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+    lookback_epochs = int(2 * SKEW_S / PUBLISH_S)
+
+    async def go():
+        await start([a, b], clock)
+        for i in range(3 * lookback_epochs):
+            a.manifest.add(key(i))
+            await drive([a, b], clock, clock.t + PUBLISH_S)
+
+    run(go())
+    assert all(key(i) in b.manifest for i in range(3 * lookback_epochs - 3))
+    for r in (a, b):
+        assert 0 < len(r._covered) <= lookback_epochs + 3, len(r._covered)
+        assert len(r._seen) <= lookback_epochs + 3, len(r._seen)
