@@ -696,3 +696,29 @@ def test_what_a_replica_remembers_of_epochs_stays_within_the_lookback():
     for r in (a, b):
         assert 0 < len(r._covered) <= lookback_epochs + 3, len(r._covered)
         assert len(r._seen) <= lookback_epochs + 3, len(r._seen)
+
+
+def test_a_hole_after_the_snapshot_is_read_from_the_segments(bucket_kind):
+    """The fleet wrote epochs and a snapshot, then a replica published and
+    every replica stopped before the epoch after was written; an hour later
+    a new one starts: the missing epochs are a hole it lists segments for."""
+    store = bucket_kind()
+    clock = Clock()
+    a, b = replica(store, clock, "aaaa", snapshot_epochs=2), replica(store, clock, "bbbb", snapshot_epochs=2)
+
+    async def go():
+        await start([a, b], clock)
+        for i in range(5):
+            a.manifest.add(key(i))
+            await drive([a, b], clock, clock.t + PUBLISH_S)
+        a.manifest.add(key(99))
+        await a.publish()  # then the fleet stops
+        clock.t += 3600
+        c = replica(store, clock, "cccc")
+        await c.load()
+        return c
+
+    c = run(go())
+    assert run(store.list_keys(BASE + "snap/"))
+    assert all(key(i) in c.manifest for i in (0, 1, 2, 3, 4, 99))
+    assert c.next_epoch >= mp.epoch_of(int(clock.t * 1000), 1000) - int(2 * SKEW_S)
