@@ -20,7 +20,7 @@ Under ``{prefix}/{namespace}/manifest/`` (:func:`manifest_prefix`):
   :mod:`s3kv.manifest.epochs`): every segment stamped up to the end of
   epoch ``e`` (stamps ``[e*e_ms, (e+1)*e_ms)``) that no earlier epoch
   covered, merged into one object by one replica (:func:`epoch_name`).
-  ``e_ms`` is six digits, ``e`` twelve; replicas configured with another
+  ``e_ms`` is six digits (more for epochs over 1000 s), ``e`` twelve; replicas configured with another
   ``e_ms`` form a chain of their own.
 
 ``ts`` is milliseconds since the epoch, zero-padded, so names sort by time.
@@ -87,12 +87,7 @@ def snapshot_name(base: str, ts_ms: int, writer: str) -> str:
 
 def epoch_ms(publish_s: float) -> int:
     """The length of an epoch (ms) for replicas publishing every ``publish_s``."""
-    e_ms = round(publish_s * 1000)
-    if not 0 < e_ms < 10**EPOCH_MS_DIGITS:
-        raise ValueError(
-            f"an epoch of {e_ms} ms does not fit its name (1 ms to {10**EPOCH_MS_DIGITS - 1} ms)"
-        )
-    return e_ms
+    return max(1, round(publish_s * 1000))
 
 
 def epoch_of(ts_ms: int, e_ms: int) -> int:
@@ -122,7 +117,8 @@ def parse_epoch(base: str, key: str) -> tuple[int, int] | None:
     m = _EPOCH.fullmatch(key[len(base) + len(EPOCHS) :])
     if m is None or int(m.group(1)) == 0:
         return None
-    return int(m.group(2)), int(m.group(1))
+    e, e_ms = int(m.group(2)), int(m.group(1))
+    return (e, e_ms) if epoch_name(base, e, e_ms) == key else None  # one name per epoch
 
 
 def access_hour(ts_ms: int) -> str:
@@ -182,7 +178,7 @@ _NAMES = {
 }
 
 
-_EPOCH = re.compile(rf"([0-9]{{{EPOCH_MS_DIGITS}}})/([0-9]{{{EPOCH_DIGITS}}})")
+_EPOCH = re.compile(rf"([0-9]{{{EPOCH_MS_DIGITS},9}})/([0-9]{{{EPOCH_DIGITS}}})")
 
 
 def parse_name(base: str, key: str, *, directory: bool | None = None) -> ManifestName | None:

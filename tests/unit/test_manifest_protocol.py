@@ -132,5 +132,13 @@ def test_epoch_names_parse_back_and_sort_by_epoch():
     assert mp.epoch_name(BASE, 9, 5000) < name < mp.epoch_name(BASE, 100, 5000)
     assert mp.epoch_of(mp.epoch_start(42, 5000), 5000) == 42 == mp.epoch_of(mp.epoch_end(42, 5000), 5000)
     assert mp.epoch_ms(5.0) == 5000 and mp.epoch_ms(0.25) == 250
-    for junk in (BASE + "ep/", BASE + "ep/5000/000000000042", BASE + "ep/000000/000000000001", name + "x"):
+    long = mp.epoch_name(BASE, 3, 3_600_000)  # an hour's epochs: a wider name, parsed back
+    assert mp.parse_epoch(BASE, long) == (3, 3_600_000)
+    for junk in (
+        BASE + "ep/",
+        BASE + "ep/5000/000000000042",
+        BASE + "ep/0005000/000000000042",  # the same epoch under a second name
+        BASE + "ep/000000/000000000001",
+        name + "x",
+    ):
         assert mp.parse_name(BASE, junk) is None and mp.parse_epoch(BASE, junk) is None, junk
