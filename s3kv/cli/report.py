@@ -217,7 +217,14 @@ def stats_cmd(s: Settings, namespaces: tuple[str, ...], sample: int) -> int:
                 "epoch chains (one per publish interval the fleet's replicas run with)",
                 ["namespace", "epoch length", "epochs", "bytes", "newest epoch", "behind"],
                 [
-                    [ns, f"{c['e_ms']} ms", c["epochs"], out.size(c["bytes"]), c["newest_epoch"], out.ago(c["behind_s"])]
+                    [
+                        ns,
+                        f"{c['e_ms']} ms",
+                        c["epochs"],
+                        out.size(c["bytes"]),
+                        c["newest_epoch"],
+                        out.ago(c["behind_s"]),
+                    ]
                     for ns, c in chains
                 ],
                 right=["epochs", "bytes", "newest epoch"],

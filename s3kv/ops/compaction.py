@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -122,7 +122,7 @@ def _needed(name: str) -> Iterator[None]:
         raise Unread(str(e) if name in str(e) else f"{name}: {e}") from e
 
 
-def _count(value: Any) -> bool:
+def _count(value: Any) -> TypeGuard[int]:
     """Whether a header's value is a whole number >= 0 (JSON's true is not)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -322,9 +322,7 @@ class _Namespace:
         epochs = await self.stale_epochs(kept, now_ms)
         if lease is not None:
             lease.check()
-        bad = await delete_keys(
-            self.store, old + stale + epochs, concurrency=self.s.concurrency, lease=lease
-        )
+        bad = await delete_keys(self.store, old + stale + epochs, concurrency=self.s.concurrency, lease=lease)
         self.done.failed += bad
         self.done.segments_deleted += len(set(old) - set(bad))
         self.done.snapshots_deleted += len(set(stale) - set(bad))

@@ -205,9 +205,7 @@ def plan(inv: Inventory, policy: Policy, now: float, uploads: Iterable[Upload] =
 
 def _recent_manifest(info: NamespaceInfo, now: float, policy: Policy) -> bool:
     """A segment, epoch or access record newer than the guard: a replica is writing."""
-    return any(
-        now - o.last_modified < policy.min_age_s for o in (*info.segments, *info.epochs, *info.access)
-    )
+    return any(now - o.last_modified < policy.min_age_s for o in (*info.segments, *info.epochs, *info.access))
 
 
 def monthly_cost(n_bytes: int, price_per_gib_month: float = DEFAULT_PRICE_PER_GIB_MONTH) -> float:
