@@ -177,6 +177,9 @@ class _Namespace:
     ) -> None:
         self.store, self.info, self.stamps, self.s, self.done = store, info, stamps, s, done
         self._reads: dict[str, mf.ManifestObject | S3KVError] = {}
+        self._heads: dict[str, dict[str, Any]] = {}
+        """Snapshots' headers read this compaction (with the fleet secret a
+        snapshot is read whole to check its MAC: once, not once a use)."""
 
     async def segment(self, m: ObjectMeta) -> mf.ManifestObject:
         """A segment, read once a compaction (the orphan check and the live
@@ -195,9 +198,13 @@ class _Namespace:
     async def head(self, m: ObjectMeta) -> dict[str, Any] | None:
         """A snapshot's header; None when it has none to give (gone,
         corrupt or oversized, of a newer format)."""
+        if m.key in self._heads:
+            return self._heads[m.key]
         try:
             with _needed(m.key):
-                return (await read_manifest_head(self.store, m, self.s.keys, self.s.max_bytes))[3]
+                meta = (await read_manifest_head(self.store, m, self.s.keys, self.s.max_bytes))[3]
+                self._heads[m.key] = meta
+                return meta
         except PermissionDenied:
             raise  # refused for gc's own credentials (_needed let it through)
         except S3KVError:
@@ -294,6 +301,7 @@ class _Namespace:
             try:
                 with _needed(cover.key):
                     snap = await read_manifest(self.store, cover, self.s.keys, self.s.max_bytes)
+                self._heads[cover.key] = snap.meta
                 cover_horizon = Horizon.last_of(snap.meta)
             except (NotFound, CorruptManifest):
                 cover_horizon = ""
@@ -383,9 +391,9 @@ class _Namespace:
         if snapshot is not None:
             # None that reads: every chunk is checked; one unread: no compaction.
             with _needed(snapshot.key), contextlib.suppress(NotFound, CorruptManifest):
-                named.update(
-                    (await read_manifest(self.store, snapshot, self.s.keys, self.s.max_bytes)).added.tolist()
-                )
+                snap = await read_manifest(self.store, snapshot, self.s.keys, self.s.max_bytes)
+                self._heads[snapshot.key] = snap.meta
+                named.update(snap.added.tolist())
         for m in new:
             try:
                 named.update((await self.segment(m)).added.tolist())
