@@ -64,7 +64,7 @@ from s3kv.stores.base import ObjectStore
     "--compact/--no-compact",
     default=True,
     show_default=True,
-    help="Snapshot each namespace's manifest, drop merged segments, merge old access records.",
+    help="Snapshot each namespace's manifest, drop merged segments and old epochs, merge old access records.",
 )
 @click.option(
     "--segment-min-age",
@@ -258,7 +258,8 @@ def _print_gc(
     if res is not None:
         con.print(
             f"manifest: {res.tombstones} tombstone segment(s), {res.snapshots_written} snapshot(s) written, "
-            f"{res.segments_deleted} segment(s) and {res.snapshots_deleted} snapshot(s) dropped, "
+            f"{res.segments_deleted} segment(s), {res.snapshots_deleted} snapshot(s) and "
+            f"{res.epochs_deleted} epoch(s) dropped, "
             f"{res.access_merged} access record(s) merged"
         )
         for ns, why in res.compactions_skipped.items():

@@ -64,11 +64,18 @@ async def _inspect(store: ObjectStore, name: str, check: bool, keys: FleetKeys |
 @click.option(
     "--frames", is_flag=True, help="Show the frame table (offset, stored, raw, checksum per layer)."
 )
-def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
+@click.option(
+    "--members",
+    is_flag=True,
+    help="Show an epoch object's members (each segment it covers: writer, keys added and removed).",
+)
+def inspect_cmd(s: Settings, target: str, check: bool, frames: bool, members: bool) -> int:
     """Decode and show one object's header: a chunk key (32 hex digits, optionally
     .rN: its shard N), an object name in the bucket, or a local file (an NVMe tier file). A
     namespace id (or its namespace.json) shows what its descriptor says: model,
-    chunk size, TP size or shards, the frames of each object, and its KV cache groups."""
+    chunk size, TP size or shards, the frames of each object, and its KV cache groups.
+    A manifest epoch object (manifest/ep/...) shows its epoch, who aggregated it, and
+    how many segments and keys it holds (--members: each segment)."""
     path = Path(target)
     if path.is_file():
         mem = MemoryStore()
@@ -104,7 +111,7 @@ def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
     else:
         con = out.stdout()
         for d in docs:
-            skip = ("frame_table", "problems", "notes", "header", "kv_groups", "fields")
+            skip = ("frame_table", "member_table", "problems", "notes", "header", "kv_groups", "fields")
             rows = [[k, v] for k, v in d.items() if k not in skip]
             if "header" in d:
                 rows.append(["header", d["header"]])
@@ -128,6 +135,15 @@ def inspect_cmd(s: Settings, target: str, check: bool, frames: bool) -> int:
                             for g in d["kv_groups"]
                         ],
                         right=["group", "window", "layers"],
+                    )
+                )
+            if members and d.get("member_table"):
+                con.print(
+                    out.table(
+                        "members (the segments the epoch covers)",
+                        ["segment", "writer", "added", "removed"],
+                        [[m["segment"], m["writer"], m["added"], m["removed"]] for m in d["member_table"]],
+                        right=["added", "removed"],
                     )
                 )
             if frames and d.get("frame_table"):

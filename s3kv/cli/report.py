@@ -30,10 +30,18 @@ def _estimate(row: dict[str, Any]) -> str:
     return "?" if row["chunks_estimate"] is None else str(row["chunks_estimate"])
 
 
+def _epochs(row: dict[str, Any]) -> str:
+    """A namespace's epoch objects: how many, and how far the newest is behind now."""
+    if not row["epochs"]:
+        return "-"
+    return f"{row['epochs']} (#{row['newest_epoch']}, {out.ago(row['newest_epoch_behind_s'])} behind)"
+
+
 @click.command("ls", epilog=EXIT_CODES_HELP)
 @store_options
 def ls_cmd(s: Settings) -> int:
-    """Namespaces in the bucket: model, layout, chunks, bytes, write and access times.
+    """Namespaces in the bucket: model, layout, chunks, bytes, write and access times,
+    and the manifest's epoch objects (how many; the newest and how far behind now it is).
     A namespace of several KV cache groups stores a part object of each chunk per
     group: its layout names the groups, its chunks are about parts / groups."""
 
@@ -41,7 +49,8 @@ def ls_cmd(s: Settings) -> int:
         return await scan_bucket(store, s)
 
     inv = run(s, body)
-    rows = [report.namespace_row(info) for info in inv.namespaces.values()]
+    now = time.time()
+    rows = [report.namespace_row(info, now) for info in inv.namespaces.values()]
     if s.as_json:
         out.print_json(
             {"prefix": s.config.prefix, "namespaces": rows, "foreign_objects": [m.key for m in inv.foreign]}
@@ -60,6 +69,7 @@ def ls_cmd(s: Settings) -> int:
                 "oldest write",
                 "newest write",
                 "last access",
+                "epochs",
             ],
             [
                 [
@@ -71,6 +81,7 @@ def ls_cmd(s: Settings) -> int:
                     out.when(r["oldest_write"]),
                     out.when(r["newest_write"]),
                     out.when(r["last_access"]),
+                    _epochs(r),
                 ]
                 for r in rows
             ],
@@ -109,7 +120,7 @@ def ls_cmd(s: Settings) -> int:
 )
 def stats_cmd(s: Settings, namespaces: tuple[str, ...], sample: int) -> int:
     """Chunks by namespace (with its KV cache groups), size and age histograms,
-    compression ratio, and the manifest's segments and snapshots."""
+    compression ratio, and the manifest's segments, snapshots and epochs."""
 
     async def body(store: ObjectStore) -> dict[str, Any]:
         inv = await scan_bucket(store, s, namespaces)
@@ -177,6 +188,8 @@ def stats_cmd(s: Settings, namespaces: tuple[str, ...], sample: int) -> int:
                 len(m["snapshots"]),
                 f"{newest.get('keys', '?')} keys, {out.ago(newest['age_s'])} old" if newest else "-",
                 f"{m['access_records']} in {m['access_hours']} h",
+                _epochs(m),
+                out.size(m["epoch_bytes"]),
             ]
         )
     con.print(
@@ -190,9 +203,31 @@ def stats_cmd(s: Settings, namespaces: tuple[str, ...], sample: int) -> int:
                 "snapshots",
                 "newest snapshot",
                 "access records",
+                "epochs",
+                "epoch bytes",
             ],
             rows,
-            right=["segments", "bytes", "after snapshot", "snapshots"],
+            right=["segments", "bytes", "after snapshot", "snapshots", "epoch bytes"],
         )
     )
+    chains = [(ns, c) for ns, m in st["manifest"].items() for c in m["epoch_chains"]]
+    if len(chains) > len({ns for ns, _ in chains}):  # replicas of another publish interval: a chain each
+        con.print(
+            out.table(
+                "epoch chains (one per publish interval the fleet's replicas run with)",
+                ["namespace", "epoch length", "epochs", "bytes", "newest epoch", "behind"],
+                [
+                    [
+                        ns,
+                        f"{c['e_ms']} ms",
+                        c["epochs"],
+                        out.size(c["bytes"]),
+                        c["newest_epoch"],
+                        out.ago(c["behind_s"]),
+                    ]
+                    for ns, c in chains
+                ],
+                right=["epochs", "bytes", "newest epoch"],
+            )
+        )
     return EXIT_OK

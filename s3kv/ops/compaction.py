@@ -9,7 +9,8 @@ object, ``.r0`` to ``.r{shards-1}`` whoever wrote it; those no manifest object n
 written since the listing began (their objects may have been stored after
 it), replayed as replicas replay them (:func:`~s3kv.manifest.replay.replay`).
 The snapshot is written and old ones pruned by the replicas' own writer and
-rule (:mod:`s3kv.manifest.snapshots`).
+rule (:mod:`s3kv.manifest.snapshots`). Epoch objects (:mod:`s3kv.manifest.epochs`)
+that no reader needs any more are pruned with them (:meth:`_Namespace.stale_epochs`).
 
 A segment or snapshot it needs that gc cannot read (a 403, a 503) raises
 :class:`Unread`: one the new snapshot needs, before it is written; the
@@ -23,7 +24,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -49,8 +50,10 @@ from s3kv.manifest.protocol import (
     Stamps,
     access_hour,
     access_name,
+    epoch_end,
     is_segment,
     name_ts,
+    parse_name,
     record_hour,
 )
 from s3kv.manifest.ranks import MAX_RANKS, RankTally, rank_fields
@@ -58,7 +61,7 @@ from s3kv.manifest.replay import replay
 from s3kv.manifest.snapshots import stale_snapshots, write_snapshot
 from s3kv.manifest.tombstones import Held, delete_keys
 from s3kv.ops.chunks import check_object
-from s3kv.ops.inventory import Chunk, NamespaceInfo
+from s3kv.ops.inventory import Chunk, NamespaceInfo, epoch_id
 from s3kv.ops.reads import read_manifest, read_manifest_head
 from s3kv.shards import Slicing
 from s3kv.stores.base import ObjectMeta, ObjectStore, PutMode
@@ -85,6 +88,7 @@ class Compacted:
     snapshots_written: int = 0
     segments_deleted: int = 0
     snapshots_deleted: int = 0
+    epochs_deleted: int = 0
     access_merged: int = 0
     access_skipped: int = 0
     orphans_published: int = 0
@@ -116,6 +120,11 @@ def _needed(name: str) -> Iterator[None]:
         if isinstance(e, PermissionDenied) and e.credentials:
             raise  # S3 refuses gc itself, not this object
         raise Unread(str(e) if name in str(e) else f"{name}: {e}") from e
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    """Whether a header's value is a whole number >= 0 (JSON's true is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _shards(chunk: Chunk) -> list[int]:
@@ -168,6 +177,9 @@ class _Namespace:
     ) -> None:
         self.store, self.info, self.stamps, self.s, self.done = store, info, stamps, s, done
         self._reads: dict[str, mf.ManifestObject | S3KVError] = {}
+        self._heads: dict[str, dict[str, Any]] = {}
+        """Snapshots' headers read this compaction (with the fleet secret a
+        snapshot is read whole to check its MAC: once, not once a use)."""
 
     async def segment(self, m: ObjectMeta) -> mf.ManifestObject:
         """A segment, read once a compaction (the orphan check and the live
@@ -186,9 +198,13 @@ class _Namespace:
     async def head(self, m: ObjectMeta) -> dict[str, Any] | None:
         """A snapshot's header; None when it has none to give (gone,
         corrupt or oversized, of a newer format)."""
+        if m.key in self._heads:
+            return self._heads[m.key]
         try:
             with _needed(m.key):
-                return (await read_manifest_head(self.store, m, self.s.keys, self.s.max_bytes))[3]
+                meta = (await read_manifest_head(self.store, m, self.s.keys, self.s.max_bytes))[3]
+                self._heads[m.key] = meta
+                return meta
         except PermissionDenied:
             raise  # refused for gc's own credentials (_needed let it through)
         except S3KVError:
@@ -285,6 +301,7 @@ class _Namespace:
             try:
                 with _needed(cover.key):
                     snap = await read_manifest(self.store, cover, self.s.keys, self.s.max_bytes)
+                self._heads[cover.key] = snap.meta
                 cover_horizon = Horizon.last_of(snap.meta)
             except (NotFound, CorruptManifest):
                 cover_horizon = ""
@@ -295,18 +312,66 @@ class _Namespace:
                 and m.key <= cover_horizon
                 and now_ms - (name_ts(m.key) or now_ms) > min_age_ms
             ]
+        limit_ms = now_ms + int(self.s.skew_s * 1000)
         stale = stale_snapshots(
             self.info.manifest_base,
             (m.key for m in snapshots),
-            limit_ms=now_ms + int(self.s.skew_s * 1000),
+            limit_ms=limit_ms,
             cover=cover.key if cover is not None else None,
         )
+        kept = [
+            m
+            for m in snapshots
+            if m.key not in stale
+            and (name := parse_name(self.info.manifest_base, m.key)) is not None
+            and name.kind == "snapshot"
+            and name.ts <= limit_ms
+        ]
+        epochs = await self.stale_epochs(kept, now_ms)
         if lease is not None:
             lease.check()
-        bad = await delete_keys(self.store, old + stale, concurrency=self.s.concurrency, lease=lease)
+        bad = await delete_keys(self.store, old + stale + epochs, concurrency=self.s.concurrency, lease=lease)
         self.done.failed += bad
         self.done.segments_deleted += len(set(old) - set(bad))
         self.done.snapshots_deleted += len(set(stale) - set(bad))
+        self.done.epochs_deleted += len(set(epochs) - set(bad))
+
+    async def stale_epochs(self, kept: list[ObjectMeta], now_ms: int) -> list[str]:
+        """The epoch objects no reader needs any more: those that end more
+        than the lookback (twice the skew margin, the window an epoch's
+        aggregator lists segments over) before the end of the oldest kept
+        snapshot's epoch (a replica that starts from a snapshot reads the
+        epochs after it, and skips by name members a recent epoch covered),
+        and more than ``segment_min_age_s`` (and the lookback) before now (a
+        replica that fell behind reads them in order). A kept snapshot of
+        before epochs (no ``epoch`` in its header; gc's own) is taken to need
+        the epochs from its horizon less the lookback. Never the newest epoch
+        of a chain; none with no snapshot kept, and none while a kept
+        snapshot's header does not read or says nonsense: pruned the next run."""
+        lookback_ms = int(2 * self.s.skew_s * 1000)
+        needs: list[int] = []
+        for m in kept:
+            try:
+                meta = await self.head(m)
+            except Unread:
+                return []
+            if meta is None:
+                return []
+            epoch, e_ms = meta.get("epoch"), meta.get("e_ms")
+            if epoch is None and e_ms is None:
+                needs.append((name_ts(Horizon.last_of(meta)) or 0) - lookback_ms)
+            elif _count(epoch) and _count(e_ms) and e_ms > 0:
+                needs.append(epoch_end(epoch, e_ms) - lookback_ms)
+            else:
+                return []
+        if not needs:
+            return []
+        floor_ms = min(*needs, now_ms - max(int(self.s.segment_min_age_s * 1000), lookback_ms))
+        named = [(e, m.key) for m in self.info.epochs if (e := epoch_id(self.info.manifest_base, m.key))]
+        newest: dict[int, int] = {}
+        for e, _ in named:
+            newest[e.e_ms] = max(newest.get(e.e_ms, e.epoch), e.epoch)
+        return sorted(key for e, key in named if e.end_ms < floor_ms and e.epoch < newest[e.e_ms])
 
     async def orphans(
         self, listed: dict[int, Chunk], snapshot: ObjectMeta | None, new: list[ObjectMeta]
@@ -326,9 +391,9 @@ class _Namespace:
         if snapshot is not None:
             # None that reads: every chunk is checked; one unread: no compaction.
             with _needed(snapshot.key), contextlib.suppress(NotFound, CorruptManifest):
-                named.update(
-                    (await read_manifest(self.store, snapshot, self.s.keys, self.s.max_bytes)).added.tolist()
-                )
+                snap = await read_manifest(self.store, snapshot, self.s.keys, self.s.max_bytes)
+                self._heads[snapshot.key] = snap.meta
+                named.update(snap.added.tolist())
         for m in new:
             try:
                 named.update((await self.segment(m)).added.tolist())

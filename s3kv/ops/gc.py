@@ -21,6 +21,8 @@ that, whatever selected it. A chunk is deleted whole (every shard's object).
    live keys (the listing is the truth, plus keys in segments written since
    the listing began), then the segments it covers that are older than
    ``segment_min_age_s`` are deleted, snapshots beyond the newest few
+   pruned, epoch objects that no reader needs any more (older than the
+   oldest kept snapshot's epoch less the lookback, never the newest)
    pruned, and each closed hour's access records merged into one object
    (keeping only live keys). A segment or snapshot it needs that gc cannot
    read (a 403, a 503, or larger than the replicas' ``manifest_max_bytes``,
@@ -202,8 +204,8 @@ def plan(inv: Inventory, policy: Policy, now: float, uploads: Iterable[Upload] =
 
 
 def _recent_manifest(info: NamespaceInfo, now: float, policy: Policy) -> bool:
-    """A segment or access record newer than the guard: a replica is writing."""
-    return any(now - o.last_modified < policy.min_age_s for o in (*info.segments, *info.access))
+    """A segment, epoch or access record newer than the guard: a replica is writing."""
+    return any(now - o.last_modified < policy.min_age_s for o in (*info.segments, *info.epochs, *info.access))
 
 
 def monthly_cost(n_bytes: int, price_per_gib_month: float = DEFAULT_PRICE_PER_GIB_MONTH) -> float:
@@ -223,6 +225,7 @@ class Result:
     snapshots_written: int = 0
     segments_deleted: int = 0
     snapshots_deleted: int = 0
+    epochs_deleted: int = 0
     access_merged: int = 0
     namespaces_removed: list[str] = field(default_factory=list)
     bad_deleted: int = 0
@@ -256,6 +259,7 @@ class Result:
         self.snapshots_written += done.snapshots_written
         self.segments_deleted += done.segments_deleted
         self.snapshots_deleted += done.snapshots_deleted
+        self.epochs_deleted += done.epochs_deleted
         self.access_merged += done.access_merged
         self.access_skipped += done.access_skipped
         self.orphans_published += done.orphans_published
@@ -273,6 +277,7 @@ class Result:
             "snapshots_written": self.snapshots_written,
             "segments_deleted": self.segments_deleted,
             "snapshots_deleted": self.snapshots_deleted,
+            "epochs_deleted": self.epochs_deleted,
             "access_records_merged": self.access_merged,
             "namespaces_removed": self.namespaces_removed,
             "bad_objects_deleted": self.bad_deleted,

@@ -10,6 +10,11 @@ manifest objects' prefixes to tell whether the namespace's replicas sign
 (:func:`manifest_signed`). No manifest object is read past the replicas'
 ``manifest_max_bytes`` (:func:`~s3kv.ops.reads.read_manifest`), whatever it
 holds or claims.
+
+Epoch objects (``manifest/ep/{E_ms}/{e}``: :mod:`s3kv.manifest.epochs`, one
+per publish interval, written by the fleet's aggregators) are manifest
+objects like segments: listed as :attr:`NamespaceInfo.epochs`, never foreign
+(a name under ``ep/`` that is no epoch's is).
 """
 
 from __future__ import annotations
@@ -38,11 +43,14 @@ from s3kv.keys import fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import (
     ACCESS,
+    EPOCHS,
     SEGMENTS,
     SNAPSHOTS,
     Stamps,
     access_hour_end,
+    epoch_end,
     name_ts,
+    parse_epoch,
     parse_name,
 )
 from s3kv.ops.described import sharding, summary
@@ -50,6 +58,27 @@ from s3kv.ops.reads import read_descriptor, read_manifest
 from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore
 
 LOCK_NAME = "gc.lock"
+
+
+@dataclass(frozen=True)
+class EpochId:
+    """What an epoch object's name says: its chain (``e_ms``, the epoch
+    length of the replicas that write it) and its number."""
+
+    e_ms: int
+    epoch: int
+
+    @property
+    def end_ms(self) -> int:
+        """The epoch's last stamp (:func:`~s3kv.manifest.protocol.epoch_end`)."""
+        return epoch_end(self.epoch, self.e_ms)
+
+
+def epoch_id(base: str, key: str) -> EpochId | None:
+    """The epoch object ``key`` names under the manifest prefix ``base``
+    (:func:`~s3kv.manifest.protocol.parse_epoch`), or None."""
+    parsed = parse_epoch(base, key)
+    return EpochId(parsed[1], parsed[0]) if parsed is not None else None
 
 
 def is_namespace_id(name: str) -> bool:
@@ -103,6 +132,8 @@ class NamespaceInfo:
     segments: list[ObjectMeta] = field(default_factory=list)
     snapshots: list[ObjectMeta] = field(default_factory=list)
     access: list[ObjectMeta] = field(default_factory=list)
+    epochs: list[ObjectMeta] = field(default_factory=list)
+    """Epoch objects (:func:`epoch_id` reads their names)."""
     foreign: list[ObjectMeta] = field(default_factory=list)
     """Objects under the namespace that s3kv did not write."""
 
@@ -120,7 +151,7 @@ class NamespaceInfo:
 
     @property
     def manifest_objects(self) -> list[ObjectMeta]:
-        return [*self.segments, *self.snapshots, *self.access]
+        return [*self.segments, *self.snapshots, *self.access, *self.epochs]
 
     @property
     def model(self) -> str:
@@ -228,11 +259,11 @@ Progress = Callable[[int], None]
 
 async def manifest_signed(store: ObjectStore, info: NamespaceInfo, sample: int = 8) -> bool:
     """Whether the namespace's replicas sign their manifest: its newest
-    snapshot or one of its newest segments is signed (a forger's unsigned
+    snapshot, one of its newest segments or its newest epoch is signed (a forger's unsigned
     ones beside them do not make it look unsigned; one that is not read, a
     403 or a 503, does not stop the run)."""
     newest = []
-    for objs, n in ((info.snapshots, 1), (info.segments, sample)):
+    for objs, n in ((info.snapshots, 1), (info.segments, sample), (info.epochs, 1)):
         named = sorted(
             (m for m in objs if parse_name(info.manifest_base, m.key) is not None), key=lambda m: m.key
         )
@@ -318,6 +349,9 @@ def _classify(info: NamespaceInfo, meta: ObjectMeta) -> None:
     if meta.key.startswith(info.manifest_base):
         rest = meta.key[len(info.manifest_base) :]
         directory = rest.split("/", 1)[0] + "/"
+        if directory == EPOCHS:
+            (info.epochs if epoch_id(info.manifest_base, meta.key) else info.foreign).append(meta)
+            return
         target = {SEGMENTS: info.segments, SNAPSHOTS: info.snapshots, ACCESS: info.access}.get(directory)
         if target is not None and name_ts(meta.key) is not None:
             target.append(meta)

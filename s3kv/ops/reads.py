@@ -1,7 +1,8 @@
 """Bounded reads of what the ops commands find in a bucket: an object's
 head (through the end of a header that says its own length), an object no
 larger than a bound (refused unread past it), manifest objects read as the
-replicas read them, and namespace descriptors."""
+replicas read them (an epoch object by :mod:`s3kv.manifest.epochs`' decoder,
+every other kind by :mod:`s3kv.manifest.format`'s), and namespace descriptors."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from s3kv.config import DEFAULTS
 from s3kv.descriptor import MAX_BYTES as DESCRIPTOR_MAX_BYTES
 from s3kv.descriptor import Described, parse_descriptor
 from s3kv.errors import NotFound, RangeNotSatisfiable, S3KVError, TooLarge
+from s3kv.manifest import epochs
 from s3kv.manifest import format as mf
+from s3kv.manifest.protocol import EPOCHS, parse_epoch
 from s3kv.stores.base import HEAD_BYTES, ByteRange, ObjectMeta, ObjectStore
 
 
@@ -48,6 +51,30 @@ async def read_at_most(
     if len(data) > most:
         raise error(f"{what} is more than {most} bytes")
     return data
+
+
+def epoch_base(name: str) -> str | None:
+    """The manifest prefix of epoch object ``name`` (ending ``manifest/``), or
+    None if ``name`` is no epoch object's."""
+    cut = name.rfind("/manifest/" + EPOCHS)
+    base = name[: cut + len("/manifest/")]
+    return base if cut >= 0 and parse_epoch(base, name) is not None else None
+
+
+def check_manifest(
+    name: str, data: bytes, keys: FleetKeys | None = None, *, directory: bool | None = None
+) -> None:
+    """Check manifest object ``name`` as replicas read it: an epoch object
+    whole, its members included (:func:`s3kv.manifest.epochs.decode`: its
+    header names this epoch, every member a segment of the bucket's layout,
+    ``directory``, None: either), any other kind by its framing and arrays.
+    Raises what decoding it raised (CorruptManifest, UnsignedManifest with
+    ``keys``, UnsupportedManifestVersion)."""
+    base = epoch_base(name)
+    if base is not None:
+        epochs.decode(base, name, data, keys=keys, directory=directory)
+    else:
+        mf.decode(data, name=name, keys=keys)
 
 
 async def read_manifest(

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from typing import Any
 
 from s3kv.chunk_reader import ChunkReader, ranged_get
 from s3kv.errors import CorruptChunk, CorruptManifest, NotFound, S3KVError
 from s3kv.manifest.protocol import Horizon, name_ts, record_hour
 from s3kv.ops.described import group_rows
-from s3kv.ops.inventory import Inventory, NamespaceInfo
+from s3kv.ops.inventory import EpochId, Inventory, NamespaceInfo, epoch_id
 from s3kv.ops.reads import read_manifest_head
 from s3kv.stores.base import HEAD_BYTES, ObjectStore
 
@@ -38,7 +39,40 @@ def parts_row(info: NamespaceInfo) -> dict[str, Any]:
     }
 
 
-def namespace_row(info: NamespaceInfo) -> dict[str, Any]:
+def epoch_state(info: NamespaceInfo, now: float) -> dict[str, Any]:
+    """A namespace's epoch objects (:mod:`s3kv.manifest.epochs`): how many,
+    their bytes, and the newest: its number, epoch length and how far its
+    end is behind ``now`` (seconds; a fleet whose aggregators keep up stays
+    a publish interval or two behind). Replicas configured with another
+    publish interval write another chain of their own: each is one row of
+    ``chains``, the newest of all is the namespace's."""
+    chains: dict[int, dict[str, Any]] = {}
+    newest: EpochId | None = None
+    for m in info.epochs:
+        e = epoch_id(info.manifest_base, m.key)
+        if e is None:
+            continue
+        row = chains.setdefault(e.e_ms, {"e_ms": e.e_ms, "epochs": 0, "bytes": 0, "newest_epoch": e.epoch})
+        row["epochs"] += 1
+        row["bytes"] += m.size
+        row["newest_epoch"] = max(row["newest_epoch"], e.epoch)
+        if newest is None or (e.end_ms, e.e_ms) > (newest.end_ms, newest.e_ms):
+            newest = e
+    for row in chains.values():
+        row["behind_s"] = round(now - EpochId(row["e_ms"], row["newest_epoch"]).end_ms / 1000, 3)
+    return {
+        "epochs": sum(r["epochs"] for r in chains.values()),
+        "epoch_bytes": sum(r["bytes"] for r in chains.values()),
+        "newest_epoch": newest.epoch if newest is not None else None,
+        "epoch_ms": newest.e_ms if newest is not None else None,
+        "newest_epoch_behind_s": round(now - newest.end_ms / 1000, 3) if newest is not None else None,
+        "epoch_chains": [chains[k] for k in sorted(chains)],
+    }
+
+
+def namespace_row(info: NamespaceInfo, now: float | None = None) -> dict[str, Any]:
+    """A namespace's line of ``s3kv ls``; ``now`` (default: the clock's)
+    says how far behind its newest epoch is."""
     chunks = list(info.chunks.values())
     accessed = [c.accessed for c in chunks if c.accessed is not None]
     return {
@@ -52,6 +86,7 @@ def namespace_row(info: NamespaceInfo) -> dict[str, Any]:
         "newest_write": max((c.written for c in chunks), default=None),
         "last_access": max(accessed, default=None),
         "foreign_objects": len(info.foreign),
+        **epoch_state(info, time.time() if now is None else now),
     }
 
 
@@ -146,6 +181,7 @@ async def manifest_state(store: ObjectStore, info: NamespaceInfo, now: float) ->
         "access_records": len(info.access),
         "access_hours": len(hours),
         "access_bytes": sum(m.size for m in info.access),
+        **epoch_state(info, now),
     }
 
 

@@ -20,7 +20,11 @@ read (a 403: another KMS key, a bucket policy) or that failed to read (a
 503), the namespace's descriptor included, is *unreadable*: reported with
 why, not deleted, and checked again the next run; the rest are checked all
 the same. A manifest object larger than ``manifest_max_bytes`` (replicas
-refuse it unread) is *oversized*: reported, never deleted.
+refuse it unread) is *oversized*: reported, never deleted. An epoch object
+is checked whole as replicas read it (:mod:`s3kv.manifest.epochs`: its header
+names its own epoch, its members are segments of the bucket's layout, their
+arrays add up); one that does not decode is corrupt, one without the fleet's
+MAC unsigned, like every manifest object.
 
 Chunk objects are read a range at a time (:func:`s3kv.ops.chunks.check_object`),
 never whole; a descriptor larger than any replica writes is corrupt unread,
@@ -61,13 +65,14 @@ from s3kv.errors import (
     UnsupportedManifestVersion,
 )
 from s3kv.keys import parse_object_key
+from s3kv.manifest import epochs
 from s3kv.manifest import format as mf
-from s3kv.manifest.protocol import gc_writer_id
+from s3kv.manifest.protocol import epoch_end, epoch_start, gc_writer_id, parse_name
 from s3kv.manifest.tombstones import delete_keys, publish_tombstones
 from s3kv.ops.chunks import check_object
 from s3kv.ops.described import inspect_descriptor
 from s3kv.ops.inventory import Inventory, manifest_signed
-from s3kv.ops.reads import read_at_most, read_descriptor
+from s3kv.ops.reads import check_manifest, epoch_base, read_at_most, read_descriptor
 from s3kv.stores.base import HEAD_BYTES, ObjectMeta, ObjectStore
 
 
@@ -198,9 +203,10 @@ async def verify(
                     report.signed_namespaces.add(ns)
             elif what == "manifest":
                 try:
-                    mf.decode(got, name=meta.key, keys=keys)
+                    check_manifest(meta.key, got, keys, directory=store.directory)
                 except UnsignedManifest as e:
-                    mf.decode(got, name=meta.key)  # sound otherwise? then it is "unsigned"
+                    # sound otherwise? then it is "unsigned"
+                    check_manifest(meta.key, got, directory=store.directory)
                     raise Unsigned(str(e)) from None
                 if mf.is_signed(got):
                     report.signed_namespaces.add(ns)
@@ -303,10 +309,13 @@ async def inspect_object(
     store: ObjectStore, name: str, *, check_frames: bool = False, keys: FleetKeys | None = None
 ) -> dict[str, Any]:
     """What one object is: a chunk's header (and, with ``check_frames``, its
-    frames checked), a manifest object's kind, counts and header, or what a
+    frames checked), a manifest object's kind, counts and header (an epoch
+    object's members: :func:`_inspect_epoch`), or what a
     namespace's descriptor says (:func:`~s3kv.ops.described.inspect_descriptor`)."""
     if name.rsplit("/", 1)[-1] == DESCRIPTOR:
         return await inspect_descriptor(store, name)
+    if (base := epoch_base(name)) is not None:
+        return await _inspect_epoch(store, name, base, keys)
     if "/manifest/" in name:
         data = await store.get(name)
         obj = mf.decode(data, name=name)
@@ -364,6 +373,49 @@ async def inspect_object(
         out["frames_checked"] = True
     out["problems"] = problems
     return out
+
+
+async def _inspect_epoch(store: ObjectStore, name: str, base: str, keys: FleetKeys | None) -> dict[str, Any]:
+    """An epoch object decoded (:func:`s3kv.manifest.epochs.decode`): which
+    epoch, who aggregated it and when, and its members (each segment it
+    covers: name, writer, keys added and removed); with ``keys``, one
+    without the fleet's MAC is a problem, as for a chunk."""
+    data = await store.get(name)
+    epoch = epochs.decode(base, name, data)
+    problems = []
+    if keys is not None:
+        try:
+            epochs.decode(base, name, data, keys=keys)
+        except UnsignedManifest as e:
+            problems.append(f"unsigned: {e}")
+    members = []
+    for member, obj in epoch.members:
+        parsed = parse_name(base, member)
+        members.append(
+            {
+                "segment": member[len(base) :],
+                "writer": parsed.writer if parsed is not None else "?",
+                "added": int(obj.added.size),
+                "removed": int(obj.removed.size),
+            }
+        )
+    return {
+        "object": name,
+        "type": "manifest epoch",
+        "bytes": len(data),
+        "epoch": epoch.e,
+        "epoch_ms": epoch.e_ms,
+        "stamps": f"{epoch_start(epoch.e, epoch.e_ms)}..{epoch_end(epoch.e, epoch.e_ms)}",
+        "aggregated_by": epoch.writer,
+        "aggregated_at_ms": epoch.ts,
+        "signed": mf.is_signed(data),
+        "members": len(members),
+        "writers": len({m["writer"] for m in members}),
+        "added": sum(m["added"] for m in members),
+        "removed": sum(m["removed"] for m in members),
+        "member_table": members,
+        "problems": problems,
+    }
 
 
 async def _pages_of(store: ObjectStore, name: str) -> tuple[ChunkPages | None, str | None]:

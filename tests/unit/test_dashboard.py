@@ -508,6 +508,20 @@ SUBJECTS = {
         unit == "s" and any(_uses(q, "manifest_staleness_seconds") for q in qs)
     ),
     "S3 requests by op": _grouped("s3_requests_total", "op", "reqps"),
+    "manifest epochs read, written and missing": lambda unit, qs, exprs: (
+        unit == "cps"
+        and all(
+            any(_uses(q, f"manifest_epochs_{what}_total") for q in qs)
+            for what in ("read", "written", "missing")
+        )
+    ),
+    "manifest epochs skipped, covered and refused": lambda unit, qs, exprs: (
+        unit == "cps"
+        and all(
+            any(_uses(q, f"manifest_epochs_{what}_total") for q in qs)
+            for what in ("skipped", "covered", "refused")
+        )
+    ),
 }
 
 

@@ -36,6 +36,7 @@ locals {
     "manifest_refresh_s",
     "manifest_clock_skew_s",
     "manifest_max_bytes",
+    "manifest_protocol",
     "model_digest",
     "namespace_salt",
     "share_across_tp",
