@@ -115,6 +115,21 @@ FAMILIES: tuple[Family, ...] = (
     _c("manifest_segments_published", "Manifest segments this replica wrote"),
     _c("manifest_segments_loaded", "Manifest segments of the fleet applied"),
     _c("manifest_snapshots_written", "Manifest snapshots this replica wrote"),
+    _c("manifest_epochs_read", "Manifest epochs (protocol epochs) of the fleet read"),
+    _c("manifest_epochs_written", "Manifest epochs this replica aggregated and wrote"),
+    _c("manifest_epochs_missing", "Asks for a manifest epoch not written yet (asked again shortly)"),
+    _c(
+        "manifest_epochs_skipped",
+        "Manifest epochs that did not read (corrupt, unsigned or forged, in the future): their segments read instead",
+    ),
+    _c(
+        "manifest_epochs_covered",
+        "Manifest epochs this replica covered from the segments alone, writing nothing (skipped, refused)",
+    ),
+    _c(
+        "manifest_epochs_refused",
+        "Manifest epochs not aggregated because this replica's clock looks far ahead of the fleet's",
+    ),
     _c("manifest_errors", "Manifest reads or writes that failed (retried later)"),
     _c("manifest_dropped", "Keys dropped from the manifest: their object was missing or corrupt"),
     _c(

@@ -20,10 +20,6 @@ from s3kv.stores.base import ObjectStore, PutMode
 
 log = logging.getLogger("s3kv.manifest")
 
-REPUBLISH_MAX = 2
-"""Times a segment is published again after a slow PUT, at most."""
-
-
 class SegmentWriter:
     """Writes segments under one writer id: stamps from ``next_ts`` (the
     owner's hybrid clock), create-only PUTs, and publishing again under a
@@ -57,22 +53,27 @@ class SegmentWriter:
         return self._seq
 
     async def put(self, segment: mf.ManifestObject) -> list[tuple[str, int]]:
-        """Write ``segment``; returns the (name, stamp) of each copy written."""
+        """Write ``segment``; returns the (name, stamp) of each copy written.
+
+        A PUT slower than half the skew margin may land behind other
+        readers' floors (protocol "segments") or after the aggregators of
+        the epochs that could still take it listed (protocol "epochs"): the
+        same keys are published again under a fresh stamp, and again, until
+        one PUT is fast enough. Never given up: a key published is a key the
+        fleet sees (a PUT that fails raises, and the caller tries again)."""
         body = mf.encode(segment, self.keys)
         written: list[tuple[str, int]] = []
-        for _ in range(1 + REPUBLISH_MAX):
+        while True:
             ts = self._next_ts()
             name = segment_name(self.base, ts, self.writer, self.next_seq(), directory=self.store.directory)
             with contextlib.suppress(AlreadyExists):  # names are ours alone: a retried PUT
                 await self.store.put(name, body, mode=PutMode.CREATE)
             written.append((name, ts))
             self.counters.add("manifest_segments_published")
-            # A PUT slower than half the margin may land behind other readers'
-            # floors: publish the same keys again under a fresh stamp (a
-            # couple of times at most: S3 that slow delays every replica).
             if self._clock() * 1000 - ts <= self._skew_s * 500:
                 return written
-        log.warning(
-            "s3kv: manifest segment PUTs keep taking over %.0f s; not publishing it again", self._skew_s / 2
-        )
-        return written
+            log.warning(
+                "s3kv: a manifest segment PUT took over %.0f s (%d so far); publishing it again",
+                self._skew_s / 2,
+                len(written),
+            )

@@ -1,0 +1,439 @@
+"""Epoch objects (s3kv.manifest.epochs): a round trip, and every epoch that
+is not what its name says refused."""
+
+import numpy as np
+import pytest
+
+from s3kv.auth import FleetKeys
+from s3kv.errors import CorruptManifest, UnsignedManifest
+from s3kv.manifest import epochs as me
+from s3kv.manifest import format as mf
+from s3kv.manifest import protocol as mp
+
+BASE = "pfx/" + "ab" * 16 + "/manifest/"
+T_MS = 1_700_000_000_000
+E_MS = 5000
+E = T_MS // E_MS
+SECRET = "s" * 32
+
+
+def fps(*values):
+    return np.array(values, dtype=np.uint64)
+
+
+def seg(ts, writer, seq, added=(), removed=(), meta=None):
+    return (
+        mp.segment_name(BASE, ts, writer, seq),
+        mf.ManifestObject("segment", fps(*added), fps(*removed), meta or {}),
+    )
+
+
+def sample(e=E):
+    return me.Epoch(
+        e,
+        E_MS,
+        "aggr",
+        T_MS + 6000,
+        [
+            seg(T_MS + 2, "bbbb", 1, (5, 3), (), {"rank": 1, "ranks": 2}),
+            seg(T_MS + 1, "aaaa", 1, (1, 2, 3), (9,)),
+            seg(T_MS + 3, "cccc", 2, (), (4,), {"bad": [["x", None]]}),
+        ],
+    )
+
+
+def test_an_epoch_round_trips_its_members_in_name_order():
+    name = mp.epoch_name(BASE, E, E_MS)
+    back = me.decode(BASE, name, me.encode(BASE, sample()))
+    assert (back.e, back.e_ms, back.writer, back.ts) == (E, E_MS, "aggr", T_MS + 6000)
+    assert [n for n, _ in back.members] == sorted(n for n, _ in sample().members)
+    got = {n: (o.added.tolist(), o.removed.tolist(), o.meta) for n, o in back.members}
+    assert got[mp.segment_name(BASE, T_MS + 1, "aaaa", 1)] == ([1, 2, 3], [9], {})
+    assert got[mp.segment_name(BASE, T_MS + 2, "bbbb", 1)] == ([3, 5], [], {"rank": 1, "ranks": 2})
+    empty = me.decode(BASE, name, me.encode(BASE, me.Epoch(E, E_MS, "aggr", T_MS, [])))
+    assert empty.members == []
+
+
+def test_every_corruption_and_an_epoch_under_another_name_are_refused():
+    name = mp.epoch_name(BASE, E, E_MS)
+    blob = me.encode(BASE, sample())
+    for i in range(len(blob)):
+        bad = bytearray(blob)
+        bad[i] ^= 0x10
+        with pytest.raises(CorruptManifest):
+            me.decode(BASE, name, bytes(bad))
+    for other in (mp.epoch_name(BASE, E + 1, E_MS), mp.epoch_name(BASE, E, E_MS + 1)):
+        with pytest.raises(CorruptManifest, match="copied"):
+            me.decode(BASE, other, blob)
+    segment = mf.encode(mf.ManifestObject("segment", fps(1)))
+    with pytest.raises(CorruptManifest, match="not an epoch"):
+        me.decode(BASE, name, segment)
+
+
+def _framed(meta, added=(), removed=()):
+    return mf.frame("epoch", meta, fps(*added), fps(*removed))
+
+
+def test_members_that_do_not_add_up_or_are_no_segments_are_refused():
+    name = mp.epoch_name(BASE, E, E_MS)
+    a = mp.segment_name(BASE, T_MS, "aaaa", 1)[len(BASE) :]
+    b = mp.segment_name(BASE, T_MS + 1, "bbbb", 1)[len(BASE) :]
+    head = {"e": E, "e_ms": E_MS, "writer": "w", "ts": T_MS}
+    cases = {
+        "unsorted": _framed({**head, "members": [[a, 2, 0, {}]]}, (2, 1)),
+        "order": _framed({**head, "members": [[b, 1, 0, {}], [a, 1, 0, {}]]}, (1, 2)),
+        "runs past": _framed({**head, "members": [[a, 3, 0, {}]]}, (1, 2)),
+        "account": _framed({**head, "members": [[a, 1, 0, {}]]}, (1, 2)),
+        "no segment": _framed({**head, "members": [["snap/" + mp.stamp(T_MS) + "-w", 0, 0, {}]]}),
+        "elsewhere": _framed({**head, "members": [["../x/" + a, 0, 0, {}]]}),
+        "counts": _framed({**head, "members": [[a, -1, 0, {}]]}),
+        "rank": _framed({**head, "members": [[a, 0, 0, {"rank": 5, "ranks": 2}]]}),
+        "writer": _framed({"e": E, "e_ms": E_MS, "ts": T_MS, "members": []}),
+    }
+    for why, data in cases.items():
+        with pytest.raises(CorruptManifest):
+            me.decode(BASE, name, data)
+        assert why
+
+
+def test_with_the_fleet_secret_only_an_epoch_signed_with_it_reads():
+    name = mp.epoch_name(BASE, E, E_MS)
+    keys = FleetKeys([SECRET])
+    signed = me.encode(BASE, sample(), keys)
+    assert len(me.decode(BASE, name, signed, keys=keys).members) == 3
+    with pytest.raises(UnsignedManifest):
+        me.decode(BASE, name, me.encode(BASE, sample()), keys=keys)
+    with pytest.raises(UnsignedManifest):
+        me.decode(BASE, name, me.encode(BASE, sample(), FleetKeys(["o" * 32])), keys=keys)
+
+
+# -- replicas through epochs (s3kv.manifest.sync, protocol "epochs") ------------
+
+import asyncio  # noqa: E402
+
+from s3kv.manifest.keyset import Manifest, fingerprints  # noqa: E402
+from s3kv.manifest.sync import ManifestSync, SyncSettings  # noqa: E402
+from s3kv.stores.base import PutMode  # noqa: E402
+from s3kv.stores.memory import MemoryStore  # noqa: E402
+from tests.stores.wrappers import DirectoryBucketStore, WrappedStore  # noqa: E402
+
+PUBLISH_S = 1.0
+SKEW_S = 10.0
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture(params=["general", "directory"])
+def bucket_kind(request):
+    """As tests/unit/test_manifest_sync.py's: both kinds of bucket."""
+
+    def make(inner=None):
+        inner = MemoryStore() if inner is None else inner
+        return DirectoryBucketStore(inner) if request.param == "directory" else inner
+
+    return make
+
+
+class Clock:
+    def __init__(self, t=T0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def replica(store, clock, writer, keys=None, **kw):
+    kw.setdefault("protocol", "epochs")
+    settings = SyncSettings(publish_s=PUBLISH_S, refresh_s=PUBLISH_S, skew_s=SKEW_S, **kw)
+    return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=clock, keys=keys)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def key(i):
+    return i.to_bytes(8, "big") * 2
+
+
+def fp(i):
+    return int(fingerprints([key(i)])[0])
+
+
+async def drive(replicas, clock, until, step=0.05):
+    """Every replica's loop (tick when due, as ManifestSync.run does: an
+    error is counted and tried again), on ``clock``, until ``until``."""
+    while clock.t < until:
+        for r in replicas:
+            if r._clock() >= r.next_due():
+                try:
+                    await r.tick()
+                except Exception:
+                    r.counters.add("manifest_errors")
+        clock.t = round(clock.t + step, 6)
+
+
+async def start(replicas, clock):
+    for r in replicas:
+        await r.load()
+        r._next_publish = r._clock() + PUBLISH_S
+        r._epoch_due = r._clock()
+
+
+def epochs_in(store):
+    return sorted(run(store.list_keys(BASE + "ep/")))
+
+
+def test_two_replicas_see_each_others_keys_through_epochs(bucket_kind):
+    store = bucket_kind()
+    clock = Clock()
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+
+    async def go():
+        await start([a, b], clock)
+        a.manifest.add(key(1))
+        b.manifest.add(key(2))
+        await drive([a, b], clock, T0 + 6)
+
+    run(go())
+    assert key(2) in a.manifest and key(1) in b.manifest
+    names = epochs_in(store)
+    assert names and all(mp.parse_name(BASE, n).kind == "epoch" for n in names)
+    total = a.counters.totals()
+    assert total["manifest_epochs_read"] + total["manifest_epochs_written"] >= 4
+
+
+def test_a_key_is_seen_within_two_intervals_and_the_settle(bucket_kind):
+    store = bucket_kind()
+    clock = Clock()
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+
+    async def go():
+        await start([a, b], clock)
+        await drive([a, b], clock, T0 + 3)
+        a.manifest.add(key(5))
+        added = clock.t
+        while key(5) not in b.manifest:
+            await drive([a, b], clock, clock.t + 0.05)
+        return clock.t - added
+
+    took = run(go())
+    s = a.s
+    assert took <= 2 * PUBLISH_S + s.settle_s + s.grace_step_s + 0.2, took
+
+
+def test_a_new_replica_starts_from_the_snapshot_and_the_epochs_after_it(bucket_kind):
+    store = WrappedStore(MemoryStore())
+    store = bucket_kind(store)
+    clock = Clock()
+    a, b = replica(store, clock, "aaaa", snapshot_epochs=4), replica(store, clock, "bbbb", snapshot_epochs=4)
+
+    async def go():
+        await start([a, b], clock)
+        for i in range(12):
+            (a if i % 2 else b).manifest.add(key(i))
+            await drive([a, b], clock, clock.t + 1)
+        await drive([a, b], clock, clock.t + 4)
+
+    run(go())
+    snaps = run(store.list_keys(BASE + "snap/"))
+    assert snaps
+    snap = mf.decode(run(store.get(sorted(snaps)[-1])))
+    assert snap.meta["e_ms"] == 1000 and snap.meta["epoch"] % 4 == 0 and snap.meta["horizon"]
+    inner = store.inner if isinstance(store, DirectoryBucketStore) else store
+    inner.gets.clear()
+    c = replica(store, clock, "cccc", snapshot_epochs=4)
+    run(c.load())
+    assert all(key(i) in c.manifest for i in range(12))
+    segment_gets = [g for g in inner.gets if "/seg/" in g.key]
+    assert not segment_gets  # the snapshot and epochs only
+    epoch_gets = {g.key for g in inner.gets if "/ep/" in g.key}
+    assert all(mp.parse_epoch(BASE, n)[0] > snap.meta["epoch"] for n in epoch_gets)
+    assert c.next_epoch == c._last_closed(int(clock.t * 1000)) + 1 or c.next_epoch <= c._last_closed(int(clock.t * 1000))
+
+
+def test_a_new_replica_of_a_fleet_that_was_down_lists_the_hole():
+    store = MemoryStore()
+    clock = Clock()
+    a = replica(store, clock, "aaaa")
+
+    async def go():
+        await start([a], clock)
+        a.manifest.add(key(1))
+        await a.publish()  # published, then the fleet stopped before any epoch
+        clock.t += 3600
+        b = replica(store, clock, "bbbb")
+        await b.load()
+        return b
+
+    b = run(go())
+    assert key(1) in b.manifest
+    assert not epochs_in(store)
+
+
+class CountingCreates(MemoryStore):
+    """Holds epoch PUTs until both racers have listed, so they truly race."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch_puts = []
+
+    async def put(self, key, data, *, mode=PutMode.OVERWRITE):
+        if "/ep/" in key:
+            self.epoch_puts.append(key)
+        return await super().put(key, data, mode=mode)
+
+
+def test_two_aggregators_racing_write_one_epoch_and_apply_the_same_members():
+    store = CountingCreates()
+    clock = Clock()
+    a, b, c = (replica(store, clock, w) for w in ("aaaa", "bbbb", "cccc"))
+
+    async def go():
+        await start([a, b, c], clock)
+        c.manifest.add(key(3))
+        await c.publish()
+        e = mp.epoch_of(int(clock.t * 1000), 1000)
+        clock.t = (mp.epoch_end(e, 1000) + 1) / 1000 + 5  # every rank's time has come
+        # Both list and read before either writes.
+        got = await asyncio.gather(a.aggregate(e), b.aggregate(e))
+        return e, got
+
+    e, got = run(go())
+    assert store.epoch_puts.count(mp.epoch_name(BASE, e, 1000)) == 2  # both tried
+    assert len(epochs_in(store)) == 1  # one won
+    assert key(3) in a.manifest and key(3) in b.manifest and got == [1, 1]
+    totals = [r.counters.totals() for r in (a, b)]
+    assert sorted(t.get("manifest_epochs_written", 0) for t in totals) == [0, 1]
+    assert a.next_epoch == b.next_epoch == e + 1
+
+
+def test_an_aggregator_stopped_mid_epoch_is_replaced_by_the_next_rank(bucket_kind):
+    class Stops(MemoryStore):
+        stopped: set = set()
+
+        async def put(self, key, data, *, mode=PutMode.OVERWRITE):
+            if "/ep/" in key and self.stopped:
+                raise ConnectionError("killed")  # after listing, before its PUT landed
+            return await super().put(key, data, mode=mode)
+
+    inner = Stops()
+    store = bucket_kind(inner)
+    clock = Clock()
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+
+    async def go():
+        await start([a, b], clock)
+        a.manifest.add(key(1))
+        b.manifest.add(key(2))
+        await drive([a, b], clock, T0 + 2.2)  # both are members now
+        e = mp.epoch_of(int(clock.t * 1000), 1000) + 1
+        first, second = sorted((a, b), key=lambda r: r.aggregate_rank(e))
+        first.manifest.add(key(10))
+        second.manifest.add(key(11))
+        await drive([a, b], clock, (mp.epoch_start(e, 1000)) / 1000 + 0.05)  # published into epoch e
+        inner.stopped = {first.writer}
+        due = first._aggregate_at(e)
+        await drive([first, second], clock, due + 0.01)
+        assert first.next_epoch <= e  # its aggregation was cut off
+        inner.stopped = set()
+        # The stopped one is gone; the next rank writes the epoch after its grace.
+        await drive([second], clock, second._aggregate_at(e) + 3)
+        return e, first, second
+
+    e, first, second = run(go())
+    assert mp.epoch_name(BASE, e, 1000) in epochs_in(store)
+    assert key(10) in second.manifest and second.next_epoch > e
+    assert second.counters.totals()["manifest_epochs_written"] >= 1
+
+
+@pytest.mark.parametrize("how", ["corrupt", "unsigned", "other key", "copied"])
+def test_a_bad_epoch_object_is_skipped_counted_and_its_keys_still_seen(how):
+    store = MemoryStore()
+    clock = Clock()
+    keys = FleetKeys([SECRET])
+    a, b = replica(store, clock, "aaaa", keys), replica(store, clock, "bbbb", keys)
+
+    async def go():
+        await start([a, b], clock)
+        await drive([a, b], clock, T0 + 2)
+        a.manifest.add(key(7))
+        await a.publish()
+        e = mp.epoch_of(int(clock.t * 1000), 1000)
+        name = mp.epoch_name(BASE, e, 1000)
+        members = [(n, mf.decode(await store.get(n), keys=keys)) for n in await store.list_keys(BASE + "seg/")]
+        forged = me.Epoch(e, 1000, "evil", int(clock.t * 1000), [])
+        body = {
+            "corrupt": b"S3KM" + b"\0" * 60,
+            "unsigned": me.encode(BASE, forged),
+            "other key": me.encode(BASE, forged, FleetKeys(["o" * 32])),
+        }.get(how)
+        if how == "copied":  # a real, signed epoch of another number
+            body = me.encode(BASE, me.Epoch(e - 1, 1000, "aaaa", int(clock.t * 1000), []), keys)
+        assert members
+        await store.put(name, body)
+        await drive([b], clock, clock.t + 4)
+        return e
+
+    e = run(go())
+    assert key(7) in b.manifest
+    t = b.counters.totals()
+    assert t["manifest_epochs_skipped"] == 1 and t["manifest_epochs_covered"] == 1
+    assert b.next_epoch > e
+
+
+def test_a_replica_whose_clock_is_far_ahead_does_not_aggregate_and_nothing_is_lost():
+    """A clock 1.5 margins ahead: it writes no epoch (an early one would miss
+    the fleet's segments still to come), reads the fleet's, and its own keys
+    reach the fleet once the fleet's time reaches their stamps."""
+    store = MemoryStore()
+    clock = Clock()
+
+    class Ahead(Clock):
+        def __call__(self):
+            return clock.t + 1.5 * SKEW_S
+
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+    fast = replica(store, Ahead(), "ffff")
+
+    async def go():
+        await start([a, b], clock)
+        await drive([a, b], clock, clock.t + 3)  # a fleet at work; then a replica far ahead joins
+        await start([fast], clock)
+        for i in range(6):
+            a.manifest.add(key(i))
+            b.manifest.add(key(100 + i))
+            fast.manifest.add(key(200 + i))
+            await drive([a, b, fast], clock, clock.t + 1)
+        await drive([a, b, fast], clock, clock.t + 1.5 * SKEW_S + 4)
+
+    run(go())
+    t = fast.counters.totals()
+    assert t.get("manifest_epochs_refused", 0) >= 1 and t.get("manifest_epochs_written", 0) == 0
+    every = [key(i) for i in range(6)] + [key(100 + i) for i in range(6)] + [key(200 + i) for i in range(6)]
+    for r in (a, b, fast):
+        assert all(k in r.manifest for k in every), r.writer
+
+
+def test_a_replica_whose_clock_is_behind_loses_nothing():
+    store = MemoryStore()
+    clock = Clock()
+
+    class Behind(Clock):
+        def __call__(self):
+            return clock.t - 0.9 * SKEW_S
+
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+    slow = replica(store, Behind(), "ssss")
+
+    async def go():
+        await start([a, b, slow], clock)
+        for i in range(6):
+            a.manifest.add(key(i))
+            slow.manifest.add(key(200 + i))
+            await drive([a, b, slow], clock, clock.t + 1)
+        await drive([a, b, slow], clock, clock.t + SKEW_S + 4)
+
+    run(go())
+    every = [key(i) for i in range(6)] + [key(200 + i) for i in range(6)]
+    for r in (a, b, slow):
+        assert all(k in r.manifest for k in every), r.writer
