@@ -151,7 +151,7 @@ class S3KVConfig:
     )
     manifest_protocol: str = _key(
         "epochs",
-        'How replicas read each other\'s segments: "epochs" (one replica merges each publish interval\'s '
+        "How replicas read each other's segments: \"epochs\" (one replica merges each publish interval's "
         "segments into one epoch object, the others read that: requests per replica do not grow with the "
         'fleet) or "segments" (every replica reads every segment, as s3kv did before; a mixed fleet '
         "shares every chunk).",

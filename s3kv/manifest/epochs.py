@@ -143,7 +143,9 @@ def decode(
         rank_fields(member_meta)  # nonsense there is garbage, as in a segment
         members.append((full, mf.ManifestObject("segment", added, removed, member_meta)))
     if at_add != len(obj.added) or at_del != len(obj.removed):
-        raise CorruptManifest(f"{name}: members account for {at_add}+{at_del} fingerprints of {len(obj.added)}+{len(obj.removed)}")
+        raise CorruptManifest(
+            f"{name}: members account for {at_add}+{at_del} fingerprints of {len(obj.added)}+{len(obj.removed)}"
+        )
     return Epoch(e, e_ms, writer, ts, members)
 
 

@@ -71,7 +71,9 @@ def frame(
     header = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
     body = header + added_b + removed_b
     version, flags = (SIGNED_VERSION, FLAG_SIGNED) if keys is not None else (UNSIGNED_VERSION, 0)
-    prefix = PREFIX.pack(MAGIC, version, KINDS[kind], flags, len(header), len(added_b) // 8, len(removed_b) // 8)
+    prefix = PREFIX.pack(
+        MAGIC, version, KINDS[kind], flags, len(header), len(added_b) // 8, len(removed_b) // 8
+    )
     data = prefix + CHECKSUM.pack(xxhash.xxh3_64_intdigest(prefix + body)) + body
     if keys is not None:
         data += TRAILER.pack(keys.signing_kid, keys.sign("manifest", data))

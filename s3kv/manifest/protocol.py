@@ -89,7 +89,9 @@ def epoch_ms(publish_s: float) -> int:
     """The length of an epoch (ms) for replicas publishing every ``publish_s``."""
     e_ms = round(publish_s * 1000)
     if not 0 < e_ms < 10**EPOCH_MS_DIGITS:
-        raise ValueError(f"an epoch of {e_ms} ms does not fit its name (1 ms to {10**EPOCH_MS_DIGITS - 1} ms)")
+        raise ValueError(
+            f"an epoch of {e_ms} ms does not fit its name (1 ms to {10**EPOCH_MS_DIGITS - 1} ms)"
+        )
     return e_ms
 
 

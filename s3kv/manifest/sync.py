@@ -469,7 +469,9 @@ class ManifestSync:
         now_ms = self._now_ms()
         skew_ms = int(self.s.skew_s * 1000)
         self._epoch_lister.restart()
-        listed = await self._epoch_lister.after(self._epoch_lister.floor(epoch_start(e, self.e_ms), self._lookback_ms))
+        listed = await self._epoch_lister.after(
+            self._epoch_lister.floor(epoch_start(e, self.e_ms), self._lookback_ms)
+        )
         others = [
             p.ts
             for m in listed
@@ -537,7 +539,9 @@ class ManifestSync:
         body: bytes = await self._offload(me.encode, self.base, epoch, self.keys)
         name = epoch_name(self.base, e, self.e_ms)
         if len(body) > self.s.max_object_bytes:
-            log.warning("s3kv: manifest epoch %s would be %d bytes, over the limit; not written", name, len(body))
+            log.warning(
+                "s3kv: manifest epoch %s would be %d bytes, over the limit; not written", name, len(body)
+            )
             return await self._cover(e, members)
         try:
             await self.store.put(name, body, mode=PutMode.CREATE)

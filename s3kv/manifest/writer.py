@@ -20,6 +20,7 @@ from s3kv.stores.base import ObjectStore, PutMode
 
 log = logging.getLogger("s3kv.manifest")
 
+
 class SegmentWriter:
     """Writes segments under one writer id: stamps from ``next_ts`` (the
     owner's hybrid clock), create-only PUTs, and publishing again under a

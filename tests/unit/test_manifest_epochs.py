@@ -248,7 +248,9 @@ def test_a_new_replica_starts_from_the_snapshot_and_the_epochs_after_it(bucket_k
     assert not segment_gets  # the snapshot and epochs only
     epoch_gets = {g.key for g in inner.gets if "/ep/" in g.key}
     assert all(mp.parse_epoch(BASE, n)[0] > snap.meta["epoch"] for n in epoch_gets)
-    assert c.next_epoch == c._last_closed(int(clock.t * 1000)) + 1 or c.next_epoch <= c._last_closed(int(clock.t * 1000))
+    assert c.next_epoch == c._last_closed(int(clock.t * 1000)) + 1 or c.next_epoch <= c._last_closed(
+        int(clock.t * 1000)
+    )
 
 
 def test_a_new_replica_of_a_fleet_that_was_down_lists_the_hole():
@@ -360,7 +362,9 @@ def test_a_bad_epoch_object_is_skipped_counted_and_its_keys_still_seen(how):
         await a.publish()
         e = mp.epoch_of(int(clock.t * 1000), 1000)
         name = mp.epoch_name(BASE, e, 1000)
-        members = [(n, mf.decode(await store.get(n), keys=keys)) for n in await store.list_keys(BASE + "seg/")]
+        members = [
+            (n, mf.decode(await store.get(n), keys=keys)) for n in await store.list_keys(BASE + "seg/")
+        ]
         forged = me.Epoch(e, 1000, "evil", int(clock.t * 1000), [])
         body = {
             "corrupt": b"S3KM" + b"\0" * 60,

@@ -353,3 +353,15 @@ def test_an_acknowledgement_while_a_held_chunk_is_being_published_is_harmless():
         return await flush
 
     assert run(race()) == 1 and _named(inner) == [fp(1)] and p.pending == 1  # fp(2) is still open
+
+
+@pytest.mark.parametrize("protocol", ["epochs", "segments"])
+def test_the_protocol_decides_whether_ranks_hold_their_stores_for_the_replica_segment(protocol):
+    from s3kv.config import parse_config
+    from s3kv.manifest.publish import hold_s
+    from s3kv.tiering.tiers.s3.manager import S3TierManager
+
+    config = parse_config({"bucket": "b-x1", "manifest_protocol": protocol, "manifest_publish_s": 2})
+    holds = protocol == "epochs"
+    assert hold_s(config) == (6.0 if holds else None)
+    assert S3TierManager.from_config(Manifest(), config).publishes_all is holds
