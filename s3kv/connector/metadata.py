@@ -36,6 +36,9 @@ class S3KVMetadata(KVConnectorMetadata):
     clock_ms: int = 0
     """The newest manifest stamp the scheduler side has seen: ranks never
     stamp a segment before it."""
+    published: list[int] = field(default_factory=list)
+    """Fingerprints the replica's own segment now names since the last
+    step (protocol "epochs"): ranks stop holding them for their own."""
     step: StepTokens | None = None
     """What this step computes (with the cost model): rank 0 times the forward."""
     prefetch: list[LoadPlan] = field(default_factory=list)

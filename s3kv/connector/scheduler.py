@@ -177,6 +177,7 @@ class SchedulerSide:
             signing_kid=kid,
             writer=sync.writer if sync is not None else None,
             clock_ms=sync.clock_ms if sync is not None else 0,
+            published=sync.take_published() if sync is not None else [],
             step=plan.step,
             prefetch=plan.prefetch,
         )

@@ -178,6 +178,8 @@ class WorkerSide:
                     shard.engine.set_namespace(namespace, published)
         if self.publisher is not None and meta.clock_ms:
             self.publisher.observe(meta.clock_ms)
+        if self.publisher is not None and meta.published:
+            self.publisher.acked(meta.published)
 
     def begin_step(self, meta: S3KVMetadata) -> None:
         """vLLM bound this step's plans, before its forward: rank 0 times a

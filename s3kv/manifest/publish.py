@@ -29,11 +29,11 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from s3kv.auth import FleetKeys
-from s3kv.config import DEFAULTS
+from s3kv.config import DEFAULTS, S3KVConfig
 from s3kv.keys import fingerprint
 from s3kv.manifest import format as mf
 from s3kv.manifest.arrays import as_sorted_unique
@@ -44,6 +44,22 @@ from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 
 log = logging.getLogger("s3kv.manifest")
+
+HOLD_INTERVALS = 3
+"""Publish intervals a holding rank waits for its scheduler side's segment."""
+
+
+def replica_segments(config: S3KVConfig) -> bool:
+    """Whether a replica publishes one segment for all its ranks (protocol
+    "epochs"), its ranks holding their stores for it, or each rank its own
+    (protocol "segments", as before epochs)."""
+    return config.manifest_protocol == "epochs"
+
+
+def hold_s(config: S3KVConfig) -> float | None:
+    """How long a rank holds a store for its scheduler side's segment (None:
+    it publishes each itself)."""
+    return HOLD_INTERVALS * config.manifest_publish_s if replica_segments(config) else None
 
 
 class Published(Protocol):
@@ -67,7 +83,17 @@ class ShardPublisher:
     chunk objects this rank created, as rank segments. It is the
     :class:`Published` of the rank's S3 handler: each PUT goes to the
     journal as it starts and as it is answered, before a created object's
-    fingerprint waits for the next segment."""
+    fingerprint waits for the next segment.
+
+    With ``hold_s`` (protocol "epochs": one segment per replica, not per
+    rank) the rank only *holds* what it created: its scheduler side, which
+    hears of every rank's stores, publishes each whole chunk in the
+    replica's one segment and says so in the next step's plans
+    (:meth:`acked`). The rank publishes as a rank segment only what it has
+    held longer than ``hold_s`` unacknowledged (the chunk did not complete
+    on every rank, or the scheduler side cannot reach S3) and, at shutdown,
+    whatever it still holds. Its journal counts a fingerprint as published
+    once a segment names it, whoever wrote that segment."""
 
     def __init__(
         self,
@@ -83,6 +109,7 @@ class ShardPublisher:
         counters: Counters | None = None,
         clock: Callable[[], float] = time.time,
         journal: RankJournal | None = None,
+        hold_s: float | None = None,
     ) -> None:
         self.rank = rank
         self.journal = journal
@@ -90,11 +117,20 @@ class ShardPublisher:
         vLLM kills this process before a segment names it."""
         self.ranks = ranks
         self.publish_s = publish_s
+        self.hold_s = hold_s
+        """None: publish every store (rank segments); else hold each for the
+        scheduler side's segment this long, at most."""
         self.counters = counters or Counters()
+        self._clock = clock
         self._lock = threading.Lock()
-        self._pending: list[int] = []
-        self._in_flight = 0
-        """Fingerprints the publish under way took (0 or one batch: see :meth:`publish`)."""
+        self._open: dict[int, tuple[int, float]] = {}
+        """Stores no segment names yet, by their place in the journal's
+        order: (fingerprint, when stored). Python dicts keep insertion
+        order, so the first is the oldest."""
+        self._by_fp: dict[int, list[int]] = {}
+        """Places in ``_open`` of each fingerprint (a chunk stored again)."""
+        self._appended = 0
+        """Stores so far: the next one's place."""
         self._publishing = asyncio.Lock()
         self._stamps = HybridClock(clock)
         self.segments = SegmentWriter(
@@ -127,9 +163,22 @@ class ShardPublisher:
     def stored(self, fp: int) -> None:
         """This rank created a chunk object: publish its fingerprint."""
         with self._lock:
-            self._pending.append(fp)
+            place = self._appended
+            self._appended += 1
+            self._open[place] = (fp, self._clock())
+            self._by_fp.setdefault(fp, []).append(place)
             if self.journal is not None:
                 self.journal.stored(fp)
+
+    def acked(self, fps: Iterable[int]) -> None:
+        """The scheduler side's segment now names ``fps``: no need to publish
+        them here (any still held, or taken by a publish under way, which
+        then names them twice: harmless)."""
+        with self._lock:
+            for fp in fps:
+                for place in self._by_fp.pop(fp, ()):
+                    self._open.pop(place, None)
+            self._journal_published()
 
     def observe(self, ts_ms: int) -> None:
         """The newest stamp the replica has seen: never stamp before it."""
@@ -139,7 +188,7 @@ class ShardPublisher:
     def pending(self) -> int:
         """Stores not in a segment yet: waiting, or in the publish under way."""
         with self._lock:
-            return len(self._pending) + self._in_flight
+            return len(self._open)
 
     def close(self) -> int:
         """Done publishing (after the shutdown flush, and the cancellation
@@ -150,49 +199,64 @@ class ShardPublisher:
             self.journal.close(all_published=left == 0)
         return left
 
+    def _journal_published(self) -> None:
+        """Tell the journal how many stores, from the first, segments name
+        (under the lock): those before the oldest still open."""
+        if self.journal is not None:
+            upto = next(iter(self._open), self._appended)
+            self.journal.published(upto, self._stamps.last_ms)
+
+    def _forget(self, places: Iterable[int]) -> None:
+        """``places`` are in a segment now (under the lock)."""
+        for place in places:
+            entry = self._open.pop(place, None)
+            if entry is not None:
+                left = [p for p in self._by_fp.get(entry[0], ()) if p != place]
+                if left:
+                    self._by_fp[entry[0]] = left
+                else:
+                    self._by_fp.pop(entry[0], None)
+
     # -- the worker's I/O loop -------------------------------------------------------
-    async def publish(self) -> int:
-        """Write what was stored since the last segment as one segment; on
-        any failure (or cancellation) it goes back for the next call.
-        Returns the fingerprints published.
+    async def publish(self, *, held_s: float | None = None) -> int:
+        """Write what was stored and is still open as one segment (with
+        ``held_s``: only what has been held at least that long); on any
+        failure (or cancellation) it stays open for the next call. Returns
+        the fingerprints published.
 
         Publishes never overlap: a call while another is under way (the
         shutdown flush while a periodic PUT is in flight) waits for it, then
-        takes what is left, the other's fingerprints too if it failed. So
-        what a publish takes is always the journal's whole unpublished tail,
-        and the count the journal is told covers only fingerprints now in a
-        segment: were a later publish to count past an earlier one still in
-        flight, and that one be cancelled, the front end's replay would
-        skip its fingerprints and no segment would name them."""
+        takes what is left, the other's fingerprints too if it failed. The
+        count the journal is told covers only fingerprints now in a segment:
+        were a later publish to count past an earlier one still in flight,
+        and that one be cancelled, the front end's replay would skip its
+        fingerprints and no segment would name them."""
         async with self._publishing:
             with self._lock:
-                fps, self._pending = self._pending, []
-                self._in_flight = len(fps)
-                upto = self.journal.appended if self.journal is not None else 0
-            if not fps:
+                cutoff = None if held_s is None else self._clock() - held_s
+                taken = {p: fp for p, (fp, at) in self._open.items() if cutoff is None or at <= cutoff}
+            if not taken:
                 return 0
             meta: dict[str, object] = {"writer": self.segments.writer}
             if self.ranks > 1:
                 meta.update(rank=self.rank, ranks=self.ranks)
-            written = False
-            try:
-                await self.segments.put(mf.ManifestObject("segment", as_sorted_unique(fps), meta=meta))
-                written = True
-                if self.journal is not None:
-                    self.journal.published(upto, self._stamps.last_ms)
-            finally:
-                with self._lock:
-                    self._in_flight = 0
-                    if not written:  # its PUT may have landed all the same: published twice is harmless
-                        self._pending[:0] = fps
-            return len(fps)
+            # On failure (or cancellation) they stay open; the PUT may have
+            # landed all the same: published twice is harmless.
+            await self.segments.put(
+                mf.ManifestObject("segment", as_sorted_unique(list(taken.values())), meta=meta)
+            )
+            with self._lock:
+                self._forget(taken)
+                self._journal_published()
+            return len(taken)
 
     async def run(self) -> None:
-        """Publish every ``publish_s`` until cancelled."""
+        """Publish every ``publish_s`` until cancelled (holding: only what
+        was held past ``hold_s``)."""
         while True:
             await asyncio.sleep(self.publish_s)
             try:
-                await self.publish()
+                await self.publish(held_s=self.hold_s)
             except asyncio.CancelledError:
                 raise
             except Exception as e:

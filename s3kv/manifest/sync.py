@@ -177,6 +177,8 @@ class ManifestSync:
         """This replica's stamps: after every segment it applied or wrote."""
         self._lock = threading.Lock()
         self._to_publish: list[int] = []
+        self._published: list[int] = []
+        """What this replica's segments named since :meth:`take_published`."""
         self._bad: list[tuple[int, str, str | None]] = []
         """Bad chunk objects to report: (fingerprint, object name, ETag)."""
         self._bad_seen: set[tuple[str, str | None]] = set()
@@ -262,6 +264,13 @@ class ManifestSync:
     def stored(self, fp: int) -> None:
         with self._lock:
             self._to_publish.append(fp)
+
+    def take_published(self) -> list[int]:
+        """The fingerprints this replica's segments named since the last
+        call, for its ranks to stop holding (sent with the next step's plans)."""
+        with self._lock:
+            out, self._published = self._published, []
+            return out
 
     def used(self, fps: np.ndarray) -> None:
         with self._lock:
@@ -713,6 +722,8 @@ class ManifestSync:
                     self._to_publish[:0] = fps
                     self._bad[:0] = bad
                 raise
+            with self._lock:
+                self._published.extend(fps)
         if bad:
             record = mf.ManifestObject(
                 "segment",

@@ -350,6 +350,27 @@ def complete(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS, timeout:
 # -- reading and rewriting a bucket's parts (models with several KV cache groups)
 
 
+def segments_by_writer(client: Any, bucket: str) -> dict[str, tuple[set[int], bool]]:
+    """The manifest segments in ``bucket``, by writer id: the fingerprints
+    they name, and whether they are rank segments."""
+    from s3kv.manifest import format as mf
+    from s3kv.manifest.protocol import parse_name
+    from s3kv.manifest.ranks import rank_fields
+
+    out: dict[str, tuple[set[int], bool]] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for o in page.get("Contents", ()):
+            base, sep, _ = o["Key"].partition("/manifest/")
+            name = parse_name(base + sep, o["Key"]) if sep else None
+            if name is None or name.kind != "segment":
+                continue
+            seg = mf.decode(client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read())
+            fps, ranked = out.setdefault(name.writer, (set(), False))
+            fps.update(seg.added.tolist())
+            out[name.writer] = (fps, ranked or rank_fields(seg.meta) is not None)
+    return out
+
+
 def descriptor(client: Any, bucket: str) -> dict[str, Any]:
     """The namespace descriptor of the bucket's one namespace."""
     (key,) = [

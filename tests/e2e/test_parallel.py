@@ -27,7 +27,8 @@ import pytest
 
 from s3kv import codec
 from s3kv.chunk_reader import decode_chunk
-from s3kv.keys import Namespace, chain_keys, parse_object_key
+from s3kv.keys import Namespace, chain_keys, fingerprint, parse_object_key
+from s3kv.manifest.protocol import replica_of
 from tests.e2e.harness import (
     CHUNK_TOKENS,
     MAX_TOKENS,
@@ -36,6 +37,7 @@ from tests.e2e.harness import (
     descriptor,
     kv_config,
     run_replica,
+    segments_by_writer,
     worker_total,
 )
 from tests.e2e.test_hybrid_families import load_errors
@@ -199,6 +201,20 @@ def test_share_tp2_stores_one_object_per_kv_head(share_tp2, share_tp1_bucket, s3
     assert all(s == {0, 1, 2, 3} for s in shards.values())  # one per head, no .r4
     assert [w["store_chunks_s3"] for w in share_tp2["workers"]] == [2 * len(shards)] * 2
     assert all(w["drained"] for w in share_tp2["workers"])
+
+
+def test_share_tp2_replica_segment_names_every_chunk(share_tp2, share_tp1_bucket, s3_server):
+    """Protocol "epochs" (the default): the scheduler side's one segment per
+    interval names every whole chunk its two ranks stored; the ranks hold
+    theirs for it (what they publish themselves is only what was still
+    unacknowledged at shutdown)."""
+    client = s3_server.client()
+    by_writer = segments_by_writer(client, share_tp1_bucket)
+    stored = {fingerprint(key) for key in _shards_by_chunk(client, share_tp1_bucket)}
+    replica = [
+        fps for writer, (fps, ranked) in by_writer.items() if replica_of(writer) == writer and not ranked
+    ]
+    assert len(replica) == 1 and replica[0] == stored
 
 
 def test_share_tp1_loads_what_tp2_stored_with_its_tokens(share_tp2, share_tp1, s3_server, share_tp1_bucket):

@@ -287,3 +287,81 @@ def test_rank_segments_with_nonsense_ranks_are_garbage(meta):
     run(store.put(mp.segment_name(BASE, int(T0 * 1000), "zzzzr0", 1), mf.encode(bad), mode=PutMode.CREATE))
     assert run(r.refresh()) == 0 and key(1) not in r.manifest
     assert r.counters.totals()["manifest_skipped_garbage"] == 1
+
+
+def _holding(store, clock, journal=None, rank=0, ranks=2):
+    return ShardPublisher(
+        store,
+        BASE,
+        "aaaa",
+        rank=rank,
+        ranks=ranks,
+        publish_s=1,
+        clock=lambda: clock[0],
+        journal=journal,
+        hold_s=3,
+    )
+
+
+def test_a_holding_rank_publishes_only_what_its_scheduler_side_did_not_in_time(tmp_path):
+    """Protocol "epochs": the scheduler side names every whole chunk in the
+    replica's one segment and acknowledges it to the ranks; a rank publishes
+    (as a rank segment) only what stayed unacknowledged for ``hold_s``, and
+    its journal counts what any segment names, in the journal's order."""
+    store, clock = MemoryStore(), [T0]
+    journal = RankJournal(tmp_path, "aaaar0", {})
+    p = _holding(store, clock, journal)
+    for i in (1, 2, 3):
+        p.stored(fp(i))
+    assert run(p.publish(held_s=p.hold_s)) == 0 and _named(store) == []  # held, not yet due
+    p.acked([fp(2)])
+    assert p.pending == 2 and _unpublished(tmp_path, "aaaar0")[0] == [fp(1), fp(2), fp(3)]  # 1 still open
+    p.acked([fp(1), fp(99)])  # fp(99): another rank's chunk, never this one's
+    assert _unpublished(tmp_path, "aaaar0")[0] == [fp(3)]
+    clock[0] += 3
+    p.stored(fp(4))  # fresh: still held
+    assert run(p.publish(held_s=p.hold_s)) == 1 and _named(store) == [fp(3)]  # held too long: its own
+    (name,) = run(store.list_keys(BASE + "seg/"))
+    assert rank_fields(mf.decode(run(store.get(name))).meta) == (0, 2)  # a rank segment, as without holding
+    assert _unpublished(tmp_path, "aaaar0")[0] == [fp(4)] and p.pending == 1
+    assert run(p.publish()) == 1 and _named(store) == [fp(3), fp(4)]  # the shutdown flush: everything left
+    assert p.close() == 0 and not list(tmp_path.iterdir())
+
+
+def test_a_chunk_stored_twice_is_open_until_acknowledged_or_published_both_times():
+    store, clock = MemoryStore(), [T0]
+    p = _holding(store, clock)
+    p.stored(fp(1))
+    p.stored(fp(1))
+    assert p.pending == 2
+    p.acked([fp(1)])
+    assert p.pending == 0 and run(p.publish()) == 0 and _named(store) == []
+
+
+def test_an_acknowledgement_while_a_held_chunk_is_being_published_is_harmless():
+    inner = MemoryStore()
+    store, clock = HeldPuts(inner, hold="/seg/"), [T0]
+    p = _holding(store, clock)
+
+    async def race() -> int:
+        p.stored(fp(1))
+        flush = asyncio.create_task(p.publish())
+        await _until(lambda: store.held == 1)
+        p.acked([fp(1)])  # the scheduler side's segment landed first
+        p.stored(fp(2))
+        store.release(None)
+        return await flush
+
+    assert run(race()) == 1 and _named(inner) == [fp(1)] and p.pending == 1  # fp(2) is still open
+
+
+@pytest.mark.parametrize("protocol", ["epochs", "segments"])
+def test_the_protocol_decides_whether_ranks_hold_their_stores_for_the_replica_segment(protocol):
+    from s3kv.config import parse_config
+    from s3kv.manifest.publish import hold_s
+    from s3kv.tiering.tiers.s3.manager import S3TierManager
+
+    config = parse_config({"bucket": "b-x1", "manifest_protocol": protocol, "manifest_publish_s": 2})
+    holds = protocol == "epochs"
+    assert hold_s(config) == (6.0 if holds else None)
+    assert S3TierManager.from_config(Manifest(), config).publishes_all is holds

@@ -708,3 +708,26 @@ def test_the_ranks_publish_their_own_stores_the_scheduler_only_412s():
     on_written(p, Tier.S3, {k2: 1})  # found there, but reported bad
     assert k0 in index and k1 in index and k2 not in index
     assert journal.published == [fingerprints([k1])[0].item()]
+
+
+def test_with_replica_segments_the_scheduler_side_publishes_every_whole_chunk_once_all_ranks_stored_it():
+    """Protocol "epochs": the replica's one segment names each chunk its
+    ranks stored (created or found there), once every rank reported its
+    shard: the ranks hold theirs for it. A bad object found in the way is
+    still never published."""
+    p, index = planner(world_size=2)
+    s3(p).publishes_all = True
+    index.sync = journal = _Journal()
+    lookup(p, "a")
+    stores = p.plan_step([sched("a", 0, 3 * CT, list(range(10)))]).stores
+    k0, k1, k2 = (s.key for s in stores)
+    on_written(p, Tier.S3, {k0: 1})  # one rank of two
+    assert journal.published == [] and k0 not in index
+    on_written(p, Tier.S3, {k0: 1})  # the other
+    on_existing(p, [k1])
+    on_written(p, Tier.S3, {k1: 2})  # found there by both
+    index.bad.add(fingerprints([k2])[0].item())
+    on_existing(p, [k2])
+    on_written(p, Tier.S3, {k2: 2})  # found there, but reported bad
+    assert k0 in index and k1 in index and k2 not in index
+    assert journal.published == [fingerprints([k])[0].item() for k in (k0, k1)]

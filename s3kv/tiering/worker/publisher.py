@@ -12,7 +12,7 @@ from s3kv.config import S3KVConfig
 from s3kv.manifest.journal import ENV_VAR as JOURNAL_ENV
 from s3kv.manifest.journal import RankJournal, recorded_config
 from s3kv.manifest.protocol import manifest_prefix, rank_writer
-from s3kv.manifest.publish import ShardPublisher
+from s3kv.manifest.publish import ShardPublisher, hold_s
 from s3kv.stats import Counters
 from s3kv.tiering.worker.transfer import TransferEngine
 
@@ -68,6 +68,7 @@ def start_publisher(
         skew_s=c.manifest_clock_skew_s,
         counters=counters,
         journal=journal,
+        hold_s=hold_s(c),
     )
     engine.spawn(publisher.run())
     return publisher

@@ -11,6 +11,7 @@ import numpy as np
 from s3kv.config import S3KVConfig
 from s3kv.keys import object_key
 from s3kv.manifest.keyset import Manifest
+from s3kv.manifest.publish import replica_segments
 from s3kv.tiering.breaker import BACKOFF_S, PROBE_TIMEOUT_S
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place, TierReport
@@ -41,8 +42,13 @@ class S3TierManager(TierManager):
         clock: Callable[[], float] = time.monotonic,
         url: str = "s3",
         prefix: str = "",
+        publishes_all: bool = False,
     ) -> None:
         super().__init__()
+        self.publishes_all = publishes_all
+        """Whether this replica's segment names every chunk it stored (its
+        ranks hold theirs for it: protocol "epochs"), or only those a store
+        found already there (a 412: the ranks publish what they create)."""
         self.url = url
         """The bucket and prefix, for the start-up log line."""
         self.prefix = prefix
@@ -72,6 +78,7 @@ class S3TierManager(TierManager):
             probe_timeout_s=probe_timeout_s(config),
             url=f"s3://{config.bucket}/{config.prefix}",
             prefix=config.prefix,
+            publishes_all=replica_segments(config),
         )
 
     @property
@@ -151,9 +158,11 @@ class S3TierManager(TierManager):
         existing = key in self._existing
         self._existing.discard(key)
         # An object some replica reported bad is never published from a 412
-        # (it may be that very object); one this replica wrote is, by the
-        # ranks that wrote it (manifest.publish), the moment their PUTs
-        # returned: here it only joins this replica's index.
+        # (it may be that very object). One this replica wrote goes in its
+        # own segment (protocol "epochs": the ranks hold it until that
+        # segment names it), or is published by the ranks that wrote it the
+        # moment their PUTs returned (manifest.publish) and here only joins
+        # this replica's index.
         bad = self.manifest.is_bad(key)
         if bad and (existing or not ok):
             # The bad object is in the way (a 412, or a store that found one
@@ -164,7 +173,7 @@ class S3TierManager(TierManager):
         else:
             self._storing.pop(key, None)
         if ok and not (existing and bad):
-            self.manifest.add(key, publish=existing)
+            self.manifest.add(key, publish=existing or self.publishes_all)
 
     def forget(self, key: bytes) -> None:
         if key in self.manifest:
