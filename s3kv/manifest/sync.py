@@ -11,17 +11,10 @@ the loop only reads the in-memory :class:`~s3kv.manifest.keyset.Manifest`.
 That is protocol "segments" (``SyncSettings.protocol``), every replica
 reading every segment: N requests a replica an interval. Protocol "epochs"
 (the config's default, ``manifest_protocol``) publishes the same segments
-but reads them through epoch objects (:mod:`s3kv.manifest.epochs`): time is
-cut into epochs of ``publish_s``; a ``settle_s`` after an epoch ends, one
-replica (candidates ranked by a hash of the epoch and the replica, each
-next one a ``grace_step_s`` later) lists the segments from a lookback of
-twice the skew margin before it, leaves out those earlier epochs named,
-and writes them as epoch ``e`` with a create-only PUT; every other replica
-GETs that one object. An epoch that does not read is covered from the
-segments by each reader alone; a replica whose clock runs far ahead of
-every other's stamps writes no epoch. Start-up: the newest snapshot
-(meta ``epoch``), then the epochs after it, many GETs in flight; the
-segments themselves where epochs are missing long after their end.
+but reads them through epoch objects, one a ``publish_s``, that one replica
+of the fleet aggregates and every other one GETs: that is the sync's
+:class:`~s3kv.manifest.chain.EpochChain` (:attr:`ManifestSync.chain`), which
+this module's loop, loading and refreshing hand over to.
 
 A bucket holds more than s3kv wrote: what is skipped, how it is counted
 and what is retried is :mod:`s3kv.manifest.reader`'s. What the log says is
@@ -34,31 +27,19 @@ listing floor.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from s3kv.auth import FleetKeys
-from s3kv.config import DEFAULTS, MANIFEST_PROTOCOLS, S3KVConfig
-from s3kv.errors import (
-    AlreadyExists,
-    CorruptManifest,
-    NotFound,
-    PermissionDenied,
-    RangeNotSatisfiable,
-    S3KVError,
-    TooLarge,
-)
-from s3kv.manifest import epochs as me
+from s3kv.errors import S3KVError
 from s3kv.manifest import format as mf
 from s3kv.manifest.arrays import EMPTY, as_sorted_unique
+from s3kv.manifest.chain import EpochChain
 from s3kv.manifest.keyset import Manifest
 from s3kv.manifest.listing import SegmentLister
 from s3kv.manifest.protocol import (
@@ -67,11 +48,7 @@ from s3kv.manifest.protocol import (
     HybridClock,
     access_hour,
     access_name,
-    epoch_end,
     epoch_ms,
-    epoch_name,
-    epoch_of,
-    epoch_start,
     name_ts,
     new_writer_id,
     parse_name,
@@ -80,72 +57,13 @@ from s3kv.manifest.protocol import (
 from s3kv.manifest.ranks import PARTIAL_TTL_MS, RankTally
 from s3kv.manifest.reader import ObjectReader
 from s3kv.manifest.replay import bad_removals, changes, replay
-from s3kv.manifest.snapshots import SNAPSHOTS_KEPT, stale_snapshots, write_snapshot
+from s3kv.manifest.settings import Offload, SyncSettings
+from s3kv.manifest.snapshots import stale_snapshots, write_snapshot
 from s3kv.manifest.writer import SegmentWriter
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore, PutMode
 
 log = logging.getLogger("s3kv.manifest")
-
-Offload = Callable[..., Awaitable[Any]]
-"""Runs ``f(*args)`` off the event loop: :func:`asyncio.to_thread`, or
-inline where the loop's time is virtual (the fleet model)."""
-
-
-@dataclass(frozen=True)
-class SyncSettings:
-    """The manifest loop's settings, cut from the config by :meth:`from_config`;
-    tests may build one (the defaults are the config's, or not config keys)."""
-
-    publish_s: float = DEFAULTS.manifest_publish_s
-    refresh_s: float = DEFAULTS.manifest_refresh_s
-    skew_s: float = DEFAULTS.manifest_clock_skew_s
-    """Replicas' clocks may disagree by this much without missing segments."""
-    snapshot_every: int = 256
-    """Segments past the newest snapshot before a replica writes a new one..."""
-    snapshot_interval_s: float = 600.0
-    """... and no sooner than this after the newest snapshot."""
-    snapshots_kept: int = SNAPSHOTS_KEPT
-    fetch_concurrency: int = 64
-    max_object_bytes: int = DEFAULTS.manifest_max_bytes
-    """A segment or snapshot larger than this is refused unread (``manifest_max_bytes``)."""
-    get_attempts: int = 3
-    """GETs of one object that fail otherwise (not denied, missing or
-    corrupt: throttled, reset, timed out) before it is skipped."""
-    protocol: str = "segments"
-    """How other replicas' segments are read (``manifest_protocol``):
-    "epochs" (through epoch objects, :mod:`s3kv.manifest.epochs`) or
-    "segments" (each one, every ``refresh_s``). The config's default is
-    "epochs"; a settings object built by hand reads segments."""
-    settle_s: float = 1.0
-    """Epochs: an epoch is read (and aggregated, by the first candidate) this
-    long after its end, so that the PUTs of its segments have landed."""
-    grace_step_s: float = 1.0
-    """Epochs: each next candidate aggregates an epoch still missing this much later."""
-    max_rank: int = 8
-    """Epochs: candidates beyond this rank spread over a few more grace steps."""
-    snapshot_epochs: int = 60
-    """Epochs: the aggregator of every epoch whose number is a multiple of
-    this writes a snapshot (snapshots by count, whatever the fleet's size)."""
-    epoch_retry_s: float = 0.5
-    """Epochs: an epoch not there yet is asked for again this soon."""
-
-    def __post_init__(self) -> None:
-        if self.protocol not in MANIFEST_PROTOCOLS:
-            raise ValueError(
-                f"manifest protocol {self.protocol!r}: must be one of {', '.join(MANIFEST_PROTOCOLS)}"
-            )
-
-    @classmethod
-    def from_config(cls, config: S3KVConfig) -> SyncSettings:
-        """The ``manifest_*`` keys of ``config``; the rest are not keys."""
-        return cls(
-            publish_s=config.manifest_publish_s,
-            refresh_s=config.manifest_refresh_s,
-            skew_s=config.manifest_clock_skew_s,
-            max_object_bytes=config.manifest_max_bytes,
-            protocol=config.manifest_protocol,
-        )
 
 
 class ManifestSync:
@@ -220,45 +138,47 @@ class ManifestSync:
         """The header of the snapshot :meth:`load` started from."""
         self.loaded = False
         self.refreshed_at: float | None = None
+        """Wall time the manifest was last up to date with S3 (every segment listed was read)."""
         self._next_publish = 0.0
         self._next_refresh = 0.0
         """When (``clock`` seconds) :meth:`tick` next publishes and refreshes."""
-        """Wall time the manifest was last up to date with S3 (every segment listed was read)."""
-        # -- protocol "epochs" --
-        self.epochs = self.s.protocol == "epochs"
-        self.e_ms = epoch_ms(self.s.publish_s)
-        self._lookback_ms = 2 * int(self.s.skew_s * 1000)
-        """How far before an epoch its aggregator lists: late segments go to a later epoch."""
-        self.next_epoch = 0
-        """Every epoch before it is applied (read, aggregated or covered)."""
-        self._epoch_due = 0.0
-        """When (``clock`` seconds) :meth:`tick` next looks at :attr:`next_epoch`."""
-        self._epoch_gets = 0
-        """GETs of :attr:`next_epoch` so far."""
-        self._covered: dict[str, int] = {}
-        """Segments that epoch objects named (within the lookback), with the
-        epoch: an aggregator leaves them out."""
-        self._candidates: dict[str, int] = {}
-        """Replicas that were members of epochs (within the lookback), with
-        the newest such epoch: who may aggregate."""
-        self._epoch_lister = SegmentLister(store, base, skew_s=self.s.skew_s, clock=clock)
-        self._jitter = (xxhash.xxh3_64_intdigest(self.writer.encode()) % 1000) / 1000
-        self._warned_ahead = False
-        self._others_ms = 0
-        self._others_new_at = 0
-        """When (this replica's clock, ms) :attr:`_others_ms` last moved."""
-        self._refused_at: float | None = None
-        """When this replica last refused to aggregate (its clock ahead): for
-        a skew margin after, it only asks for epochs."""
-        """The newest stamp of another replica's seen: its segments listed, the
-        epochs it wrote (their clocks when they did). This replica aggregates
-        no epoch while its clock is more than the skew margin past it."""
+        self.chain = EpochChain(self) if self.s.protocol == "epochs" else None
+        """Protocol "epochs": how other replicas' segments are read (else each one, every refresh)."""
         manifest.sync = self
 
     @property
     def clock_ms(self) -> int:
         """The newest stamp seen (or written): the workers' segments are stamped after it."""
         return self._stamps.seen_ms
+
+    @property
+    def epochs(self) -> bool:
+        """Whether this replica reads the log through epochs (protocol "epochs")."""
+        return self.chain is not None
+
+    @property
+    def e_ms(self) -> int:
+        """An epoch's length (ms): ``publish_s``."""
+        return epoch_ms(self.s.publish_s)
+
+    @property
+    def next_epoch(self) -> int:
+        """Protocol "epochs": every epoch before it is applied (0 under "segments")."""
+        return self.chain.next_epoch if self.chain is not None else 0
+
+    def aggregate_rank(self, e: int) -> int:
+        """This replica's place among the candidates to aggregate epoch ``e``
+        (:meth:`EpochChain.aggregate_rank`)."""
+        return self._epoch_chain().aggregate_rank(e)
+
+    async def aggregate(self, e: int) -> int | None:
+        """Write epoch ``e`` (:meth:`EpochChain.aggregate`)."""
+        return await self._epoch_chain().aggregate(e)
+
+    def _epoch_chain(self) -> EpochChain:
+        if self.chain is None:
+            raise S3KVError(f"manifest protocol {self.s.protocol!r} has no epochs")
+        return self.chain
 
     # -- what the scheduler side tells us (any thread) ---------------------------
     def stored(self, fp: int) -> None:
@@ -351,8 +271,8 @@ class ManifestSync:
         """Start-up: the newest snapshot, then every segment after it,
         replayed (:func:`~s3kv.manifest.replay.replay`) and swapped in at
         once. Returns the fingerprints loaded."""
-        if self.epochs:
-            return await self._load_epochs()
+        if self.chain is not None:
+            return await self.chain.load()
         snapshot, start_after = await self._load_snapshot()
         self._lister.restart()
         listed = await self._lister.after(start_after)
@@ -374,8 +294,8 @@ class ManifestSync:
     async def refresh(self) -> int:
         """New segments of other replicas since the last look (protocol
         "epochs": the epochs due by now). Returns the fingerprints added."""
-        if self.epochs:
-            return await self._advance()
+        if self.chain is not None:
+            return await self.chain.advance()
         start_after = self._segment_floor() if self.clock_ms else None
         listed = await self._lister.after(start_after)
         todo = dict(self.reader.retry)
@@ -391,320 +311,6 @@ class ManifestSync:
         if self.manifest.fps.needs_merge():
             await self._offload(self.manifest.fps.merge)
         return keys
-
-    # -- protocol "epochs" ---------------------------------------------------------
-    def _epoch_read_at(self, e: int) -> float:
-        """When (``clock`` seconds) this replica first asks for epoch ``e``:
-        after its end and the settle time, and a little after the first
-        candidate's try (spread by writer, so the fleet's GETs do not come at once)."""
-        end_s = (epoch_end(e, self.e_ms) + 1) / 1000
-        return end_s + self.s.settle_s + self.s.grace_step_s * 0.5 * (1 + self._jitter)
-
-    def aggregate_rank(self, e: int) -> int:
-        """This replica's place among the candidates to aggregate epoch ``e``:
-        the replicas that were members of recent epochs and itself, ordered
-        by a hash of (e, replica), so the work rotates."""
-        candidates = set(self._candidates) | {self.writer}
-        order = sorted(candidates, key=lambda r: (xxhash.xxh3_64_intdigest(f"{e}/{r}".encode()), r))
-        return order.index(self.writer)
-
-    def _aggregate_at(self, e: int) -> float:
-        """When this replica aggregates epoch ``e`` if it is still missing."""
-        rank = self.aggregate_rank(e)
-        delay = min(rank, self.s.max_rank) * self.s.grace_step_s
-        if rank > self.s.max_rank:  # the rest spread over three more steps
-            spread = xxhash.xxh3_64_intdigest(f"{e}/{self.writer}/spread".encode()) % 1000 / 1000
-            delay += self.s.grace_step_s * 3 * spread
-        return (epoch_end(e, self.e_ms) + 1) / 1000 + self.s.settle_s + delay
-
-    def _last_closed(self, now_ms: int) -> int:
-        """The newest epoch whose end and settle time have passed."""
-        return epoch_of(now_ms - int(self.s.settle_s * 1000), self.e_ms) - 1
-
-    async def _get_epoch(self, e: int) -> tuple[str, me.Epoch | None]:
-        """Epoch ``e``'s object: ("ok", it), ("missing", None) when there is
-        none yet, ("bad", None) when it does not read (corrupt, unsigned or
-        forged with the fleet secret, too large, stamped in the future:
-        counted as ``manifest_epochs_skipped``), ("failed", None) when the
-        GET failed otherwise (throttled, reset)."""
-        name = epoch_name(self.base, e, self.e_ms)
-        try:
-            data = await self.reader.fetch(name)
-            decode = functools.partial(me.decode, keys=self.keys, directory=self.store.directory)
-            epoch: me.Epoch = await self._offload(decode, self.base, name, data)
-            if epoch.ts > self._now_ms() + int(self.s.skew_s * 1000):
-                raise CorruptManifest(f"{name}: written at {epoch.ts}, in the future")
-        except NotFound:
-            self.counters.add("manifest_epochs_missing")
-            return "missing", None
-        except PermissionDenied as err:
-            if err.credentials:
-                raise
-            return self._bad_epoch(name, err)
-        except (CorruptManifest, RangeNotSatisfiable, TooLarge) as err:
-            return self._bad_epoch(name, err)
-        except Exception as err:
-            self.counters.add("manifest_errors")
-            log.warning("s3kv: fetching manifest epoch %s failed (%s); trying again", name, err)
-            return "failed", None
-        if epoch.writer != self.writer:
-            self._saw_others(epoch.ts)
-        self.counters.add("manifest_epochs_read")
-        return "ok", epoch
-
-    def _saw_others(self, ts: int) -> None:
-        if ts > self._others_ms:
-            self._others_ms, self._others_new_at = ts, self._now_ms()
-
-    def _bad_epoch(self, name: str, err: Exception) -> tuple[str, None]:
-        self.counters.add("manifest_epochs_skipped")
-        self.counters.add("manifest_errors")
-        log.warning("s3kv: skipping manifest epoch %s (%s); reading its segments instead", name, err)
-        return "bad", None
-
-    def _took(self, e: int, members: list[me.Member], *, covered: bool) -> list[me.Member]:
-        """Epoch ``e``'s members, known: the replicas among them become
-        candidates; with ``covered`` (an epoch object named them) later
-        epochs leave them out. Returns those not applied yet."""
-        for name, _ in members:
-            parsed = parse_name(self.base, name)
-            if parsed is not None and not parsed.writer.startswith("gc"):  # gc's runs aggregate nothing
-                self._candidates[replica_of(parsed.writer)] = e
-            if covered:
-                self._covered[name] = e
-        return [(n, o) for n, o in members if n not in self._seen]
-
-    async def _segments_of(self, e: int, *, check_clock: bool) -> list[me.Member] | None:
-        """The segments epoch ``e`` covers, listed and read: stamped up to
-        its end, from ``lookback`` before its start, none an earlier epoch
-        covered. With ``check_clock``, None when this replica's clock looks
-        far ahead of the fleet's: the newest stamp of other replicas' it has
-        seen (segments listed now, epochs they wrote) is more than the skew
-        margin behind it. (None seen at all: a fleet of one, or a new one.)"""
-        now_ms = self._now_ms()
-        skew_ms = int(self.s.skew_s * 1000)
-        self._epoch_lister.restart()
-        listed = await self._epoch_lister.after(
-            self._epoch_lister.floor(epoch_start(e, self.e_ms), self._lookback_ms)
-        )
-        others = [
-            p.ts
-            for m in listed
-            if (p := parse_name(self.base, m.key, directory=self.store.directory)) is not None
-            and p.kind == "segment"
-            and replica_of(p.writer) != self.writer
-            and p.ts <= now_ms + skew_ms
-        ]
-        self._saw_others(max(others, default=0))
-        if (
-            check_clock
-            and self._others_ms < now_ms - skew_ms
-            and now_ms - self._others_new_at < skew_ms  # the fleet is still there: not a fleet of one now
-        ):
-            return None
-        end = epoch_end(e, self.e_ms)
-        todo = [
-            (m.key, m.size)
-            for m in self.reader.sift(listed, "segment", now_ms, self._covered)
-            if (name_ts(m.key) or 0) <= end
-        ]
-        fetched = await self.reader.segments(todo)
-        for name, _ in todo:  # one that failed is listed again by the next epoch
-            self.reader.retry.pop(name, None)
-        return fetched
-
-    async def _cover(self, e: int, members: list[me.Member] | None = None) -> int:
-        """Epoch ``e`` covered by this replica alone, from raw segments
-        (its object does not read, or this replica may not write it):
-        applied, nothing written. Later epochs still name these segments."""
-        if members is None:
-            members = await self._segments_of(e, check_clock=False) or []
-        self.counters.add("manifest_epochs_covered")
-        keys = await self._apply(self._took(e, members, covered=False))
-        self._next(e)
-        return keys
-
-    async def _read(self, e: int, epoch: me.Epoch) -> int:
-        keys = await self._apply(self._took(e, epoch.members, covered=True))
-        self._next(e)
-        return keys
-
-    def _next(self, e: int) -> None:
-        self.next_epoch, self._epoch_gets = e + 1, 0
-
-    async def aggregate(self, e: int) -> int | None:
-        """Write epoch ``e`` (create-only: of racing aggregators one wins; a
-        loser reads the winner's), apply it, and, every ``snapshot_epochs``,
-        snapshot. Returns the fingerprints added; None when this replica's
-        clock looks far ahead of the fleet's (it writes nothing: the epoch
-        is left to the others, and read when they have written it)."""
-        members = await self._segments_of(e, check_clock=True)
-        if members is None:
-            self.counters.add("manifest_epochs_refused")
-            self._refused_at = self._clock()
-            if not self._warned_ahead:
-                self._warned_ahead = True
-                log.warning(
-                    "s3kv: this replica's clock looks more than %.0f s ahead of the fleet's (the other "
-                    "replicas' newest stamps are older than that); leaving manifest epochs to them",
-                    self.s.skew_s,
-                )
-            return None
-        epoch = me.Epoch(e, self.e_ms, self.writer, self._now_ms(), members)
-        body: bytes = await self._offload(me.encode, self.base, epoch, self.keys)
-        name = epoch_name(self.base, e, self.e_ms)
-        if len(body) > self.s.max_object_bytes:
-            log.warning(
-                "s3kv: manifest epoch %s would be %d bytes, over the limit; not written", name, len(body)
-            )
-            return await self._cover(e, members)
-        try:
-            await self.store.put(name, body, mode=PutMode.CREATE)
-        except AlreadyExists:
-            status, theirs = await self._get_epoch(e)
-            if status == "ok" and theirs is not None:
-                return await self._read(e, theirs)
-            return await self._cover(e, members)
-        self.counters.add("manifest_epochs_written")
-        keys = await self._read(e, epoch)
-        if self.s.snapshot_epochs and e % self.s.snapshot_epochs == 0:
-            await self._epoch_snapshot(e)
-        return keys
-
-    async def _step(self) -> int | None:
-        """Epoch :attr:`next_epoch`, if it is due: read, or aggregated at
-        this replica's rank's time. Returns the fingerprints added, or None
-        when it is not due (yet) or not there yet (:meth:`next_due` says when)."""
-        e = self.next_epoch
-        now = self._clock()
-        aggregate_at, read_at = self._aggregate_at(e), self._epoch_read_at(e)
-        if now < min(aggregate_at, read_at):
-            self._epoch_due = min(aggregate_at, read_at)
-            return None
-        refused = self._refused_at is not None and now - self._refused_at < self.s.skew_s
-        if self._epoch_gets == 0 or now < aggregate_at or refused:
-            self._epoch_gets += 1
-            status, epoch = await self._get_epoch(e)
-            if status == "ok" and epoch is not None:
-                return await self._read(e, epoch)
-            if status == "bad":
-                return await self._cover(e)
-            if now < aggregate_at or refused:
-                self._epoch_due = now + self.s.epoch_retry_s
-                if not refused:
-                    self._epoch_due = min(aggregate_at, self._epoch_due)
-                return None
-        keys = await self.aggregate(e)
-        if keys is None:
-            self._epoch_due, self._epoch_gets = now + self.s.epoch_retry_s, 0
-        return keys
-
-    async def _advance(self) -> int:
-        """Every epoch due by now, in order."""
-        keys = 0
-        while (got := await self._step()) is not None:
-            keys += got
-        # Up to date: every epoch its aggregators have had time to write, read.
-        late_ms = int((self.s.settle_s + (self.s.max_rank + 4) * self.s.grace_step_s) * 1000)
-        if self.next_epoch > self._last_closed(self._now_ms() - late_ms):
-            self.refreshed_at = self._clock()
-        self._forget()
-        if self.manifest.fps.needs_merge():
-            await self._offload(self.manifest.fps.merge)
-        return keys
-
-    def _forget(self) -> None:
-        """Names older than any later epoch lists: memory stays bounded by the lookback."""
-        floor = epoch_start(self.next_epoch, self.e_ms) - self._lookback_ms - self.e_ms
-        self._seen = {n: ts for n, ts in self._seen.items() if ts >= floor}
-        self._covered = {n: e for n, e in self._covered.items() if (name_ts(n) or 0) >= floor}
-        oldest = self.next_epoch - self._lookback_ms // self.e_ms - 2
-        self._candidates = {r: e for r, e in self._candidates.items() if e >= oldest}
-        if len(self._tally):
-            self._tally.expire(self._lister.floor(self.clock_ms, PARTIAL_TTL_MS))
-
-    async def _epoch_snapshot(self, e: int) -> None:
-        """The snapshot of this replica's manifest, which has applied every
-        epoch up to ``e``: meta ``epoch`` (where a new replica's epochs
-        start) and the legacy horizon (where an older replica's segments do)."""
-        oldest = self._tally.oldest()
-        # A chunk still waiting for other ranks: a replica starting from this
-        # snapshot reads the epoch that named its first segment again.
-        since = e if oldest is None or oldest not in self._covered else self._covered[oldest] - 1
-        horizon = Horizon.over(
-            (n for n in self._seen if oldest is None or n < oldest), int(self.s.skew_s * 1000)
-        )
-        await self._snapshot(horizon, {"epoch": since, "e_ms": self.e_ms})
-
-    async def _load_epochs(self) -> int:
-        """Start-up, protocol "epochs": the newest snapshot, then the epochs
-        after it, fetched many at once and applied in order. Where one is
-        missing long after its end (a hole: the fleet was down, or the
-        snapshot is older than epochs) the segments from there are listed
-        instead, then epochs from a lookback before now. Returns the
-        fingerprints loaded."""
-        snapshot, start_after = await self._load_snapshot()
-        meta = self._snapshot_meta
-        now_ms = self._now_ms()
-        last = self._last_closed(now_ms)
-        lookback_epochs = -(-self._lookback_ms // self.e_ms)
-        e: int | None = None
-        if meta.get("e_ms") == self.e_ms and isinstance(meta.get("epoch"), int) and meta["epoch"] <= last:
-            e = int(meta["epoch"]) + 1
-        members: list[me.Member] = []
-        taken: set[str] = set(self._seen)
-
-        def take(got: list[me.Member]) -> None:
-            for name, obj in got:
-                if name not in taken:
-                    taken.add(name)
-                    members.append((name, obj))
-
-        self._lister.restart()
-        if e is None:  # no snapshot of epochs: the segments since its horizon
-            take(await self._raw_segments(start_after, taken))
-            e = max(epoch_of(now_ms, self.e_ms) - lookback_epochs, 0)
-        while e <= last:
-            batch = range(e, min(last, e + self.s.fetch_concurrency - 1) + 1)
-            got = await asyncio.gather(*(self._get_epoch(x) for x in batch))
-            stop = False
-            for x, (status, epoch) in zip(batch, got, strict=True):
-                if status == "ok" and epoch is not None:
-                    take(self._took(x, epoch.members, covered=True))
-                elif status == "bad":
-                    self.counters.add("manifest_epochs_covered")
-                    take(self._took(x, await self._segments_of(x, check_clock=False) or [], covered=False))
-                elif epoch_end(x, self.e_ms) < now_ms - self._lookback_ms:
-                    # A hole: whatever segments its aggregators would have taken, listed.
-                    floor = self._lister.floor(epoch_start(x, self.e_ms), self._lookback_ms)
-                    take(await self._raw_segments(floor, taken))
-                    e = max(x + 1, epoch_of(now_ms, self.e_ms) - lookback_epochs)
-                    break
-                else:  # not written yet: the loop reads or aggregates it
-                    stop = True
-                    break
-                e = x + 1
-            if stop:
-                break
-        self.next_epoch, self._epoch_gets = e, 0
-        live = await self._offload(replay, snapshot, members, self._tally)
-        await self._offload(self.manifest.fps.replace, live)
-        self._applied(members)
-        self._lister.done()
-        self._forget()
-        await self._offload(self.manifest.fps.merge)
-        self.loaded = True
-        self.refreshed_at = self._clock()
-        return len(live)
-
-    async def _raw_segments(self, start_after: str | None, seen: set[str]) -> list[me.Member]:
-        """Every segment listed after ``start_after`` not in ``seen``, read (today's load)."""
-        listed = await self._lister.after(start_after)
-        todo = [(m.key, m.size) for m in self.reader.sift(listed, "segment", self._now_ms(), seen)]
-        fetched = await self.reader.segments(todo)
-        for name, _ in todo:
-            self.reader.retry.pop(name, None)
-        return fetched
 
     # -- writing -----------------------------------------------------------------
     async def publish(self) -> None:
@@ -816,7 +422,7 @@ class ManifestSync:
     # -- the loop ----------------------------------------------------------------
     def next_due(self) -> float:
         """When (``clock`` seconds) :meth:`tick` next has something to do."""
-        return min(self._next_publish, self._epoch_due if self.epochs else self._next_refresh)
+        return min(self._next_publish, self.chain.due if self.chain is not None else self._next_refresh)
 
     async def tick(self) -> None:
         """What is due now: a publish, a refresh (and maybe a snapshot);
@@ -825,10 +431,10 @@ class ManifestSync:
         if now >= self._next_publish:
             self._next_publish = now + self.s.publish_s
             await self.publish()
-        if self.epochs:
-            if now >= self._epoch_due:
-                self._epoch_due = now + self.s.epoch_retry_s  # unless it says when (S3 down: not at once)
-                await self._advance()
+        if self.chain is not None:
+            if now >= self.chain.due:
+                self.chain.due = now + self.s.epoch_retry_s  # unless it says when (S3 down: not at once)
+                await self.chain.advance()
         elif now >= self._next_refresh:
             self._next_refresh = now + self.s.refresh_s
             await self.refresh()
@@ -854,7 +460,8 @@ class ManifestSync:
         now = self._clock()
         self._next_publish = now + self.s.publish_s
         self._next_refresh = now + self.s.refresh_s  # load() just looked
-        self._epoch_due = now
+        if self.chain is not None:
+            self.chain.due = now
         longest = min(self.s.publish_s, self.s.refresh_s)
         while True:
             try:

@@ -195,7 +195,8 @@ async def start(replicas, clock):
     for r in replicas:
         await r.load()
         r._next_publish = r._clock() + PUBLISH_S
-        r._epoch_due = r._clock()
+        if r.chain is not None:  # as ManifestSync.run starts the loop
+            r.chain.due = r._clock()
 
 
 def epochs_in(store):
@@ -267,9 +268,8 @@ def test_a_new_replica_starts_from_the_snapshot_and_the_epochs_after_it(bucket_k
     assert not segment_gets  # the snapshot and epochs only
     epoch_gets = {g.key for g in inner.gets if "/ep/" in g.key}
     assert all(mp.parse_epoch(BASE, n)[0] > snap.meta["epoch"] for n in epoch_gets)
-    assert c.next_epoch == c._last_closed(int(clock.t * 1000)) + 1 or c.next_epoch <= c._last_closed(
-        int(clock.t * 1000)
-    )
+    last = c.chain.last_closed(int(clock.t * 1000))
+    assert c.next_epoch == last + 1 or c.next_epoch <= last
 
 
 def test_a_new_replica_of_a_fleet_that_was_down_lists_the_hole():
@@ -353,12 +353,12 @@ def test_an_aggregator_stopped_mid_epoch_is_replaced_by_the_next_rank(bucket_kin
         second.manifest.add(key(11))
         await drive([a, b], clock, (mp.epoch_start(e, 1000)) / 1000 + 0.05)  # published into epoch e
         inner.stopped = {first.writer}
-        due = first._aggregate_at(e)
+        due = first.chain.aggregate_at(e)
         await drive([first, second], clock, due + 0.01)
         assert first.next_epoch <= e  # its aggregation was cut off
         inner.stopped = set()
         # The stopped one is gone; the next rank writes the epoch after its grace.
-        await drive([second], clock, second._aggregate_at(e) + 3)
+        await drive([second], clock, second.chain.aggregate_at(e) + 3)
         return e, first, second
 
     e, first, second = run(go())
@@ -694,7 +694,7 @@ def test_what_a_replica_remembers_of_epochs_stays_within_the_lookback():
     run(go())
     assert all(key(i) in b.manifest for i in range(3 * lookback_epochs - 3))
     for r in (a, b):
-        assert 0 < len(r._covered) <= lookback_epochs + 3, len(r._covered)
+        assert 0 < len(r.chain.covered) <= lookback_epochs + 3, len(r.chain.covered)
         assert len(r._seen) <= lookback_epochs + 3, len(r._seen)
 
 
