@@ -397,11 +397,15 @@ class EpochChain:
 
     async def load(self) -> int:
         """Start-up, protocol "epochs": the newest snapshot, then the epochs
-        after it, fetched many at once and applied in order. Where one is
-        missing long after its end (a hole: the fleet was down, or the
-        snapshot is older than epochs) the segments from there are listed
-        instead, then epochs from a lookback before now. Returns the
-        fingerprints loaded."""
+        after it, fetched many at once and applied in order. A snapshot
+        without ``epoch`` (gc's compaction's, an older replica's) starts the
+        epochs a lookback before its horizon's, and of their members takes
+        those it does not hold: after the floor its readers list from, and
+        not named in its horizon's ``recent``. Where an epoch is missing
+        long after its end (a hole: the fleet was down, or ran older
+        replicas only) the segments from there are listed instead, then
+        epochs from a lookback before now; so they are after a snapshot
+        with no horizon at all. Returns the fingerprints loaded."""
         snapshot, start_after = await self._sync._load_snapshot()
         meta = self._sync._snapshot_meta
         now_ms = self._now_ms()
@@ -410,17 +414,25 @@ class EpochChain:
         e: int | None = None
         if meta.get("e_ms") == self.e_ms and isinstance(meta.get("epoch"), int) and meta["epoch"] <= last:
             e = int(meta["epoch"]) + 1
+        held: str | None = None
+        """A snapshot of segments only: every segment named up to this (the
+        floor its readers list after) is in it, as are its horizon's
+        ``recent`` (in ``taken``)."""
+        if e is None and start_after is not None:
+            held = start_after
+            horizon_ms = name_ts(Horizon.last_of(meta)) or 0
+            e = max(epoch_of(horizon_ms, self.e_ms) - lookback_epochs, 0)
         members: list[me.Member] = []
         taken: set[str] = set(self._sync._seen)
 
         def take(got: list[me.Member]) -> None:
             for name, obj in got:
-                if name not in taken:
+                if name not in taken and (held is None or name > held):
                     taken.add(name)
                     members.append((name, obj))
 
         self._sync._lister.restart()
-        if e is None:  # no snapshot of epochs: the segments since its horizon
+        if e is None:  # no snapshot, or one with no horizon: every segment
             take(await self._raw_segments(start_after, taken))
             e = max(epoch_of(now_ms, self.e_ms) - lookback_epochs, 0)
         while e <= last:
@@ -436,6 +448,7 @@ class EpochChain:
                 elif epoch_end(x, self.e_ms) < now_ms - self._lookback_ms:
                     # A hole: whatever segments its aggregators would have taken, listed.
                     floor = self._sync._lister.floor(epoch_start(x, self.e_ms), self._lookback_ms)
+                    floor = max(floor, held or floor)  # none the snapshot holds
                     take(await self._raw_segments(floor, taken))
                     e = max(x + 1, epoch_of(now_ms, self.e_ms) - lookback_epochs)
                     break

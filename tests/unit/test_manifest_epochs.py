@@ -722,3 +722,92 @@ def test_a_hole_after_the_snapshot_is_read_from_the_segments(bucket_kind):
     assert run(store.list_keys(BASE + "snap/"))
     assert all(key(i) in c.manifest for i in (0, 1, 2, 3, 4, 99))
     assert c.next_epoch >= mp.epoch_of(int(clock.t * 1000), 1000) - int(2 * SKEW_S)
+
+
+class GcFleet:
+    """A fleet of six replicas adding a key each a second, and gc's
+    compaction writing a snapshot: every segment listed, replayed, under
+    their horizon, no ``epoch`` in its header."""
+
+    def __init__(self, bucket_kind, **kw):
+        self.inner = WrappedStore(MemoryStore())
+        self.store = bucket_kind(self.inner)
+        self.clock = Clock()
+        self.fleet = [replica(self.store, self.clock, f"r{i:03d}", snapshot_epochs=0, **kw) for i in range(6)]
+        self.every = []
+
+    async def add_for(self, seconds):
+        for _ in range(int(seconds / PUBLISH_S)):
+            for r in self.fleet:
+                self.every.append(key(len(self.every)))
+                r.manifest.add(self.every[-1])
+            await drive(self.fleet, self.clock, self.clock.t + PUBLISH_S)
+
+    async def gc_snapshot(self):
+        from s3kv.manifest.arrays import EMPTY
+        from s3kv.manifest.ranks import RankTally
+        from s3kv.manifest.replay import replay
+        from s3kv.manifest.snapshots import write_snapshot
+
+        names = sorted(await self.inner.inner.list_keys(BASE + "seg/"))
+        read = [(n, mf.decode(await self.inner.inner.get(n))) for n in names]
+        live = replay(EMPTY, read, RankTally())
+        horizon = mp.Horizon.over(names, int(SKEW_S * 1000))
+        now = lambda: int(self.clock.t * 1000)  # noqa: E731
+        await write_snapshot(self.store, BASE, live, horizon, writer="gc01", next_ts=now, by="gc")
+        return horizon
+
+
+def test_a_new_replica_starts_from_a_snapshot_without_epoch_through_the_epochs(bucket_kind):
+    """gc's compaction (or an older replica) wrote the newest snapshot: a
+    horizon, no ``epoch``. A new replica reads the epochs from the horizon's
+    (less the lookback), not every segment since the horizon: its GETs grow
+    with the epochs, not with the fleet's segments, and it has every key."""
+    f = GcFleet(bucket_kind)
+    store, inner, clock, fleet, every, add_for = f.store, f.inner, f.clock, f.fleet, f.every, f.add_for
+
+    async def go():
+        await start(fleet, clock)
+        await add_for(30)
+        await f.gc_snapshot()
+        await add_for(10)
+        await drive(fleet, clock, clock.t + 4)  # the last epochs written
+
+    run(go())
+    (snap,) = run(store.list_keys(BASE + "snap/"))
+    assert "epoch" not in mf.decode(run(store.get(snap))).meta
+    segments = len(run(inner.inner.list_keys(BASE + "seg/")))
+    assert segments >= 6 * 35  # a segment a replica a second
+    inner.gets.clear()
+    c = replica(store, clock, "cccc")
+    run(c.load())
+    assert not [k for k in every if k not in c.manifest]
+    segment_gets = [g.key for g in inner.gets if "/seg/" in g.key]
+    epoch_gets = [g.key for g in inner.gets if "/ep/" in g.key]
+    assert not segment_gets, len(segment_gets)  # no hole: the epochs carried every one
+    lookback_epochs = int(2 * SKEW_S / PUBLISH_S)
+    assert len(epoch_gets) <= 10 + lookback_epochs + 6, len(epoch_gets)
+    assert len(inner.gets) <= len(epoch_gets) + 1  # and the snapshot
+
+
+def test_a_snapshot_without_epoch_before_any_epoch_lists_only_the_segments_after_it(bucket_kind):
+    """Older replicas (protocol "segments") and gc ran; then a replica of
+    epochs starts: the epochs after the snapshot's horizon are a hole, and
+    the segments it lists from there are those the snapshot does not hold."""
+    f = GcFleet(bucket_kind, protocol="segments")
+
+    async def go():
+        await start(f.fleet, f.clock)
+        await f.add_for(30)
+        horizon = await f.gc_snapshot()
+        await f.add_for(10)
+        return horizon
+
+    horizon = run(go())
+    f.inner.gets.clear()
+    c = replica(f.store, f.clock, "cccc")
+    run(c.load())
+    assert not [k for k in f.every if k not in c.manifest]
+    segment_gets = [g.key for g in f.inner.gets if "/seg/" in g.key]
+    floor = c._lister.floor(mp.name_ts(horizon.last), int(SKEW_S * 1000))
+    assert segment_gets and not [n for n in segment_gets if n <= floor or n in horizon.recent]
