@@ -150,12 +150,29 @@ class EpochChain:
         self._refused_at: float | None = None
         """When this replica last refused to aggregate (its clock ahead): for
         a skew margin after, it only asks for epochs."""
+        self._lead_ms = 0
+        """How far the fleet's stamps have run ahead of this replica's clock
+        (the most seen, at most the skew margin): epochs are due by the
+        fleet's time, so a replica whose clock is behind reads (and
+        aggregates) them when the rest do, not that much later."""
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
 
+    def _fleet_now(self) -> float:
+        """The fleet's time as this replica knows it (``clock`` seconds, plus
+        how far others' stamps have been ahead of it): what epochs are due by."""
+        return self._clock() + self._lead_ms / 1000
+
+    def _observe(self, ts_ms: int) -> None:
+        """Another replica stamped ``ts_ms`` (a segment, an epoch it wrote) by
+        now: the fleet's time is at least that."""
+        ahead = min(ts_ms - self._now_ms(), int(self.s.skew_s * 1000))
+        if ahead > self._lead_ms:
+            self._lead_ms = ahead
+
     def _read_at(self, e: int) -> float:
-        """When (``clock`` seconds) this replica first asks for epoch ``e``:
+        """When (the fleet's time, :meth:`_fleet_now`) this replica first asks for epoch ``e``:
         after its end and the settle time, and a little after the first
         candidate's try (spread by writer, so the fleet's GETs do not come at once)."""
         end_s = (epoch_end(e, self.e_ms) + 1) / 1000
@@ -170,7 +187,7 @@ class EpochChain:
         return order.index(self.writer)
 
     def aggregate_at(self, e: int) -> float:
-        """When this replica aggregates epoch ``e`` if it is still missing."""
+        """When (the fleet's time) this replica aggregates epoch ``e`` if it is still missing."""
         rank = self.aggregate_rank(e)
         delay = min(rank, self.s.max_rank) * self.s.grace_step_s
         if rank > self.s.max_rank:  # the rest spread over three more steps
@@ -210,6 +227,7 @@ class EpochChain:
             return "failed", None
         if epoch.writer != self.writer:
             self._saw_others(epoch.ts)
+            self._observe(epoch.ts)
         self.counters.add("manifest_epochs_read")
         return "ok", epoch
 
@@ -231,6 +249,8 @@ class EpochChain:
             parsed = parse_name(self.base, name)
             if parsed is not None and not parsed.writer.startswith("gc"):  # gc's runs aggregate nothing
                 self.candidates[replica_of(parsed.writer)] = e
+                if replica_of(parsed.writer) != self.writer:
+                    self._observe(parsed.ts)
             if covered:
                 self.covered[name] = e
         return [(n, o) for n, o in members if n not in self._sync._seen]
@@ -335,12 +355,13 @@ class EpochChain:
         this replica's rank's time. Returns the fingerprints added, or None
         when it is not due (yet) or not there yet (:meth:`next_due` says when)."""
         e = self.next_epoch
-        now = self._clock()
+        now = self._fleet_now()
+        lead = now - self._clock()  # self.due is in this replica's clock
         aggregate_at, read_at = self.aggregate_at(e), self._read_at(e)
         if now < min(aggregate_at, read_at):
-            self.due = min(aggregate_at, read_at)
+            self.due = min(aggregate_at, read_at) - lead
             return None
-        refused = self._refused_at is not None and now - self._refused_at < self.s.skew_s
+        refused = self._refused_at is not None and self._clock() - self._refused_at < self.s.skew_s
         if self._gets == 0 or now < aggregate_at or refused:
             self._gets += 1
             status, epoch = await self.get_epoch(e)
@@ -349,13 +370,14 @@ class EpochChain:
             if status == "bad":
                 return await self.cover(e)
             if now < aggregate_at or refused:
-                self.due = now + self.s.epoch_retry_s
+                due = now + self.s.epoch_retry_s
                 if not refused:
-                    self.due = min(aggregate_at, self.due)
+                    due = min(aggregate_at, due)
+                self.due = due - lead
                 return None
         keys = await self.aggregate(e)
         if keys is None:
-            self.due, self._gets = now + self.s.epoch_retry_s, 0
+            self.due, self._gets = now + self.s.epoch_retry_s - lead, 0
         return keys
 
     async def advance(self) -> int:
@@ -365,7 +387,7 @@ class EpochChain:
             keys += got
         # Up to date: every epoch its aggregators have had time to write, read.
         late_ms = int((self.s.settle_s + (self.s.max_rank + 4) * self.s.grace_step_s) * 1000)
-        if self.next_epoch > self.last_closed(self._now_ms() - late_ms):
+        if self.next_epoch > self.last_closed(int(self._fleet_now() * 1000) - late_ms):
             self._sync.refreshed_at = self._clock()
         self.forget()
         if self._sync.manifest.fps.needs_merge():
