@@ -462,6 +462,35 @@ def test_a_replica_whose_clock_is_behind_loses_nothing():
         assert all(k in r.manifest for k in every), r.writer
 
 
+def test_a_replica_whose_clock_is_behind_sees_a_key_when_the_fleet_does():
+    """Epochs are due by the fleet's time: a replica whose clock runs 0.9 of
+    the margin behind learns it from the stamps it reads (others' segments
+    and epochs) and reads each epoch when the others do, not that much later."""
+    store = MemoryStore()
+    clock = Clock()
+
+    class Behind(Clock):
+        def __call__(self):
+            return clock.t - 0.9 * SKEW_S
+
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+    slow = replica(store, Behind(), "ssss")
+
+    async def go():
+        await start([a, b, slow], clock)
+        a.manifest.add(key(1))  # the replicas hear of each other
+        await drive([a, b, slow], clock, T0 + 4)
+        a.manifest.add(key(5))
+        added = clock.t
+        while key(5) not in slow.manifest:
+            await drive([a, b, slow], clock, clock.t + 0.05)
+        return clock.t - added
+
+    took = run(go())
+    s = a.s
+    assert took <= 2 * PUBLISH_S + s.settle_s + s.grace_step_s + 0.2, took
+
+
 class LatePuts(MemoryStore):
     """Segment PUTs that land ``late_s`` after they were sent (chosen by
     ``late``): the writer's PUT call returns only then, as a slow S3's does,
