@@ -25,6 +25,7 @@ CODECS: tuple[str, ...] = ("blosc2", "zstd", "none")
 ADDRESSING_STYLES: tuple[str, ...] = ("auto", "path", "virtual")
 S3_CLIENTS: tuple[str, ...] = ("obstore", "aiobotocore")
 BUCKET_KINDS: tuple[str, ...] = ("auto", "general", "directory")
+MANIFEST_PROTOCOLS: tuple[str, ...] = ("epochs", "segments")
 DIRECTORY_SUFFIX = "--x-s3"
 """How every S3 Express One Zone bucket's name ends (``base--azid--x-s3``)."""
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "local_only")
@@ -147,6 +148,13 @@ class S3KVConfig:
     )
     manifest_max_bytes: int = _key(
         1 << 30, "A manifest segment or snapshot larger than this is refused without being read."
+    )
+    manifest_protocol: str = _key(
+        "epochs",
+        'How replicas read each other\'s segments: "epochs" (one replica merges each publish interval\'s '
+        "segments into one epoch object, the others read that: requests per replica do not grow with the "
+        'fleet) or "segments" (every replica reads every segment, as s3kv did before; a mixed fleet '
+        "shares every chunk).",
     )
     model_digest: str | None = _key(
         None,
@@ -405,6 +413,7 @@ _PARSERS = {
     "manifest_refresh_s": lambda v: _duration("manifest_refresh_s", v, MANIFEST_TICK_S),
     "manifest_clock_skew_s": lambda v: _duration("manifest_clock_skew_s", v, MIN_CLOCK_SKEW_S),
     "manifest_max_bytes": lambda v: _size("manifest_max_bytes", v, MiB, 64 * GiB),
+    "manifest_protocol": lambda v: _choice("manifest_protocol", v, MANIFEST_PROTOCOLS),
     "model_digest": _digest,
     "namespace_salt": _salt,
     "share_across_tp": lambda v: _bool("share_across_tp", v),

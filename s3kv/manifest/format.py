@@ -40,7 +40,7 @@ FLAG_SIGNED = 1
 PREFIX = struct.Struct("<4sHBBIQQ")  # magic, version, kind, flags, header len, n_add, n_del
 CHECKSUM = struct.Struct("<Q")
 TRAILER = struct.Struct("<8s16s")  # key id, MAC
-KINDS = {"segment": 1, "snapshot": 2, "access": 3}
+KINDS = {"segment": 1, "snapshot": 2, "access": 3, "epoch": 4}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 MIN_BYTES = PREFIX.size + CHECKSUM.size
 """No manifest object is shorter: a smaller one is garbage without a GET."""
@@ -57,14 +57,21 @@ class ManifestObject:
 
 def encode(obj: ManifestObject, keys: FleetKeys | None = None) -> bytes:
     """The object's bytes; with ``keys``, signed with the fleet's signing key."""
-    added = as_sorted_unique(obj.added).astype("<u8").tobytes()
-    removed = as_sorted_unique(obj.removed).astype("<u8").tobytes()
-    header = json.dumps(obj.meta, separators=(",", ":"), sort_keys=True).encode()
-    body = header + added + removed
+    return frame(obj.kind, obj.meta, as_sorted_unique(obj.added), as_sorted_unique(obj.removed), keys)
+
+
+def frame(
+    kind: str, meta: dict[str, Any], added: np.ndarray, removed: np.ndarray, keys: FleetKeys | None = None
+) -> bytes:
+    """Prefix, checksum, header, arrays (as given) and, with ``keys``, the
+    MAC trailer: every manifest object's framing (an epoch's arrays are its
+    members' one after another, so not sorted as a whole)."""
+    added_b = np.asarray(added, dtype="<u8").tobytes()
+    removed_b = np.asarray(removed, dtype="<u8").tobytes()
+    header = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
+    body = header + added_b + removed_b
     version, flags = (SIGNED_VERSION, FLAG_SIGNED) if keys is not None else (UNSIGNED_VERSION, 0)
-    prefix = PREFIX.pack(
-        MAGIC, version, KINDS[obj.kind], flags, len(header), len(added) // 8, len(removed) // 8
-    )
+    prefix = PREFIX.pack(MAGIC, version, KINDS[kind], flags, len(header), len(added_b) // 8, len(removed_b) // 8)
     data = prefix + CHECKSUM.pack(xxhash.xxh3_64_intdigest(prefix + body)) + body
     if keys is not None:
         data += TRAILER.pack(keys.signing_kid, keys.sign("manifest", data))
@@ -91,6 +98,19 @@ def _check_prefix(data: bytes, name: str) -> tuple[int, int, int, int, int, int]
 def decode(data: bytes, *, name: str = "manifest object", keys: FleetKeys | None = None) -> ManifestObject:
     """Check and decode a whole object. With ``keys``, only one signed with a
     fleet key passes (UnsignedManifest otherwise), its MAC checked first."""
+    obj = unframe(data, name=name, keys=keys)
+    if not (_sorted_unique(obj.added) and _sorted_unique(obj.removed)):
+        raise CorruptManifest(f"{name}: fingerprints are not sorted and unique")
+    return obj
+
+
+def _sorted_unique(a: np.ndarray) -> bool:
+    return len(a) < 2 or bool((a[1:] > a[:-1]).all())
+
+
+def unframe(data: bytes, *, name: str = "manifest object", keys: FleetKeys | None = None) -> ManifestObject:
+    """:func:`decode` less the check that the arrays are sorted and unique:
+    the framing (size, checksum, MAC, header) checked, the arrays as written."""
     head = PREFIX.size + CHECKSUM.size
     if len(data) < head:
         raise CorruptManifest(f"{name}: {len(data)} bytes, shorter than its prefix")
@@ -122,10 +142,6 @@ def decode(data: bytes, *, name: str = "manifest object", keys: FleetKeys | None
     start = head + hlen
     added = np.frombuffer(data, dtype="<u8", count=n_add, offset=start).astype(np.uint64)
     removed = np.frombuffer(data, dtype="<u8", count=n_del, offset=start + 8 * n_add).astype(np.uint64)
-    if (len(added) > 1 and not (added[1:] > added[:-1]).all()) or (
-        len(removed) > 1 and not (removed[1:] > removed[:-1]).all()
-    ):
-        raise CorruptManifest(f"{name}: fingerprints are not sorted and unique")
     return ManifestObject(_KIND_NAMES[kind], added, removed, meta if isinstance(meta, dict) else {})
 
 

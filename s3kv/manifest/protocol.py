@@ -16,6 +16,12 @@ Under ``{prefix}/{namespace}/manifest/`` (:func:`manifest_prefix`):
 - ``access/{yyyymmddhh}/{ts}-{writer}-{seq}``: *access records*:
   fingerprints of chunks used in that hour (UTC), for gc's
   least-recently-used policy.
+- ``ep/{e_ms}/{e}``: an *epoch* (protocol "epochs",
+  :mod:`s3kv.manifest.epochs`): every segment stamped up to the end of
+  epoch ``e`` (stamps ``[e*e_ms, (e+1)*e_ms)``) that no earlier epoch
+  covered, merged into one object by one replica (:func:`epoch_name`).
+  ``e_ms`` is six digits, ``e`` twelve; replicas configured with another
+  ``e_ms`` form a chain of their own.
 
 ``ts`` is milliseconds since the epoch, zero-padded, so names sort by time.
 A writer stamps with a :class:`HybridClock`: ``max(its clock, newest ts it
@@ -49,6 +55,9 @@ HOUR_MS = 3_600_000
 SEGMENTS = "seg/"
 SNAPSHOTS = "snap/"
 ACCESS = "access/"
+EPOCHS = "ep/"
+EPOCH_DIGITS = 12
+EPOCH_MS_DIGITS = 6
 
 
 # -- names -----------------------------------------------------------------------
@@ -74,6 +83,44 @@ def segment_name(base: str, ts_ms: int, writer: str, seq: int, *, directory: boo
 
 def snapshot_name(base: str, ts_ms: int, writer: str) -> str:
     return f"{base}{SNAPSHOTS}{stamp(ts_ms)}-{writer}"
+
+
+def epoch_ms(publish_s: float) -> int:
+    """The length of an epoch (ms) for replicas publishing every ``publish_s``."""
+    e_ms = round(publish_s * 1000)
+    if not 0 < e_ms < 10**EPOCH_MS_DIGITS:
+        raise ValueError(f"an epoch of {e_ms} ms does not fit its name (1 ms to {10**EPOCH_MS_DIGITS - 1} ms)")
+    return e_ms
+
+
+def epoch_of(ts_ms: int, e_ms: int) -> int:
+    """The epoch a stamp falls in."""
+    return ts_ms // e_ms
+
+
+def epoch_start(e: int, e_ms: int) -> int:
+    """The first stamp of epoch ``e``."""
+    return e * e_ms
+
+
+def epoch_end(e: int, e_ms: int) -> int:
+    """The last stamp of epoch ``e`` (inclusive): the epoch covers segments stamped up to it."""
+    return (e + 1) * e_ms - 1
+
+
+def epoch_name(base: str, e: int, e_ms: int) -> str:
+    """The epoch object of epoch ``e`` of the chain of ``e_ms``-long epochs."""
+    return f"{base}{EPOCHS}{e_ms:0{EPOCH_MS_DIGITS}d}/{e:0{EPOCH_DIGITS}d}"
+
+
+def parse_epoch(base: str, key: str) -> tuple[int, int] | None:
+    """(e, e_ms) of an epoch object's name, or None for any other name."""
+    if not key.startswith(base + EPOCHS):
+        return None
+    m = _EPOCH.fullmatch(key[len(base) + len(EPOCHS) :])
+    if m is None or int(m.group(1)) == 0:
+        return None
+    return int(m.group(2)), int(m.group(1))
 
 
 def access_hour(ts_ms: int) -> str:
@@ -111,12 +158,13 @@ class ManifestName:
     """What a manifest object's name says."""
 
     kind: str
-    """segment, snapshot or access"""
+    """segment, snapshot, access or epoch"""
     ts: int
-    """Milliseconds since the epoch."""
+    """Milliseconds since the epoch (an epoch object: its :func:`epoch_end`)."""
     writer: str
+    """"" for an epoch object (its writer is in its header)."""
     seq: int | None
-    """None for a snapshot."""
+    """None for a snapshot; the epoch number for an epoch object."""
 
 
 _WRITER = r"([0-9A-Za-z_]{1,64})"
@@ -132,8 +180,11 @@ _NAMES = {
 }
 
 
+_EPOCH = re.compile(rf"([0-9]{{{EPOCH_MS_DIGITS}}})/([0-9]{{{EPOCH_DIGITS}}})")
+
+
 def parse_name(base: str, key: str, *, directory: bool | None = None) -> ManifestName | None:
-    """The segment, snapshot or access record ``key`` names under the
+    """The segment, snapshot, access record or epoch ``key`` names under the
     manifest prefix ``base``, or None: a folder marker, another directory,
     or a name s3kv does not write (which nobody should GET).
 
@@ -143,6 +194,10 @@ def parse_name(base: str, key: str, *, directory: bool | None = None) -> Manifes
     layout; None takes either (tools that show any name)."""
     if not key.startswith(base):
         return None
+    epoch = parse_epoch(base, key)
+    if epoch is not None:
+        e, e_ms = epoch
+        return ManifestName("epoch", epoch_end(e, e_ms), "", e)
     folder, _, rest = key[len(base) :].partition("/")
     kind, pattern = _NAMES.get(folder, ("", None))
     m = pattern.fullmatch(rest) if pattern is not None else None

@@ -146,6 +146,11 @@ class ObjectReader:
     async def get(self, name: str, size: int | None = None) -> mf.ManifestObject:
         """Read and decode one object, never more than ``max_object_bytes``
         + 1 bytes of it, whatever it became since it was listed."""
+        return mf.decode(await self.fetch(name, size), name=name, keys=self.keys)
+
+    async def fetch(self, name: str, size: int | None = None) -> bytes:
+        """One object's bytes, never more than ``max_object_bytes`` + 1 of
+        them (TooLarge beyond ``max_object_bytes``)."""
         bound = self.max_object_bytes
         if size is not None and size > bound:
             raise TooLarge(f"{name}: {size} bytes, more than {bound}")
@@ -161,7 +166,7 @@ class ObjectReader:
             data = await self.store.get(name, ByteRange(0, bound + 1))
         if len(data) > bound:
             raise TooLarge(f"{name}: more than {bound} bytes")
-        return mf.decode(data, name=name, keys=self.keys)
+        return data
 
     async def read(self, name: str, size: int | None, kind: str) -> mf.ManifestObject | None:
         """One object, or None when it is skipped (counted) or left for a retry."""

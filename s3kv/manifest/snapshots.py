@@ -37,12 +37,15 @@ async def write_snapshot(
     keys: FleetKeys | None = None,
     by: str | None = None,
     offload: Callable[..., Awaitable[Any]] = asyncio.to_thread,
+    extra: dict[str, Any] | None = None,
 ) -> ObjectMeta:
     """Write a snapshot of ``live`` (sorted, unique) covering ``horizon``
     under the manifest prefix ``base``, create-only, stamped by ``next_ts``
     once it is encoded (by ``offload``, off the event loop: it may hold millions of keys);
-    with ``keys``, signed. ``by`` marks who wrote it (gc's are "gc")."""
-    meta = {**horizon.meta(), "writer": writer}
+    with ``keys``, signed. ``by`` marks who wrote it (gc's are "gc");
+    ``extra`` goes into its header too (protocol "epochs": the ``epoch``
+    every one up to which it covers, and ``e_ms``)."""
+    meta = {**(extra or {}), **horizon.meta(), "writer": writer}
     if by is not None:
         meta["by"] = by
     body = await offload(mf.encode, mf.ManifestObject("snapshot", live, meta=meta), keys)

@@ -19,6 +19,7 @@ listing floor.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -27,10 +28,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from s3kv.auth import FleetKeys
-from s3kv.config import DEFAULTS, S3KVConfig
-from s3kv.errors import S3KVError
+from s3kv.config import DEFAULTS, MANIFEST_PROTOCOLS, S3KVConfig
+from s3kv.errors import (
+    AlreadyExists,
+    CorruptManifest,
+    NotFound,
+    PermissionDenied,
+    RangeNotSatisfiable,
+    S3KVError,
+    TooLarge,
+)
+from s3kv.manifest import epochs as me
 from s3kv.manifest import format as mf
 from s3kv.manifest.arrays import EMPTY, as_sorted_unique
 from s3kv.manifest.keyset import Manifest
@@ -41,6 +52,11 @@ from s3kv.manifest.protocol import (
     HybridClock,
     access_hour,
     access_name,
+    epoch_end,
+    epoch_ms,
+    epoch_name,
+    epoch_of,
+    epoch_start,
     name_ts,
     new_writer_id,
     parse_name,
@@ -75,12 +91,35 @@ class SyncSettings:
     snapshot_interval_s: float = 600.0
     """... and no sooner than this after the newest snapshot."""
     snapshots_kept: int = SNAPSHOTS_KEPT
-    fetch_concurrency: int = 16
+    fetch_concurrency: int = 64
     max_object_bytes: int = DEFAULTS.manifest_max_bytes
     """A segment or snapshot larger than this is refused unread (``manifest_max_bytes``)."""
     get_attempts: int = 3
     """GETs of one object that fail otherwise (not denied, missing or
     corrupt: throttled, reset, timed out) before it is skipped."""
+    protocol: str = "segments"
+    """How other replicas' segments are read (``manifest_protocol``):
+    "epochs" (through epoch objects, :mod:`s3kv.manifest.epochs`) or
+    "segments" (each one, every ``refresh_s``). The config's default is
+    "epochs"; a settings object built by hand reads segments."""
+    settle_s: float = 1.0
+    """Epochs: an epoch is read (and aggregated, by the first candidate) this
+    long after its end, so that the PUTs of its segments have landed."""
+    grace_step_s: float = 1.0
+    """Epochs: each next candidate aggregates an epoch still missing this much later."""
+    max_rank: int = 8
+    """Epochs: candidates beyond this rank spread over a few more grace steps."""
+    snapshot_epochs: int = 60
+    """Epochs: the aggregator of every epoch whose number is a multiple of
+    this writes a snapshot (snapshots by count, whatever the fleet's size)."""
+    epoch_retry_s: float = 0.5
+    """Epochs: an epoch not there yet is asked for again this soon."""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in MANIFEST_PROTOCOLS:
+            raise ValueError(
+                f"manifest protocol {self.protocol!r}: must be one of {', '.join(MANIFEST_PROTOCOLS)}"
+            )
 
     @classmethod
     def from_config(cls, config: S3KVConfig) -> SyncSettings:
@@ -90,6 +129,7 @@ class SyncSettings:
             refresh_s=config.manifest_refresh_s,
             skew_s=config.manifest_clock_skew_s,
             max_object_bytes=config.manifest_max_bytes,
+            protocol=config.manifest_protocol,
         )
 
 
@@ -159,12 +199,34 @@ class ManifestSync:
         """Segment names applied (or written) recently, with their stamps."""
         self._since_snapshot = 0
         self._snapshot_ts = 0
+        self._snapshot_meta: dict[str, Any] = {}
+        """The header of the snapshot :meth:`load` started from."""
         self.loaded = False
         self.refreshed_at: float | None = None
         self._next_publish = 0.0
         self._next_refresh = 0.0
         """When (``clock`` seconds) :meth:`tick` next publishes and refreshes."""
         """Wall time the manifest was last up to date with S3 (every segment listed was read)."""
+        # -- protocol "epochs" --
+        self.epochs = self.s.protocol == "epochs"
+        self.e_ms = epoch_ms(self.s.publish_s)
+        self._lookback_ms = 2 * int(self.s.skew_s * 1000)
+        """How far before an epoch its aggregator lists: late segments go to a later epoch."""
+        self.next_epoch = 0
+        """Every epoch before it is applied (read, aggregated or covered)."""
+        self._epoch_due = 0.0
+        """When (``clock`` seconds) :meth:`tick` next looks at :attr:`next_epoch`."""
+        self._epoch_gets = 0
+        """GETs of :attr:`next_epoch` so far."""
+        self._covered: dict[str, int] = {}
+        """Segments that epoch objects named (within the lookback), with the
+        epoch: an aggregator leaves them out."""
+        self._candidates: dict[str, int] = {}
+        """Replicas that were members of epochs (within the lookback), with
+        the newest such epoch: who may aggregate."""
+        self._epoch_lister = SegmentLister(store, base, skew_s=self.s.skew_s, clock=clock)
+        self._jitter = (xxhash.xxh3_64_intdigest(self.writer.encode()) % 1000) / 1000
+        self._warned_ahead = False
         manifest.sync = self
 
     @property
@@ -219,6 +281,7 @@ class ManifestSync:
         it start). When none reads, the segments are read from the start
         instead."""
         reader = self.reader
+        self._snapshot_meta = {}
         now_ms = self._now_ms()
         limit = now_ms + int(self.s.skew_s * 1000)
         listed = [m async for m in self.store.list(self.base + SNAPSHOTS)]
@@ -239,6 +302,7 @@ class ManifestSync:
                 reader.skip(meta.key, "future", f"its horizon {last} is in the future")
                 continue
             horizon = Horizon.of(snap.meta)
+            self._snapshot_meta = snap.meta
             self._snapshot_ts = name_ts(meta.key) or 0
             for name in horizon.recent:
                 n = parse_name(self.base, name, directory=self.store.directory)
@@ -254,6 +318,8 @@ class ManifestSync:
         """Start-up: the newest snapshot, then every segment after it,
         replayed (:func:`~s3kv.manifest.replay.replay`) and swapped in at
         once. Returns the fingerprints loaded."""
+        if self.epochs:
+            return await self._load_epochs()
         snapshot, start_after = await self._load_snapshot()
         self._lister.restart()
         listed = await self._lister.after(start_after)
@@ -273,7 +339,10 @@ class ManifestSync:
         return self._lister.floor(self.clock_ms, int(self.s.skew_s * 1000))
 
     async def refresh(self) -> int:
-        """New segments of other replicas since the last look."""
+        """New segments of other replicas since the last look (protocol
+        "epochs": the epochs due by now). Returns the fingerprints added."""
+        if self.epochs:
+            return await self._advance()
         start_after = self._segment_floor() if self.clock_ms else None
         listed = await self._lister.after(start_after)
         todo = dict(self.reader.retry)
@@ -289,6 +358,293 @@ class ManifestSync:
         if self.manifest.fps.needs_merge():
             await self._offload(self.manifest.fps.merge)
         return keys
+
+    # -- protocol "epochs" ---------------------------------------------------------
+    def _epoch_read_at(self, e: int) -> float:
+        """When (``clock`` seconds) this replica first asks for epoch ``e``:
+        after its end and the settle time, and a little after the first
+        candidate's try (spread by writer, so the fleet's GETs do not come at once)."""
+        end_s = (epoch_end(e, self.e_ms) + 1) / 1000
+        return end_s + self.s.settle_s + self.s.grace_step_s * 0.5 * (1 + self._jitter)
+
+    def aggregate_rank(self, e: int) -> int:
+        """This replica's place among the candidates to aggregate epoch ``e``:
+        the replicas that were members of recent epochs and itself, ordered
+        by a hash of (e, replica), so the work rotates."""
+        candidates = set(self._candidates) | {self.writer}
+        order = sorted(candidates, key=lambda r: (xxhash.xxh3_64_intdigest(f"{e}/{r}".encode()), r))
+        return order.index(self.writer)
+
+    def _aggregate_at(self, e: int) -> float:
+        """When this replica aggregates epoch ``e`` if it is still missing."""
+        rank = self.aggregate_rank(e)
+        delay = min(rank, self.s.max_rank) * self.s.grace_step_s
+        if rank > self.s.max_rank:  # the rest spread over three more steps
+            spread = xxhash.xxh3_64_intdigest(f"{e}/{self.writer}/spread".encode()) % 1000 / 1000
+            delay += self.s.grace_step_s * 3 * spread
+        return (epoch_end(e, self.e_ms) + 1) / 1000 + self.s.settle_s + delay
+
+    def _last_closed(self, now_ms: int) -> int:
+        """The newest epoch whose end and settle time have passed."""
+        return epoch_of(now_ms - int(self.s.settle_s * 1000), self.e_ms) - 1
+
+    async def _get_epoch(self, e: int) -> tuple[str, me.Epoch | None]:
+        """Epoch ``e``'s object: ("ok", it), ("missing", None) when there is
+        none yet, ("bad", None) when it does not read (corrupt, unsigned or
+        forged with the fleet secret, too large, stamped in the future:
+        counted as ``manifest_epochs_skipped``), ("failed", None) when the
+        GET failed otherwise (throttled, reset)."""
+        name = epoch_name(self.base, e, self.e_ms)
+        try:
+            data = await self.reader.fetch(name)
+            decode = functools.partial(me.decode, keys=self.keys, directory=self.store.directory)
+            epoch: me.Epoch = await self._offload(decode, self.base, name, data)
+            if epoch.ts > self._now_ms() + int(self.s.skew_s * 1000):
+                raise CorruptManifest(f"{name}: written at {epoch.ts}, in the future")
+        except NotFound:
+            self.counters.add("manifest_epochs_missing")
+            return "missing", None
+        except PermissionDenied as err:
+            if err.credentials:
+                raise
+            return self._bad_epoch(name, err)
+        except (CorruptManifest, RangeNotSatisfiable, TooLarge) as err:
+            return self._bad_epoch(name, err)
+        except Exception as err:
+            self.counters.add("manifest_errors")
+            log.warning("s3kv: fetching manifest epoch %s failed (%s); trying again", name, err)
+            return "failed", None
+        self.counters.add("manifest_epochs_read")
+        return "ok", epoch
+
+    def _bad_epoch(self, name: str, err: Exception) -> tuple[str, None]:
+        self.counters.add("manifest_epochs_skipped")
+        self.counters.add("manifest_errors")
+        log.warning("s3kv: skipping manifest epoch %s (%s); reading its segments instead", name, err)
+        return "bad", None
+
+    def _took(self, e: int, members: list[me.Member], *, covered: bool) -> list[me.Member]:
+        """Epoch ``e``'s members, known: the replicas among them become
+        candidates; with ``covered`` (an epoch object named them) later
+        epochs leave them out. Returns those not applied yet."""
+        for name, _ in members:
+            parsed = parse_name(self.base, name)
+            if parsed is not None:
+                self._candidates[replica_of(parsed.writer)] = e
+            if covered:
+                self._covered[name] = e
+        return [(n, o) for n, o in members if n not in self._seen]
+
+    async def _segments_of(self, e: int, *, check_clock: bool) -> list[me.Member] | None:
+        """The segments epoch ``e`` covers, listed and read: stamped up to
+        its end, from ``lookback`` before its start, none an earlier epoch
+        covered. With ``check_clock``, None when this replica's clock looks
+        far ahead of the fleet's: the other writers' newest stamp is more
+        than the skew margin behind it."""
+        now_ms = self._now_ms()
+        skew_ms = int(self.s.skew_s * 1000)
+        self._epoch_lister.restart()
+        listed = await self._epoch_lister.after(self._epoch_lister.floor(epoch_start(e, self.e_ms), self._lookback_ms))
+        if check_clock:
+            others = [
+                p.ts
+                for m in listed
+                if (p := parse_name(self.base, m.key, directory=self.store.directory)) is not None
+                and p.kind == "segment"
+                and replica_of(p.writer) != self.writer
+                and p.ts <= now_ms + skew_ms
+            ]
+            if others and max(others) < now_ms - skew_ms:
+                return None
+        end = epoch_end(e, self.e_ms)
+        todo = [
+            (m.key, m.size)
+            for m in self.reader.sift(listed, "segment", now_ms, self._covered)
+            if (name_ts(m.key) or 0) <= end
+        ]
+        fetched = await self.reader.segments(todo)
+        for name, _ in todo:  # one that failed is listed again by the next epoch
+            self.reader.retry.pop(name, None)
+        return fetched
+
+    async def _cover(self, e: int, members: list[me.Member] | None = None) -> int:
+        """Epoch ``e`` covered by this replica alone, from raw segments
+        (its object does not read, or this replica may not write it):
+        applied, nothing written. Later epochs still name these segments."""
+        if members is None:
+            members = await self._segments_of(e, check_clock=False) or []
+        self.counters.add("manifest_epochs_covered")
+        keys = await self._apply(self._took(e, members, covered=False))
+        self._next(e)
+        return keys
+
+    async def _read(self, e: int, epoch: me.Epoch) -> int:
+        keys = await self._apply(self._took(e, epoch.members, covered=True))
+        self._next(e)
+        return keys
+
+    def _next(self, e: int) -> None:
+        self.next_epoch, self._epoch_gets = e + 1, 0
+
+    async def aggregate(self, e: int) -> int:
+        """Write epoch ``e`` (create-only: of racing aggregators one wins; a
+        loser reads the winner's), apply it, and, every ``snapshot_epochs``,
+        snapshot. Returns the fingerprints added."""
+        members = await self._segments_of(e, check_clock=True)
+        if members is None:
+            self.counters.add("manifest_epochs_refused")
+            if not self._warned_ahead:
+                self._warned_ahead = True
+                log.warning(
+                    "s3kv: this replica's clock looks more than %.0f s ahead of the fleet's (the other "
+                    "replicas' newest segments are older than that); not aggregating manifest epochs",
+                    self.s.skew_s,
+                )
+            return await self._cover(e, await self._segments_of(e, check_clock=False))
+        epoch = me.Epoch(e, self.e_ms, self.writer, self._now_ms(), members)
+        body: bytes = await self._offload(me.encode, self.base, epoch, self.keys)
+        name = epoch_name(self.base, e, self.e_ms)
+        if len(body) > self.s.max_object_bytes:
+            log.warning("s3kv: manifest epoch %s would be %d bytes, over the limit; not written", name, len(body))
+            return await self._cover(e, members)
+        try:
+            await self.store.put(name, body, mode=PutMode.CREATE)
+        except AlreadyExists:
+            status, theirs = await self._get_epoch(e)
+            if status == "ok" and theirs is not None:
+                return await self._read(e, theirs)
+            return await self._cover(e, members)
+        self.counters.add("manifest_epochs_written")
+        keys = await self._read(e, epoch)
+        if self.s.snapshot_epochs and e % self.s.snapshot_epochs == 0:
+            await self._epoch_snapshot(e)
+        return keys
+
+    async def _step(self) -> int | None:
+        """Epoch :attr:`next_epoch`, if it is due: read, or aggregated at
+        this replica's rank's time. Returns the fingerprints added, or None
+        when it is not due (yet) or not there yet (:meth:`next_due` says when)."""
+        e = self.next_epoch
+        now = self._clock()
+        aggregate_at, read_at = self._aggregate_at(e), self._epoch_read_at(e)
+        if now < min(aggregate_at, read_at):
+            self._epoch_due = min(aggregate_at, read_at)
+            return None
+        if self._epoch_gets == 0 or now < aggregate_at:
+            self._epoch_gets += 1
+            status, epoch = await self._get_epoch(e)
+            if status == "ok" and epoch is not None:
+                return await self._read(e, epoch)
+            if status == "bad":
+                return await self._cover(e)
+            if now < aggregate_at:
+                self._epoch_due = min(aggregate_at, now + self.s.epoch_retry_s)
+                return None
+        return await self.aggregate(e)
+
+    async def _advance(self) -> int:
+        """Every epoch due by now, in order."""
+        keys = 0
+        while (got := await self._step()) is not None:
+            keys += got
+        self.refreshed_at = self._clock()
+        self._forget()
+        if self.manifest.fps.needs_merge():
+            await self._offload(self.manifest.fps.merge)
+        return keys
+
+    def _forget(self) -> None:
+        """Names older than any later epoch lists: memory stays bounded by the lookback."""
+        floor = epoch_start(self.next_epoch, self.e_ms) - self._lookback_ms - self.e_ms
+        self._seen = {n: ts for n, ts in self._seen.items() if ts >= floor}
+        self._covered = {n: e for n, e in self._covered.items() if (name_ts(n) or 0) >= floor}
+        oldest = self.next_epoch - self._lookback_ms // self.e_ms - 2
+        self._candidates = {r: e for r, e in self._candidates.items() if e >= oldest}
+        if len(self._tally):
+            self._tally.expire(self._lister.floor(self.clock_ms, PARTIAL_TTL_MS))
+
+    async def _epoch_snapshot(self, e: int) -> None:
+        """The snapshot of this replica's manifest, which has applied every
+        epoch up to ``e``: meta ``epoch`` (where a new replica's epochs
+        start) and the legacy horizon (where an older replica's segments do)."""
+        oldest = self._tally.oldest()
+        # A chunk still waiting for other ranks: a replica starting from this
+        # snapshot reads the epoch that named its first segment again.
+        since = e if oldest is None or oldest not in self._covered else self._covered[oldest] - 1
+        horizon = Horizon.over(
+            (n for n in self._seen if oldest is None or n < oldest), int(self.s.skew_s * 1000)
+        )
+        await self._snapshot(horizon, {"epoch": since, "e_ms": self.e_ms})
+
+    async def _load_epochs(self) -> int:
+        """Start-up, protocol "epochs": the newest snapshot, then the epochs
+        after it, fetched many at once and applied in order. Where one is
+        missing long after its end (a hole: the fleet was down, or the
+        snapshot is older than epochs) the segments from there are listed
+        instead, then epochs from a lookback before now. Returns the
+        fingerprints loaded."""
+        snapshot, start_after = await self._load_snapshot()
+        meta = self._snapshot_meta
+        now_ms = self._now_ms()
+        last = self._last_closed(now_ms)
+        lookback_epochs = -(-self._lookback_ms // self.e_ms)
+        e: int | None = None
+        if meta.get("e_ms") == self.e_ms and isinstance(meta.get("epoch"), int) and meta["epoch"] <= last:
+            e = int(meta["epoch"]) + 1
+        members: list[me.Member] = []
+        taken: set[str] = set(self._seen)
+
+        def take(got: list[me.Member]) -> None:
+            for name, obj in got:
+                if name not in taken:
+                    taken.add(name)
+                    members.append((name, obj))
+
+        self._lister.restart()
+        if e is None:  # no snapshot of epochs: the segments since its horizon
+            take(await self._raw_segments(start_after, taken))
+            e = max(epoch_of(now_ms, self.e_ms) - lookback_epochs, 0)
+        while e <= last:
+            batch = range(e, min(last, e + self.s.fetch_concurrency - 1) + 1)
+            got = await asyncio.gather(*(self._get_epoch(x) for x in batch))
+            stop = False
+            for x, (status, epoch) in zip(batch, got, strict=True):
+                if status == "ok" and epoch is not None:
+                    take(self._took(x, epoch.members, covered=True))
+                elif status == "bad":
+                    self.counters.add("manifest_epochs_covered")
+                    take(self._took(x, await self._segments_of(x, check_clock=False) or [], covered=False))
+                elif epoch_end(x, self.e_ms) < now_ms - self._lookback_ms:
+                    # A hole: whatever segments its aggregators would have taken, listed.
+                    floor = self._lister.floor(epoch_start(x, self.e_ms), self._lookback_ms)
+                    take(await self._raw_segments(floor, taken))
+                    e = max(x + 1, epoch_of(now_ms, self.e_ms) - lookback_epochs)
+                    break
+                else:  # not written yet: the loop reads or aggregates it
+                    stop = True
+                    break
+                e = x + 1
+            if stop:
+                break
+        self.next_epoch, self._epoch_gets = e, 0
+        live = await self._offload(replay, snapshot, members, self._tally)
+        await self._offload(self.manifest.fps.replace, live)
+        self._applied(members)
+        self._lister.done()
+        self._forget()
+        await self._offload(self.manifest.fps.merge)
+        self.loaded = True
+        self.refreshed_at = self._clock()
+        return len(live)
+
+    async def _raw_segments(self, start_after: str | None, seen: set[str]) -> list[me.Member]:
+        """Every segment listed after ``start_after`` not in ``seen``, read (today's load)."""
+        listed = await self._lister.after(start_after)
+        todo = [(m.key, m.size) for m in self.reader.sift(listed, "segment", self._now_ms(), seen)]
+        fetched = await self.reader.segments(todo)
+        for name, _ in todo:
+            self.reader.retry.pop(name, None)
+        return fetched
 
     # -- writing -----------------------------------------------------------------
     async def publish(self) -> None:
@@ -368,6 +724,12 @@ class ManifestSync:
         horizon = Horizon.over(
             (n for n in self._seen if oldest is None or n < oldest), int(self.s.skew_s * 1000)
         )
+        await self._snapshot(horizon)
+        return True
+
+    async def _snapshot(self, horizon: Horizon, extra: dict[str, Any] | None = None) -> None:
+        """Write a snapshot of the live set covering ``horizon`` (and
+        ``extra`` in its header), then prune all but the newest few."""
         live = await self._offload(self.manifest.fps.array)  # a merge: millions of keys
         snap = await write_snapshot(
             self.store,
@@ -378,6 +740,7 @@ class ManifestSync:
             next_ts=self._stamps.next,
             keys=self.keys,
             offload=self._offload,
+            extra=extra,
         )
         self._since_snapshot, self._snapshot_ts = 0, name_ts(snap.key) or 0
         self.counters.add("manifest_snapshots_written")
@@ -387,20 +750,23 @@ class ManifestSync:
         old = stale_snapshots(self.base, listed, limit_ms=limit, kept=self.s.snapshots_kept)
         if old:
             await self.store.delete_many(old)
-        return True
 
     # -- the loop ----------------------------------------------------------------
     def next_due(self) -> float:
         """When (``clock`` seconds) :meth:`tick` next has something to do."""
-        return min(self._next_publish, self._next_refresh)
+        return min(self._next_publish, self._epoch_due if self.epochs else self._next_refresh)
 
     async def tick(self) -> None:
-        """What is due now: a publish, a refresh (and maybe a snapshot)."""
+        """What is due now: a publish, a refresh (and maybe a snapshot);
+        protocol "epochs": a publish, the epochs due."""
         now = self._clock()
         if now >= self._next_publish:
             self._next_publish = now + self.s.publish_s
             await self.publish()
-        if now >= self._next_refresh:
+        if self.epochs:
+            if now >= self._epoch_due:
+                await self._advance()
+        elif now >= self._next_refresh:
             self._next_refresh = now + self.s.refresh_s
             await self.refresh()
             await self.maybe_snapshot()
@@ -425,6 +791,7 @@ class ManifestSync:
         now = self._clock()
         self._next_publish = now + self.s.publish_s
         self._next_refresh = now + self.s.refresh_s  # load() just looked
+        self._epoch_due = now
         longest = min(self.s.publish_s, self.s.refresh_s)
         while True:
             try:

@@ -122,3 +122,15 @@ def test_a_snapshot_horizon_covers_its_newest_segment_and_the_recent_ones():
     assert horizon.covers(early_but_late)  # by name; a reader lists from a floor before it anyway
     assert mp.Horizon.over([], 60_000) == mp.Horizon() == mp.Horizon.of({})
     assert not mp.Horizon().covers(names[0])
+
+
+def test_epoch_names_parse_back_and_sort_by_epoch():
+    name = mp.epoch_name(BASE, 42, 5000)
+    assert name == BASE + "ep/005000/000000000042"
+    assert mp.parse_name(BASE, name) == mp.ManifestName("epoch", mp.epoch_end(42, 5000), "", 42)
+    assert mp.parse_epoch(BASE, name) == (42, 5000)
+    assert mp.epoch_name(BASE, 9, 5000) < name < mp.epoch_name(BASE, 100, 5000)
+    assert mp.epoch_of(mp.epoch_start(42, 5000), 5000) == 42 == mp.epoch_of(mp.epoch_end(42, 5000), 5000)
+    assert mp.epoch_ms(5.0) == 5000 and mp.epoch_ms(0.25) == 250
+    for junk in (BASE + "ep/", BASE + "ep/5000/000000000042", BASE + "ep/000000/000000000001", name + "x"):
+        assert mp.parse_name(BASE, junk) is None and mp.parse_epoch(BASE, junk) is None, junk
