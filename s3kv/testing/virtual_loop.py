@@ -62,7 +62,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self, start: float = 0.0) -> None:
         super().__init__()
         self._now = float(start)
-        self._selector = _VirtualSelector(self._selector, self)  # type: ignore[has-type,assignment]
+        inner: selectors.BaseSelector = self._selector  # type: ignore[has-type]
+        self._selector = _VirtualSelector(inner, self)  # type: ignore[assignment]
 
     def time(self) -> float:
         return self._now

@@ -60,7 +60,11 @@ def test_a_modelled_latency_delays_only_its_own_coroutine():
         await asyncio.gather(request("slow", 0.040), request("fast", 0.025), request("slower", 0.450))
 
     run(main())
-    assert done == {"fast": pytest.approx(0.025), "slow": pytest.approx(0.040), "slower": pytest.approx(0.450)}
+    assert done == {
+        "fast": pytest.approx(0.025),
+        "slow": pytest.approx(0.040),
+        "slower": pytest.approx(0.450),
+    }
     assert list(done) == ["fast", "slow", "slower"]
 
 
