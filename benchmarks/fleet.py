@@ -1,58 +1,60 @@
-"""Fleet: what the hot manifest costs each replica as the fleet grows
-(issue 18.4), from s3kv's own manifest classes.
+"""Fleet: what the shared manifest costs each replica as the fleet grows
+(issues 18.4 and 30), from the real loops of N replicas in virtual time.
 
-N replicas, in one process, each with a :class:`~s3kv.manifest.Manifest`,
-the scheduler side's :class:`~s3kv.manifest.ManifestSync` (access records,
-polling for segments, snapshots) and one worker rank's
-:class:`~s3kv.manifest.publish.ShardPublisher` (its stores' segments), at
-the default settings (``manifest_publish_s`` 5 s, ``manifest_refresh_s``
-5 s, ``manifest_clock_skew_s`` 60 s, a snapshot after 256 segments and
-600 s). Each replica stores new chunks (``STORES_PER_S``; the worker's
-publisher hears of each PUT, the scheduler side's manifest adds it
-unpublished, as ``S3TierManager.complete_store`` does) and looks up
-prompts: keys other replicas stored in the last minute and keys nobody
-stored; its hits are recorded as uses (access records).
+N replicas in one process, each with a :class:`~s3kv.manifest.Manifest`,
+its scheduler side's :class:`~s3kv.manifest.ManifestSync` and its TP
+ranks' :class:`~s3kv.manifest.publish.ShardPublisher`\\ s, running their own
+loops (``ManifestSync.run``, ``ShardPublisher.run``) as tasks of one event
+loop whose time is virtual (:mod:`s3kv.testing.virtual_loop`): when no
+task is ready, time jumps to the next timer. Every class gets the clock
+``T0 + loop.time() + offset`` (its replica's skew) and runs numpy work
+inline. So a fleet of 1,000 runs at the default settings, as fast as its
+work allows, and every request, timer and race is the real code's.
 
-Time is virtual. The replicas' timers (each with its own phase, the
-scheduler side's and the worker's apart) are events on one clock, passed
-as ``clock`` to every class, and the driver calls what the loops
-(``ManifestSync.run``, ``ShardPublisher.run``) would call when they would
-call it: every request is a real one, but it takes no virtual time, so a
-fleet of 100 whose 10,000 segment GETs per 5 s no loopback server serves
-in real time runs at the default settings anyway, faster or slower than
-real time (the "x virtual" column). Rates are per second of that clock,
-i.e. real-time rates at the default settings; staleness is the protocol's
-(timers only: add each refresh's request latency). A store's staleness:
-from the chunk's PUT returning until a replica's manifest answers yes, at
-its refreshes; "every replica" is the last of them.
+The bucket is s3kv's MemoryStore (a sorted index for listings), behind a
+wrapper per replica (:class:`ModelStore`) that counts what S3 would be
+sent (a LIST per 1,000 keys; bytes with a ListObjectsV2 page's XML
+measured on moto) by manifest directory (seg/, ep/, snap/, access/), and
+makes each request take S3's time: ``asyncio.sleep`` of ``LATENCY`` (a
+PUT's object appears when it returns; a GET or LIST reads half-way). A
+fraction of segment PUTs is slow (up to 0.45 of the skew margin late), and
+replicas' clocks are spread over a fraction of the margin. Fleet-wide
+requests are counted per directory per virtual second: the busiest
+prefix's peak second against S3's 5,500 GET/s and 3,500 PUT/s.
 
-Where the requests go: the fleet sweep uses s3kv's dict-backed
-MemoryStore (listing from a sorted index, :class:`Bucket`) behind a wrapper that counts what S3 would be sent (a LIST per
-1,000 keys listed, multipart PUTs by S3Store's parts) and the bytes (a
-LIST page's XML measured on the loopback moto server); moto serves ~100
-small requests a second on this machine, far fewer than N=100 needs. The
-same driver then runs N=10 against moto through S3Store, counted by s3kv's
-own ``s3_requests_*`` counters, and its requests must equal the model's;
-and (full mode) N=10 runs the real loops on moto in real time, settings
-and rates scaled by ``REALTIME_FACTOR``. Memory: the manifest's arrays and
-tracemalloc peaks of a load, a merge and a snapshot's encoding at 1M and
-10M keys. Start-up: a new replica loading a snapshot of 1M and 10M keys and
-segments after it from moto.
+Each replica stores new chunks (each rank's publisher hears of each PUT;
+the scheduler side's manifest adds it unpublished, as
+``S3TierManager.complete_store`` does) and looks up prompts: chunks other
+replicas stored in the last minute and chunks nobody stored; hits are
+recorded as uses (access records). Chunk requests are not sent to the
+bucket: they are counted at the workload's nominal rates. After the
+measured window the stores stop, the loops run on (a drain), and every
+chunk published must then be in every other replica's manifest ("keys
+lost"); then a new replica loads (start-up, in virtual time with latency).
+
+At large N the model may have only some replicas read (``readers``):
+all N publish (every rank), the others' ManifestSync runs with its reads
+off; the readers' requests are scaled to the fleet. It says so in its notes.
+
+Cross-check (full mode): the same builder runs the real loops on the
+loopback moto server with the real clock (settings compressed), and its
+requests per replica-second are set beside the model's at the same settings.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import bisect
-import contextlib
+import dataclasses
 import gc
-import heapq
 import logging
 import math
 import os
+import resource
 import sys
 import time
-import tracemalloc
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,24 +67,36 @@ from s3kv.config import S3KVConfig
 from s3kv.keys import fingerprint
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest import format as mf
-from s3kv.manifest.protocol import Horizon, manifest_prefix, segment_name, snapshot_name
+from s3kv.manifest.protocol import manifest_prefix, segment_name
 from s3kv.manifest.publish import ShardPublisher
 from s3kv.stats import Counters
-from s3kv.stores.base import ByteRange, ObjectMeta, ObjectStore, PutMode, Update, check_directory_listing
+from s3kv.stores.base import (
+    ByteRange,
+    GetResult,
+    ObjectMeta,
+    ObjectStore,
+    PutMode,
+    Update,
+    check_directory_listing,
+)
 from s3kv.stores.factory import make_store
 from s3kv.stores.memory import MemoryStore
-from s3kv.stores.s3 import S3Options
+from s3kv.testing import virtual_loop
 
 NAME = "fleet"
-TITLE = "Fleet scale: the manifest's S3 requests, staleness, memory and start-up with N replicas"
-GOAL = "report per-replica S3 traffic, staleness, memory and start-up at N = 10, 30, 100; 1,000 on paper"
+TITLE = "Fleet scale: the manifest's S3 requests, staleness, keys lost and start-up with N replicas"
+GOAL = (
+    "N=1,000 TP 8: fleet manifest GET/s on any prefix < 5,500; manifest $/replica-hour no more than at N=10; "
+    "staleness p99 <= 2 publish + 1 refresh; start-up < 10 s; keys lost 0"
+)
 
 BUCKET = "s3kv-fleet"
 PREFIX = "fleet"
 NAMESPACE = "f1ee7000000000000000000000000000"
 BASE = manifest_prefix(PREFIX, NAMESPACE)
-SETTINGS = SyncSettings()
-"""The defaults: what a replica runs unless configured otherwise."""
+T0 = 1_800_000_000.0
+"""The virtual clock's wall time at loop time 0."""
+PROTOCOLS = ("segments", "epochs")
 
 STORES_PER_S = 10.0
 """New chunks a replica stores a second (~2,600 new prompt tokens/s at 256-token chunks)."""
@@ -97,36 +111,79 @@ TICK_S = 0.1
 """The workload's step (stores and lookups), in virtual seconds."""
 LIST_PAGE = 1000
 """Keys per ListObjectsV2 answer (S3's maximum, and what S3Store asks for)."""
-TP = 1
-"""Ranks per replica: each rank publishes its own segments (all counts of
-segments scale with it; the paper figures say so)."""
+LATENCY = {"get": 0.025, "list": 0.025, "head": 0.025, "put": 0.040, "delete": 0.040}
+"""Seconds a request takes (S3 Standard, same region, small objects: first byte ~15-30 ms, PUT ~30-50 ms)."""
+CHUNK_PREFIXES = 256
+"""Chunk objects lie under ``{namespace}/{kk}/``: their requests spread over 256 prefixes."""
 
 PRICE_PUT = 0.005 / 1000
 """S3 Standard, us-east-1, per request: PUT, COPY, POST, LIST."""
 PRICE_GET = 0.0004 / 1000
 """GET, SELECT and every other request (HEAD); DELETE is free."""
-PRICE_EXPRESS_PUT = 0.00113 / 1000
-PRICE_EXPRESS_GET = 0.00003 / 1000
-"""S3 Express One Zone, us-east-1, per request (list prices since April
-2025); no per-GB charge on requests under 512 KB, which manifest objects are."""
 PREFIX_PUT_LIMIT = 3500
 PREFIX_GET_LIMIT = 5500
 """S3's request rates per partitioned prefix (per second)."""
 REALTIME_FACTOR = 2.5
 """The real-loop check's time compression: every interval divided by it."""
-PAPER_N = 1000
-START_SEGMENT_KEYS = 50
-"""Keys in each segment of the start-up case (one publish interval's stores)."""
 
 
-# -- a store that counts what S3 would be sent ----------------------------------------
+@dataclass
+class Model:
+    """One run of the model: the fleet, the protocol, the faults, the window."""
+
+    n: int
+    protocol: str = "segments"
+    tp: int = 1
+    warmup_s: float = 70.0
+    measure_s: float = 60.0
+    drain_s: float | None = None
+    """After the window, stores stop and the loops run on this long (default:
+    the slowest PUT plus two publish intervals, two refreshes and the epochs' settling)."""
+    stores_per_s: float = STORES_PER_S
+    readers: int | None = None
+    """Replicas whose ManifestSync reads (None: all)."""
+    skew_fraction: float = 0.9
+    """Replicas' clocks lie within this fraction of the skew margin of each other."""
+    slow_put_fraction: float = 0.02
+    """Segment PUTs that land late, by up to ``slow_put_max`` of the margin."""
+    slow_put_max: float = 0.45
+    latency: dict[str, float] = field(default_factory=lambda: dict(LATENCY))
+    settings: dict[str, Any] = field(default_factory=dict)
+    """SyncSettings overrides (the cross-check's compressed intervals)."""
+    startup: bool = True
+    seed: int = 30
+
+    def sync_settings(self) -> SyncSettings:
+        return settings_for(self.protocol, **self.settings)
+
+
+def settings_for(protocol: str, **overrides: Any) -> SyncSettings:
+    """The default settings with ``protocol``, refused clearly where this
+    build has no such protocol."""
+    if protocol not in PROTOCOLS:
+        raise SystemExit(f"--protocol: {protocol!r}, expected one of {', '.join(PROTOCOLS)}")
+    names = {f.name for f in dataclasses.fields(SyncSettings)}
+    if "protocol" in names:
+        overrides["protocol"] = protocol
+    elif protocol != "segments":
+        raise SystemExit(f"protocol {protocol!r}: this build's SyncSettings has no protocol (segments only)")
+    return SyncSettings(**overrides)
+
+
+def has_protocol(protocol: str) -> bool:
+    return protocol == "segments" or "protocol" in {f.name for f in dataclasses.fields(SyncSettings)}
+
+
+# -- the bucket, and what S3 would be sent --------------------------------------------
+
+DIRS = ("seg", "ep", "snap", "access")
 
 
 def _dir(key: str) -> str:
-    """The manifest directory of ``key`` (seg, snap, access) or "other"."""
+    """The manifest directory of ``key`` (seg, ep, snap, access) or "other"."""
     if key.startswith(BASE):
         head = key[len(BASE) :].split("/", 1)[0]
-        if head in ("seg", "snap", "access"):
+        if head in DIRS:
             return head
     return "other"
 
@@ -211,77 +268,170 @@ class DirectoryBucket(Bucket):
             yield meta
 
 
-class CountingStore(ObjectStore):
-    """``inner`` (shared by the fleet), with one replica's requests counted
-    as S3Store counts them (``s3_requests_<op>`` in ``counters``) and, here,
-    by operation and manifest directory, with their bytes."""
+class Traffic:
+    """The fleet's requests per (directory, operation, second of virtual
+    time), weighted (a sampled reader's reads stand for the fleet's)."""
 
-    def __init__(self, inner: ObjectStore, counters: Counters, list_bytes: ListBytes) -> None:
+    def __init__(self) -> None:
+        self.per_s: dict[tuple[str, str, int], float] = defaultdict(float)
+
+    def add(self, d: str, op: str, t: float, weight: float) -> None:
+        self.per_s[(d, op, int(t))] += weight
+
+    def peak(self, op: str, t0: float, t1: float) -> tuple[str, float]:
+        """The busiest directory's busiest second for ``op`` within [t0, t1)."""
+        best = ("-", 0.0)
+        for (d, o, s), v in self.per_s.items():
+            if o == op and t0 <= s and s + 1 <= t1 and v > best[1]:
+                best = (d, v)
+        return best
+
+
+READS = ("get", "list", "head")
+
+
+class ModelStore(ObjectStore):
+    """``inner`` (the fleet's bucket) as one replica sees S3: each request
+    counted (``s3_requests_<op>`` in ``counters``, and here by operation and
+    manifest directory, with bytes), on the fleet's :class:`Traffic`, and
+    taking S3's time (``latency``; a PUT's object appears when it returns, a
+    listing or GET reads half-way through). ``slow``: (rng, fraction, max
+    seconds) of segment PUTs that land late; what they name goes to ``slowed``."""
+
+    def __init__(
+        self,
+        inner: ObjectStore,
+        counters: Counters,
+        list_bytes: ListBytes,
+        traffic: Traffic | None = None,
+        *,
+        latency: dict[str, float] | None = None,
+        read_weight: float = 1.0,
+        slow: tuple[np.random.Generator, float, float] | None = None,
+        slowed: set[int] | None = None,
+    ) -> None:
         self.inner = inner
         self.directory = inner.directory
         self.counters = counters
         self.list_bytes = list_bytes
-        self.counts: dict[str, float] = {}
-        """``{op}:{dir}`` requests and ``bytes_{op}:{dir}`` bytes."""
-        opts = S3Options()
-        self._threshold, self._part = opts.multipart_threshold, opts.part_size
+        self.traffic = traffic
+        self.latency = latency or {}
+        self.read_weight = read_weight
+        self.slow = slow
+        self.slow_puts = 0
+        self.slowed = slowed if slowed is not None else set()
+        """Fingerprints named by a slow segment PUT (their staleness is the fault's)."""
+        self.counts: dict[str, float] = defaultdict(float)
+        """``{op}:{dir}`` requests, ``bytes_{op}:{dir}`` bytes, ``keys_list:{dir}`` keys listed."""
 
     def _add(self, op: str, key: str, requests: int, nbytes: float = 0) -> None:
         d = _dir(key)
-        self.counts[f"{op}:{d}"] = self.counts.get(f"{op}:{d}", 0) + requests
+        self.counts[f"{op}:{d}"] += requests
         if nbytes:
-            self.counts[f"bytes_{op}:{d}"] = self.counts.get(f"bytes_{op}:{d}", 0) + nbytes
+            self.counts[f"bytes_{op}:{d}"] += nbytes
         self.counters.add(f"s3_requests_{op}", requests)
+        if self.traffic is not None:
+            weight = self.read_weight if op in READS else 1.0
+            self.traffic.add(d, op, asyncio.get_running_loop().time(), requests * weight)
+
+    async def _wait(self, op: str, part: float = 1.0) -> None:
+        delay = self.latency.get(op, 0.0) * part
+        if delay:
+            await asyncio.sleep(delay)
 
     async def put(
         self, key: str, data: bytes | memoryview, *, mode: PutMode | Update = PutMode.OVERWRITE
     ) -> str | None:
-        n = len(data)
-        parts = 1 if n < self._threshold else math.ceil(n / self._part) + 2  # create, parts, complete
-        self._add("put", key, parts, n)
+        self._add("put", key, 1, len(data))  # manifest objects are far below the multipart threshold
+        await self._wait("put")
+        if self.slow is not None and _dir(key) == "seg":
+            rng, fraction, most = self.slow
+            if rng.random() < fraction:
+                self.slow_puts += 1
+                self.slowed.update(mf.decode(bytes(data)).added.tolist())
+                await asyncio.sleep(float(rng.uniform(0, most)))
         return await self.inner.put(key, data, mode=mode)
 
     async def get(self, key: str, range: ByteRange | None = None) -> bytes:
+        return (await self.get_object(key, range)).data
+
+    async def get_object(self, key: str, range: ByteRange | None = None) -> GetResult:
         self._add("get", key, 1)
-        data = bytes(memoryview(await self.inner.get(key, range)))  # a body of its own, as over HTTP
-        self.counts[f"bytes_get:{_dir(key)}"] = self.counts.get(f"bytes_get:{_dir(key)}", 0) + len(data)
-        return data
+        await self._wait("get", 0.5)
+        try:
+            got = await self.inner.get_object(key, range)
+        finally:
+            await self._wait("get", 0.5)
+        self.counts[f"bytes_get:{_dir(key)}"] += len(got.data)
+        return got
 
     async def head(self, key: str) -> ObjectMeta:
         self._add("head", key, 1)
-        return await self.inner.head(key)
+        await self._wait("head", 0.5)
+        try:
+            return await self.inner.head(key)
+        finally:
+            await self._wait("head", 0.5)
 
     async def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
-        n = key_bytes = 0
-        try:
-            async for meta in self.inner.list(prefix, start_after=start_after):
-                n += 1
-                key_bytes += len(meta.key)
+        await self._wait("list", 0.5)
+        listed = [m async for m in self.inner.list(prefix, start_after=start_after)]
+        pages = max(1, math.ceil(len(listed) / LIST_PAGE))
+        key_bytes = sum(len(m.key) for m in listed)
+        self._add(
+            "list",
+            prefix,
+            pages,
+            pages * self.list_bytes.page + len(listed) * self.list_bytes.key + key_bytes,
+        )
+        self.counts[f"keys_list:{_dir(prefix)}"] += len(listed)
+        for p in range(pages):
+            await self._wait("list", 0.5 if p == 0 else 1.0)
+            for meta in listed[p * LIST_PAGE : (p + 1) * LIST_PAGE]:
                 yield meta
-        finally:  # a page per 1,000 keys (one for none), counted once the listing is read
-            pages = max(1, math.ceil(n / LIST_PAGE))
-            self._add(
-                "list", prefix, pages, pages * self.list_bytes.page + n * self.list_bytes.key + key_bytes
-            )
-            d = _dir(prefix)
-            self.counts[f"keys_list:{d}"] = self.counts.get(f"keys_list:{d}", 0) + n
 
     async def delete_many(self, keys: Iterable[str]) -> None:
         keys = list(keys)
         if keys:
             self._add("delete", keys[0], math.ceil(len(keys) / 1000))
+            await self._wait("delete")
         await self.inner.delete_many(keys)
+
+    async def delete_if(self, key: str, etag: str) -> None:
+        self._add("delete", key, 1)
+        await self._wait("delete")
+        await self.inner.delete_if(key, etag)
 
 
 # -- the fleet ------------------------------------------------------------------------
 
 
-class VirtualClock:
-    def __init__(self, t: float) -> None:
-        self.t = t
+class ReadingSync(ManifestSync):
+    """A replica's ManifestSync, telling the model after each of its
+    loop's ticks (the model checks what its manifest now has)."""
 
-    def __call__(self) -> float:
-        return self.t
+    after_tick: Callable[[], None] | None = None
+
+    async def tick(self) -> None:
+        await super().tick()
+        if self.after_tick is not None:
+            self.after_tick()
+
+
+class WritingSync(ManifestSync):
+    """A replica whose ManifestSync only writes (its segments and access
+    records), its reads left to the sampled readers: the model's cut at large N."""
+
+    async def load(self) -> int:
+        self.loaded = True
+        return 0
+
+    async def tick(self) -> None:
+        now = self._clock()
+        if now >= self._next_publish:
+            self._next_publish = now + self.s.publish_s
+            await self.publish()
+        self._next_refresh = self._next_publish
 
 
 @dataclass
@@ -291,31 +441,30 @@ class Replica:
     counters: Counters
     manifest: Manifest
     sync: ManifestSync
-    publisher: ShardPublisher
+    publishers: list[ShardPublisher]
+    reads: bool = True
+    offset: float = 0.0
     unseen: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    """Ledger rows of others' stores this replica's manifest did not have at its last refresh."""
+    """Ledger rows of others' stores this replica's manifest did not have at its last check."""
     cursor: int = 0
-    """Ledger rows up to here were looked for at a refresh."""
-    refreshes: int = 0
-    refresh_wall_s: float = 0.0
+    """Ledger rows up to here were looked for."""
 
 
 class Ledger:
     """Every chunk the fleet stored: fingerprint, key, time, owner; and when
-    the other replicas' manifests first had it."""
+    the reading replicas' manifests first had it."""
 
-    def __init__(self, n_replicas: int, capacity: int) -> None:
+    def __init__(self, capacity: int) -> None:
         self.n = 0
-        self.replicas = n_replicas
         self.fps = np.empty(capacity, dtype=np.uint64)
         self.t = np.empty(capacity)
         self.owner = np.empty(capacity, dtype=np.int32)
         self.keys: list[bytes] = []
         self.last_seen = np.empty(capacity)
-        """Staleness for the last of the other replicas to see it, so far."""
+        """Staleness for the last of the reading replicas to see it, so far."""
         self.seen_by = np.empty(capacity, dtype=np.int32)
         self.pairs: list[np.ndarray] = []
-        """Staleness of each (store, other replica) pair, per refresh."""
+        """Staleness of each (store, other replica) pair, per check."""
 
     def add(self, keys: list[bytes], t: float, owner: int) -> None:
         if self.n + len(keys) > len(self.fps):
@@ -333,7 +482,7 @@ class Ledger:
         self.n = end
 
     def check(self, r: Replica, now: float, record: bool) -> None:
-        """After ``r``'s refresh: which of the others' stores it now has."""
+        """Which of the others' stores ``r``'s manifest now has."""
         new = np.arange(r.cursor, self.n)
         r.cursor = self.n
         new = new[self.owner[new] != r.idx]
@@ -349,51 +498,94 @@ class Ledger:
             self.pairs.append(lag.astype(np.float32))
 
 
+UNREGISTERED: set[str] = set()
+"""Counter names the manifest code added that s3kv.stats does not know."""
+
+
+class ModelCounters(Counters):
+    """The replicas' counters: a name s3kv.stats does not register is
+    noted (and reported in the notes) instead of failing the loop, so that
+    a work-in-progress protocol can be measured."""
+
+    def add(self, name: str, value: float = 1) -> None:
+        try:
+            super().add(name, value)
+        except KeyError:
+            UNREGISTERED.add(name)
+
+
 def _writer_ids(n: int, rng: np.random.Generator) -> list[str]:
     """Writer ids as :func:`~s3kv.manifest.protocol.new_writer_id` makes them."""
     return [f"{int(rng.integers(16**10)):010x}{i % 100:02d}" for i in range(n)]
 
 
-def _replica(
-    i: int, writer: str, store: ObjectStore, counters: Counters, clock: Callable[[], float]
+def build_replica(
+    i: int,
+    writer: str,
+    store: ObjectStore,
+    counters: Counters,
+    settings: SyncSettings,
+    tp: int,
+    clock: Callable[[], float],
+    *,
+    reads: bool = True,
+    offload: Any = None,
 ) -> Replica:
+    """One replica as s3kv builds it: the scheduler side's ManifestSync and
+    one ShardPublisher per rank, all on ``clock``."""
     manifest = Manifest()
-    sync = ManifestSync(store, BASE, manifest, SETTINGS, counters=counters, writer=writer, clock=clock)
-    publisher = ShardPublisher(
-        store,
-        BASE,
-        writer,
-        rank=0,
-        ranks=TP,
-        publish_s=SETTINGS.publish_s,
-        skew_s=SETTINGS.skew_s,
-        counters=counters,
-        clock=clock,
-    )
-    return Replica(i, store, counters, manifest, sync, publisher)
+    extra = {} if offload is None else {"offload": offload}
+    cls = ReadingSync if reads else WritingSync
+    sync = cls(store, BASE, manifest, settings, counters=counters, writer=writer, clock=clock, **extra)
+    publishers = [
+        ShardPublisher(
+            store,
+            BASE,
+            writer,
+            rank=rank,
+            ranks=tp,
+            publish_s=settings.publish_s,
+            skew_s=settings.skew_s,
+            counters=counters,
+            clock=clock,
+        )
+        for rank in range(tp)
+    ]
+    return Replica(i, store, counters, manifest, sync, publishers, reads=reads)
 
 
 def _workload(
-    reps: list[Replica], ledger: Ledger, rng: np.random.Generator, now: float, dt: float, scale: float = 1.0
-) -> tuple[int, int]:
-    """``dt`` seconds of stores and lookups (rates times ``scale``) for every
-    replica. Returns (chunks stored, fleet keys looked up, of them found)."""
+    reps: list[Replica],
+    ledger: Ledger,
+    rng: np.random.Generator,
+    now: float,
+    dt: float,
+    stores_per_s: float,
+    lookups: bool = True,
+) -> tuple[int, int, int]:
+    """``dt`` seconds of stores and lookups for every replica. Returns
+    (chunks stored, fleet keys looked up, of them found)."""
     looked = found = 0
-    stores = rng.poisson(STORES_PER_S * scale * dt, len(reps))
+    stores = rng.poisson(stores_per_s * dt, len(reps))
     for i in np.nonzero(stores)[0].tolist():
-        r, count = reps[i], stores[i]
-        if count:
-            blob = rng.bytes(16 * int(count))
-            keys = [blob[j : j + 16] for j in range(0, len(blob), 16)]
-            for key in keys:  # the worker's PUT returned; the scheduler side hears of it
-                r.publisher.stored(fingerprint(key))
-                r.manifest.add(key, publish=False)
-            ledger.add(keys, now, r.idx)
-    lookups = rng.poisson(LOOKUPS_PER_S * scale * dt, len(reps))
+        r, count = reps[i], int(stores[i])
+        blob = rng.bytes(16 * count)
+        keys = [blob[j : j + 16] for j in range(0, len(blob), 16)]
+        for key in keys:  # every rank's PUT returned; the scheduler side hears of it
+            fp = fingerprint(key)
+            for pub in r.publishers:
+                pub.stored(fp)
+            r.manifest.add(key, publish=False)
+        ledger.add(keys, now, r.idx)
+    if not lookups:
+        return int(stores.sum()), 0, 0
+    n_lookups = rng.poisson(LOOKUPS_PER_S * dt, len(reps))
     lo = int(np.searchsorted(ledger.t[: ledger.n], now - LOOKUP_AGE_S))
-    for i in np.nonzero(lookups)[0].tolist():
+    for i in np.nonzero(n_lookups)[0].tolist():
         r = reps[i]
-        for _ in range(int(lookups[i])):
+        if not r.reads:
+            continue
+        for _ in range(int(n_lookups[i])):
             rows = rng.integers(lo, ledger.n, LOOKUP_FLEET_KEYS) if ledger.n > lo else np.empty(0, int)
             rows = rows[ledger.owner[rows] != r.idx]
             blob = rng.bytes(16 * LOOKUP_NEW_KEYS)
@@ -408,224 +600,263 @@ def _workload(
 
 
 def _totals(reps: list[Replica]) -> list[dict[str, float]]:
-    """Each replica's counts so far: its store's (if it counts) and its s3_requests_*."""
-    out = []
-    for r in reps:
-        counts = dict(getattr(r.store, "counts", {}))
-        counts.update({k: v for k, v in r.counters.totals().items() if k.startswith("s3_requests_")})
-        out.append(counts)
-    return out
+    """Each replica's counts so far (its store's, if it counts)."""
+    return [dict(getattr(r.store, "counts", {})) for r in reps]
 
 
-async def simulate(
-    n: int,
-    duration_s: float,
-    warmup_s: float,
-    store_for: Callable[[int, Counters], ObjectStore],
-    seed: int = 18,
-) -> dict[str, Any]:
-    """The fleet on a virtual clock: ``warmup_s`` (the listing window fills),
-    then ``duration_s`` measured."""
-    rng = np.random.default_rng(seed)
-    t0 = float(int(time.time()))
-    clock = VirtualClock(t0)
-    reps = []
-    for i, writer in enumerate(_writer_ids(n, rng)):
-        counters = Counters()  # one replica's: its store's requests and both sides' manifest figures
-        reps.append(_replica(i, writer, store_for(i, counters), counters, clock))
+def _rss_mib() -> float:
+    """This process's peak resident memory so far (MiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+async def simulate(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None) -> dict[str, Any]:
+    """``m`` on the running loop (a :class:`~s3kv.testing.virtual_loop.VirtualTimeLoop`):
+    ``warmup_s``, then ``measure_s`` measured, then a drain without stores,
+    then a new replica's start-up."""
+    wall0 = time.perf_counter()
+    loop = asyncio.get_running_loop()
+    settings = m.sync_settings()
+    rng = np.random.default_rng(m.seed)
+    bucket = bucket if bucket is not None else Bucket()
+    traffic = Traffic()
+    n_read = m.n if m.readers is None else max(1, min(m.readers, m.n))
+    readers = set(range(m.n)) if n_read == m.n else set(rng.choice(m.n, n_read, replace=False).tolist())
+    weight = m.n / n_read
+    margin = settings.skew_s
+    offsets = rng.uniform(-0.5, 0.5, m.n) * m.skew_fraction * margin
+    slow = (np.random.default_rng(m.seed + 1), m.slow_put_fraction, m.slow_put_max * margin)
+    slowed: set[int] = set()
+    reps: list[Replica] = []
+    for i, writer in enumerate(_writer_ids(m.n, rng)):
+        counters = ModelCounters()
+        store = ModelStore(
+            bucket,
+            counters,
+            list_bytes,
+            traffic,
+            latency=m.latency,
+            read_weight=weight,
+            slow=slow,
+            slowed=slowed,
+        )
+        off = float(offsets[i])
+        r = build_replica(
+            i,
+            writer,
+            store,
+            counters,
+            settings,
+            m.tp,
+            lambda off=off: T0 + loop.time() + off,
+            reads=i in readers,
+            offload=virtual_loop.inline,
+        )
+        r.offset = off
+        reps.append(r)
+    ledger = Ledger(int(m.n * m.stores_per_s * (m.warmup_s + m.measure_s) * 1.3) + 1024)
+    state = {"measuring": False}
+
+    def checker(r: Replica) -> Callable[[], None]:
+        return lambda: ledger.check(r, loop.time(), state["measuring"])
+
     for r in reps:
-        await r.sync.load()
-    end = t0 + warmup_s + duration_s
-    ledger = Ledger(n, int(n * STORES_PER_S * (warmup_s + duration_s) * 1.3) + 1024)
-    events: list[tuple[float, int, int, str]] = []
-    # (time, order at that time, replica, what): the scheduler side publishes
-    # before it refreshes (one loop, the same intervals); the worker has its own phase.
-    for r in reps:
-        sched, worker = rng.uniform(0, SETTINGS.publish_s), rng.uniform(0, SETTINGS.publish_s)
-        heapq.heappush(events, (t0 + worker, 1, r.idx, "shard"))
-        heapq.heappush(events, (t0 + sched, 2, r.idx, "publish"))
-        heapq.heappush(events, (t0 + sched + SETTINGS.refresh_s - SETTINGS.publish_s, 3, r.idx, "refresh"))
-    heapq.heappush(events, (t0, 0, -1, "tick"))
-    heapq.heappush(events, (t0 + warmup_s, 0, -1, "mark"))
-    start: list[dict[str, float]] = []
-    cpu0 = wall0 = 0.0
-    snapshots: list[tuple[int, int]] = []
+        if r.reads:
+            r.sync.after_tick = checker(r)  # type: ignore[attr-defined]
+    tasks: list[asyncio.Task[Any]] = []
+    phases = rng.uniform(0, settings.publish_s, (m.n, 1 + m.tp))
+
+    async def later(delay: float, coro: Any) -> None:
+        await asyncio.sleep(delay)
+        await coro
+
+    for r in reps:  # each loop starts at its own phase
+        tasks.append(asyncio.ensure_future(later(float(phases[r.idx, 0]), r.sync.run())))
+        tasks += [
+            asyncio.ensure_future(later(float(phases[r.idx, 1 + k]), p.run()))
+            for k, p in enumerate(r.publishers)
+        ]
     stored = looked = found = 0
-    measuring = False
-    wall_start = time.perf_counter()
-    while events:
-        t, order, i, what = heapq.heappop(events)
-        if t > end:
-            break
-        clock.t = t
-        if what == "tick":
-            a, b, c = _workload(reps, ledger, rng, t, TICK_S)
-            if measuring:
+    cpu0 = time.process_time()
+    end_measure = m.warmup_s + m.measure_s
+    start: list[dict[str, float]] = []
+    try:
+        await asyncio.sleep(settings.publish_s)  # every loop has started
+        while (now := loop.time()) < end_measure:
+            if not start and now >= m.warmup_s:
+                start, state["measuring"] = _totals(reps), True
+                cpu0 = time.process_time()
+            for r in reps:  # the scheduler side's clock, sent to the workers with each step
+                for p in r.publishers:
+                    p.observe(r.sync.clock_ms)
+            a, b, c = _workload(reps, ledger, rng, now, TICK_S, m.stores_per_s)
+            if state["measuring"]:
                 stored, looked, found = stored + a, looked + b, found + c
-            heapq.heappush(events, (t + TICK_S, 0, -1, "tick"))
-            continue
-        if what == "mark":
-            start, measuring = _totals(reps), True
-            cpu0, wall0 = time.process_time(), time.perf_counter()
+            await asyncio.sleep(TICK_S)
+        finish = _totals(reps)
+        cpu = time.process_time() - cpu0
+        state["measuring"] = False
+        drain = m.drain_s
+        if drain is None:
+            drain = m.slow_put_max * margin + 3 * settings.publish_s + 2 * settings.refresh_s + 10
+        t_drain = loop.time()
+        while loop.time() < t_drain + drain:
             for r in reps:
-                r.refreshes, r.refresh_wall_s = 0, 0.0
-            continue
-        r = reps[i]
-        if what == "shard":
-            r.publisher.observe(r.sync.clock_ms)  # the scheduler side's clock, sent with each step
-            await r.publisher.publish()
-            heapq.heappush(events, (t + r.publisher.publish_s, order, i, what))
-        elif what == "publish":
-            await r.sync.publish()
-            heapq.heappush(events, (t + SETTINGS.publish_s, order, i, what))
-        else:
+                for p in r.publishers:
+                    p.observe(r.sync.clock_ms)
+            await asyncio.sleep(TICK_S)
+        wall_run = time.perf_counter() - wall0
+        # Keys lost: a chunk published that some reading replica never saw.
+        missing = np.zeros(ledger.n, dtype=bool)
+        rows = np.arange(ledger.n)
+        for r in reps:
+            if r.reads:
+                mine = ledger.owner[: ledger.n] == r.idx
+                hit = r.manifest.present_fps(ledger.fps[: ledger.n])
+                missing |= ~hit & ~mine
+        lost = int(np.count_nonzero(missing))
+        slowed_fps = np.fromiter(slowed, dtype=np.uint64, count=len(slowed))
+        lost_slowed = int(np.count_nonzero(missing & np.isin(ledger.fps[: ledger.n], slowed_fps)))
+        # Staleness of the stores made while measuring: to the last reading replica.
+        target = np.where(np.isin(ledger.owner[: ledger.n], list(readers)), n_read - 1, n_read)
+        in_window = (ledger.t[: ledger.n] >= m.warmup_s) & (ledger.t[: ledger.n] < end_measure)
+        all_seen = rows[in_window & (ledger.seen_by[: ledger.n] >= target)]
+        fast = ~np.isin(ledger.fps[all_seen], slowed_fps)
+        memory = [r.manifest.fps.nbytes for r in reps if r.reads]
+        names = [len(getattr(r.sync, "_seen", ())) for r in reps if r.reads]
+        boot: dict[str, Any] = {}
+        if m.startup:
+            counters = ModelCounters()
+            store = ModelStore(bucket, counters, list_bytes, None, latency=m.latency)
+            new = build_replica(
+                m.n,
+                "feedfacefe99",
+                store,
+                counters,
+                settings,
+                m.tp,
+                lambda: T0 + loop.time(),
+                offload=virtual_loop.inline,
+            )
+            t = loop.time()
             w = time.perf_counter()
-            await r.sync.refresh()
-            r.refresh_wall_s += time.perf_counter() - w
-            r.refreshes += 1
-            if await r.sync.maybe_snapshot():
-                snapshots.append((len(r.manifest), i))
-            ledger.check(r, t, measuring and t <= end)
-            heapq.heappush(events, (t + SETTINGS.refresh_s, order, i, what))
-    wall = time.perf_counter() - wall0
-    cpu = time.process_time() - cpu0
-    finish = _totals(reps)
-    for r in reps:
-        with contextlib.suppress(Exception):
-            await r.store.close()
+            keys = await new.sync.load()
+            boot = {
+                "s": loop.time() - t,
+                "wall_s": time.perf_counter() - w,
+                "keys": keys,
+                "counts": dict(store.counts),
+            }
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     window = [{k: f.get(k, 0) - s.get(k, 0) for k in f} for s, f in zip(start, finish)]
-    # Staleness of the stores made while measuring, early enough that every
-    # replica had two full rounds to see them.
-    m0, m1 = t0 + warmup_s, end - SETTINGS.publish_s - 2 * SETTINGS.refresh_s
-    rows = np.nonzero((ledger.t[: ledger.n] >= m0) & (ledger.t[: ledger.n] <= m1))[0]
-    all_seen = rows[ledger.seen_by[rows] == n - 1]
     pairs = np.concatenate(ledger.pairs) if ledger.pairs else np.empty(0, np.float32)
     return {
-        "n": n,
-        "seconds": duration_s,
-        "wall_s": time.perf_counter() - wall_start,
-        "window_wall_s": wall,
-        "cpu_s": cpu,
+        "model": m,
+        "settings": settings,
+        "n_read": n_read,
+        "weight": weight,
+        "readers": [r.reads for r in reps],
         "window": window,
-        "finish": finish,
-        "refreshes": sum(r.refreshes for r in reps),
-        "refresh_wall_s": sum(r.refresh_wall_s for r in reps),
+        "traffic": traffic,
         "stale_all": ledger.last_seen[all_seen],
+        "stale_fast": ledger.last_seen[all_seen[fast]],
+        "slowed_keys": int(np.count_nonzero(~fast)),
         "stale_pairs": pairs,
-        "stores_checked": len(rows),
-        "stores_unseen": len(rows) - len(all_seen),
-        "snapshots": snapshots,
+        "stores_checked": int(np.count_nonzero(in_window)),
+        "stores_unseen": int(np.count_nonzero(in_window)) - len(all_seen),
+        "lost": lost,
+        "lost_slowed": lost_slowed,
+        "keys": ledger.n,
         "stored": stored,
         "looked": looked,
         "found": found,
-        "keys": ledger.n,
-        "directory": bool(reps[0].store.directory),
+        "memory": float(np.mean(memory)) if memory else 0.0,
+        "names": float(np.mean(names)) if names else 0.0,
+        "boot": boot,
+        "slow_puts": sum(getattr(r.store, "slow_puts", 0) for r in reps),
+        "wall_s": wall_run,
+        "cpu_s": cpu,
+        "rss_mib": _rss_mib(),
+        "directory": bool(bucket.directory),
     }
+
+
+def run_model(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None) -> dict[str, Any]:
+    """:func:`simulate` on a fresh virtual-time loop."""
+    logging.getLogger("s3kv").setLevel(logging.ERROR)
+    out = virtual_loop.run(simulate(m, list_bytes, bucket))
+    gc.collect()
+    return out
 
 
 # -- figures --------------------------------------------------------------------------
 
 
-def _mean(window: list[dict[str, float]], key: str) -> float:
-    return float(np.mean([w.get(key, 0.0) for w in window])) if window else 0.0
-
-
 @dataclass
 class Rates:
-    """One replica's manifest traffic per real second (mean over the fleet)."""
+    """One replica's requests per second of virtual (= real) time: the
+    fleet's totals (sampled readers' reads scaled to the fleet) over N."""
 
     n: int
+    tp: int
+    protocol: str
     put: float
-    put_seg: float
-    put_access: float
     list: float
     get: float
-    keys_per_list: float
-    segs_per_poll: float
+    head: float
+    by_dir: dict[str, float]
     up_bps: float
     down_bps: float
-    list_bps: float
-    snapshot_put: float
-    """Amortized: the fleet's one snapshot writer's share per replica."""
-    chunk_put: float = 0.0
-    """Chunk shards stored: one create-only PUT each (under the multipart threshold)."""
-    chunk_get: float = 0.0
-    """Chunk shards loaded from S3 (every fleet hit found): one GET each (a shard under ``range_bytes``)."""
-    directory: bool = False
-    """On an S3 Express directory bucket (its layout, and its prices)."""
-
-    def _prices(self) -> tuple[float, float]:
-        return (PRICE_EXPRESS_PUT, PRICE_EXPRESS_GET) if self.directory else (PRICE_PUT, PRICE_GET)
+    peak_get: tuple[str, float]
+    peak_put: tuple[str, float]
+    chunk_put: float
+    chunk_get: float
 
     @property
     def manifest_cost_per_hour(self) -> float:
-        """The manifest's requests alone, USD per replica-hour."""
-        put, get = self._prices()
-        return 3600 * ((self.put + self.snapshot_put + self.list) * put + self.get * get)
+        """The manifest's requests alone, USD per replica-hour (LIST priced as PUT, HEAD as GET)."""
+        return 3600 * ((self.put + self.list) * PRICE_PUT + (self.get + self.head) * PRICE_GET)
 
     @property
     def cost_per_hour(self) -> float:
         """Every request a replica sends S3: the manifest's and its chunks' PUTs and GETs."""
-        put, get = self._prices()
-        return self.manifest_cost_per_hour + 3600 * (self.chunk_put * put + self.chunk_get * get)
-
-
-def snapshot_period_s(n: int) -> float:
-    """How often the fleet writes a snapshot at the default settings."""
-    segments_per_s = n * TP / SETTINGS.publish_s
-    return max(SETTINGS.snapshot_interval_s, SETTINGS.snapshot_every / segments_per_s)
+        return self.manifest_cost_per_hour + 3600 * (self.chunk_put * PRICE_PUT + self.chunk_get * PRICE_GET)
 
 
 def rates_of(sim: dict[str, Any]) -> Rates:
-    w, s, n = sim["window"], sim["seconds"], sim["n"]
-    put_seg = _mean(w, "put:seg") / s
-    put_access = _mean(w, "put:access") / s
-    lists = _mean(w, "list:seg") / s
-    polls = sim["refreshes"] / n / s  # refreshes per replica-second
+    m: Model = sim["model"]
+    s, n, w = m.measure_s, m.n, sim["weight"]
+    total: dict[str, float] = defaultdict(float)
+    for reads, counts in zip(sim["readers"], sim["window"]):
+        for k, v in counts.items():
+            op = k.split(":", 1)[0].removeprefix("bytes_").removeprefix("keys_")
+            total[k] += v * (w if reads and op in READS else 1.0)
+    per = {k: v / n / s for k, v in total.items()}
+
+    def op(name: str) -> float:
+        return sum(v for k, v in per.items() if k.startswith(name + ":"))
+
+    up = sum(v for k, v in per.items() if k.startswith("bytes_put:"))
+    down = sum(v for k, v in per.items() if k.startswith(("bytes_get:", "bytes_list:")))
+    t0, t1 = m.warmup_s, m.warmup_s + m.measure_s
+    reader_s = max(sim["n_read"] * s, 1e-9)
     return Rates(
         n=n,
-        put=put_seg + put_access,
-        put_seg=put_seg,
-        put_access=put_access,
-        list=lists,
-        get=_mean(w, "get:seg") / s,
-        keys_per_list=_mean(w, "keys_list:seg") / s / polls,
-        segs_per_poll=_mean(w, "get:seg") / s / polls,
-        up_bps=(_mean(w, "bytes_put:seg") + _mean(w, "bytes_put:access")) / s,
-        down_bps=(_mean(w, "bytes_get:seg") + _mean(w, "bytes_list:seg")) / s,
-        list_bps=_mean(w, "bytes_list:seg") / s,
-        snapshot_put=2 / snapshot_period_s(n) / n,  # its PUT and its LIST of snapshots
-        chunk_put=sim["stored"] / n / s * TP,
-        chunk_get=sim["found"] / n / s * TP,
-        directory=sim["directory"],
-    )
-
-
-def paper(n: int, at: Rates) -> Rates:
-    """The rates at ``n`` replicas, from those measured at ``at.n``: what
-    does not depend on N (a replica's own PUTs) stays, segments per poll and
-    keys per listing grow with N, LIST pages by S3's 1,000 keys."""
-    k = n / at.n
-    keys = at.keys_per_list * k
-    polls = 1 / SETTINGS.refresh_s
-    seg_bytes = (at.down_bps - at.list_bps) * k  # every other replica's segments
-    list_pages = math.ceil(keys / LIST_PAGE)
-    list_bps = at.list_bps / max(at.keys_per_list, 1) * keys
-    return Rates(
-        n=n,
-        put=at.put,
-        put_seg=at.put_seg,
-        put_access=at.put_access,
-        list=list_pages * polls,
-        get=at.get * k,
-        keys_per_list=keys,
-        segs_per_poll=at.segs_per_poll * k,
-        up_bps=at.up_bps,
-        down_bps=seg_bytes + list_bps,
-        list_bps=list_bps,
-        snapshot_put=2 / snapshot_period_s(n) / n,
-        chunk_put=at.chunk_put,
-        chunk_get=at.chunk_get,
+        tp=m.tp,
+        protocol=m.protocol,
+        put=op("put"),
+        list=op("list"),
+        get=op("get"),
+        head=op("head"),
+        by_dir={k: v for k, v in per.items() if not k.startswith(("bytes_", "keys_"))},
+        up_bps=up,
+        down_bps=down,
+        peak_get=sim["traffic"].peak("get", t0, t1),
+        peak_put=sim["traffic"].peak("put", t0, t1),
+        chunk_put=STORES_PER_S * m.tp,
+        chunk_get=sim["found"] / reader_s * m.tp,
     )
 
 
@@ -633,247 +864,164 @@ def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
-def _row(r: Rates, stale: str, wall: str) -> list[Any]:
+def _stale(values: np.ndarray) -> str:
+    if not len(values):
+        return "-"
+    return f"{_pct(values, 50):.1f} / {_pct(values, 99):.1f} / {float(values.max()):.1f}"
+
+
+COLUMNS = [
+    "protocol",
+    "replicas",
+    "TP",
+    "PUT / LIST / GET per s",
+    "busiest prefix GET/s (peak s)",
+    "busiest prefix PUT/s (peak s)",
+    "staleness p50/p99/max s (max with slow PUTs)",
+    "keys lost",
+    "start-up (s)",
+    "manifest MiB / names held",
+    "$/replica-hour: manifest / all",
+    "wall s / peak RSS GiB",
+]
+
+
+def row(sim: dict[str, Any]) -> list[Any]:
+    r = rates_of(sim)
+    m: Model = sim["model"]
+    boot = sim["boot"]
+    sampled = "" if sim["n_read"] == m.n else f" ({sim['n_read']} read)"
     return [
-        f"{r.n:,}" + (" (directory)" if r.directory else ""),
-        round(r.put + r.snapshot_put, 3),
-        round(r.list, 3),
-        round(r.get, 1),
-        round(r.segs_per_poll, 1),
-        f"{r.keys_per_list:,.0f}",
-        f"{r.up_bps / 1e3:.2f} / {r.down_bps / 1e3:.1f}",
-        stale,
-        f"{r.chunk_put:.1f} / {r.chunk_get:.1f}",
+        m.protocol,
+        f"{m.n:,}{sampled}",
+        m.tp,
+        f"{r.put:.2f} / {r.list:.2f} / {r.get + r.head:.1f}",
+        f"{r.peak_get[1]:,.0f} ({r.peak_get[0]})",
+        f"{r.peak_put[1]:,.0f} ({r.peak_put[0]})",
+        f"{_stale(sim['stale_fast'])} ({float(sim['stale_all'].max()) if len(sim['stale_all']) else 0:.0f})",
+        f"{sim['lost']} of {sim['keys']:,}",
+        f"{boot['s']:.1f}" if boot else "-",
+        f"{sim['memory'] / 2**20:.2f} / {sim['names']:,.0f}",
         f"{r.manifest_cost_per_hour:.4f} / {r.cost_per_hour:.4f}",
-        f"{r.get * r.n:,.0f}",
-        wall,
+        f"{sim['wall_s']:.0f} / {sim['rss_mib'] / 1024:.1f}",
     ]
-
-
-# -- memory and start-up --------------------------------------------------------------
 
 
 def _random_fps(n: int, seed: int) -> np.ndarray:
     return np.unique(np.random.default_rng(seed).integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True))
 
 
-def _traced(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """``fn()`` and its peak of traced memory beyond what was held before."""
-    gc.collect()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        out = fn()
-        return out, tracemalloc.get_traced_memory()[1] - before
-    finally:
-        tracemalloc.stop()
+# -- the cross-check: the real loops on moto, in real time ----------------------------
 
 
-def memory(n_keys: int) -> dict[str, float]:
-    """A replica's manifest at ``n_keys``: its bytes, and the peaks of
-    loading it from a snapshot, of a merge, and of writing a snapshot."""
-    fps = _random_fps(n_keys, n_keys)
-    meta = {"horizon": "", "recent": [], "writer": "bench"}
-    body, encode_peak = _traced(lambda: mf.encode(mf.ManifestObject("snapshot", fps, meta=meta)))
-    inner = CountingStore(Bucket(), Counters(), ListBytes())
-    name = snapshot_name(BASE, int(time.time() * 1000) - 1000, "bench")
-    asyncio.run(inner.put(name, body))
-    del body
-    manifest = Manifest()
-
-    def load() -> int:
-        gc.collect()
-        sync = ManifestSync(inner, BASE, manifest, SETTINGS)
-        return asyncio.run(sync.load())
-
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base0 = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        loaded = load()
-        gc.collect()
-        held, load_peak = (v - base0 for v in tracemalloc.get_traced_memory())
-        nbytes = manifest.fps.nbytes
-        # A merge: the fleet's changes since the last (merge_at of them) folded in.
-        manifest.fps.update(_random_fps(manifest.fps.merge_at, 7))
-        tracemalloc.reset_peak()
-        now0 = tracemalloc.get_traced_memory()[0]
-        manifest.fps.merge()
-        merge_peak = tracemalloc.get_traced_memory()[1] - now0
-    finally:
-        tracemalloc.stop()
-    assert loaded == len(fps)
+def scaled_settings(factor: float) -> dict[str, Any]:
+    """Every interval of the defaults divided by ``factor``."""
+    d = SyncSettings()
     return {
-        "keys": loaded,
-        "nbytes": nbytes,
-        "held": held,
-        "load_peak": load_peak,
-        "merge_peak": merge_peak,
-        "encode_peak": encode_peak,
-        "snapshot_bytes": 8 * len(fps),
+        "publish_s": d.publish_s / factor,
+        "refresh_s": d.refresh_s / factor,
+        "skew_s": d.skew_s / factor,
+        "snapshot_interval_s": d.snapshot_interval_s / factor,
     }
 
 
-class Phases(ObjectStore):
-    """``inner``, noting when a load turns from the snapshot to the segments
-    (its first listing of segments)."""
-
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.segments_at: float | None = None
-
-    async def put(
-        self, key: str, data: bytes | memoryview, *, mode: PutMode | Update = PutMode.OVERWRITE
-    ) -> str | None:
-        return await self.inner.put(key, data, mode=mode)
-
-    async def get(self, key: str, range: ByteRange | None = None) -> bytes:
-        return await self.inner.get(key, range)
-
-    async def head(self, key: str) -> ObjectMeta:
-        return await self.inner.head(key)
-
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> AsyncIterator[ObjectMeta]:
-        if prefix.endswith("/seg/") and self.segments_at is None:
-            self.segments_at = time.perf_counter()
-        return self.inner.list(prefix, start_after=start_after)
-
-    async def delete_many(self, keys: Iterable[str]) -> None:
-        await self.inner.delete_many(keys)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
-async def startup(endpoint: str, sizes: list[int], n_segments: int) -> list[dict[str, float]]:
-    """A new replica's ``load()`` from moto: the newest snapshot (of each
-    size in turn) and ``n_segments`` segments written after its horizon."""
+async def realtime(
+    endpoint: str, n: int, protocol: str, factor: float, wall_s: float, warm_s: float
+) -> dict[str, Any]:
+    """``n`` replicas running the real loops on moto through S3Store, in
+    real time, intervals divided by ``factor`` and the workload multiplied
+    by it. Requests per replica-second (at those settings) and staleness."""
+    settings = settings_for(protocol, **scaled_settings(factor))
     config = S3KVConfig(bucket=BUCKET, endpoint_url=endpoint, region="us-east-1")
-    base = manifest_prefix(PREFIX + "-startup", NAMESPACE)
-    writer_store = make_store(config)
-    now_ms = int(time.time() * 1000)
-    old = segment_name(base, now_ms - 3_600_000, "0000000000ab00r0", 1)
-    await writer_store.put(old, mf.encode(mf.ManifestObject("segment", _random_fps(START_SEGMENT_KEYS, 1))))
-    horizon = Horizon.over([old], int(SETTINGS.skew_s * 1000))
-    sem = asyncio.Semaphore(16)
-    span = int(SETTINGS.snapshot_interval_s * 1000)
-
-    async def put_segment(j: int) -> None:
-        ts = now_ms - span + j * span // max(n_segments, 1)
-        name = segment_name(base, ts, f"{j % 1000:010x}{j % 100:02d}r0", j + 1)
-        body = mf.encode(mf.ManifestObject("segment", _random_fps(START_SEGMENT_KEYS, 100 + j)))
-        async with sem:
-            await writer_store.put(name, body, mode=PutMode.CREATE)
-
-    await asyncio.gather(*(put_segment(j) for j in range(n_segments)))
-    out = []
-    for k, size in enumerate([0, *sizes]):
-        body = mf.encode(
-            mf.ManifestObject("snapshot", _random_fps(size, size), meta={**horizon.meta(), "writer": "bench"})
-        )
-        t = time.perf_counter()
-        await writer_store.put(snapshot_name(base, now_ms - 500 + k, "bench"), body)
-        put_s = time.perf_counter() - t
-        del body
-        counters = Counters()
-        store = Phases(make_store(config, counters))
-        manifest = Manifest()
-        t = time.perf_counter()
-        keys = await ManifestSync(store, base, manifest, SETTINGS, counters=counters).load()
-        load_s = time.perf_counter() - t
-        snapshot_s = (store.segments_at or t) - t
-        await store.close()
-        totals = counters.totals()
-        out.append(
-            {
-                "snapshot_keys": size,
-                "keys": keys,
-                "load_s": load_s,
-                "snapshot_s": snapshot_s,
-                "segments_s": load_s - snapshot_s,
-                "put_s": put_s,
-                "gets": totals.get("s3_requests_get", 0),
-                "lists": totals.get("s3_requests_list", 0),
-            }
-        )
-    await writer_store.close()
-    return out
-
-
-# -- real loops, real time ------------------------------------------------------------
-
-
-async def realtime(endpoint: str, n: int, factor: float, wall_s: float, warm_s: float) -> dict[str, Any]:
-    """``n`` replicas running the real loops (``ManifestSync.run``,
-    ``ShardPublisher.run``) on moto, every interval and rate scaled by
-    ``factor``; their rates and staleness scaled back to real time."""
-    settings = SyncSettings(
-        publish_s=SETTINGS.publish_s / factor,
-        refresh_s=SETTINGS.refresh_s / factor,
-        skew_s=SETTINGS.skew_s / factor,
-        snapshot_interval_s=SETTINGS.snapshot_interval_s / factor,
-    )
-    config = S3KVConfig(bucket=BUCKET, endpoint_url=endpoint, region="us-east-1")
-    base = manifest_prefix(PREFIX + "-realtime", NAMESPACE)
     rng = np.random.default_rng(3)
     reps = []
     for i, writer in enumerate(_writer_ids(n, rng)):
         counters = Counters()
-        store = make_store(config, counters)
-        manifest = Manifest()
-        sync = ManifestSync(store, base, manifest, settings, counters=counters, writer=writer)
-        pub = ShardPublisher(
-            store,
-            base,
-            writer,
-            rank=0,
-            ranks=TP,
-            publish_s=settings.publish_s,
-            skew_s=settings.skew_s,
-            counters=counters,
-        )
-        reps.append(Replica(i, store, counters, manifest, sync, pub))
-    ledger = Ledger(n, int(n * STORES_PER_S * factor * wall_s * 1.3) + 1024)
+        reps.append(build_replica(i, writer, make_store(config, counters), counters, settings, 1, time.time))
+    ledger = Ledger(int(n * STORES_PER_S * factor * wall_s * 1.3) + 1024)
     loaded = 0
 
     def on_loaded() -> None:
         nonlocal loaded
         loaded += 1
 
-    tasks = [asyncio.create_task(r.sync.run(on_loaded)) for r in reps]
+    tasks = [asyncio.ensure_future(r.sync.run(on_loaded)) for r in reps]
+    deadline = time.time() + LOAD_TIMEOUT_S
     while loaded < n:
+        if time.time() > deadline:
+            for task in tasks:
+                task.cancel()
+            raise RuntimeError(
+                f"cross-check {protocol}: {n - loaded} of {n} replicas did not load in {LOAD_TIMEOUT_S:.0f} s"
+            )
         await asyncio.sleep(0.05)
-    tasks += [asyncio.create_task(r.publisher.run()) for r in reps]
+    tasks += [asyncio.ensure_future(p.run()) for r in reps for p in r.publishers]
     t0 = time.time()
     start: list[dict[str, float]] = []
     marked = 0.0
     try:
         while (now := time.time()) < t0 + wall_s:
             for r in reps:
-                r.publisher.observe(r.sync.clock_ms)
-            _workload(reps, ledger, rng, now, TICK_S / factor, scale=factor)
+                for p in r.publishers:
+                    p.observe(r.sync.clock_ms)
+            _workload(reps, ledger, rng, now, TICK_S / factor, STORES_PER_S * factor)
             for r in reps:  # staleness, to this poll's resolution
                 ledger.check(r, time.time(), bool(start))
             if not start and now >= t0 + warm_s:
-                start, marked = _totals(reps), time.time()
+                start, marked = _counter_totals(reps), time.time()
             await asyncio.sleep(TICK_S / factor)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    finish = _totals(reps)
+    finish = _counter_totals(reps)
     span = time.time() - marked
     for r in reps:
         await r.store.close()
-    window = [{k: f.get(k, 0) - s.get(k, 0) for k in f} for s, f in zip(start, finish)]
-    pairs = np.concatenate(ledger.pairs) * factor if ledger.pairs else np.empty(0)
-    per_s = span * factor  # real seconds the window stands for
+    pairs = np.concatenate(ledger.pairs) if ledger.pairs else np.empty(0)
+    out = {op: float(np.mean([f[op] - s[op] for s, f in zip(start, finish)])) / span for op in OPS}
+    out["stale_p50"] = _pct(pairs, 50)
+    out["stale_max"] = float(pairs.max()) if len(pairs) else float("nan")
+    return out
+
+
+OPS = ("put", "list", "get", "head")
+LOAD_TIMEOUT_S = 60.0
+"""The cross-check's replicas must load from an empty bucket within this (real seconds)."""
+
+
+def _counter_totals(reps: list[Replica]) -> list[dict[str, float]]:
+    out = []
+    for r in reps:
+        t = r.counters.totals()
+        out.append({op: float(t.get(f"s3_requests_{op}", 0)) for op in OPS})
+    return out
+
+
+def model_at(
+    n: int, protocol: str, factor: float, wall_s: float, warm_s: float, list_bytes: ListBytes
+) -> dict[str, Any]:
+    """The model at the cross-check's settings: its requests per replica-second."""
+    m = Model(
+        n,
+        protocol,
+        warmup_s=warm_s,
+        measure_s=wall_s - warm_s,
+        drain_s=0.0,
+        stores_per_s=STORES_PER_S * factor,
+        skew_fraction=0.0,
+        slow_put_fraction=0.0,
+        settings=scaled_settings(factor),
+        startup=False,
+    )
+    sim = run_model(m, list_bytes)
+    r = rates_of(sim)
+    pairs = sim["stale_pairs"]
     return {
-        "put": _mean(window, "s3_requests_put") / per_s,
-        "list": _mean(window, "s3_requests_list") / per_s,
-        "get": _mean(window, "s3_requests_get") / per_s,
+        "put": r.put,
+        "list": r.list,
+        "get": r.get,
+        "head": r.head,
         "stale_p50": _pct(pairs, 50),
         "stale_max": float(pairs.max()) if len(pairs) else float("nan"),
     }
@@ -881,229 +1029,228 @@ async def realtime(endpoint: str, n: int, factor: float, wall_s: float, warm_s: 
 
 # -- the benchmark --------------------------------------------------------------------
 
+SWEEP = [(10, 1), (100, 1), (300, 1), (1000, 1), (1000, 8)]
+"""(replicas, TP) of the full run."""
+QUICK = [(4, 1), (8, 2)]
 
-def run(work: Path, quick: bool) -> Result:
+
+@dataclass
+class Options:
+    """The fleet's knobs beyond ``--quick`` (``python -m benchmarks.fleet --help``)."""
+
+    sizes: list[tuple[int, int]] | None = None
+    protocols: tuple[str, ...] = PROTOCOLS
+    readers: int | None = None
+    """Sampled readers at N > ``sample_above`` (None: every replica reads)."""
+    sample_above: int = 300
+    measure_s: float | None = None
+    large_measure_s: float | None = None
+    large_stores_per_s: float | None = None
+    skew_fraction: float = 0.9
+    slow_put_fraction: float = 0.02
+    crosscheck: bool = True
+
+
+OPTIONS = Options()
+
+
+def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
+    """The fleet's own flags, taken out of ``argv`` (the rest is main_for's)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--sizes", help="replicas[xTP],... e.g. 10,100,1000x8")
+    ap.add_argument("--protocols", default=",".join(PROTOCOLS))
+    ap.add_argument("--readers", type=int, help="replicas that read at N above --sample-above (default: all)")
+    ap.add_argument("--sample-above", type=int, default=300)
+    ap.add_argument("--measure-s", type=float)
+    ap.add_argument("--large-measure-s", type=float, help="measured window at N >= 1000")
+    ap.add_argument("--large-stores-per-s", type=float, help="chunks a replica stores a second at N >= 1000")
+    ap.add_argument("--skew-fraction", type=float, default=0.9)
+    ap.add_argument("--slow-put-fraction", type=float, default=0.02)
+    ap.add_argument("--no-crosscheck", action="store_true")
+    args, rest = ap.parse_known_args(argv)
+    sizes = None
+    if args.sizes:
+        sizes = []
+        for part in args.sizes.split(","):
+            n, _, tp = part.partition("x")
+            sizes.append((int(n), int(tp or 1)))
+    protocols = tuple(p for p in args.protocols.split(",") if p)
+    for p in protocols:
+        if p not in PROTOCOLS:
+            raise SystemExit(f"--protocols: {p!r}, expected {', '.join(PROTOCOLS)}")
+    return (
+        Options(
+            sizes=sizes,
+            protocols=protocols,
+            readers=args.readers,
+            sample_above=args.sample_above,
+            measure_s=args.measure_s,
+            large_measure_s=args.large_measure_s,
+            large_stores_per_s=args.large_stores_per_s,
+            skew_fraction=args.skew_fraction,
+            slow_put_fraction=args.slow_put_fraction,
+            crosscheck=not args.no_crosscheck,
+        ),
+        rest,
+    )
+
+
+def model_for(n: int, tp: int, protocol: str, quick: bool, opts: Options) -> Model:
+    """The run at (``n``, ``tp``): the defaults, with the cuts large N needs."""
+    measure = opts.measure_s or (20.0 if quick else 60.0)
+    stores = STORES_PER_S
+    if n >= 1000:
+        measure = opts.large_measure_s or measure
+        stores = opts.large_stores_per_s or stores
+    return Model(
+        n,
+        protocol,
+        tp=tp,
+        warmup_s=(15.0 if quick else 70.0),
+        measure_s=measure,
+        stores_per_s=stores,
+        readers=opts.readers if n > opts.sample_above else None,
+        skew_fraction=opts.skew_fraction,
+        slow_put_fraction=opts.slow_put_fraction if not quick else max(opts.slow_put_fraction, 0.1),
+    )
+
+
+def _say(text: str) -> None:
+    print(f"fleet: {text}", file=sys.stderr, flush=True)
+
+
+def run(work: Path, quick: bool, opts: Options | None = None) -> Result:
+    opts = opts or OPTIONS
     t_start = time.perf_counter()
     logging.getLogger("s3kv").setLevel(logging.ERROR)
-    sizes_n = [10, 30] if quick else [10, 30, 100]
-    warmup, measure = SETTINGS.skew_s + 5, (30.0 if quick else 60.0)
-    check_s = 30.0 if quick else 40.0
-    mem_sizes = [1_000_000] if quick else [1_000_000, 10_000_000]
-    start_segments = 50 if quick else 150
-
-    server, creds, _pids = start_server("moto", work)
-    os.environ.update(creds)
-    try:
-        server.create_bucket(BUCKET)
-        list_bytes = ListBytes.measure(server)
-        endpoint = server.endpoint_url
-        # The driver against moto (N=10), then the same against the model.
-        config = S3KVConfig(bucket=BUCKET, endpoint_url=endpoint, region="us-east-1")
-        on_moto = asyncio.run(simulate(10, check_s, 5.0, lambda i, c: make_store(config, c)))
-        shared = Bucket()
-        on_model = asyncio.run(simulate(10, check_s, 5.0, lambda i, c: CountingStore(shared, c, list_bytes)))
-        ops = ("put", "get", "list", "head", "delete")
-        moto_ops = {op: sum(f.get(f"s3_requests_{op}", 0) for f in on_moto["finish"]) for op in ops}
-        model_ops = {op: sum(f.get(f"s3_requests_{op}", 0) for f in on_model["finish"]) for op in ops}
-        moto_refresh_ms = 1000 * on_moto["refresh_wall_s"] / max(on_moto["refreshes"], 1)
-        moto_cpu_per_req = on_moto["cpu_s"] / max(sum(moto_ops.values()), 1)
-        real = (
-            None if quick else asyncio.run(realtime(endpoint, 10, REALTIME_FACTOR, wall_s=20.0, warm_s=5.0))
-        )
-        boot = asyncio.run(startup(endpoint, mem_sizes, start_segments))
-    finally:
-        server.stop()
-
+    protocols = [p for p in opts.protocols if has_protocol(p)]
+    skipped = [p for p in opts.protocols if not has_protocol(p)]
+    sizes = opts.sizes or (QUICK if quick else SWEEP)
+    list_bytes = ListBytes()
+    checks: list[tuple[int, str, dict[str, Any], dict[str, Any]]] = []
+    failed: list[str] = []
+    if opts.crosscheck and not quick:
+        server, creds, _pids = start_server("moto", work)
+        os.environ.update(creds)
+        try:
+            server.create_bucket(BUCKET)
+            list_bytes = ListBytes.measure(server)
+            for n in (10, 30):
+                for p in protocols:
+                    factor = REALTIME_FACTOR if n == 10 else 1.0
+                    try:
+                        real = asyncio.run(
+                            realtime(server.endpoint_url, n, p, factor, wall_s=30.0, warm_s=8.0)
+                        )
+                    except RuntimeError as e:
+                        failed.append(str(e))
+                        continue
+                    model = model_at(n, p, factor, 30.0, 8.0, list_bytes)
+                    checks.append((n, p, real, model))
+                    _say(f"cross-check N={n} {p}: real {real} model {model}")
+        finally:
+            server.stop()
     sims = []
-    for n in sizes_n:
-        shared = Bucket()
-        sims.append(
-            asyncio.run(simulate(n, measure, warmup, lambda i, c, s=shared: CountingStore(s, c, list_bytes)))
-        )
-    # The largest fleet again on an S3 Express directory bucket: segments
-    # under minute prefixes, each listed whole.
-    shared_dir = DirectoryBucket()
-    on_directory = asyncio.run(
-        simulate(sizes_n[-1], measure, warmup, lambda i, c: CountingStore(shared_dir, c, list_bytes))
-    )
-    mems = [memory(k) for k in mem_sizes]
-
-    rows, bars, measured = [], [], []
-    for sim in sims:
-        r = rates_of(sim)
-        measured.append(r)
-        st = sim["stale_all"]
-        stale = (
-            f"{_pct(st, 50):.1f} / {_pct(st, 99):.1f} / {float(st.max()) if len(st) else float('nan'):.1f}"
-        )
-        rows.append(_row(r, stale, f"{sim['wall_s']:.0f} (x{(warmup + measure) / sim['wall_s']:.1f})"))
-        bars.append(Bar(f"N={r.n} GET/s", r.get))
-    big = measured[-1]
-    rd = rates_of(on_directory)
-    st = on_directory["stale_all"]
-    rows.append(
-        _row(
-            rd,
-            f"{_pct(st, 50):.1f} / {_pct(st, 99):.1f} / {float(st.max()) if len(st) else float('nan'):.1f}",
-            f"{on_directory['wall_s']:.0f} (x{(warmup + measure) / on_directory['wall_s']:.1f})",
-        )
-    )
-    at_paper = paper(PAPER_N, big)
-    rows.append(_row(at_paper, "throttled (see notes)", "paper"))
-    bars.append(Bar(f"N={PAPER_N:,} GET/s (paper)", at_paper.get))
-
-    # -- notes
-    r10 = measured[0]
-    notes = [
-        f"Per replica, per real second at the default settings (publish and refresh every "
-        f"{SETTINGS.publish_s:.0f} s, clock-skew margin {SETTINGS.skew_s:.0f} s, TP {TP}); means over the "
-        f"replicas of {measure:.0f} virtual seconds after {warmup:.0f} s of warm-up. Workload per replica: "
-        f"{STORES_PER_S:.0f} new chunks/s stored, {LOOKUPS_PER_S:.0f} lookups/s of {LOOKUP_FLEET_KEYS} "
-        f"chunks other replicas stored in the last {LOOKUP_AGE_S:.0f} s and {LOOKUP_NEW_KEYS} nobody did.",
-        "PUT: the worker's segment and the scheduler side's access record, each once per publish "
-        f"interval (at N=10: {r10.put_seg:.2f} + {r10.put_access:.2f}/s), and the fleet's one snapshot "
-        f"writer's share ({SETTINGS.snapshot_interval_s:.0f} s apart). LIST: one per refresh per 1,000 "
-        "keys in the listing window, which holds every segment of the last skew margin (the floor is "
-        "60 s before the newest stamp seen). GET: every segment any rank of any replica wrote, its own "
-        "ranks' included (N x TP per publish interval).",
-        "Columns: PUT/s, LIST/s, GET/s per replica; segments fetched per poll; keys per listing; "
-        "manifest kB/s up (PUT bodies) / down (GET bodies + LIST XML); staleness from a store to the "
-        "last replica seeing it, p50 / p99 / max, virtual s; chunk shards PUT and GET per second; S3 "
-        "request cost per replica-hour, USD (PUT and LIST $0.005, GET $0.0004 per 1,000, us-east-1), of the "
-        "manifest's requests and of all of them (manifest and chunks); fleet-wide GET/s on the manifest "
-        "prefix; wall seconds of the run (and virtual seconds per wall second).",
-        f"Chunk requests: one create-only PUT per chunk shard stored (a shard is under the multipart "
-        f"threshold), one GET per chunk shard loaded (a shard under range_bytes is one ranged GET); every "
-        f"fleet key a lookup found is counted as loaded from S3 (none was in a local tier yet), TP {TP}. At "
-        f"N={r10.n}: {r10.chunk_put:.1f} PUT/s and {r10.chunk_get:.1f} GET/s, "
-        f"${r10.cost_per_hour - r10.manifest_cost_per_hour:.4f} of the ${r10.cost_per_hour:.4f} per "
-        f"replica-hour ({100 * (1 - r10.manifest_cost_per_hour / r10.cost_per_hour):.0f}%); at N={big.n} the "
-        f"manifest's share is {100 * big.manifest_cost_per_hour / big.cost_per_hour:.0f}%.",
+    for p in protocols:
+        for n, tp in sizes:
+            m = model_for(n, tp, p, quick, opts)
+            sim = run_model(m, list_bytes)
+            sims.append(sim)
+            _say(f"{p} N={n} TP {tp}: {row(sim)}")
+    rows = [row(sim) for sim in sims]
+    bars = [
+        Bar(f"{s['model'].protocol} N={s['model'].n} TP{s['model'].tp} GET/s", rates_of(s).get) for s in sims
     ]
-    notes.append(
-        f"Directory bucket (S3 Express One Zone), N={rd.n}: segments filed under minute prefixes, a poll lists "
-        f"each minute from the floor to a skew ahead, whole (no StartAfter): {rd.list:.3f} LIST/s per replica "
-        f"against {big.list:.3f} on a general-purpose bucket ({rd.list / max(big.list, 1e-9):.1f}x), the "
-        f"same GETs ({rd.get:.1f}/s against {big.get:.1f}) and PUTs; "
-        f"{on_directory['stores_unseen']} of {on_directory['stores_checked']} stores unseen at the end. "
-        f"Cost at Express request prices (PUT and LIST ${PRICE_EXPRESS_PUT * 1000:.5f}, GET "
-        f"${PRICE_EXPRESS_GET * 1000:.5f} per 1,000): the manifest's ${rd.manifest_cost_per_hour:.4f} per "
-        f"replica-hour against ${big.manifest_cost_per_hour:.4f} on S3 Standard, all requests "
-        f"${rd.cost_per_hour:.4f} against ${big.cost_per_hour:.4f}."
+
+    notes = [
+        "Real loops (ManifestSync.run and every rank's ShardPublisher.run) of N replicas on one event loop "
+        "whose time is virtual (s3kv.testing.virtual_loop), at the default settings unless said: publish "
+        "and refresh every 5 s, skew margin 60 s. Rates are per replica per second of that clock (= real "
+        "seconds): the fleet's totals over N.",
+        f"Requests take S3's time: GET, LIST, HEAD {1000 * LATENCY['get']:.0f} ms, PUT "
+        f"{1000 * LATENCY['put']:.0f} ms (a PUT's object appears as it returns). Faults: replicas' clocks "
+        f"spread uniformly over {opts.skew_fraction:.0%} of the skew margin (pairwise up to that far apart); "
+        f"{opts.slow_put_fraction:.0%} of segment PUTs land late by up to 45% of the margin.",
+        f"Workload per replica: {STORES_PER_S:.0f} new chunks/s stored (every rank's shard), "
+        f"{LOOKUPS_PER_S:.0f} lookups/s of {LOOKUP_FLEET_KEYS} chunks others stored in the last "
+        f"{LOOKUP_AGE_S:.0f} s and {LOOKUP_NEW_KEYS} nobody did; hits recorded as uses.",
+        "Busiest prefix: the fleet's requests per manifest directory (seg/, ep/, snap/, access/) in each "
+        f"second of the window, the peak second, against S3's {PREFIX_GET_LIMIT:,} GET/s and "
+        f"{PREFIX_PUT_LIMIT:,} PUT/s per prefix. Chunk objects spread over {CHUNK_PREFIXES} prefixes "
+        f"({{namespace}}/{{kk}}/): at N=1,000 TP 8, {1000 * STORES_PER_S * 8 / CHUNK_PREFIXES:,.0f} PUT/s each.",
+        "Keys lost: chunks published (anywhere in the run) that some reading replica's manifest lacked after "
+        "the drain (stores stopped; loops ran on for the slowest PUT plus three publish intervals, two "
+        "refreshes and 10 s). Staleness: a store in the window to the last reading replica having it, "
+        "checked after each of its loop's ticks.",
+        "Start-up: a new replica's load() at the end of the run, in virtual time with the latencies above "
+        "(no snapshot is due within the run at the default snapshot settings unless the protocol writes "
+        "them by count: what it reads is everything since the newest).",
+        "Memory per replica: the manifest's arrays (MiB) and the segment names its sync holds to skip "
+        "what it applied. Cost: the manifest's requests (PUT and LIST $0.005, GET and HEAD $0.0004 per "
+        "1,000, us-east-1) and all requests with the chunks' at the nominal workload: one PUT per rank's "
+        f"shard stored ({STORES_PER_S:.0f} x TP a second) and one GET per rank's shard of each fleet hit.",
+    ]
+    cuts = sorted(
+        {
+            (s["model"].n, s["model"].tp, s["model"].measure_s, s["model"].stores_per_s, s["n_read"])
+            for s in sims
+        }
     )
-    for sim in [*sims, on_directory]:
-        if sim["stores_unseen"]:
-            notes.append(
-                f"N={sim['n']}: {sim['stores_unseen']} of {sim['stores_checked']} stores measured were not "
-                "in every replica's manifest by the end."
+    for n, tp, measure, stores, n_read in cuts:
+        said = []
+        if stores != STORES_PER_S:
+            said.append(
+                f"stores {stores:g} chunks/s per replica, not {STORES_PER_S:g} (bytes and keys scale with it; requests do not)"
             )
-    pairs = sims[-1]["stale_pairs"]
-    notes.append(
-        f"Staleness is the protocol's: up to one publish interval until the segment, up to one refresh "
-        f"until a replica lists it (per pair at N={sims[-1]['n']}: p50 {_pct(pairs, 50):.1f} s, max "
-        f"{float(pairs.max()) if len(pairs) else float('nan'):.1f} s); each refresh's requests add their "
-        f"latency (on loopback moto a refresh at N=10 took {moto_refresh_ms:.0f} ms of wall time). "
-        f"Lookups of others' chunks stored 0-{LOOKUP_AGE_S:.0f} s earlier found "
-        f"{100 * sims[-1]['found'] / max(sims[-1]['looked'], 1):.1f}% at N={sims[-1]['n']}."
-    )
-    same = all(moto_ops[op] == model_ops[op] for op in ops)
-    notes.append(
-        f"Cross-check, N=10 for {check_s:.0f} virtual s through S3Store on loopback moto, counted by s3kv's "
-        f"s3_requests_* counters: {', '.join(f'{op} {moto_ops[op]:.0f}' for op in ops if moto_ops[op])}; "
-        + (
-            "the counting model sent exactly the same."
-            if same
-            else "the model: " + ", ".join(f"{op} {model_ops[op]:.0f}" for op in ops if model_ops[op]) + "."
-        )
-        + f" Client CPU per request there: {1000 * moto_cpu_per_req:.1f} ms (aiobotocore and the manifest "
-        "code, on the scheduler side's event loop in the engine-core process)."
-    )
-    notes.append(
-        "Download bytes are mostly LIST XML, the same window listed again at every refresh: "
-        + ", ".join(f"{100 * r.list_bps / r.down_bps:.0f}% at N={r.n}" for r in measured)
-        + f" (a ListObjectsV2 answer: {list_bytes.page:.0f} B a page, {list_bytes.key:.0f} B a key plus "
-        "its name, measured on moto); a segment at this workload is "
-        f"~{8 * STORES_PER_S * SETTINGS.publish_s + 100:.0f} B."
-    )
-    last = sims[-1]
-    refresh_ms = 1000 * last["refresh_wall_s"] / max(last["refreshes"], 1)
-    notes.append(
-        f"CPU on the scheduler side: in-process (no HTTP) a refresh at N={last['n']} took {refresh_ms:.0f} ms "
-        f"(list, sift, GET, decode and apply {big.segs_per_poll:.0f} segments), "
-        f"{100 * refresh_ms / 1000 / SETTINGS.refresh_s:.1f}% of a core; the HTTP client adds its "
-        f"{1000 * moto_cpu_per_req:.1f} ms a request: {100 * big.get * moto_cpu_per_req:.0f}% of a core at "
-        f"N={big.n}, {100 * at_paper.get * moto_cpu_per_req:.0f}% at N={PAPER_N:,}, in the engine-core "
-        "process whose GIL vLLM's scheduling loop shares."
-    )
-    if real is not None:
+        if n_read != n:
+            said.append(
+                f"only {n_read} replicas read (the rest publish only); their reads scaled by {n / n_read:.1f}; "
+                "keys lost and staleness there are not the protocol's alone: a replica that does not read "
+                "keeps no hybrid clock of others' stamps, and under epochs it never aggregates"
+            )
+        if said:
+            notes.append(f"Cut at N={n:,} TP {tp}, measured {measure:.0f} s: " + "; ".join(said) + ".")
+    if UNREGISTERED:
         notes.append(
-            f"Real loops (ManifestSync.run, ShardPublisher.run), N=10 on moto, time compressed "
-            f"{REALTIME_FACTOR}x (publish and refresh {SETTINGS.publish_s / REALTIME_FACTOR:.1f} s, skew "
-            f"{SETTINGS.skew_s / REALTIME_FACTOR:.0f} s, workload {REALTIME_FACTOR}x), scaled back: PUT "
-            f"{real['put']:.2f}/s, LIST {real['list']:.2f}/s, GET {real['get']:.2f}/s per replica (the driver: "
-            f"{r10.put + r10.snapshot_put:.2f}, {r10.list:.2f}, {r10.get:.2f}); staleness per pair p50 "
-            f"{real['stale_p50']:.1f} s, max {real['stale_max']:.1f} s (moto's latency and this machine's "
-            f"load scaled up {REALTIME_FACTOR}x with it)."
+            "The manifest code counted names s3kv.stats does not register (a KeyError in production; "
+            f"noted here instead): {', '.join(sorted(UNREGISTERED))}."
         )
-    for m in mems:
+    if skipped:
         notes.append(
-            f"Memory at {m['keys'] / 1e6:.0f}M keys: the manifest holds {m['nbytes'] / 2**20:.1f} MiB "
-            f"({m['nbytes'] / m['keys']:.2f} B/key; tracemalloc after load: {m['held'] / 2**20:.1f} MiB). "
-            f"Peaks above that: loading the snapshot {m['load_peak'] / 2**20:.0f} MiB "
-            f"({m['load_peak'] / m['snapshot_bytes']:.1f}x its {m['snapshot_bytes'] / 2**20:.0f} MiB), a "
-            f"merge of {Manifest().fps.merge_at:,} changes {m['merge_peak'] / 2**20:.0f} MiB, encoding a "
-            f"snapshot (the elected writer) {m['encode_peak'] / 2**20:.0f} MiB."
+            f"Not run: protocol(s) {', '.join(skipped)} (this build's SyncSettings has no protocol)."
         )
-    seg_rate = start_segments * len(boot) / sum(b["segments_s"] for b in boot)
-    for b in boot[1:]:
+    notes += [f"Cross-check failed: {e}." for e in failed]
+    for n, p, real, model in checks:
         notes.append(
-            f"Start-up of a new replica on loopback moto, {b['snapshot_keys'] / 1e6:.0f}M-key snapshot + "
-            f"{start_segments} segments: {b['load_s']:.2f} s ({b['gets']:.0f} GETs, {b['lists']:.0f} LISTs): "
-            f"the snapshot {b['snapshot_s']:.2f} s, the segments {b['segments_s']:.2f} s (writing the "
-            f"snapshot took {b['put_s']:.2f} s). Segments load at {seg_rate:.0f}/s here (16 GETs at once)."
+            f"Cross-check N={n}, {p}: the real loops on loopback moto (real clock, intervals "
+            f"/{REALTIME_FACTOR if n == 10 else 1.0:g}) sent PUT {real['put']:.2f}, LIST {real['list']:.2f}, "
+            f"GET {real['get'] + real['head']:.2f} per replica-second; the model at the same settings "
+            f"{model['put']:.2f}, {model['list']:.2f}, {model['get'] + model['head']:.2f}; staleness per pair "
+            f"p50 {real['stale_p50']:.1f} s (model {model['stale_p50']:.1f}), max {real['stale_max']:.1f} "
+            f"({model['stale_max']:.1f})."
         )
-    worst_segments = SETTINGS.snapshot_interval_s / SETTINGS.publish_s * TP
-    notes.append(
-        f"A new replica reads the segments written since the newest snapshot: up to "
-        f"{worst_segments:.0f} x N (snapshots {SETTINGS.snapshot_interval_s:.0f} s apart), i.e. "
-        + ", ".join(f"{int(worst_segments * n):,} at N={n:,}" for n in [*sizes_n, PAPER_N])
-        + f"; at moto's {seg_rate:.0f}/s that is "
-        + ", ".join(f"{worst_segments * n / seg_rate:.0f} s" for n in [*sizes_n, PAPER_N])
-        + " (S3 at ~25 ms a GET, 16 at once: ~640/s)."
-    )
-    fleet_get = at_paper.get * PAPER_N
-    n_limit = math.sqrt(PREFIX_GET_LIMIT * SETTINGS.publish_s / TP)
-    notes.append(
-        f"N={PAPER_N:,} on paper (scaled from N={big.n}: GETs and keys listed by N, LIST pages by 1,000 "
-        f"keys): {at_paper.get:.0f} GET/s per replica, {fleet_get:,.0f} GET/s fleet-wide on one manifest "
-        f"prefix whose hot end moves with the clock, {fleet_get / PREFIX_GET_LIMIT:.0f}x S3's "
-        f"{PREFIX_GET_LIMIT:,}/s per prefix: the fleet's N^2 x TP / publish_s GETs reach it at N = "
-        f"{n_limit:.0f} (TP 1), {math.sqrt(PREFIX_GET_LIMIT * SETTINGS.publish_s / 8):.0f} (TP 8). PUTs "
-        f"({at_paper.put * PAPER_N:,.0f}/s fleet-wide) stay under {PREFIX_PUT_LIMIT:,}/s. "
-        f"The manifest's requests cost ${at_paper.manifest_cost_per_hour:.3f} per replica-hour "
-        f"(${at_paper.manifest_cost_per_hour * PAPER_N * 730:,.0f} a month for the fleet), against "
-        f"${measured[0].manifest_cost_per_hour:.4f} at N={measured[0].n}; with the chunks' PUTs and GETs "
-        f"(the same per replica at any N) ${at_paper.cost_per_hour:.3f}, against "
-        f"${measured[0].cost_per_hour:.4f}. See ANALYSIS.md, 'Fleet scale (issue 18.4)'.",
-    )
+    for sim in sims:
+        m = sim["model"]
+        if sim["lost"] or sim["stores_unseen"]:
+            notes.append(
+                f"{m.protocol} N={m.n} TP {m.tp}: {sim['lost']} keys lost ({sim['lost_slowed']} of them in "
+                f"slow segment PUTs), {sim['stores_unseen']} of "
+                f"{sim['stores_checked']} window stores not seen by every reader."
+            )
+        b = sim["boot"]
+        if b:
+            c = b["counts"]
+            notes.append(
+                f"{m.protocol} N={m.n} TP {m.tp}: start-up {b['s']:.2f} s virtual ({b['wall_s']:.1f} s of CPU), "
+                f"{sum(v for k, v in c.items() if k.startswith('get:')):.0f} GETs, "
+                f"{sum(v for k, v in c.items() if k.startswith('list:')):.0f} LISTs, {b['keys']:,} keys; "
+                f"{sim['slow_puts']} slow segment PUTs in the run."
+            )
     return Result(
         name=NAME,
         title=TITLE,
         goal=GOAL,
-        columns=[
-            "replicas",
-            "PUT/s",
-            "LIST/s",
-            "GET/s",
-            "segments/poll",
-            "keys/listing",
-            "kB/s up / down",
-            "staleness p50/p99/max (s)",
-            "chunk PUT/s / GET/s",
-            "$/replica-hour: manifest / all",
-            "fleet GET/s",
-            "wall s (x virtual)",
-        ],
+        columns=COLUMNS,
         rows=rows,
         verdict="no goal",
         notes=notes,
@@ -1113,5 +1260,12 @@ def run(work: Path, quick: bool) -> Result:
     )
 
 
+def main(argv: list[str]) -> int:
+    global OPTIONS
+    OPTIONS, rest = parse_options(argv[1:])
+    sys.argv = [argv[0], *rest]
+    return main_for(run, "s3kv-bench-fleet")
+
+
 if __name__ == "__main__":
-    sys.exit(main_for(run, "s3kv-bench-fleet"))
+    sys.exit(main(sys.argv))
