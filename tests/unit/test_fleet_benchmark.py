@@ -80,12 +80,6 @@ def test_quick_run_reports_both_protocols_side_by_side(tmp_path):
     assert all(" of " in row[7] for row in result.rows)  # keys lost, of those stored
 
 
-@pytest.mark.skipif(not fleet.has_protocol("epochs"), reason="this build has no epochs protocol")
-@pytest.mark.xfail(
-    strict=True,
-    reason="the epochs branch as merged (c99d384) loses keys with clocks 0.9 of the margin apart and "
-    "slow segment PUTs (13 of 2,427 at N=8 TP 2): issue 30 requires none lost",
-)
 def test_epochs_lose_no_key_with_skewed_clocks_and_slow_puts():
     sim = fleet.run_model(
         _model(n=8, tp=2, protocol="epochs", warmup_s=15.0, measure_s=20.0), fleet.ListBytes()
