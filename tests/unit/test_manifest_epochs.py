@@ -127,30 +127,22 @@ SKEW_S = 10.0
 T0 = 1_700_000_000.0
 
 
-@pytest.fixture(params=["general", "directory"])
-def bucket_kind(request):
-    """As tests/unit/test_manifest_sync.py's: both kinds of bucket."""
-
-    stores = []
-
-    def make(inner=None):
-        inner = MemoryStore() if inner is None else inner
-        store = DirectoryBucketStore(inner) if request.param == "directory" else inner
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        if store.directory:
-            assert store.start_after_ignored == 0 and store.listed
-
-
 class Clock:
     def __init__(self, t=T0):
         self.t = t
 
     def __call__(self):
         return self.t
+
+
+class Offset:
+    """A replica's clock running ``by`` seconds off the fleet's ``clock``."""
+
+    def __init__(self, clock, by):
+        self.clock, self.by = clock, by
+
+    def __call__(self):
+        return self.clock.t + self.by
 
 
 async def inline(f, *args):
@@ -411,12 +403,8 @@ def test_a_replica_whose_clock_is_far_ahead_does_not_aggregate_and_nothing_is_lo
     store = MemoryStore()
     clock = Clock()
 
-    class Ahead(Clock):
-        def __call__(self):
-            return clock.t + 1.5 * SKEW_S
-
     a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
-    fast = replica(store, Ahead(), "ffff")
+    fast = replica(store, Offset(clock, 1.5 * SKEW_S), "ffff")
 
     async def go():
         await start([a, b], clock)
@@ -441,12 +429,8 @@ def test_a_replica_whose_clock_is_behind_loses_nothing():
     store = MemoryStore()
     clock = Clock()
 
-    class Behind(Clock):
-        def __call__(self):
-            return clock.t - 0.9 * SKEW_S
-
     a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
-    slow = replica(store, Behind(), "ssss")
+    slow = replica(store, Offset(clock, -0.9 * SKEW_S), "ssss")
 
     async def go():
         await start([a, b, slow], clock)
@@ -469,12 +453,8 @@ def test_a_replica_whose_clock_is_behind_sees_a_key_when_the_fleet_does():
     store = MemoryStore()
     clock = Clock()
 
-    class Behind(Clock):
-        def __call__(self):
-            return clock.t - 0.9 * SKEW_S
-
     a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
-    slow = replica(store, Behind(), "ssss")
+    slow = replica(store, Offset(clock, -0.9 * SKEW_S), "ssss")
 
     async def go():
         await start([a, b, slow], clock)
