@@ -68,7 +68,7 @@ from s3kv.keys import fingerprint
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import manifest_prefix, segment_name
-from s3kv.manifest.publish import ShardPublisher
+from s3kv.manifest.publish import HOLD_INTERVALS, ShardPublisher
 from s3kv.stats import Counters
 from s3kv.stores.base import (
     ByteRange,
@@ -519,6 +519,15 @@ def _writer_ids(n: int, rng: np.random.Generator) -> list[str]:
     return [f"{int(rng.integers(16**10)):010x}{i % 100:02d}" for i in range(n)]
 
 
+def replica_hold_s(settings: SyncSettings) -> float | None:
+    """How long a rank holds a store for its scheduler side's segment, as
+    :func:`s3kv.manifest.publish.hold_s` says for a config of ``settings``'
+    protocol and publish interval (None under "segments": ranks publish)."""
+    if settings.protocol != "epochs":
+        return None
+    return HOLD_INTERVALS * settings.publish_s
+
+
 def build_replica(
     i: int,
     writer: str,
@@ -548,10 +557,25 @@ def build_replica(
             skew_s=settings.skew_s,
             counters=counters,
             clock=clock,
+            hold_s=replica_hold_s(settings),
         )
         for rank in range(tp)
     ]
     return Replica(i, store, counters, manifest, sync, publishers, reads=reads)
+
+
+def _step_meta(reps: list[Replica]) -> None:
+    """What each replica's scheduler side sends its workers with a step's
+    metadata: the newest stamp it saw, and the fingerprints its segments
+    named since the last step (one ``take_published`` a replica, given to
+    every rank, as the connector's metadata is)."""
+    for r in reps:
+        clock_ms = r.sync.clock_ms
+        published = r.sync.take_published()
+        for p in r.publishers:
+            p.observe(clock_ms)
+            if published:
+                p.acked(published)
 
 
 def _workload(
@@ -571,11 +595,15 @@ def _workload(
         r, count = reps[i], int(stores[i])
         blob = rng.bytes(16 * count)
         keys = [blob[j : j + 16] for j in range(0, len(blob), 16)]
-        for key in keys:  # every rank's PUT returned; the scheduler side hears of it
+        # Every rank's PUT returned; the scheduler side hears of it and, under
+        # "epochs", publishes it in the replica's one segment
+        # (S3TierManager.complete_store with publishes_all) while the ranks hold it.
+        replica_publishes = r.publishers[0].hold_s is not None if r.publishers else False
+        for key in keys:
             fp = fingerprint(key)
             for pub in r.publishers:
                 pub.stored(fp)
-            r.manifest.add(key, publish=False)
+            r.manifest.add(key, publish=replica_publishes)
         ledger.add(keys, now, r.idx)
     if not lookups:
         return int(stores.sum()), 0, 0
@@ -685,9 +713,7 @@ async def simulate(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None
             if not start and now >= m.warmup_s:
                 start, state["measuring"] = _totals(reps), True
                 cpu0 = time.process_time()
-            for r in reps:  # the scheduler side's clock, sent to the workers with each step
-                for p in r.publishers:
-                    p.observe(r.sync.clock_ms)
+            _step_meta(reps)  # the scheduler side's clock and acks, sent to the workers with each step
             a, b, c = _workload(reps, ledger, rng, now, TICK_S, m.stores_per_s)
             if state["measuring"]:
                 stored, looked, found = stored + a, looked + b, found + c
@@ -700,9 +726,7 @@ async def simulate(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None
             drain = m.slow_put_max * margin + 3 * settings.publish_s + 2 * settings.refresh_s + 10
         t_drain = loop.time()
         while loop.time() < t_drain + drain:
-            for r in reps:
-                for p in r.publishers:
-                    p.observe(r.sync.clock_ms)
+            _step_meta(reps)
             await asyncio.sleep(TICK_S)
         wall_run = time.perf_counter() - wall0
         # Keys lost: a chunk published that some reading replica never saw.
@@ -961,9 +985,7 @@ async def realtime(
     marked = 0.0
     try:
         while (now := time.time()) < t0 + wall_s:
-            for r in reps:
-                for p in r.publishers:
-                    p.observe(r.sync.clock_ms)
+            _step_meta(reps)
             _workload(reps, ledger, rng, now, TICK_S / factor, STORES_PER_S * factor)
             for r in reps:  # staleness, to this poll's resolution
                 ledger.check(r, time.time(), bool(start))
