@@ -47,6 +47,7 @@ import argparse
 import asyncio
 import bisect
 import dataclasses
+import functools
 import gc
 import logging
 import math
@@ -54,18 +55,20 @@ import os
 import resource
 import sys
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from benchmarks.common import Bar, Result, main_for, start_server
 from s3kv.config import S3KVConfig
 from s3kv.keys import fingerprint
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
+from s3kv.manifest import epochs as me
 from s3kv.manifest import format as mf
 from s3kv.manifest.protocol import manifest_prefix, segment_name
 from s3kv.manifest.publish import HOLD_INTERVALS, ShardPublisher
@@ -151,6 +154,9 @@ class Model:
     settings: dict[str, Any] = field(default_factory=dict)
     """SyncSettings overrides (the cross-check's compressed intervals)."""
     startup: bool = True
+    track_every: int = 1
+    """Staleness is followed for one store in this many (keys lost: every one);
+    at large N each reader checking each of the fleet's stores is the model's own cost."""
     seed: int = 30
 
     def sync_settings(self) -> SyncSettings:
@@ -406,6 +412,37 @@ class ModelStore(ObjectStore):
 # -- the fleet ------------------------------------------------------------------------
 
 
+class SharedDecode:
+    """The replicas' ``offload``: work inline (:func:`~s3kv.testing.virtual_loop.inline`),
+    except that an epoch object's decode is done once for the whole fleet:
+    N replicas GET the same bytes, and in one process decoding them N times
+    is the model's own cost (N processes would decode in parallel). The
+    result is shared read-only (the manifest's arrays functions return new
+    arrays, never their inputs); an object that does not decode is decoded
+    (and refused) by each replica."""
+
+    def __init__(self, kept: int = 64) -> None:
+        self.kept = kept
+        self._done: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
+        self.hits = 0
+
+    async def __call__(self, f: Callable[..., Any], *args: Any) -> Any:
+        if isinstance(f, functools.partial) and f.func is me.decode and len(args) == 3:
+            name, data = args[1], args[2]
+            key = (name, len(data), xxhash.xxh3_64_intdigest(data))
+            got = self._done.get(key)
+            if got is None:
+                got = f(*args)
+                self._done[key] = got
+                if len(self._done) > self.kept:
+                    self._done.popitem(last=False)
+            else:
+                self.hits += 1
+            return got
+        return f(*args)
+
+
+
 class ReadingSync(ManifestSync):
     """A replica's ManifestSync, telling the model after each of its
     loop's ticks (the model checks what its manifest now has)."""
@@ -454,8 +491,10 @@ class Ledger:
     """Every chunk the fleet stored: fingerprint, key, time, owner; and when
     the reading replicas' manifests first had it."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, track_every: int = 1) -> None:
         self.n = 0
+        self.track_every = track_every
+        """Rows followed for staleness: those whose index is a multiple of it."""
         self.fps = np.empty(capacity, dtype=np.uint64)
         self.t = np.empty(capacity)
         self.owner = np.empty(capacity, dtype=np.int32)
@@ -483,7 +522,8 @@ class Ledger:
 
     def check(self, r: Replica, now: float, record: bool) -> None:
         """Which of the others' stores ``r``'s manifest now has."""
-        new = np.arange(r.cursor, self.n)
+        start = -(-r.cursor // self.track_every) * self.track_every
+        new = np.arange(start, self.n, self.track_every)
         r.cursor = self.n
         new = new[self.owner[new] != r.idx]
         cand = np.concatenate([r.unseen, new])
@@ -655,6 +695,7 @@ async def simulate(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None
     slow = (np.random.default_rng(m.seed + 1), m.slow_put_fraction, m.slow_put_max * margin)
     slowed: set[int] = set()
     reps: list[Replica] = []
+    shared = SharedDecode()
     for i, writer in enumerate(_writer_ids(m.n, rng)):
         counters = ModelCounters()
         store = ModelStore(
@@ -677,11 +718,11 @@ async def simulate(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None
             m.tp,
             lambda off=off: T0 + loop.time() + off,
             reads=i in readers,
-            offload=virtual_loop.inline,
+            offload=shared,
         )
         r.offset = off
         reps.append(r)
-    ledger = Ledger(int(m.n * m.stores_per_s * (m.warmup_s + m.measure_s) * 1.3) + 1024)
+    ledger = Ledger(int(m.n * m.stores_per_s * (m.warmup_s + m.measure_s) * 1.3) + 1024, m.track_every)
     state = {"measuring": False}
 
     def checker(r: Replica) -> Callable[[], None]:
@@ -742,7 +783,11 @@ async def simulate(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None
         lost_slowed = int(np.count_nonzero(missing & np.isin(ledger.fps[: ledger.n], slowed_fps)))
         # Staleness of the stores made while measuring: to the last reading replica.
         target = np.where(np.isin(ledger.owner[: ledger.n], list(readers)), n_read - 1, n_read)
-        in_window = (ledger.t[: ledger.n] >= m.warmup_s) & (ledger.t[: ledger.n] < end_measure)
+        in_window = (
+            (ledger.t[: ledger.n] >= m.warmup_s)
+            & (ledger.t[: ledger.n] < end_measure)
+            & (rows % m.track_every == 0)
+        )
         all_seen = rows[in_window & (ledger.seen_by[: ledger.n] >= target)]
         fast = ~np.isin(ledger.fps[all_seen], slowed_fps)
         memory = [r.manifest.fps.nbytes for r in reps if r.reads]
@@ -1062,9 +1107,13 @@ class Options:
 
     sizes: list[tuple[int, int]] | None = None
     protocols: tuple[str, ...] = PROTOCOLS
-    readers: int | None = None
-    """Sampled readers at N > ``sample_above`` (None: every replica reads)."""
-    sample_above: int = 300
+    readers: int | None = 25
+    """Protocol "segments": sampled readers at N > ``sample_above`` (None:
+    every replica reads). Protocol "epochs" is never sampled: every replica
+    may aggregate, so each one runs its whole loop."""
+    sample_above: int = 100
+    track_every: int | None = None
+    """Staleness followed for one store in this many (None: N // 100 from N = 300)."""
     measure_s: float | None = None
     large_measure_s: float | None = None
     large_stores_per_s: float | None = None
@@ -1081,8 +1130,11 @@ def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--sizes", help="replicas[xTP],... e.g. 10,100,1000x8")
     ap.add_argument("--protocols", default=",".join(PROTOCOLS))
-    ap.add_argument("--readers", type=int, help="replicas that read at N above --sample-above (default: all)")
-    ap.add_argument("--sample-above", type=int, default=300)
+    ap.add_argument(
+        "--readers", type=int, default=25, help='segments: replicas that read at N above --sample-above (0: all)'
+    )
+    ap.add_argument("--sample-above", type=int, default=100)
+    ap.add_argument("--track-every", type=int, help="staleness of one store in this many (default N // 100)")
     ap.add_argument("--measure-s", type=float)
     ap.add_argument("--large-measure-s", type=float, help="measured window at N >= 1000")
     ap.add_argument("--large-stores-per-s", type=float, help="chunks a replica stores a second at N >= 1000")
@@ -1104,8 +1156,9 @@ def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
         Options(
             sizes=sizes,
             protocols=protocols,
-            readers=args.readers,
+            readers=args.readers or None,
             sample_above=args.sample_above,
+            track_every=args.track_every,
             measure_s=args.measure_s,
             large_measure_s=args.large_measure_s,
             large_stores_per_s=args.large_stores_per_s,
@@ -1131,7 +1184,8 @@ def model_for(n: int, tp: int, protocol: str, quick: bool, opts: Options) -> Mod
         warmup_s=(15.0 if quick else 70.0),
         measure_s=measure,
         stores_per_s=stores,
-        readers=opts.readers if n > opts.sample_above else None,
+        readers=opts.readers if n > opts.sample_above and protocol == "segments" else None,
+        track_every=opts.track_every or max(1, n // 100 if n >= 300 else 1),
         skew_fraction=opts.skew_fraction,
         slow_put_fraction=opts.slow_put_fraction if not quick else max(opts.slow_put_fraction, 0.1),
     )

@@ -134,6 +134,8 @@ class EpochChain:
         self.covered: dict[str, int] = {}
         """Segments that epoch objects named (within the lookback), with the
         epoch: an aggregator leaves them out."""
+        self._covered_in: dict[int, list[str]] = {}
+        """The names of :attr:`covered`, by epoch (:meth:`forget` drops whole epochs)."""
         self.candidates: dict[str, int] = {}
         """Replicas that were members of epochs (within the lookback), with
         the newest such epoch: who may aggregate."""
@@ -147,6 +149,8 @@ class EpochChain:
         no epoch while its clock is more than the skew margin past it."""
         self._others_new_at = 0
         """When (this replica's clock, ms) :attr:`_others_ms` last moved."""
+        self._forgot_at: int | None = None
+        """The floor :meth:`forget` last dropped names below."""
         self._refused_at: float | None = None
         """When this replica last refused to aggregate (its clock ahead): for
         a skew margin after, it only asks for epochs."""
@@ -253,6 +257,7 @@ class EpochChain:
                     self._observe(parsed.ts)
             if covered:
                 self.covered[name] = e
+                self._covered_in.setdefault(e, []).append(name)
         return [(n, o) for n, o in members if n not in self._sync._seen]
 
     async def _segments_of(self, e: int, *, check_clock: bool) -> list[me.Member] | None:
@@ -397,10 +402,18 @@ class EpochChain:
     def forget(self) -> None:
         """Names older than any later epoch lists: memory stays bounded by the lookback."""
         floor = epoch_start(self.next_epoch, self.e_ms) - self._lookback_ms - self.e_ms
-        self._sync._seen = {n: ts for n, ts in self._sync._seen.items() if ts >= floor}
-        self.covered = {n: e for n, e in self.covered.items() if (name_ts(n) or 0) >= floor}
-        oldest = self.next_epoch - self._lookback_ms // self.e_ms - 2
-        self.candidates = {r: e for r, e in self.candidates.items() if e >= oldest}
+        if floor != self._forgot_at:  # the floor moves once an epoch; advance() runs more often
+            self._forgot_at = floor
+            self._sync._seen = {n: ts for n, ts in self._sync._seen.items() if ts >= floor}
+            # A name an epoch covered is stamped no later than that epoch's
+            # end: one before the floor is never listed again. Dropped by
+            # epoch, not by a scan of every name held (N an epoch).
+            for e in [e for e in self._covered_in if epoch_end(e, self.e_ms) < floor]:
+                for name in self._covered_in.pop(e):
+                    if self.covered.get(name) == e:
+                        del self.covered[name]
+            oldest = self.next_epoch - self._lookback_ms // self.e_ms - 2
+            self.candidates = {r: e for r, e in self.candidates.items() if e >= oldest}
         if len(self._sync._tally):
             self._sync._tally.expire(self._sync._lister.floor(self._sync.clock_ms, PARTIAL_TTL_MS))
 
