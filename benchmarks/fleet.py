@@ -442,7 +442,6 @@ class SharedDecode:
         return f(*args)
 
 
-
 class ReadingSync(ManifestSync):
     """A replica's ManifestSync, telling the model after each of its
     loop's ticks (the model checks what its manifest now has)."""
@@ -1131,7 +1130,10 @@ def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
     ap.add_argument("--sizes", help="replicas[xTP],... e.g. 10,100,1000x8")
     ap.add_argument("--protocols", default=",".join(PROTOCOLS))
     ap.add_argument(
-        "--readers", type=int, default=25, help='segments: replicas that read at N above --sample-above (0: all)'
+        "--readers",
+        type=int,
+        default=25,
+        help="segments: replicas that read at N above --sample-above (0: all)",
     )
     ap.add_argument("--sample-above", type=int, default=100)
     ap.add_argument("--track-every", type=int, help="staleness of one store in this many (default N // 100)")
