@@ -142,6 +142,8 @@ class EpochChain:
         self.lister = SegmentLister(self.store, self.base, skew_s=self.s.skew_s, clock=self._clock)
         """The segments an epoch covers, listed (by aggregators and readers covering one)."""
         self._jitter = (xxhash.xxh3_64_intdigest(self.writer.encode()) % 1000) / 1000
+        self._probe_phase = xxhash.xxh3_64_intdigest(self.writer.encode()) // 1000
+        """Which epochs (of each ``probe_every``) this replica asks for early: spread by writer."""
         self._warned_ahead = False
         self._others_ms = 0
         """The newest stamp of another replica's seen: its segments listed, the
@@ -155,6 +157,10 @@ class EpochChain:
         """When this replica last refused to aggregate (its clock ahead): for
         a skew margin after, it only asks for epochs."""
         self._lead_ms = 0
+        self._probed: tuple[int, me.Epoch] | None = None
+        """An epoch asked for before it was due, and there: read next."""
+        self._probing = False
+        """The last early ask found the epoch: ask early at every epoch."""
         """How far the fleet's stamps have run ahead of this replica's clock
         (the most seen, at most the skew margin): epochs are due by the
         fleet's time, so a replica whose clock is behind reads (and
@@ -360,6 +366,11 @@ class EpochChain:
         this replica's rank's time. Returns the fingerprints added, or None
         when it is not due (yet) or not there yet (:meth:`next_due` says when)."""
         e = self.next_epoch
+        if self._probed is not None:
+            x, early = self._probed
+            self._probed = None
+            if x == e:
+                return await self._read_and_probe(e, early)
         now = self._fleet_now()
         lead = now - self._clock()  # self.due is in this replica's clock
         aggregate_at, read_at = self.aggregate_at(e), self._read_at(e)
@@ -371,7 +382,7 @@ class EpochChain:
             self._gets += 1
             status, epoch = await self.get_epoch(e)
             if status == "ok" and epoch is not None:
-                return await self.read(e, epoch)
+                return await self._read_and_probe(e, epoch)
             if status == "bad":
                 return await self.cover(e)
             if now < aggregate_at or refused:
@@ -383,6 +394,29 @@ class EpochChain:
         keys = await self.aggregate(e)
         if keys is None:
             self.due, self._gets = now + self.s.epoch_retry_s - lead, 0
+        return keys
+
+    async def _read_and_probe(self, e: int, epoch: me.Epoch) -> int:
+        """Apply epoch ``e``, read; then, one epoch in ``probe_every`` (at
+        every one while early asks find them), ask for the next before it is
+        due. There already: the fleet's time is at least its first
+        candidate's time to write it (this replica's clock is behind by
+        more than it knew), and it is read next."""
+        keys = await self.read(e, epoch)
+        nxt = e + 1
+        every = max(1, self.s.probe_every)
+        if (self._probing or (nxt + self._probe_phase) % every == 0) and self._fleet_now() < self._read_at(
+            nxt
+        ):
+            status, early = await self.get_epoch(nxt)
+            self._probing = status == "ok" and early is not None
+            if self._probing and early is not None:
+                written_ms = epoch_end(nxt, self.e_ms) + 1 + int(self.s.settle_s * 1000)
+                ahead = min(written_ms - self._now_ms(), int(self.s.skew_s * 1000))
+                if ahead > self._lead_ms:
+                    self._lead_ms = ahead
+                    self.counters.add("manifest_epochs_early")
+                self._probed = (nxt, early)
         return keys
 
     async def advance(self) -> int:

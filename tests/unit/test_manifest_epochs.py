@@ -491,6 +491,40 @@ def test_a_replica_whose_clock_is_behind_sees_a_key_when_the_fleet_does():
     assert took <= 2 * PUBLISH_S + s.settle_s + s.grace_step_s + 0.2, took
 
 
+def test_a_replica_whose_clock_is_behind_and_joins_a_running_fleet_catches_up():
+    """A replica 0.9 of the margin behind that starts while the fleet runs
+    reads only epochs written long ago by its clock's reckoning: every stamp
+    in them looks no later than its own clock, so the stamps alone never say
+    it is late. It finds out by asking for the next epoch early (once every
+    few epochs, and at once again while that finds one), and then sees a key
+    when the fleet does."""
+    store = MemoryStore()
+    clock = Clock()
+
+    class Behind(Clock):
+        def __call__(self):
+            return clock.t - 0.9 * SKEW_S
+
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+    slow = replica(store, Behind(), "ssss")
+
+    async def go():
+        await start([a, b], clock)
+        a.manifest.add(key(1))
+        await drive([a, b], clock, T0 + 3 * SKEW_S)
+        await start([slow], clock)
+        await drive([a, b, slow], clock, clock.t + 4 * SKEW_S)
+        a.manifest.add(key(5))
+        added = clock.t
+        while key(5) not in slow.manifest and clock.t < added + 3 * SKEW_S:
+            await drive([a, b, slow], clock, clock.t + 0.05)
+        return clock.t - added
+
+    took = run(go())
+    s = a.s
+    assert took <= 2 * PUBLISH_S + s.settle_s + s.grace_step_s + 0.2, took
+
+
 class LatePuts(MemoryStore):
     """Segment PUTs that land ``late_s`` after they were sent (chosen by
     ``late``): the writer's PUT call returns only then, as a slow S3's does,
