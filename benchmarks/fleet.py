@@ -325,6 +325,9 @@ class ModelStore(ObjectStore):
         self.read_weight = read_weight
         self.slow = slow
         self.slow_puts = 0
+        self.slow_until = 0.0
+        """While a slow PUT is in flight (loop time): the writer's loop waits
+        on it, so what it stores meanwhile is published late too."""
         self.slowed = slowed if slowed is not None else set()
         """Fingerprints named by a slow segment PUT (their staleness is the fault's)."""
         self.counts: dict[str, float] = defaultdict(float)
@@ -355,7 +358,10 @@ class ModelStore(ObjectStore):
             if rng.random() < fraction:
                 self.slow_puts += 1
                 self.slowed.update(mf.decode(bytes(data)).added.tolist())
-                await asyncio.sleep(float(rng.uniform(0, most)))
+                delay = float(rng.uniform(0, most))
+                now = asyncio.get_running_loop().time()
+                self.slow_until = max(self.slow_until, now + delay)
+                await asyncio.sleep(delay)
         return await self.inner.put(key, data, mode=mode)
 
     async def get(self, key: str, range: ByteRange | None = None) -> bytes:
@@ -644,6 +650,9 @@ def _workload(
                 pub.stored(fp)
             r.manifest.add(key, publish=replica_publishes)
         ledger.add(keys, now, r.idx)
+        store = r.store
+        if isinstance(store, ModelStore) and store.slow_until > now:  # published after the slow PUT
+            store.slowed.update(fingerprint(k) for k in keys)
     if not lookups:
         return int(stores.sum()), 0, 0
     n_lookups = rng.poisson(LOOKUPS_PER_S * dt, len(reps))
@@ -681,6 +690,7 @@ async def simulate(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None
     ``warmup_s``, then ``measure_s`` measured, then a drain without stores,
     then a new replica's start-up."""
     wall0 = time.perf_counter()
+    cpu_start = time.process_time()
     loop = asyncio.get_running_loop()
     settings = m.sync_settings()
     rng = np.random.default_rng(m.seed)
@@ -790,7 +800,11 @@ async def simulate(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None
         all_seen = rows[in_window & (ledger.seen_by[: ledger.n] >= target)]
         fast = ~np.isin(ledger.fps[all_seen], slowed_fps)
         memory = [r.manifest.fps.nbytes for r in reps if r.reads]
-        names = [len(getattr(r.sync, "_seen", ())) for r in reps if r.reads]
+        names = [
+            len(r.sync._seen) + (len(r.sync.chain.covered) if r.sync.chain is not None else 0)
+            for r in reps
+            if r.reads
+        ]
         boot: dict[str, Any] = {}
         if m.startup:
             counters = ModelCounters()
@@ -846,6 +860,7 @@ async def simulate(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None
         "slow_puts": sum(getattr(r.store, "slow_puts", 0) for r in reps),
         "wall_s": wall_run,
         "cpu_s": cpu,
+        "cpu_all_s": time.process_time() - cpu_start,
         "rss_mib": _rss_mib(),
         "directory": bool(bucket.directory),
     }
@@ -1097,7 +1112,18 @@ def model_at(
 
 SWEEP = [(10, 1), (100, 1), (300, 1), (1000, 1), (1000, 8)]
 """(replicas, TP) of the full run."""
+SEGMENTS_SKIP = [(1000, 8)]
+"""Not run for protocol "segments" in the full run (unless --sizes names
+them): its N^2 x TP GETs take far longer than the sweep's budget."""
+CROSSCHECKS = [(10, "epochs"), (30, "epochs"), (10, "segments")]
+"""(replicas, protocol) of the real loops on loopback moto, beside the model."""
 QUICK = [(4, 1), (8, 2)]
+LARGE_MEASURE_S = 20.0
+LARGE_WARMUP_S = 40.0
+LARGE_STORES_PER_S = 1.0
+"""At N >= 1,000 (the sweep's cut, said in the notes): a shorter window and
+warm-up, and fewer stores (requests do not depend on the store rate: one
+segment a replica an interval whatever it names)."""
 
 
 @dataclass
@@ -1116,6 +1142,7 @@ class Options:
     measure_s: float | None = None
     large_measure_s: float | None = None
     large_stores_per_s: float | None = None
+    large_warmup_s: float | None = None
     skew_fraction: float = 0.9
     slow_put_fraction: float = 0.02
     crosscheck: bool = True
@@ -1140,6 +1167,7 @@ def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
     ap.add_argument("--measure-s", type=float)
     ap.add_argument("--large-measure-s", type=float, help="measured window at N >= 1000")
     ap.add_argument("--large-stores-per-s", type=float, help="chunks a replica stores a second at N >= 1000")
+    ap.add_argument("--large-warmup-s", type=float, help="warm-up at N >= 1000")
     ap.add_argument("--skew-fraction", type=float, default=0.9)
     ap.add_argument("--slow-put-fraction", type=float, default=0.02)
     ap.add_argument("--no-crosscheck", action="store_true")
@@ -1164,6 +1192,7 @@ def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
             measure_s=args.measure_s,
             large_measure_s=args.large_measure_s,
             large_stores_per_s=args.large_stores_per_s,
+            large_warmup_s=args.large_warmup_s,
             skew_fraction=args.skew_fraction,
             slow_put_fraction=args.slow_put_fraction,
             crosscheck=not args.no_crosscheck,
@@ -1176,14 +1205,16 @@ def model_for(n: int, tp: int, protocol: str, quick: bool, opts: Options) -> Mod
     """The run at (``n``, ``tp``): the defaults, with the cuts large N needs."""
     measure = opts.measure_s or (20.0 if quick else 60.0)
     stores = STORES_PER_S
+    warmup = 15.0 if quick else 70.0
     if n >= 1000:
-        measure = opts.large_measure_s or measure
-        stores = opts.large_stores_per_s or stores
+        measure = opts.large_measure_s or LARGE_MEASURE_S
+        stores = opts.large_stores_per_s or LARGE_STORES_PER_S
+        warmup = opts.large_warmup_s or LARGE_WARMUP_S
     return Model(
         n,
         protocol,
         tp=tp,
-        warmup_s=(15.0 if quick else 70.0),
+        warmup_s=warmup,
         measure_s=measure,
         stores_per_s=stores,
         readers=opts.readers if n > opts.sample_above and protocol == "segments" else None,
@@ -1213,8 +1244,8 @@ def run(work: Path, quick: bool, opts: Options | None = None) -> Result:
         try:
             server.create_bucket(BUCKET)
             list_bytes = ListBytes.measure(server)
-            for n in (10, 30):
-                for p in protocols:
+            for n, p in CROSSCHECKS:
+                if p in protocols:
                     factor = REALTIME_FACTOR if n == 10 else 1.0
                     try:
                         real = asyncio.run(
@@ -1229,8 +1260,12 @@ def run(work: Path, quick: bool, opts: Options | None = None) -> Result:
         finally:
             server.stop()
     sims = []
+    not_run = []
     for p in protocols:
         for n, tp in sizes:
+            if p == "segments" and not opts.sizes and (n, tp) in SEGMENTS_SKIP:
+                not_run.append(f"{p} N={n:,} TP {tp}")
+                continue
             m = model_for(n, tp, p, quick, opts)
             sim = run_model(m, list_bytes)
             sims.append(sim)
@@ -1259,23 +1294,41 @@ def run(work: Path, quick: bool, opts: Options | None = None) -> Result:
         "Keys lost: chunks published (anywhere in the run) that some reading replica's manifest lacked after "
         "the drain (stores stopped; loops ran on for the slowest PUT plus three publish intervals, two "
         "refreshes and 10 s). Staleness: a store in the window to the last reading replica having it, "
-        "checked after each of its loop's ticks.",
+        "checked after each of its loop's ticks; p50/p99/max leave out stores a slow PUT delayed (named "
+        "in a slow segment PUT, or stored by its writer while one was in flight: its loop waits on it), "
+        "which the figure in brackets includes.",
         "Start-up: a new replica's load() at the end of the run, in virtual time with the latencies above "
         "(no snapshot is due within the run at the default snapshot settings unless the protocol writes "
         "them by count: what it reads is everything since the newest).",
         "Memory per replica: the manifest's arrays (MiB) and the segment names its sync holds to skip "
-        "what it applied. Cost: the manifest's requests (PUT and LIST $0.005, GET and HEAD $0.0004 per "
+        "what it applied (epochs: and those epochs covered, which aggregators leave out). Cost: the manifest's requests (PUT and LIST $0.005, GET and HEAD $0.0004 per "
         "1,000, us-east-1) and all requests with the chunks' at the nominal workload: one PUT per rank's "
         f"shard stored ({STORES_PER_S:.0f} x TP a second) and one GET per rank's shard of each fleet hit.",
     ]
     cuts = sorted(
         {
-            (s["model"].n, s["model"].tp, s["model"].measure_s, s["model"].stores_per_s, s["n_read"])
+            (
+                s["model"].protocol,
+                s["model"].n,
+                s["model"].tp,
+                s["model"].measure_s,
+                s["model"].stores_per_s,
+                s["n_read"],
+                s["model"].track_every,
+                s["model"].warmup_s,
+            )
             for s in sims
         }
     )
-    for n, tp, measure, stores, n_read in cuts:
+    for protocol, n, tp, measure, stores, n_read, track, warmup in cuts:
         said = []
+        if warmup != 70.0 and not quick:
+            said.append(
+                f"warm-up {warmup:.0f} s, not 70 (an aggregator's listing of the 120 s lookback holds "
+                f"{warmup:.0f}+ s of segments: its LIST pages, under 0.01/s a replica, are undercounted)"
+            )
+        if track != 1:
+            said.append(f"staleness followed for one store in {track} (keys lost: every store)")
         if stores != STORES_PER_S:
             said.append(
                 f"stores {stores:g} chunks/s per replica, not {STORES_PER_S:g} (bytes and keys scale with it; requests do not)"
@@ -1286,8 +1339,10 @@ def run(work: Path, quick: bool, opts: Options | None = None) -> Result:
                 "keys lost and staleness there are not the protocol's alone: a replica that does not read "
                 "keeps no hybrid clock of others' stamps, and under epochs it never aggregates"
             )
-        if said:
-            notes.append(f"Cut at N={n:,} TP {tp}, measured {measure:.0f} s: " + "; ".join(said) + ".")
+        if said or (measure != 60.0 and not quick):
+            notes.append(
+                f"Cut at {protocol} N={n:,} TP {tp}, measured {measure:.0f} s: " + "; ".join(said) + "."
+            )
     if UNREGISTERED:
         notes.append(
             "The manifest code counted names s3kv.stats does not register (a KeyError in production; "
@@ -1296,6 +1351,11 @@ def run(work: Path, quick: bool, opts: Options | None = None) -> Result:
     if skipped:
         notes.append(
             f"Not run: protocol(s) {', '.join(skipped)} (this build's SyncSettings has no protocol)."
+        )
+    if not_run:
+        notes.append(
+            f"Not run: {', '.join(not_run)} (too long for the sweep's budget on 2 cores; ANALYSIS.md's "
+            "figure on paper stands for it)."
         )
     notes += [f"Cross-check failed: {e}." for e in failed]
     for n, p, real, model in checks:
@@ -1314,6 +1374,14 @@ def run(work: Path, quick: bool, opts: Options | None = None) -> Result:
                 f"{m.protocol} N={m.n} TP {m.tp}: {sim['lost']} keys lost ({sim['lost_slowed']} of them in "
                 f"slow segment PUTs), {sim['stores_unseen']} of "
                 f"{sim['stores_checked']} window stores not seen by every reader."
+            )
+        pairs = sim["stale_pairs"]
+        if len(pairs):
+            notes.append(
+                f"{m.protocol} N={m.n} TP {m.tp}: staleness per (store, other replica) pair p50 "
+                f"{_pct(pairs, 50):.1f} s, p99 {_pct(pairs, 99):.1f} s, max {float(pairs.max()):.1f} s "
+                f"(the table's: to the last replica); run {sim['wall_s']:.0f} s wall, {sim['cpu_all_s']:.0f} s "
+                f"CPU, peak RSS {sim['rss_mib'] / 1024:.2f} GiB."
             )
         b = sim["boot"]
         if b:
