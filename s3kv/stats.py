@@ -119,6 +119,10 @@ FAMILIES: tuple[Family, ...] = (
     _c("manifest_epochs_written", "Manifest epochs this replica aggregated and wrote"),
     _c("manifest_epochs_missing", "Asks for a manifest epoch not written yet (asked again shortly)"),
     _c(
+        "manifest_epochs_early",
+        "Manifest epochs found written before this replica expected them (its clock is behind: it reads them sooner now)",
+    ),
+    _c(
         "manifest_epochs_skipped",
         "Manifest epochs that did not read (corrupt, unsigned or forged, in the future): their segments read instead",
     ),

@@ -134,12 +134,16 @@ class EpochChain:
         self.covered: dict[str, int] = {}
         """Segments that epoch objects named (within the lookback), with the
         epoch: an aggregator leaves them out."""
+        self._covered_in: dict[int, list[str]] = {}
+        """The names of :attr:`covered`, by epoch (:meth:`forget` drops whole epochs)."""
         self.candidates: dict[str, int] = {}
         """Replicas that were members of epochs (within the lookback), with
         the newest such epoch: who may aggregate."""
         self.lister = SegmentLister(self.store, self.base, skew_s=self.s.skew_s, clock=self._clock)
         """The segments an epoch covers, listed (by aggregators and readers covering one)."""
         self._jitter = (xxhash.xxh3_64_intdigest(self.writer.encode()) % 1000) / 1000
+        self._probe_phase = xxhash.xxh3_64_intdigest(self.writer.encode()) // 1000
+        """Which epochs (of each ``probe_every``) this replica asks for early: spread by writer."""
         self._warned_ahead = False
         self._others_ms = 0
         """The newest stamp of another replica's seen: its segments listed, the
@@ -147,10 +151,16 @@ class EpochChain:
         no epoch while its clock is more than the skew margin past it."""
         self._others_new_at = 0
         """When (this replica's clock, ms) :attr:`_others_ms` last moved."""
+        self._forgot_at: int | None = None
+        """The floor :meth:`forget` last dropped names below."""
         self._refused_at: float | None = None
         """When this replica last refused to aggregate (its clock ahead): for
         a skew margin after, it only asks for epochs."""
         self._lead_ms = 0
+        self._probed: tuple[int, me.Epoch] | None = None
+        """An epoch asked for before it was due, and there: read next."""
+        self._probing = False
+        """The last early ask found the epoch: ask early at every epoch."""
         """How far the fleet's stamps have run ahead of this replica's clock
         (the most seen, at most the skew margin): epochs are due by the
         fleet's time, so a replica whose clock is behind reads (and
@@ -253,6 +263,7 @@ class EpochChain:
                     self._observe(parsed.ts)
             if covered:
                 self.covered[name] = e
+                self._covered_in.setdefault(e, []).append(name)
         return [(n, o) for n, o in members if n not in self._sync._seen]
 
     async def _segments_of(self, e: int, *, check_clock: bool) -> list[me.Member] | None:
@@ -355,6 +366,11 @@ class EpochChain:
         this replica's rank's time. Returns the fingerprints added, or None
         when it is not due (yet) or not there yet (:meth:`next_due` says when)."""
         e = self.next_epoch
+        if self._probed is not None:
+            x, early = self._probed
+            self._probed = None
+            if x == e:
+                return await self._read_and_probe(e, early)
         now = self._fleet_now()
         lead = now - self._clock()  # self.due is in this replica's clock
         aggregate_at, read_at = self.aggregate_at(e), self._read_at(e)
@@ -366,7 +382,7 @@ class EpochChain:
             self._gets += 1
             status, epoch = await self.get_epoch(e)
             if status == "ok" and epoch is not None:
-                return await self.read(e, epoch)
+                return await self._read_and_probe(e, epoch)
             if status == "bad":
                 return await self.cover(e)
             if now < aggregate_at or refused:
@@ -378,6 +394,29 @@ class EpochChain:
         keys = await self.aggregate(e)
         if keys is None:
             self.due, self._gets = now + self.s.epoch_retry_s - lead, 0
+        return keys
+
+    async def _read_and_probe(self, e: int, epoch: me.Epoch) -> int:
+        """Apply epoch ``e``, read; then, one epoch in ``probe_every`` (at
+        every one while early asks find them), ask for the next before it is
+        due. There already: the fleet's time is at least its first
+        candidate's time to write it (this replica's clock is behind by
+        more than it knew), and it is read next."""
+        keys = await self.read(e, epoch)
+        nxt = e + 1
+        every = max(1, self.s.probe_every)
+        if (self._probing or (nxt + self._probe_phase) % every == 0) and self._fleet_now() < self._read_at(
+            nxt
+        ):
+            status, early = await self.get_epoch(nxt)
+            self._probing = status == "ok" and early is not None
+            if self._probing and early is not None:
+                written_ms = epoch_end(nxt, self.e_ms) + 1 + int(self.s.settle_s * 1000)
+                ahead = min(written_ms - self._now_ms(), int(self.s.skew_s * 1000))
+                if ahead > self._lead_ms:
+                    self._lead_ms = ahead
+                    self.counters.add("manifest_epochs_early")
+                self._probed = (nxt, early)
         return keys
 
     async def advance(self) -> int:
@@ -397,10 +436,18 @@ class EpochChain:
     def forget(self) -> None:
         """Names older than any later epoch lists: memory stays bounded by the lookback."""
         floor = epoch_start(self.next_epoch, self.e_ms) - self._lookback_ms - self.e_ms
-        self._sync._seen = {n: ts for n, ts in self._sync._seen.items() if ts >= floor}
-        self.covered = {n: e for n, e in self.covered.items() if (name_ts(n) or 0) >= floor}
-        oldest = self.next_epoch - self._lookback_ms // self.e_ms - 2
-        self.candidates = {r: e for r, e in self.candidates.items() if e >= oldest}
+        if floor != self._forgot_at:  # the floor moves once an epoch; advance() runs more often
+            self._forgot_at = floor
+            self._sync._seen = {n: ts for n, ts in self._sync._seen.items() if ts >= floor}
+            # A name an epoch covered is stamped no later than that epoch's
+            # end: one before the floor is never listed again. Dropped by
+            # epoch, not by a scan of every name held (N an epoch).
+            for e in [e for e in self._covered_in if epoch_end(e, self.e_ms) < floor]:
+                for name in self._covered_in.pop(e):
+                    if self.covered.get(name) == e:
+                        del self.covered[name]
+            oldest = self.next_epoch - self._lookback_ms // self.e_ms - 2
+            self.candidates = {r: e for r, e in self.candidates.items() if e >= oldest}
         if len(self._sync._tally):
             self._sync._tally.expire(self._sync._lister.floor(self._sync.clock_ms, PARTIAL_TTL_MS))
 

@@ -37,6 +37,7 @@ This module does no I/O; :mod:`s3kv.manifest.format` owns the bytes.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -181,6 +182,7 @@ _NAMES = {
 _EPOCH = re.compile(rf"([0-9]{{{EPOCH_MS_DIGITS},9}})/([0-9]{{{EPOCH_DIGITS}}})")
 
 
+@functools.lru_cache(maxsize=16384)
 def parse_name(base: str, key: str, *, directory: bool | None = None) -> ManifestName | None:
     """The segment, snapshot, access record or epoch ``key`` names under the
     manifest prefix ``base``, or None: a folder marker, another directory,
@@ -189,7 +191,11 @@ def parse_name(base: str, key: str, *, directory: bool | None = None) -> Manifes
     ``directory`` is the bucket's kind: a segment must be in that kind's
     layout (filed under its minute on a directory bucket, flat on a
     general-purpose one), as names compare as strings only within one
-    layout; None takes either (tools that show any name)."""
+    layout; None takes either (tools that show any name).
+
+    Cached (the answer is immutable): a replica parses each name it reads
+    several times (listed, in an epoch, applied), and under protocol epochs
+    the same N names an interval."""
     if not key.startswith(base):
         return None
     epoch = parse_epoch(base, key)

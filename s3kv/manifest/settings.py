@@ -53,6 +53,12 @@ class SyncSettings:
     this writes a snapshot (snapshots by count, whatever the fleet's size)."""
     epoch_retry_s: float = 0.5
     """Epochs: an epoch not there yet is asked for again this soon."""
+    probe_every: int = 4
+    """Epochs: one epoch in this many, a replica that has just read one asks
+    for the next at once (and again at each epoch while that finds one). A
+    replica whose clock is behind and that reads late cannot tell from the
+    stamps it reads (none is later than its clock when it reads them); an
+    epoch that is there before it expected says so."""
 
     def __post_init__(self) -> None:
         if self.protocol not in MANIFEST_PROTOCOLS:

@@ -142,6 +142,12 @@ class ManifestSync:
         self._next_publish = 0.0
         self._next_refresh = 0.0
         """When (``clock`` seconds) :meth:`tick` next publishes and refreshes."""
+        self._publishing: asyncio.Task[None] | None = None
+        """Within :meth:`run`: the publish under way, a task of its own, so
+        that a slow PUT holds up only the next publish, not reading (the
+        replica's segment is its chunks' under protocol "epochs": a PUT 30 s
+        slow made this replica read the fleet's epochs 30 s late)."""
+        self._in_run = False
         self.chain = EpochChain(self) if self.s.protocol == "epochs" else None
         """Protocol "epochs": how other replicas' segments are read (else each one, every refresh)."""
         manifest.sync = self
@@ -430,7 +436,11 @@ class ManifestSync:
         now = self._clock()
         if now >= self._next_publish:
             self._next_publish = now + self.s.publish_s
-            await self.publish()
+            if not self._in_run:
+                await self.publish()
+            elif self._publishing is None or self._publishing.done():
+                # One at a time: while one is slow, what comes waits for the next.
+                self._publishing = asyncio.ensure_future(self._publish_logged())
         if self.chain is not None:
             if now >= self.chain.due:
                 self.chain.due = now + self.s.epoch_retry_s  # unless it says when (S3 down: not at once)
@@ -439,6 +449,14 @@ class ManifestSync:
             self._next_refresh = now + self.s.refresh_s
             await self.refresh()
             await self.maybe_snapshot()
+
+    async def _publish_logged(self) -> None:
+        """:meth:`publish`, its failure counted and logged (tried again at the next interval)."""
+        try:
+            await self.publish()
+        except Exception as e:
+            self.counters.add("manifest_errors")
+            log.warning("s3kv: publishing the manifest failed (%s); trying again", e)
 
     async def run(self, on_loaded: Callable[[], None] | None = None) -> None:
         """Load, then publish and refresh forever (until cancelled). Timed by
@@ -463,14 +481,22 @@ class ManifestSync:
         if self.chain is not None:
             self.chain.due = now
         longest = min(self.s.publish_s, self.s.refresh_s)
-        while True:
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.counters.add("manifest_errors")
-                log.warning("s3kv: manifest sync failed (%s); trying again", e)
-            # Never longer than an interval: a wall clock stepped back must
-            # not stall the loop.
-            await asyncio.sleep(min(longest, max(0.05, self.next_due() - self._clock())))
+        self._in_run = True
+        try:
+            while True:
+                try:
+                    await self.tick()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    self.counters.add("manifest_errors")
+                    log.warning("s3kv: manifest sync failed (%s); trying again", e)
+                # Never longer than an interval: a wall clock stepped back must
+                # not stall the loop.
+                await asyncio.sleep(min(longest, max(0.05, self.next_due() - self._clock())))
+        finally:
+            self._in_run = False
+            task, self._publishing = self._publishing, None
+            if task is not None and not task.done():
+                task.cancel()  # what it was publishing goes back, for the shutdown's publish
+                await asyncio.gather(task, return_exceptions=True)

@@ -85,3 +85,16 @@ def test_epochs_lose_no_key_with_skewed_clocks_and_slow_puts():
         _model(n=8, tp=2, protocol="epochs", warmup_s=15.0, measure_s=20.0), fleet.ListBytes()
     )
     assert sim["lost"] == 0
+
+
+def test_epochs_publish_one_segment_per_replica_not_per_rank():
+    # Under "epochs" the scheduler side publishes every chunk stored on all
+    # ranks and acknowledges it to its ranks with each step, so the ranks
+    # (holding for 3 intervals) write no segment of their own.
+    sim = fleet.run_model(
+        _model(n=4, tp=2, protocol="epochs", skew_fraction=0.0, slow_put_fraction=0.0), fleet.ListBytes()
+    )
+    rates = fleet.rates_of(sim)
+    s = SyncSettings()
+    assert rates.by_dir["put:seg"] == pytest.approx(1 / s.publish_s, rel=0.2)
+    assert sim["lost"] == 0

@@ -471,6 +471,40 @@ def test_a_replica_whose_clock_is_behind_sees_a_key_when_the_fleet_does():
     assert took <= 2 * PUBLISH_S + s.settle_s + s.grace_step_s + 0.2, took
 
 
+def test_a_replica_whose_clock_is_behind_and_joins_a_running_fleet_catches_up():
+    """A replica 0.9 of the margin behind that starts while the fleet runs
+    reads only epochs written long ago by its clock's reckoning: every stamp
+    in them looks no later than its own clock, so the stamps alone never say
+    it is late. It finds out by asking for the next epoch early (once every
+    few epochs, and at once again while that finds one), and then sees a key
+    when the fleet does."""
+    store = MemoryStore()
+    clock = Clock()
+
+    class Behind(Clock):
+        def __call__(self):
+            return clock.t - 0.9 * SKEW_S
+
+    a, b = replica(store, clock, "aaaa"), replica(store, clock, "bbbb")
+    slow = replica(store, Behind(), "ssss")
+
+    async def go():
+        await start([a, b], clock)
+        a.manifest.add(key(1))
+        await drive([a, b], clock, T0 + 3 * SKEW_S)
+        await start([slow], clock)
+        await drive([a, b, slow], clock, clock.t + 4 * SKEW_S)
+        a.manifest.add(key(5))
+        added = clock.t
+        while key(5) not in slow.manifest and clock.t < added + 3 * SKEW_S:
+            await drive([a, b, slow], clock, clock.t + 0.05)
+        return clock.t - added
+
+    took = run(go())
+    s = a.s
+    assert took <= 2 * PUBLISH_S + s.settle_s + s.grace_step_s + 0.2, took
+
+
 class LatePuts(MemoryStore):
     """Segment PUTs that land ``late_s`` after they were sent (chosen by
     ``late``): the writer's PUT call returns only then, as a slow S3's does,
@@ -686,6 +720,68 @@ def test_the_loop_of_each_replica_carries_keys_through_epochs_on_the_wall_clock(
     assert key(1) in b.manifest, took
     assert took < 3 * 0.2 + 0.05 + 1.0, took  # two intervals, the settle, a grace or two (a slow CI)
     assert epochs_in(store)
+
+
+def test_a_slow_segment_put_does_not_hold_up_reading_epochs():
+    """ManifestSync.run publishes in a task of its own: while this replica's
+    segment PUT takes 0.9 of the margin, its loop still reads the fleet's
+    epochs when they are due (before, the tick awaited the PUT and read that
+    much later), and what it stored reaches the others once the PUT lands."""
+    from s3kv.testing import virtual_loop
+
+    bucket = MemoryStore()
+
+    class SlowSegments(MemoryStore):
+        """``bucket`` as replica "ssss" sees it: its segment PUTs take 0.9 of the margin."""
+
+        def __init__(self):
+            super().__init__()
+            self._objects = bucket._objects
+            self.slow = True
+
+        async def put(self, key, data, *, mode=PutMode.OVERWRITE):
+            if "/seg/" in key and self.slow:
+                await asyncio.sleep(0.9 * SKEW_S)
+            return await super().put(key, data, mode=mode)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+
+        def clock():
+            return T0 + loop.time()
+
+        def make(store, writer):
+            settings = SyncSettings(
+                publish_s=PUBLISH_S, refresh_s=PUBLISH_S, skew_s=SKEW_S, protocol="epochs"
+            )
+            return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=clock, offload=inline)
+
+        slow_store = SlowSegments()
+        a, slow = make(bucket, "aaaa"), make(slow_store, "ssss")
+        tasks = [asyncio.ensure_future(r.run()) for r in (a, slow)]
+        try:
+            while not (a.loaded and slow.loaded):
+                await asyncio.sleep(0.05)
+            a.manifest.add(key(1))
+            slow.manifest.add(key(2))  # its PUT is in flight for 9 s
+            await asyncio.sleep(2 * PUBLISH_S)
+            a.manifest.add(key(3))
+            added = loop.time()
+            while key(3) not in slow.manifest and loop.time() < added + 3 * SKEW_S:
+                await asyncio.sleep(0.05)
+            took = loop.time() - added
+            while key(2) not in a.manifest and loop.time() < added + 3 * SKEW_S:
+                await asyncio.sleep(0.05)
+            return took, key(2) in a.manifest
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    took, seen = virtual_loop.run(go())
+    s = SyncSettings()
+    assert took <= 2 * PUBLISH_S + s.settle_s + s.grace_step_s + 0.2, took
+    assert seen
 
 
 def test_what_a_replica_remembers_of_epochs_stays_within_the_lookback():
