@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -56,7 +57,7 @@ import resource
 import sys
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -866,10 +867,23 @@ async def simulate(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None
     }
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """s3kv's warnings off while the model runs (a thousand replicas warn
+    alike), and back as they were after: the model runs in test processes too."""
+    logger = logging.getLogger("s3kv")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def run_model(m: Model, list_bytes: ListBytes, bucket: Bucket | None = None) -> dict[str, Any]:
     """:func:`simulate` on a fresh virtual-time loop."""
-    logging.getLogger("s3kv").setLevel(logging.ERROR)
-    out = virtual_loop.run(simulate(m, list_bytes, bucket))
+    with _quiet():
+        out = virtual_loop.run(simulate(m, list_bytes, bucket))
     gc.collect()
     return out
 
@@ -1241,7 +1255,11 @@ def _say(text: str) -> None:
 def run(work: Path, quick: bool, opts: Options | None = None) -> Result:
     opts = opts or OPTIONS
     t_start = time.perf_counter()
-    logging.getLogger("s3kv").setLevel(logging.ERROR)
+    with _quiet():
+        return _run(work, quick, opts, t_start)
+
+
+def _run(work: Path, quick: bool, opts: Options, t_start: float) -> Result:
     protocols = [p for p in opts.protocols if has_protocol(p)]
     skipped = [p for p in opts.protocols if not has_protocol(p)]
     sizes = opts.sizes or (QUICK if quick else SWEEP)

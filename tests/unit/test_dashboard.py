@@ -515,11 +515,11 @@ SUBJECTS = {
             for what in ("read", "written", "missing")
         )
     ),
-    "manifest epochs skipped, covered and refused": lambda unit, qs, exprs: (
+    "manifest epochs skipped, covered, refused and found early": lambda unit, qs, exprs: (
         unit == "cps"
         and all(
             any(_uses(q, f"manifest_epochs_{what}_total") for q in qs)
-            for what in ("skipped", "covered", "refused")
+            for what in ("skipped", "covered", "refused", "early")
         )
     ),
 }
