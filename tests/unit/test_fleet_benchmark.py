@@ -4,6 +4,8 @@ one replica published every other one sees."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from benchmarks import fleet
@@ -98,3 +100,15 @@ def test_epochs_publish_one_segment_per_replica_not_per_rank():
     s = SyncSettings()
     assert rates.by_dir["put:seg"] == pytest.approx(1 / s.publish_s, rel=0.2)
     assert sim["lost"] == 0
+
+
+def test_the_verdict_judges_the_goals_on_epochs_at_1000_replicas_tp8():
+    small = fleet.run_model(_model(n=4, tp=1, protocol="epochs"), fleet.ListBytes())
+    big = fleet.run_model(_model(n=4, tp=2, protocol="epochs"), fleet.ListBytes())
+    assert fleet.verdict([small, big]) == "no goal"  # no N=1,000 TP 8 (a quick run)
+    small["model"] = dataclasses.replace(small["model"], n=10)
+    big["model"] = dataclasses.replace(big["model"], n=1000, tp=8)
+    said = fleet.verdict([small, big])
+    assert said.startswith(("met at N=1,000 TP 8: ", "missed (")) and "busiest prefix" in said
+    big["lost"] = 3
+    assert fleet.verdict([small, big]).startswith("missed (3 keys lost")
