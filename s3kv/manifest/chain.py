@@ -125,6 +125,8 @@ class EpochChain:
         self.e_ms = epoch_ms(self.s.publish_s)
         self._lookback_ms = 2 * int(self.s.skew_s * 1000)
         """How far before an epoch its aggregator lists: late segments go to a later epoch."""
+        self._late_ms = int((self.s.settle_s + (self.s.max_rank + 4) * self.s.grace_step_s) * 1000)
+        """An epoch still missing this long after its end has no aggregator coming."""
         self.next_epoch = 0
         """Every epoch before it is applied (read, aggregated or covered)."""
         self.due = 0.0
@@ -425,8 +427,7 @@ class EpochChain:
         while (got := await self.step()) is not None:
             keys += got
         # Up to date: every epoch its aggregators have had time to write, read.
-        late_ms = int((self.s.settle_s + (self.s.max_rank + 4) * self.s.grace_step_s) * 1000)
-        if self.next_epoch > self.last_closed(int(self._fleet_now() * 1000) - late_ms):
+        if self.next_epoch > self.last_closed(int(self._fleet_now() * 1000) - self._late_ms):
             self._sync.refreshed_at = self._clock()
         self.forget()
         if self._sync.manifest.fps.needs_merge():
@@ -522,6 +523,13 @@ class EpochChain:
                     e = max(x + 1, epoch_of(now_ms, self.e_ms) - lookback_epochs)
                     break
                 else:  # not written yet: the loop reads or aggregates it
+                    if epoch_end(x, self.e_ms) < now_ms - self._late_ms:
+                        # ... but no aggregator wrote it when it should have
+                        # (the fleet stopped since, the last replica's last
+                        # segment after its last epoch): its segments now,
+                        # so that this replica starts with them.
+                        floor = self._sync._lister.floor(epoch_start(x, self.e_ms), self._lookback_ms)
+                        take(await self._raw_segments(max(floor, held or floor), taken | set(self.covered)))
                     stop = True
                     break
                 e = x + 1

@@ -283,6 +283,33 @@ def test_a_new_replica_of_a_fleet_that_was_down_lists_the_hole():
     assert not epochs_in(store)
 
 
+def test_a_new_replica_starts_with_the_last_segment_of_a_fleet_that_stopped_after_its_last_epoch(bucket_kind):
+    """The last replica's shutdown segment lands after its last epoch, and
+    no aggregator is left to write the next: a replica started a little
+    later (within the lookback, no hole yet) has those keys once loaded,
+    not only after its loop has aggregated that epoch."""
+    store = bucket_kind()
+    clock = Clock()
+    a = replica(store, clock, "aaaa")
+
+    async def go():
+        await start([a], clock)
+        a.manifest.add(key(1))
+        await drive([a], clock, T0 + 5)  # epochs written with key(1)
+        a.manifest.add(key(2))
+        await a.publish()  # its shutdown publish; then it stops
+        clock.t += (
+            15  # past every candidate's time to write the next epoch (13 s), within the lookback (20 s)
+        )
+        b = replica(store, clock, "bbbb")
+        await b.load()
+        return b
+
+    b = run(go())
+    assert epochs_in(store) and key(1) in b.manifest
+    assert key(2) in b.manifest
+
+
 class CountingCreates(MemoryStore):
     """Holds epoch PUTs until both racers have listed, so they truly race."""
 
