@@ -502,8 +502,11 @@ class EpochChain:
                     members.append((name, obj))
 
         self._sync._lister.restart()
+        listed = False
+        """Segments listed up to now already (every listing here goes on to the newest)."""
         if e is None:  # no snapshot, or one with no horizon: every segment
             take(await self._raw_segments(start_after, taken))
+            listed = True
             e = max(epoch_of(now_ms, self.e_ms) - lookback_epochs, 0)
         while e <= last:
             batch = range(e, min(last, e + self.s.fetch_concurrency - 1) + 1)
@@ -520,10 +523,11 @@ class EpochChain:
                     floor = self._sync._lister.floor(epoch_start(x, self.e_ms), self._lookback_ms)
                     floor = max(floor, held or floor)  # none the snapshot holds
                     take(await self._raw_segments(floor, taken))
+                    listed = True
                     e = max(x + 1, epoch_of(now_ms, self.e_ms) - lookback_epochs)
                     break
                 else:  # not written yet: the loop reads or aggregates it
-                    if epoch_end(x, self.e_ms) < now_ms - self._late_ms:
+                    if not listed and epoch_end(x, self.e_ms) < now_ms - self._late_ms:
                         # ... but no aggregator wrote it when it should have
                         # (the fleet stopped since, the last replica's last
                         # segment after its last epoch): its segments now,

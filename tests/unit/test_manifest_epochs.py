@@ -283,14 +283,18 @@ def test_a_new_replica_of_a_fleet_that_was_down_lists_the_hole():
     assert not epochs_in(store)
 
 
-def test_a_new_replica_starts_with_the_last_segment_of_a_fleet_that_stopped_after_its_last_epoch(bucket_kind):
+@pytest.mark.parametrize("snapshots", [True, False], ids=["snapshot", "no-snapshot"])
+def test_a_new_replica_starts_with_the_last_segment_of_a_fleet_that_stopped_after_its_last_epoch(
+    bucket_kind, snapshots
+):
     """The last replica's shutdown segment lands after its last epoch, and
     no aggregator is left to write the next: a replica started a little
     later (within the lookback, no hole yet) has those keys once loaded,
-    not only after its loop has aggregated that epoch."""
+    not only after its loop has aggregated that epoch; it lists segments
+    once (with no snapshot, the listing of every segment is that one)."""
     store = bucket_kind()
     clock = Clock()
-    a = replica(store, clock, "aaaa")
+    a = replica(store, clock, "aaaa", snapshot_epochs=60 if snapshots else 0)
 
     async def go():
         await start([a], clock)
@@ -298,16 +302,23 @@ def test_a_new_replica_starts_with_the_last_segment_of_a_fleet_that_stopped_afte
         await drive([a], clock, T0 + 5)  # epochs written with key(1)
         a.manifest.add(key(2))
         await a.publish()  # its shutdown publish; then it stops
-        clock.t += (
-            15  # past every candidate's time to write the next epoch (13 s), within the lookback (20 s)
-        )
+        clock.t += 15  # past every candidate's time to write the next (13 s), within the lookback (20 s)
         b = replica(store, clock, "bbbb")
-        await b.load()
-        return b
+        listings = []
+        after = b._lister.after
 
-    b = run(go())
+        async def counted(floor):
+            listings.append(floor)
+            return await after(floor)
+
+        b._lister.after = counted
+        await b.load()
+        return b, listings
+
+    b, listings = run(go())
     assert epochs_in(store) and key(1) in b.manifest
     assert key(2) in b.manifest
+    assert len(listings) == 1 and (listings[0] is None) is not snapshots
 
 
 class CountingCreates(MemoryStore):
