@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -300,10 +300,7 @@ class EpochChain:
             for m in self.reader.sift(listed, "segment", now_ms, self.covered)
             if (name_ts(m.key) or 0) <= end
         ]
-        fetched = await self.reader.segments(todo)
-        for name, _ in todo:  # one that failed is listed again by the next epoch
-            self.reader.retry.pop(name, None)
-        return fetched
+        return await self._read_once(todo)
 
     async def cover(self, e: int, members: list[me.Member] | None = None) -> int:
         """Epoch ``e`` covered by this replica alone, from raw segments
@@ -554,6 +551,12 @@ class EpochChain:
         """Every segment listed after ``start_after`` not in ``seen``, read (today's load)."""
         listed = await self._sync._lister.after(start_after)
         todo = [(m.key, m.size) for m in self.reader.sift(listed, "segment", self._now_ms(), seen)]
+        return await self._read_once(todo)
+
+    async def _read_once(self, todo: Sequence[tuple[str, int | None]]) -> list[me.Member]:
+        """The segments ``todo`` (name, listed size) that read. One whose GET
+        failed is not kept for the reader's retry: the chain lists it again
+        (the next epoch's aggregator, the next start)."""
         fetched = await self.reader.segments(todo)
         for name, _ in todo:
             self.reader.retry.pop(name, None)

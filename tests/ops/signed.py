@@ -39,11 +39,16 @@ def chunk(i: int, keys: FleetKeys | None) -> bytes:
     )
 
 
+def bucket_args(s3_server, bucket):
+    """The CLI's arguments naming ``bucket`` on the loopback server, under PREFIX."""
+    return ["--bucket", bucket, "--endpoint-url", s3_server.endpoint_url, "--region", "us-east-1"] + [
+        "--prefix",
+        PREFIX,
+    ]
+
+
 def cli(capsys, s3_server, bucket, *args):
     capsys.readouterr()
-    rc = main(
-        [args[0], "--bucket", bucket, "--endpoint-url", s3_server.endpoint_url, "--region", "us-east-1"]
-        + ["--prefix", PREFIX, "--json", *args[1:]]
-    )
+    rc = main([args[0], *bucket_args(s3_server, bucket), "--json", *args[1:]])
     cap = capsys.readouterr()
     return rc, (json.loads(cap.out) if cap.out.strip() else None), cap.err

@@ -19,7 +19,7 @@ from s3kv.keys import fingerprint
 from s3kv.manifest import epochs
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
-from tests.ops.signed import BASE, NS, PREFIX, SECRET, cli, key
+from tests.ops.signed import BASE, NS, SECRET, bucket_args, cli, key
 
 E_MS = 5000
 
@@ -85,16 +85,7 @@ def test_ls_and_stats_count_epochs_and_say_how_far_the_newest_is_behind(s3_serve
     assert m["epoch_bytes"] == sum(_sizes(s3_server, bucket, epoch_names))
     assert [c["e_ms"] for c in m["epoch_chains"]] == [E_MS]
     capsys.readouterr()
-    args = [
-        "--bucket",
-        bucket,
-        "--endpoint-url",
-        s3_server.endpoint_url,
-        "--region",
-        "us-east-1",
-        "--prefix",
-        PREFIX,
-    ]
+    args = bucket_args(s3_server, bucket)
     assert main(["ls", *args]) == 0
     text = capsys.readouterr().out
     assert "epochs" in text and f"{len(epoch_names)} (#{newest}," in text
@@ -119,16 +110,7 @@ def test_inspect_decodes_an_epoch(s3_server, capsys, monkeypatch):
     rc, moved, _ = cli(capsys, s3_server, bucket, "inspect", names["copied"])
     assert rc == 1 and "another name" in moved["problems"][0]
     capsys.readouterr()
-    args = [
-        "--bucket",
-        bucket,
-        "--endpoint-url",
-        s3_server.endpoint_url,
-        "--region",
-        "us-east-1",
-        "--prefix",
-        PREFIX,
-    ]
+    args = bucket_args(s3_server, bucket)
     assert main(["inspect", *args, "--members", names["e0"]]) == 0
     text = capsys.readouterr().out
     assert "manifest epoch" in text and all(n[len(BASE) :] in text for n, _ in members(newest, 3, 4))
