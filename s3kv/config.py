@@ -22,6 +22,8 @@ from s3kv.units import parse_duration, parse_size, value_text
 
 Codec = Literal["blosc2", "zstd", "none"]
 CODECS: tuple[str, ...] = ("blosc2", "zstd", "none")
+CODEC_CHOICES: tuple[str, ...] = (*CODECS, "auto")
+"""What ``codec`` and ``disk_codec`` accept: a codec, or ``auto`` (:mod:`s3kv.tiering.codec_choice`)."""
 ADDRESSING_STYLES: tuple[str, ...] = ("auto", "path", "virtual")
 S3_CLIENTS: tuple[str, ...] = ("obstore", "aiobotocore")
 BUCKET_KINDS: tuple[str, ...] = ("auto", "general", "directory")
@@ -70,7 +72,10 @@ class S3KVConfig:
     codec: str = _key(
         "blosc2",
         'Chunk compression: "blosc2" (SIMD byte shuffle + zstd, decoded in one pass), "zstd" (numpy'
-        ' byte shuffle + zstd: what older s3kv builds read) or "none".',
+        ' byte shuffle + zstd: what older s3kv builds read), "none", or "auto": each worker stores '
+        "uncompressed until its measurements (the link's throughput and CPU per byte, this machine's decode "
+        "rate, the chunks' ratio) say blosc2 loads clearly faster, and back (see its INFO log line and the "
+        "codec_* gauges).",
     )
     zstd_level: int = _key(1, "zstd level, -7 (fastest) to 22 (smallest); blosc2 clamps it to 1..9.")
     max_inflight_bytes: int = _key(
@@ -98,7 +103,7 @@ class S3KVConfig:
     disk_codec: str = _key(
         "none",
         'Codec of the NVMe tier\'s files: "none" (read with preadv into a reused buffer, checked there)'
-        ', "blosc2" or "zstd"; independent of codec (S3\'s).',
+        ', "blosc2", "zstd" or "auto" (as codec\'s, measured on the disk); independent of codec (S3\'s).',
     )
     disk_bytes: int | None = _key(
         None, "Size cap of the NVMe tier; default 80% of the free space of disk_path at start-up."
@@ -387,7 +392,7 @@ _PARSERS = {
     "addressing_style": lambda v: _choice("addressing_style", v, ADDRESSING_STYLES),
     "bucket_kind": lambda v: _choice("bucket_kind", v, BUCKET_KINDS),
     "chunk_tokens": lambda v: _int("chunk_tokens", v, 1, 1 << 20),
-    "codec": lambda v: _choice("codec", v, CODECS),
+    "codec": lambda v: _choice("codec", v, CODEC_CHOICES),
     "zstd_level": lambda v: _int("zstd_level", v, -7, 22),
     "max_inflight_bytes": lambda v: _size("max_inflight_bytes", v, 1, TiB),
     "load_timeout_s": lambda v: _duration("load_timeout_s", v, 0),
@@ -401,7 +406,7 @@ _PARSERS = {
     "shutdown_flush_s": lambda v: _duration("shutdown_flush_s", v, 0),
     "cpu_bytes": lambda v: _size("cpu_bytes", v, 1, 64 * TiB, zero_turns_off=True),
     "disk_path": lambda v: os.path.expanduser(_str("disk_path", v)),  # "~/kv" as a shell reads it
-    "disk_codec": lambda v: _choice("disk_codec", v, CODECS),
+    "disk_codec": lambda v: _choice("disk_codec", v, CODEC_CHOICES),
     "disk_bytes": lambda v: _size("disk_bytes", v, 1, PiB),
     "disk_fsync": lambda v: _choice("disk_fsync", v, DISK_FSYNC),
     "write_policy": lambda v: _choice("write_policy", v, WRITE_POLICIES),

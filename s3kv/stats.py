@@ -170,6 +170,12 @@ FAMILIES: tuple[Family, ...] = (
         "Entries of the NVMe directory skipped at start-up: foreign, unreadable or oddly named",
     ),
     _c(
+        "codec_switches",
+        "Times a tier's writer under codec auto switched between storing uncompressed and compressed",
+        "tier",
+        ("disk", "s3"),
+    ),
+    _c(
         "s3_requests",
         "HTTP requests sent to S3 (retries included), by operation",
         "op",
@@ -244,6 +250,34 @@ FAMILIES: tuple[Family, ...] = (
         "(tokens, upper bound of the bucket); only buckets measured",
         "context",
         tuple(str(b) for b in CONTEXT_BUCKETS),
+    ),
+    Family(
+        "codec_compressed",
+        "gauge",
+        "1 while a tier's writer under codec auto stores chunks compressed (blosc2), 0 while uncompressed",
+        "tier",
+        ("disk", "s3"),
+    ),
+    Family(
+        "codec_none_seconds_per_gb",
+        "gauge",
+        "codec auto's estimate of the seconds a GB of KV takes to load from a tier stored uncompressed",
+        "tier",
+        ("disk", "s3"),
+    ),
+    Family(
+        "codec_compressed_seconds_per_gb",
+        "gauge",
+        "codec auto's estimate of the seconds a GB of KV takes to load from a tier stored compressed",
+        "tier",
+        ("disk", "s3"),
+    ),
+    Family(
+        "codec_link_bytes_per_second",
+        "gauge",
+        "codec auto's measure of a tier's link: stored bytes a second over the time a transfer was in flight",
+        "tier",
+        ("disk", "s3"),
     ),
     Family("inflight_bytes", "gauge", "KV bytes copied out and waiting to be written to NVMe or S3"),
     Family(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -162,6 +163,11 @@ class ChunkData:
         self._blob = blob
         self._encoded: dict[tuple[str, int], bytes] = {}
         """The chunk in other codecs than its own (:meth:`blob_for`)."""
+        self._blob_codec: str | None = None
+        self.picked: dict[object, ChunkCodec] = {}
+        """The codec each tier's writer picked for this chunk when the store
+        encoded it (``codec: auto``), by tier: its write uses that one even
+        if the choice changed since, so the chunk is not encoded twice."""
 
     @property
     def raw_bytes(self) -> int:
@@ -183,11 +189,23 @@ class ChunkData:
             self._blob = self.codec.encode(self.key, self._layers)  # type: ignore[arg-type]
         return self._blob
 
+    def _is_stored_as(self, chunk_codec: ChunkCodec) -> bool:
+        """Is this chunk, known only as an object (a promotion), already in
+        ``chunk_codec``'s codec? The object's header says (one codec's
+        objects differ from this engine's codec only in that field)."""
+        if self._layers is not None or self._blob is None:
+            return False
+        if dataclasses.replace(chunk_codec, codec=self.codec.codec, level=self.codec.level) != self.codec:
+            return False
+        if self._blob_codec is None:
+            self._blob_codec = self.codec.parse_header(self._blob).codec
+        return self._blob_codec == chunk_codec.codec
+
     def blob_for(self, chunk_codec: ChunkCodec) -> bytes:
         """The chunk as ``chunk_codec`` encodes it: :attr:`blob` for this
         chunk's own codec, else encoded from the layers (decoded from the
         blob first if need be), once per codec."""
-        if chunk_codec == self.codec:
+        if chunk_codec == self.codec or self._is_stored_as(chunk_codec):
             return self.blob
         which = (chunk_codec.codec, chunk_codec.level)
         blob = self._encoded.get(which)

@@ -18,7 +18,7 @@ import numpy as np
 from s3kv.errors import CorruptChunk, GaveUp, NotFound, PermissionDenied, Throttled, Transient
 from s3kv.frame_sinks import FrameInto, FrameSink
 from s3kv.stats import Counters
-from s3kv.tiering.chunks import ChunkData
+from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.report import RankReport
@@ -164,9 +164,14 @@ class TierHandler(ABC):
         self.report.tier_ok(self.tier)
         self.report.missing(self.tier, key)
 
-    async def save(self, place: Place, chunk: ChunkData, start: float | None = None) -> None:
+    def store_codec(self) -> ChunkCodec | None:
+        """The codec this tier writes a chunk in now (its writer's pick
+        under ``codec: auto``); None: it holds pages, not objects."""
+        return None
+
+    async def save(self, place: Place, chunk: ChunkData, start: float | None = None) -> int | None:
         """:meth:`write` ``chunk`` (a store's write-through, or a promotion)
-        and report how it went."""
+        and report how it went; the bytes written, or None."""
         try:
             n = await self.write(place, chunk, start)
         except Exception as e:
@@ -181,6 +186,7 @@ class TierHandler(ABC):
                 self.report.written(self.tier, chunk.key)
         if n is None:  # failed, or not stored and the handler said why
             self.report.failed(self.tier, chunk.key)
+        return n
 
     def trouble(self, e: BaseException) -> bool:
         """Does ``e`` say that the tier itself is in trouble (news for its

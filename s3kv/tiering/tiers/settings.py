@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS, S3KVConfig
@@ -17,6 +18,9 @@ from s3kv.tiering.chunks import ChunkCodec
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.worker.hostpool import HostPool
+
+if TYPE_CHECKING:
+    from s3kv.tiering.codec_choice import TierChoice
 
 
 @dataclass(frozen=True)
@@ -99,3 +103,5 @@ class WorkerEnv:
     store: ObjectStore | None
     published: Published | None = None
     """Who hears of the chunk PUTs (the rank's publisher; None: nobody)."""
+    choices: Mapping[Tier, TierChoice] = field(default_factory=dict)
+    """The codec choice of each tier whose codec is ``auto``: its writer encodes as it says."""

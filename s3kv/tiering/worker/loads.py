@@ -7,6 +7,7 @@ counters."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -167,10 +168,15 @@ class Loads:
             try:
                 if h is None:
                     raise NotFound(f"no {tier.value} tier here")
-                with self._e.meter.attempt(tier) as attempt:
+                choice = self._e.codec_choices.get(tier)
+                with (
+                    self._e.meter.attempt(tier) as attempt,
+                    choice.transfer() if choice is not None else contextlib.nullcontext([0, 0]) as moved,
+                ):
                     nbytes, blob = await h.read(
                         place, chunk.key, gate, deadline=deadline, keep_blob=keep_blob
                     )
+                    moved[:] = [nbytes, self._e.chunk_raw_bytes]
                 return h, nbytes, blob, attempt
             except Exception as e:
                 last = e

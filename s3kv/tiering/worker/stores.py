@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from s3kv.tiering import codec_choice
 from s3kv.tiering.chunks import ChunkData
+from s3kv.tiering.codec_choice import Calibration
 from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.plan import Place
 
@@ -114,8 +116,26 @@ class Stores:
             if not encoded:
                 return
             start = time.perf_counter()
+            # Each tier's codec, as its writer picks now (codec: auto), kept
+            # on the chunk for its write; encoded here, off the loop.
+            for p in encoded:
+                picked = e.handlers[p.tier].store_codec()
+                if picked is not None:
+                    chunk.picked[p.tier] = picked
+            codecs = list(chunk.picked.values()) or [chunk.codec]
+            calibrate = bool(e.codec_choices) and e.calibrations.due()
+
+            def encode() -> Calibration | None:
+                for c in codecs:
+                    chunk.blob_for(c)
+                return (
+                    codec_choice.calibrate(key, chunk.layers, chunk.codec, e.s.zstd_level)
+                    if calibrate
+                    else None
+                )
+
             try:
-                await self._loop.in_background(lambda: chunk.blob)
+                calibration = await self._loop.in_background(encode)
             except Exception as err:
                 log.error("s3kv: encoding chunk %s failed: %s", key.hex(), err)
                 for p in encoded:
@@ -125,9 +145,11 @@ class Stores:
                 if pins:  # the slot is read: the scheduler may reuse it
                     e.report.released(key)
                     pins = False
+            if calibration is not None:
+                e.calibrations.add(calibration)
             e.counters.add("store_raw_bytes", chunk.raw_bytes)
-            e.counters.add("store_encoded_bytes", len(chunk.blob))
-            await asyncio.gather(*(e.handlers[p.tier].save(p, chunk, start) for p in encoded))
+            e.counters.add("store_encoded_bytes", len(chunk.blob_for(codecs[0])))
+            await asyncio.gather(*(self._save(p, chunk, start) for p in encoded))
         finally:
             if pins:
                 e.report.released(key)
@@ -135,3 +157,16 @@ class Stores:
                 with self._lock:
                     self._inflight_bytes -= nbytes
                     e.counters.set("inflight_bytes", self._inflight_bytes)
+
+    async def _save(self, place: Place, chunk: ChunkData, start: float) -> None:
+        """Write ``chunk`` to ``place``'s tier, timed for its codec choice (``codec: auto``)."""
+        e = self._e
+        handler = e.handlers[place.tier]
+        choice = e.codec_choices.get(place.tier)
+        if choice is None:
+            await handler.save(place, chunk, start)
+            return
+        with choice.transfer() as moved:
+            n = await handler.save(place, chunk, start)
+            if n is not None:
+                moved[0] = n

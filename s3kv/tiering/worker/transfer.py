@@ -25,6 +25,7 @@ from s3kv.manifest.publish import Published
 from s3kv.stats import Counters
 from s3kv.stores.base import ObjectStore
 from s3kv.tiering.chunks import ChunkCodec
+from s3kv.tiering.codec_choice import AUTO, Calibrations, TierChoice, default_machine_cores
 from s3kv.tiering.loop import JobLoop
 from s3kv.tiering.meter import LoadMeter
 from s3kv.tiering.placement import Tier
@@ -79,10 +80,44 @@ class TransferEngine:
             self._loop.track(s3.open())  # connect before the first load
         self.namespace: str | None = settings.namespace
         self.codec: ChunkCodec | None = None
+        self.calibrations = Calibrations()
+        """``codec: auto``'s decode rates and ratio, measured on this engine's chunks (its tiers share them)."""
+        self.codec_choices: dict[Tier, TierChoice] = self._codec_choices()
+        """The codec choice of each tier whose codec is ``auto``, fed by this engine's transfers."""
+        for choice in self.codec_choices.values():
+            self.counters.set(f"codec_compressed_{choice.label}", int(choice.codec != "none"))
         self._pool: HostPool | None = None
         self._fmt: PageFormat | None = None
         self._published: Published | None = None
         """Who the handlers tell of their chunk PUTs (:meth:`set_namespace`)."""
+
+    def _codec_choices(self) -> dict[Tier, TierChoice]:
+        s = self.s
+        disk = s.wings.get(Tier.DISK)
+        auto = [t for t, c in ((Tier.S3, s.codec), (Tier.DISK, getattr(disk, "codec", None))) if c == AUTO]
+        cores = max(1, min(s.threads, default_machine_cores()))
+        return {
+            t: TierChoice(
+                t.value,
+                cores=cores,
+                level=s.zstd_level,
+                clock=self.clock,
+                calibrations=self.calibrations,
+                notify=self._codec_news,
+            )
+            for t in auto
+        }
+
+    def _codec_news(self, choice: TierChoice, switched_from: str | None) -> None:
+        """A tier's codec choice made an estimate (and switched, from ``switched_from``)."""
+        tier, est = choice.label, choice.last
+        if switched_from is not None:
+            self.counters.add(f"codec_switches_{tier}")
+        self.counters.set(f"codec_compressed_{tier}", int(choice.codec != "none"))
+        if est is not None:
+            self.counters.set(f"codec_none_seconds_per_gb_{tier}", round(est.none_s, 4))
+            self.counters.set(f"codec_compressed_seconds_per_gb_{tier}", round(est.compressed_s, 4))
+            self.counters.set(f"codec_link_bytes_per_second_{tier}", round(est.link_bytes_per_s))
 
     def sibling(self, settings: EngineSettings) -> TransferEngine:
         """An engine for another shard of this rank (``settings.rank``): on
@@ -106,7 +141,8 @@ class TransferEngine:
         if self._fmt is None:
             return
         s = self.s
-        codec = ChunkCodec(namespace, s.rank, s.num_layers, self._fmt, s.codec, s.zstd_level, s.keys)
+        start = self.codec_choices[Tier.S3].codec if Tier.S3 in self.codec_choices else s.codec
+        codec = ChunkCodec(namespace, s.rank, s.num_layers, self._fmt, start, s.zstd_level, s.keys)
         self.codec = codec
         env = WorkerEnv(
             s,
@@ -117,6 +153,7 @@ class TransferEngine:
             self._pool,
             self.s3,
             published,
+            self.codec_choices,
         )
         handlers = [h for spec in TIERS if (h := spec.handler(env)) is not None]
         for h in handlers:
@@ -124,6 +161,11 @@ class TransferEngine:
         for old in self.handlers.values():
             old.close()
         self.handlers = {h.tier: h for h in handlers}
+
+    @property
+    def chunk_raw_bytes(self) -> int:
+        """KV bytes of one of this engine's chunk shards (0 before :meth:`configure`)."""
+        return self._fmt.layer_bytes * self.s.num_layers if self._fmt is not None else 0
 
     def takes_pages(self, place: Place) -> bool:
         """Does ``place``'s tier store a chunk's pages as they are (a store's are copied straight in)?"""

@@ -34,6 +34,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +45,10 @@ from s3kv.frame_sinks import FrameInto, SinkFailed
 from s3kv.keys import chunk_path, is_namespace_id, is_shard_name, parse_chunk_name
 from s3kv.stores.local import PARTIAL_SUFFIX, atomic_write, is_stale_partial, map_os_error
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
+from s3kv.tiering.placement import Tier
+
+if TYPE_CHECKING:
+    from s3kv.tiering.codec_choice import TierChoice
 
 log = logging.getLogger("s3kv.disk")
 
@@ -61,16 +66,29 @@ class DiskTier:
     NVMe tier's handler, :class:`~s3kv.tiering.tiers.nvme.handler.NvmeHandler`,
     calls these on threads of its own)."""
 
-    def __init__(self, root: str | os.PathLike[str], chunk_codec: ChunkCodec, *, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        chunk_codec: ChunkCodec,
+        *,
+        fsync: bool = False,
+        choice: TierChoice | None = None,
+    ) -> None:
         self.root = Path(root)
         self.codec = chunk_codec
         self.fsync = fsync
+        self.choice = choice
+        """``disk_codec: auto``'s choice: files are written in the codec it picks."""
+
+    def store_codec(self) -> ChunkCodec:
+        """The codec a chunk is written in now."""
+        return self.choice.chunk_codec(self.codec) if self.choice is not None else self.codec
 
     def path(self, key: bytes) -> Path:
         return shard_path(self.root, self.codec.namespace, key, self.codec.rank)
 
     def write(self, key: bytes, chunk: ChunkData) -> int:
-        blob = chunk.blob_for(self.codec)
+        blob = chunk.blob_for(chunk.picked.get(Tier.DISK) or self.store_codec())
         path = self.path(key)
         try:
             atomic_write(path, blob, fsync=self.fsync)

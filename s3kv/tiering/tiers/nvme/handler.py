@@ -14,7 +14,7 @@ from s3kv.config import DEFAULTS
 from s3kv.errors import StorageFull
 from s3kv.frame_sinks import FrameInto
 from s3kv.stats import Counters
-from s3kv.tiering.chunks import ChunkData
+from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.loop import background_thread, unbind_thread
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
@@ -69,6 +69,9 @@ class NvmeHandler(TierHandler):
         }
         self._running: dict[bool, set[Began]] = {False: set(), True: set()}
         """Reads (False) and writes (True) under way on the disk's threads."""
+
+    def store_codec(self) -> ChunkCodec:
+        return self.files.store_codec()
 
     async def run(self, fn: Callable[..., Any], *args: Any, write: bool = False) -> Any:
         """``fn(*args)`` on the disk's read (or write) threads."""

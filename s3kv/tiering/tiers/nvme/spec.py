@@ -47,9 +47,10 @@ class NvmeSpec(TierSpec):
             return None
         if not isinstance(s, NvmeSettings):
             raise TypeError(f"the NVMe tier's settings are {type(s).__name__}, not NvmeSettings")
-        files_codec = dataclasses.replace(env.codec, codec=s.codec)
+        choice = env.choices.get(self.tier)
+        files_codec = dataclasses.replace(env.codec, codec=choice.codec if choice is not None else s.codec)
         return NvmeHandler(
-            DiskTier(Path(s.path), files_codec, fsync=s.fsync),
+            DiskTier(Path(s.path), files_codec, fsync=s.fsync, choice=choice),
             timeout_s=s.timeout_s,
             write_queue_s=env.settings.load_timeout_s,
             report=env.report,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from s3kv.config import DEFAULTS
 from s3kv.errors import AlreadyExists, CorruptChunk, NotFound, PermissionDenied, Precondition
@@ -19,6 +20,9 @@ from s3kv.tiering.plan import Place
 from s3kv.tiering.tiers.handler import TierHandler
 from s3kv.tiering.tiers.report import RankReport
 from s3kv.tiering.tiers.s3.report import S3Report
+
+if TYPE_CHECKING:
+    from s3kv.tiering.codec_choice import TierChoice
 
 log = logging.getLogger("s3kv.transfer")
 
@@ -47,6 +51,7 @@ class S3Handler(TierHandler):
         range_bytes: int = DEFAULTS.range_bytes,
         executor: concurrent.futures.Executor | None = None,
         published: Published | None = None,
+        choice: TierChoice | None = None,
         report: RankReport | None = None,
         counters: Counters | None = None,
     ) -> None:
@@ -61,9 +66,14 @@ class S3Handler(TierHandler):
         rank's publisher: its journal, then a created object's publication;
         a 412'd object is not published from here, being another's, maybe
         one the fleet was told is bad)."""
+        self.choice = choice
+        """``codec: auto``'s choice: objects are written in the codec it picks."""
         self._unreadable: dict[bytes, None] = {}
         """Keys whose S3 object refused this rank (a 403 on that object): a
         store that finds it in the way (a 412) does not publish it."""
+
+    def store_codec(self) -> ChunkCodec:
+        return self.choice.chunk_codec(self.codec) if self.choice is not None else self.codec
 
     def chunk_id(self, key: bytes) -> ChunkId:
         c = self.codec
@@ -111,7 +121,7 @@ class S3Handler(TierHandler):
 
     async def write(self, place: Place, chunk: ChunkData, start: float | None = None) -> int | None:
         cid = self.chunk_id(chunk.key)
-        blob = chunk.blob
+        blob = chunk.blob_for(chunk.picked.get(self.tier) or self.store_codec())
         if await self._create(chunk.key, cid, blob):
             self.counters.add("store_bytes_s3", len(blob))
             if start is not None:

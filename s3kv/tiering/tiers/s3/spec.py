@@ -76,6 +76,7 @@ class S3Spec(TierSpec):
             range_bytes=s.range_bytes,
             executor=env.threads,
             published=env.published,
+            choice=env.choices.get(self.tier),
             report=env.report,
             counters=env.counters,
         )
