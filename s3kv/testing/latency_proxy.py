@@ -17,6 +17,11 @@ uses with ``endpoint_url``); request signatures go through untouched, so
 the server behind must not check them against its own host name (moto
 does not). It counts the requests in flight through it
 (:attr:`LatencyProxy.peak_in_flight`: the test of ``max_connections``).
+With ``bytes_per_s`` it also caps the link: the bodies of all requests
+share that many bytes a second each way (a full-duplex link: responses
+paced as they are sent, request bodies as they are read, so the client's
+TCP window fills), as a distant or throttled bucket's link would; it may
+be changed while it runs (:attr:`LatencyProxy.bytes_per_s`, None: uncapped).
 Not for production traffic.
 """
 
@@ -49,13 +54,22 @@ class LatencyProxy:
     """``http://127.0.0.1:port`` forwarding to ``upstream`` (``http://host:port``)."""
 
     def __init__(
-        self, upstream: str, delay_s: float = 0.0, port: int | None = None, *, directory: bool = False
+        self,
+        upstream: str,
+        delay_s: float = 0.0,
+        port: int | None = None,
+        *,
+        directory: bool = False,
+        bytes_per_s: float | None = None,
     ) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         if parsed.scheme != "http" or parsed.hostname is None or parsed.port is None:
             raise ValueError(f"upstream must be http://host:port, got {upstream!r}")
         self.upstream = (parsed.hostname, parsed.port)
         self.delay_s = delay_s
+        self.bytes_per_s = bytes_per_s
+        """The link's cap each way, bytes a second shared by every request (None: uncapped)."""
+        self._links = {"down": _Pacer(), "up": _Pacer()}
         self.port = free_port() if port is None else port
         self.delayed = 0
         """Object GETs held back so far."""
@@ -109,6 +123,13 @@ class LatencyProxy:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    def pace(self, direction: str, nbytes: int) -> None:
+        """Hold the caller until ``nbytes`` more fit the link ``direction``
+        ("down": to the client, "up": from it) at :attr:`bytes_per_s`."""
+        rate = self.bytes_per_s
+        if rate:
+            self._links[direction].wait(nbytes, rate)
 
     def _count(self, n: int) -> None:
         with self._lock:
@@ -193,6 +214,28 @@ class LatencyProxy:
         return data[:start] + b"".join(order) + between + data[end:]
 
 
+class _Pacer:
+    """One direction of a capped link: bytes pass in the order asked, each
+    slice when the ones before it have had their time (a token bucket with
+    no burst)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def wait(self, nbytes: int, rate: float) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(self._free_at, now) + nbytes / rate
+            until = self._free_at
+        delay = until - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+SLICE_BYTES = 64 << 10
+"""Bytes a capped link passes at a time."""
+
 _CONTENTS = re.compile(rb"<Contents>.*?</Contents>", re.S)
 SESSION_S = 300
 """How long a CreateSession's credentials last (S3 Express: five minutes)."""
@@ -233,10 +276,23 @@ class _Forward(http.server.BaseHTTPRequestHandler):
                     while self.rfile.readline() not in (b"\r\n", b"\n", b""):
                         pass  # trailers
                     return bytes(out)
-                out += self.rfile.read(size)
+                out += self._read(size)
                 self.rfile.readline()
         n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n else b""
+        return self._read(n) if n else b""
+
+    def _read(self, n: int) -> bytes:
+        """``n`` bytes of the request body, at the link's pace."""
+        if not self.owner.bytes_per_s:
+            return self.rfile.read(n)
+        out = bytearray()
+        while len(out) < n:
+            part = self.rfile.read(min(SLICE_BYTES, n - len(out)))
+            if not part:
+                break
+            self.owner.pace("up", len(part))
+            out += part
+        return bytes(out)
 
     def _upstream(self) -> http.client.HTTPConnection:
         conn = getattr(self, "_conn", None)
@@ -282,7 +338,13 @@ class _Forward(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", length)
         self.end_headers()
         if self.command != "HEAD" and data:
-            self.wfile.write(data)
+            if not self.owner.bytes_per_s:
+                self.wfile.write(data)
+                return
+            view = memoryview(data)
+            for i in range(0, len(view), SLICE_BYTES):
+                self.owner.pace("down", len(view[i : i + SLICE_BYTES]))
+                self.wfile.write(view[i : i + SLICE_BYTES])
 
     def _answer(self, status: int, reason: str, body: bytes) -> None:
         """An answer of the proxy's own (not the server's)."""

@@ -422,3 +422,16 @@ def test_a_default_chunk_fits_a_hybrid_models_blocks_one_set_by_hand_must_be_who
     assert S3KVConfig(chunk_tokens=1280).fit_block_size(640, chunk_tokens_set=True).chunk_tokens == 1280
     with pytest.raises(ConfigError, match="chunk_tokens: 256 is not a multiple of vLLM's block_size 640"):
         S3KVConfig().fit_block_size(640, chunk_tokens_set=True)
+
+
+def test_codec_auto_is_accepted_for_s3_and_disk():
+    c = parse_config({"bucket": "ok-bucket", "codec": "auto", "disk_codec": "AUTO", "disk_path": "/nvme/kv"})
+    assert c.codec == "auto" and c.disk_codec == "auto"
+
+
+@pytest.mark.parametrize("key", ["codec", "disk_codec"])
+@pytest.mark.parametrize("value", ["automatic", "lz4", "", 1, True])
+def test_a_bad_codec_names_the_key_and_every_choice(key, value):
+    with pytest.raises(ConfigError) as info:
+        parse_config({"bucket": "ok-bucket", key: value})
+    assert str(info.value).startswith(f"{key}: must be one of blosc2, zstd, none, auto; got {value!r}")
