@@ -65,6 +65,11 @@ MIN_WINDOWS = 4
 WINDOW_BYTES = 8 << 20
 """Stored bytes one window of transfers gathers (a busy period shorter than
 this adds to the next)."""
+BUSY_WINDOW_BYTES = 8 * WINDOW_BYTES
+"""A window closes when the link goes idle; one that stays busy closes once
+it gathered this much. A transfer's bytes count when it ends, and the
+transfers of a load end together: a window closed while many are in
+flight would time bytes it does not count yet."""
 KEEP = 16
 """Windows and calibrations kept; their medians are the estimates."""
 CPU_BOUND = 0.75
@@ -106,16 +111,16 @@ class Calibration:
 
 
 def calibrate(key: bytes, layers: Sequence[np.ndarray], base: ChunkCodec, level: int) -> Calibration:
-    """Encode ``layers`` uncompressed and compressed and decode each into a
-    scratch copy, timing the decodes with this thread's CPU clock (the
-    encode of the compressed form is the only work a store does more)."""
+    """Encode ``layers`` uncompressed and compressed and decode each into
+    this thread's scratch buffer (checked, then copied or decompressed in
+    one pass, as a load into a chunk's consecutive pages), timing the
+    decodes with this thread's CPU clock."""
     none = dataclasses.replace(base, codec=NONE)
     comp = dataclasses.replace(base, codec=COMPRESSED, level=level)
     blobs = (none.encode(key, layers), comp.encode(key, layers))
-    out = [np.empty(a.nbytes, np.uint8) for a in layers]
 
     def sink(i: int, data: np.ndarray) -> None:
-        np.copyto(out[i], np.frombuffer(data, np.uint8))
+        pass  # decoded into the thread's scratch buffer: one pass, as into a chunk's consecutive pages
 
     cpu = []
     for codec, blob in zip((none, comp), blobs):
@@ -243,7 +248,7 @@ class TierChoice:
         acc[0] += stored
         if raw:
             acc[5 if stored < raw * COMPRESSED_BELOW else 4] += raw
-        if self._since is None or (self._inflight and acc[0] < WINDOW_BYTES):
+        if self._since is None or (self._inflight and acc[0] < BUSY_WINDOW_BYTES):
             return
         now, pcpu, mcpu = self.clock(), self.process_cpu(), self.machine_cpu()
         t0, p0, m0 = self._since

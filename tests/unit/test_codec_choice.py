@@ -164,8 +164,14 @@ def test_a_long_busy_period_closes_windows_while_transfers_are_in_flight():
         for _ in range(3):
             with c.transfer() as m:
                 f.step(1.0)
+                m[:] = [cc.BUSY_WINDOW_BYTES, 0]
+            with c.transfer() as m:  # under a busy window's bytes: kept for the next
+                f.step(1.0)
                 m[:] = [cc.WINDOW_BYTES, 0]
-    assert [w.seconds for w in c.windows] == [pytest.approx(1.0)] * 3
+    # the last window closes when the link goes idle, with what it gathered
+    assert [w.seconds for w in c.windows] == [pytest.approx(s) for s in (1.0, 2.0, 2.0, 1.0)]
+    big, small = cc.BUSY_WINDOW_BYTES, cc.WINDOW_BYTES
+    assert [w.stored_bytes for w in c.windows] == [big, big + small, big + small, small]
 
 
 def test_calibration_measures_the_ratio_on_the_chunk_itself():
