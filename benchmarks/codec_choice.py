@@ -37,6 +37,8 @@ GOAL = (
 )
 BUCKET = "bench"
 LEARN_LOADS = 4
+IDLE_S = 0.2
+"""The link idle between auto's learning loads (its baseline of the machine's CPU is measured then)."""
 POLL_S = 0.001
 
 
@@ -185,10 +187,11 @@ def run(work: Path, quick: bool, mbps: float = 100.0) -> Result:
                 # auto learns from its own stores and loads, then stores the timed set in its pick.
                 _store(auto, learn_set)
                 for r in range(LEARN_LOADS):
+                    time.sleep(IDLE_S)  # the link idle, as between requests: the machine's baseline
                     _load(auto, loads_of(learn_set), into, f"learn-{li}-{r}")
                     check(learn_set, f"{link}: auto's learning load")
                 picked = choice.codec
-                est = choice.last
+                est = choice.estimate()
                 picks[link] = (picked, est.explain() if est is not None else "no estimate yet")
                 print(f"  {link}: auto picked {picked}: {picks[link][1]}")
                 for codec in ("none", "blosc2", "auto"):
@@ -215,7 +218,8 @@ def run(work: Path, quick: bool, mbps: float = 100.0) -> Result:
                         link,
                         round(med["none"] * 1000, 1),
                         round(med["blosc2"] * 1000, 1),
-                        f"{picked} (switches {choice.switches})",
+                        picked,
+                        "none" if choice.switches == 0 else f"{choice.switches}, now {choice.codec}",
                         round(med["auto"] * 1000, 1),
                         round(raw_mb / med["auto"]),
                         best_fixed,
@@ -260,6 +264,7 @@ def run(work: Path, quick: bool, mbps: float = 100.0) -> Result:
             "none ms",
             "blosc2 ms",
             "auto picked",
+            "auto's switches (to the end)",
             "auto ms",
             "auto KV MB/s",
             "faster fixed codec",

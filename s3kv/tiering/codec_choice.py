@@ -13,11 +13,15 @@ byte moved over it (its client: HTTP, TLS, buffers; the decode taken out),
 ``D_none`` and ``D_comp`` the raw bytes a CPU second checks and copies
 (codec none) or decodes (the compressed codec) into pages on this machine,
 ``r`` the ratio raw / compressed of this engine's own chunks, and ``k`` the
-cores the codec threads may use. A link that kept this machine's cores
-mostly busy (:data:`CPU_BOUND`, all processes counted) while it moved bytes
-was waiting on the CPU, not on the wire: its throughput says nothing of the
-wire, so ``B`` drops out and the CPU terms alone decide (compress only where
-the link's CPU that the smaller object saves pays for the decode). The
+cores the codec threads may use. A link whose transfers added most of this
+machine's cores to what it ran while the link was idle (:data:`CPU_BOUND`,
+every process counted: a server on this machine, as moto on loopback, is
+the link's too) was waiting on the CPU, not on the wire: its throughput
+says nothing of the wire, so ``B`` drops out and the CPU terms alone decide
+(compress only where the link's CPU that the smaller object saves pays for
+the decode). Work that runs whether the link moves bytes or not (a
+forward, other processes) is the machine's baseline, measured in the
+link's idle gaps, and not counted as the link's. The
 writer switches only when the other codec is clearly faster (:data:`MARGIN`
 hysteresis) and only on fresh evidence (:data:`MIN_WINDOWS` windows of
 transfers since the last switch, and a calibration): so it does not flap.
@@ -72,9 +76,12 @@ transfers of a load end together: a window closed while many are in
 flight would time bytes it does not count yet."""
 KEEP = 16
 """Windows and calibrations kept; their medians are the estimates."""
-CPU_BOUND = 0.75
-"""A link whose windows kept the machine's cores busy this much (a fraction of
-all of them, every process counted) waited on the CPU, not on the wire."""
+CPU_BOUND = 0.6
+"""A link whose windows added this much of the machine's cores (a fraction of
+all of them, every process counted, over the baseline of the link's idle
+gaps) waited on the CPU, not on the wire."""
+MIN_IDLE_S = 0.05
+"""An idle gap of the link this long or longer measures the machine's baseline."""
 CALIBRATE_EVERY = 64
 """After the first, one calibration in this many stores (the data drifts)."""
 COMPRESSED_BELOW = 0.97
@@ -154,8 +161,11 @@ class Estimate:
     link_bytes_per_s: float
     """Measured throughput of the link (stored bytes a second over its busy time)."""
     cpu_bound: bool
-    """The machine's cores were busy at least :data:`CPU_BOUND` while it moved bytes: ``B`` left out."""
+    """The link's transfers added at least :data:`CPU_BOUND` of the machine's cores: ``B`` left out."""
     busy: float
+    """The machine's cores the link's transfers added (a fraction of all), over :attr:`baseline`."""
+    baseline: float
+    """The machine's cores busy while the link was idle (a fraction of all)."""
     link_cpu_s_per_gb: float
     ratio: float
     decode_none_gb_s: float
@@ -167,9 +177,10 @@ class Estimate:
         return COMPRESSED if self.compressed_s < self.none_s else NONE
 
     def explain(self) -> str:
-        link = f"link {self.link_bytes_per_s / 1e6:.0f} MB/s with the machine {self.busy:.0%} busy" + (
-            " (CPU-bound: the wire is not the limit)" if self.cpu_bound else ""
-        )
+        link = (
+            f"link {self.link_bytes_per_s / 1e6:.0f} MB/s adding {self.busy:.0%} of the machine's cores to "
+            f"{self.baseline:.0%} busy without it"
+        ) + (" (CPU-bound: the wire is not the limit)" if self.cpu_bound else "")
         return (
             f"a GB of KV loads in ~{self.none_s:.2f} s uncompressed, ~{self.compressed_s:.2f} s compressed "
             f"({link}; link CPU {self.link_cpu_s_per_gb:.2f} s/GB; ratio {self.ratio:.2f}; check+copy "
@@ -216,6 +227,9 @@ class TierChoice:
         self.last: Estimate | None = None
         self._inflight = 0
         self._since: tuple[float, float, float] | None = None
+        self._idle_since: tuple[float, float] | None = None
+        self.baseline: deque[float] = deque(maxlen=KEEP)
+        """The machine's busy cores in the link's idle gaps of :data:`MIN_IDLE_S` or more."""
         self._acc = [0, 0.0, 0.0, 0.0, 0, 0]  # bytes, seconds, process CPU, machine CPU, raw none, raw comp
 
     def chunk_codec(self, base: ChunkCodec) -> ChunkCodec:
@@ -234,7 +248,11 @@ class TierChoice:
         raw bytes decoded; a store: raw 0). A failed one counts its time only."""
         now = self.clock()
         if self._inflight == 0:
-            self._since = (now, self.process_cpu(), self.machine_cpu())
+            machine = self.machine_cpu()
+            if self._idle_since is not None and now - self._idle_since[0] >= MIN_IDLE_S:
+                self.baseline.append((machine - self._idle_since[1]) / (now - self._idle_since[0]))
+            self._idle_since = None
+            self._since = (now, self.process_cpu(), machine)
         self._inflight += 1
         moved = [0, 0]
         try:
@@ -256,6 +274,8 @@ class TierChoice:
         acc[2] += pcpu - p0
         acc[3] += mcpu - m0
         self._since = (now, pcpu, mcpu) if self._inflight else None
+        if not self._inflight:
+            self._idle_since = (now, mcpu)
         if acc[0] >= WINDOW_BYTES and acc[1] > 0:
             self.windows.append(Window(int(acc[0]), acc[1], acc[2], acc[3], int(acc[4]), int(acc[5])))
             self.fresh += 1
@@ -276,7 +296,10 @@ class TierChoice:
             return None
         ratio, d_none, d_comp = cal.ratio, cal.none_bytes_per_cpu_s, cal.compressed_bytes_per_cpu_s
         b = statistics.median(w.stored_bytes / w.seconds for w in self.windows)
-        busy = statistics.median(w.machine_cpu_s / (w.seconds * self.machine_cores) for w in self.windows)
+        base = statistics.median(self.baseline) if self.baseline else 0.0
+        busy = (
+            statistics.median(w.machine_cpu_s / w.seconds - base for w in self.windows) / self.machine_cores
+        )
         c = statistics.median(
             max(0.0, w.process_cpu_s - w.raw_none / d_none - w.raw_compressed / d_comp) / w.stored_bytes
             for w in self.windows
@@ -287,7 +310,17 @@ class TierChoice:
         none_s = max(wire_none, (c * raw + raw / d_none) / self.cores)
         comp_s = max(wire_none / ratio, (c * raw / ratio + raw / d_comp) / self.cores)
         return Estimate(
-            none_s, comp_s, b, cpu_bound, busy, c * 1e9, ratio, d_none / 1e9, d_comp / 1e9, self.cores
+            none_s,
+            comp_s,
+            b,
+            cpu_bound,
+            max(0.0, busy),
+            base / self.machine_cores,
+            c * 1e9,
+            ratio,
+            d_none / 1e9,
+            d_comp / 1e9,
+            self.cores,
         )
 
     def decide(self) -> str | None:
