@@ -29,6 +29,7 @@ SUITE = (
     "codec",
     "s3_clients",
     "load_path",
+    "codec_choice",
     "store_path",
     "lookup",
     "ttft",

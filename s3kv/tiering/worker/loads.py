@@ -49,7 +49,7 @@ class _Promotion:
     key: bytes
     blob: bytes
 
-    def save(self, codec: ChunkCodec) -> Coroutine[Any, Any, None]:
+    def save(self, codec: ChunkCodec) -> Coroutine[Any, Any, int | None]:
         return self.handler.save(self.place, ChunkData(self.key, codec, blob=self.blob))
 
 
