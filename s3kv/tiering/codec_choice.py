@@ -21,10 +21,7 @@ says nothing of the wire, so ``B`` drops out and the CPU terms alone decide
 (compress only where the link's CPU that the smaller object saves pays for
 the decode). Work that runs whether the link moves bytes or not (a
 forward, other processes) is the machine's baseline, measured in the
-link's idle gaps, and not counted as the link's; but a machine left with
-no core to spare while the link moved bytes (:data:`SATURATED`, whoever's
-work it was) is CPU-bound too: a decode would take its core from someone,
-so it must pay for itself in CPU. The
+link's idle gaps, and not counted as the link's. The
 writer switches only when the other codec is clearly faster (:data:`MARGIN`
 hysteresis) and only on fresh evidence (:data:`MIN_WINDOWS` windows of
 transfers since the last switch, and a calibration): so it does not flap.
@@ -83,9 +80,6 @@ CPU_BOUND = 0.6
 """A link whose windows added this much of the machine's cores (a fraction of
 all of them, every process counted, over the baseline of the link's idle
 gaps) waited on the CPU, not on the wire."""
-SATURATED = 0.95
-"""A link whose windows found the machine's cores this busy (a fraction of
-all, every process counted, the baseline included) waited on the CPU too."""
 MIN_IDLE_S = 0.05
 """An idle gap of the link this long or longer measures the machine's baseline."""
 CALIBRATE_EVERY = 64
@@ -172,8 +166,6 @@ class Estimate:
     """The machine's cores the link's transfers added (a fraction of all), over :attr:`baseline`."""
     baseline: float
     """The machine's cores busy while the link was idle (a fraction of all)."""
-    total: float
-    """The machine's cores busy while the link moved bytes (a fraction of all, the baseline included)."""
     link_cpu_s_per_gb: float
     ratio: float
     decode_none_gb_s: float
@@ -187,7 +179,7 @@ class Estimate:
     def explain(self) -> str:
         link = (
             f"link {self.link_bytes_per_s / 1e6:.0f} MB/s adding {self.busy:.0%} of the machine's cores to "
-            f"{self.baseline:.0%} busy without it, {self.total:.0%} in all"
+            f"{self.baseline:.0%} busy without it"
         ) + (" (CPU-bound: the wire is not the limit)" if self.cpu_bound else "")
         return (
             f"a GB of KV loads in ~{self.none_s:.2f} s uncompressed, ~{self.compressed_s:.2f} s compressed "
@@ -312,8 +304,7 @@ class TierChoice:
             max(0.0, w.process_cpu_s - w.raw_none / d_none - w.raw_compressed / d_comp) / w.stored_bytes
             for w in self.windows
         )
-        total = statistics.median(w.machine_cpu_s / w.seconds for w in self.windows) / self.machine_cores
-        cpu_bound = busy >= CPU_BOUND or total >= SATURATED
+        cpu_bound = busy >= CPU_BOUND
         raw = 1e9
         wire_none = 0.0 if cpu_bound else raw / b
         none_s = max(wire_none, (c * raw + raw / d_none) / self.cores)
@@ -325,7 +316,6 @@ class TierChoice:
             cpu_bound,
             max(0.0, busy),
             base / self.machine_cores,
-            total,
             c * 1e9,
             ratio,
             d_none / 1e9,
