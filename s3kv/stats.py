@@ -254,28 +254,32 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "codec_compressed",
         "gauge",
-        "1 while a tier's writer under codec auto stores chunks compressed (blosc2), 0 while uncompressed",
+        "Worker ranks whose writer under codec auto stores a tier's chunks compressed (blosc2) now "
+        "(0: every rank stores them uncompressed)",
         "tier",
         ("disk", "s3"),
     ),
     Family(
         "codec_none_seconds_per_gb",
         "gauge",
-        "codec auto's estimate of the seconds a GB of KV takes to load from a tier stored uncompressed",
+        "codec auto's estimate (rank 0's) of the seconds a GB of KV takes to load from a tier stored "
+        "uncompressed",
         "tier",
         ("disk", "s3"),
     ),
     Family(
         "codec_compressed_seconds_per_gb",
         "gauge",
-        "codec auto's estimate of the seconds a GB of KV takes to load from a tier stored compressed",
+        "codec auto's estimate (rank 0's) of the seconds a GB of KV takes to load from a tier stored "
+        "compressed",
         "tier",
         ("disk", "s3"),
     ),
     Family(
         "codec_link_bytes_per_second",
         "gauge",
-        "codec auto's measure of a tier's link: stored bytes a second over the time a transfer was in flight",
+        "codec auto's measure (rank 0's) of a tier's link: stored bytes a second over the time a "
+        "transfer was in flight",
         "tier",
         ("disk", "s3"),
     ),

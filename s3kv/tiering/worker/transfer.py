@@ -114,7 +114,7 @@ class TransferEngine:
         if switched_from is not None:
             self.counters.add(f"codec_switches_{tier}")
         self.counters.set(f"codec_compressed_{tier}", int(choice.codec != "none"))
-        if est is not None:
+        if est is not None and self.s.timing:  # one rank's estimates (the gauges add up over ranks)
             self.counters.set(f"codec_none_seconds_per_gb_{tier}", round(est.none_s, 4))
             self.counters.set(f"codec_compressed_seconds_per_gb_{tier}", round(est.compressed_s, 4))
             self.counters.set(f"codec_link_bytes_per_second_{tier}", round(est.link_bytes_per_s))
