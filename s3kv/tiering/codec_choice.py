@@ -21,18 +21,25 @@ says nothing of the wire, so ``B`` drops out and the CPU terms alone decide
 (compress only where the link's CPU that the smaller object saves pays for
 the decode). Work that runs whether the link moves bytes or not (a
 forward, other processes) is the machine's baseline, measured in the
-link's idle gaps, and not counted as the link's. The
-writer switches only when the other codec is clearly faster (:data:`MARGIN`
+link's idle gaps, and not counted as the link's (on a machine that other
+work keeps saturated a link's own CPU cannot be told from the wire's: the
+other work yields its cores, and the rule sees the wire). The writer switches only when the other codec is clearly faster (:data:`MARGIN`
 hysteresis) and only on fresh evidence (:data:`MIN_WINDOWS` windows of
 transfers since the last switch, and a calibration): so it does not flap.
 
 ``D`` and ``r`` come from a calibration on the engine's own chunks: the
 first chunk a store encodes (and one in :data:`CALIBRATE_EVERY` after it)
-is encoded in the compressed codec as well and decoded both ways into a
-scratch copy, timed with the thread's CPU clock. ``B`` and ``c`` come from
+is encoded in the compressed codec as well and decoded both ways into the
+thread's scratch buffer, timed with the thread's CPU clock. ``B`` and ``c`` come from
 the transfers themselves (:class:`TierChoice.transfer`). Readers decode
 whatever codec an object's header names, so a bucket that holds both loads
 as any other, and a switch never touches what is stored.
+
+Who decides: each worker, for its own objects (the encode is on its store
+path, and its loads and stores are the link it measures). The scheduler
+side's cost model (:mod:`s3kv.tiering.scheduler.cost`) hears only rank 0's
+per-load timings in raw KV bytes with the decode inside them, which cannot
+tell the wire from the CPU.
 
 Nothing here imports vLLM or does I/O beyond reading ``/proc/stat``.
 """
