@@ -49,6 +49,7 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -123,8 +124,9 @@ class ChunkHeader:
     def signed(self) -> bool:
         return self.kid is not None
 
-    @property
+    @cached_property
     def object_length(self) -> int:
+        """Bytes of the whole object (asked more than once per load: worked out once)."""
         return max((f.end for f in self.frames), default=self.header_length)
 
     @property
