@@ -332,8 +332,11 @@ def check_frame(
 ) -> None:
     """Check frame ``index``'s stored bytes: its length, then its MAC (with
     ``keys``, and a header that passed them) or its checksum."""
+    if isinstance(stored, np.ndarray):
+        check_frame_parts(header, index, [stored], keys)
+        return
     frame = header.frames[index]
-    n = stored.nbytes if isinstance(stored, (np.ndarray, memoryview)) else len(stored)
+    n = stored.nbytes if isinstance(stored, memoryview) else len(stored)
     if n != frame.length:
         raise CorruptChunk(f"frame {index}: got {n} bytes, expected {frame.length}")
     if keys is not None:
