@@ -137,15 +137,26 @@ def check_blosc2_header(index: int, stored: bytes | memoryview, raw_length: int,
         raise CorruptChunk(f"frame {index}: blosc2 {why}")
 
 
+BLOSC2_BLOCKSIZE = 256 << 10
+"""The blocks s3kv's blosc2 frames are cut into (a smaller frame is one
+block). blosc2's own choice for KV pages at level 1 is 64 KiB; 256 KiB
+blocks decode faster (fewer zstd blocks, each with its tables to read) for
+0.3% more stored bytes (benchmarks/ANALYSIS.md, issue 31). The block size
+is a field of the chunk's header that every reader of blosc2 chunks
+follows: frames of either size are read alike, by this s3kv and older ones."""
+
+
 def blosc2_compress(raw: np.ndarray, itemsize: int, level: int) -> bytes:
     """One frame as a blosc2 chunk: shuffled by ``itemsize``, zstd at
-    ``level`` (clamped to blosc2's 1..9), on this thread only."""
+    ``level`` (clamped to blosc2's 1..9), in blocks of
+    :data:`BLOSC2_BLOCKSIZE`, on this thread only."""
     return blosc2.compress2(
         raw,
         typesize=itemsize,
         clevel=max(1, min(9, level)),
         codec=blosc2.Codec.ZSTD,
         filters=[blosc2.Filter.SHUFFLE],
+        blocksize=BLOSC2_BLOCKSIZE,
     )
 
 

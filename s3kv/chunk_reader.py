@@ -277,8 +277,11 @@ class ChunkReader:
     ) -> None:
         """:meth:`decode_frames` for the worker's loads: each frame is
         checked and decoded straight where ``into`` puts it
-        (:meth:`FrameInto.read_into`). What ``into`` raises, other than the
-        frame's own check, is raised as :class:`SinkFailed`."""
+        (:meth:`FrameInto.read_into`), from ``buf`` as the store holds it
+        (a view, never a copy). What ``into`` raises, other than the frame's
+        own check, is raised as :class:`SinkFailed`. One call per chunk (or
+        per ranged GET): the per-frame work is a slice, a check and a decode."""
+        frames = header.frames
         for i, stored in self._frames(header, buf, base, indexes, where):
             failed: list[BaseException] = []
 
@@ -292,7 +295,7 @@ class ChunkReader:
                     raise
 
             try:
-                into.read_into(i, header.frames[i].raw_length, read)
+                into.read_into(i, frames[i].raw_length, read)
             except Exception as e:
                 if failed and e is failed[0]:
                     raise
@@ -308,9 +311,11 @@ class ChunkReader:
     ) -> Iterator[tuple[int, memoryview]]:
         """(index, stored bytes) of frames ``indexes``; CorruptChunk where ``buf`` ends first."""
         mv = memoryview(buf)
+        size = mv.nbytes
+        frames = header.frames
         for i in indexes:
-            f = header.frames[i]
-            if f.end - base > len(buf):
+            f = frames[i]
+            if f.end - base > size:
                 raise CorruptChunk(_at(where, f"truncated in frame {i}"))
             yield i, mv[f.offset - base : f.end - base]
 
@@ -328,15 +333,19 @@ class ChunkReader:
         once checked. Nothing is written before the stored
         bytes passed."""
         f = header.frames[i]
-        with checking_bytes(where):
+        try:
             if len(out) == 1:
                 codec.decode_frame(header, i, stored, out=out[0], keys=self.keys)
                 return
             if header.codec == "none" and f.length == f.raw_length:  # never shuffled (parse_header)
                 codec.check_frame(header, i, stored, self.keys)
-                scatter(np.frombuffer(stored, dtype=np.uint8), out)
-                return
-            data = codec.decode_frame(header, i, stored, out=scratch_buffer(f.raw_length), keys=self.keys)
+                data = np.frombuffer(stored, dtype=np.uint8)
+            else:
+                data = codec.decode_frame(header, i, stored, out=scratch_buffer(f.raw_length), keys=self.keys)
+        except CorruptChunk:
+            raise
+        except Exception as e:  # what checking_bytes says, without a context manager per frame
+            raise as_corrupt(e, where) from e
         scatter(data, out)
 
     def decode(

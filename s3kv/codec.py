@@ -49,7 +49,8 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import cached_property
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import xxhash
@@ -83,8 +84,10 @@ VERSION_CODECS = {
 MAX_SHUFFLE = 16
 
 
-@dataclass(frozen=True)
-class Frame:
+class Frame(NamedTuple):
+    """One layer's entry in the frame table (a tuple: a header has one per
+    layer, and a load parses a header per chunk)."""
+
     offset: int
     length: int
     raw_length: int
@@ -121,8 +124,9 @@ class ChunkHeader:
     def signed(self) -> bool:
         return self.kid is not None
 
-    @property
+    @cached_property
     def object_length(self) -> int:
+        """Bytes of the whole object (asked more than once per load: worked out once)."""
         return max((f.end for f in self.frames), default=self.header_length)
 
     @property
@@ -328,7 +332,17 @@ def check_frame(
 ) -> None:
     """Check frame ``index``'s stored bytes: its length, then its MAC (with
     ``keys``, and a header that passed them) or its checksum."""
-    check_frame_parts(header, index, [stored], keys)
+    if isinstance(stored, np.ndarray):
+        check_frame_parts(header, index, [stored], keys)
+        return
+    frame = header.frames[index]
+    n = stored.nbytes if isinstance(stored, memoryview) else len(stored)
+    if n != frame.length:
+        raise CorruptChunk(f"frame {index}: got {n} bytes, expected {frame.length}")
+    if keys is not None:
+        check_frame_parts_mac(header, index, [stored], keys)
+    elif xxhash.xxh3_64_intdigest(stored) != frame.checksum:
+        raise CorruptChunk(f"frame {index}: checksum mismatch")
 
 
 def check_frame_parts(

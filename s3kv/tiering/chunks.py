@@ -330,13 +330,25 @@ async def _fetch_frames(
     executor: concurrent.futures.Executor | None,
     keep_blob: bool,
 ) -> tuple[int, bytes | None]:
+    """Check and decode the frames of ``first`` (the object's first bytes)
+    and of the ranged GETs that fetch the rest, each range on the executor
+    as it arrives. A chunk the first GET brought whole (one of
+    ``range_bytes`` or less: the usual case) takes one hop to the executor
+    for all of its frames, and its bytes are used where the store holds them."""
     loop = asyncio.get_running_loop()
+    read_frames = chunk_codec.reader.read_frames  # on the executor's threads: the CPU work
+    have = len(first)
+    groups = plan_ranges(header.frames, have, range_bytes)
+    if not groups:  # every frame is in ``first``, which is then the whole object
+        if header.frames:
+            await loop.run_in_executor(
+                executor, read_frames, header, first, 0, range(len(header.frames)), into, where
+            )
+        return have, bytes(first) if keep_blob else None
+
     whole = bytearray(header.object_length) if keep_blob else None
     if whole is not None:
         whole[: len(first)] = first
-    read_frames = chunk_codec.reader.read_frames  # on the executor's threads: the CPU work
-
-    have = len(first)
     ready = [i for i, f in enumerate(header.frames) if f.end <= have]
     jobs = (
         [loop.run_in_executor(executor, read_frames, header, first, 0, ready, into, where)] if ready else []
@@ -351,7 +363,7 @@ async def _fetch_frames(
         await loop.run_in_executor(executor, read_frames, header, buf, start, indexes, into, where)
         return len(buf)
 
-    jobs += [fetch_and_decode(*g) for g in plan_ranges(header.frames, have, range_bytes)]
+    jobs += [fetch_and_decode(*g) for g in groups]
     results = await asyncio.gather(*jobs, return_exceptions=True)
     for r in results:
         if isinstance(r, BaseException):

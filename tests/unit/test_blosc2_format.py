@@ -205,3 +205,26 @@ def test_every_blosc2_chunk_s3kv_writes_passes_the_check_and_decodes():
                     assert np.array_equal(out, raw), (itemsize, n, kind, level)
     # zstd; copied; copied without a compressor (< 32 bytes); unsplit; zeros
     assert {(0x85, 0), (0x87, 0), (0x07, 0), (0x95, 0), (0x85, 0x10)} <= forms, forms
+
+
+def test_frames_are_written_in_blocks_of_256_kib_and_read_in_any_block_size():
+    """The writer cuts a frame into BLOSC2_BLOCKSIZE blocks (a smaller frame
+    is one block), which decode faster than blosc2's own 64 KiB choice; the
+    block size is the chunk header's, so a frame in blosc2's own blocks (as
+    s3kv wrote them before) passes the check and decodes as well."""
+    import blosc2
+
+    for n in (4096, 256 << 10, 1 << 20):
+        raw = _bf16(n)
+        stored = blosc2_format.blosc2_compress(raw, 2, 1)
+        assert _b2_header(stored).blocksize == min(n, blosc2_format.BLOSC2_BLOCKSIZE)
+        older = blosc2.compress2(
+            raw, typesize=2, clevel=1, codec=blosc2.Codec.ZSTD, filters=[blosc2.Filter.SHUFFLE]
+        )
+        if n > 64 << 10:
+            assert _b2_header(older).blocksize < _b2_header(stored).blocksize
+        for frame in (stored, older):
+            blosc2_format.check_blosc2_header(0, frame, n, 2)
+            out = np.full(n, 0xA5, np.uint8)
+            blosc2_format.decode_blosc2(0, frame, n, 2, out)
+            assert np.array_equal(out, raw)
