@@ -178,8 +178,8 @@ def run(work: Path, quick: bool) -> Result:
         f"A {tokens}-token prompt{quick_note}, one of it: each row is one request, after one uncounted "
         f"{WARMUP_TOKENS}-token warm-up per engine. TTFT is vLLM's first_token_latency (arrival to first "
         "token). Ratios are to the reference: s3kv's engine with empty tiers computing the prompt (it also "
-        "copies the KV out and stores it to CPU, NVMe and S3, which the 8k benchmark found to cost a "
-        "recompute little); no connector-less recompute is run, to save another multi-minute prefill.",
+        "copies the KV out and stores it to CPU, NVMe and S3: ttft's 8k rows put that engine beside "
+        "vLLM's recompute without a connector); no connector-less recompute is run, to save another multi-minute prefill.",
         f"Model: ttft's (the demo's random Llama, hidden 1024, 8 layers, 4 KV heads, bf16) with "
         f"max_position_embeddings {POSITIONS}, max_model_len {MAX_MODEL_LEN}; prefill in steps of "
         f"{STEP_TOKENS} tokens (chunked prefill); KV cache {KV_CACHE_BYTES >> 30} GiB an engine; vLLM's "
