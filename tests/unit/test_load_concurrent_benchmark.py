@@ -26,11 +26,12 @@ def test_p99_is_a_sample_from_the_tail() -> None:
 
 
 def test_summary_pools_chunks_and_takes_the_median_rate() -> None:
-    runs = [Run(1.0, [0.1, 0.2]), Run(2.0, [0.3, 0.4]), Run(4.0, [0.5, 0.6])]
+    runs = [Run(1.0, [0.1, 0.2], 3.0), Run(2.0, [0.3, 0.4], 1.0), Run(4.0, [0.5, 0.6], 2.0)]
     s = summarize(runs, nbytes=4_000_000_000, chunks=2)
     assert s.gbps == 2.0  # rates 4, 2, 1 GB/s
     assert s.p50_ms == pytest.approx(300.0)  # nearest rank: the third of six
     assert s.p99_ms == pytest.approx(600.0)
+    assert s.cpu_s_per_gb == pytest.approx(0.5)  # CPU 1, 2, 3 s for 4 GB: the median 2 s
     with pytest.raises(ValueError):
         summarize(runs, nbytes=1, chunks=3)  # a run that timed fewer chunks than it loaded
 
