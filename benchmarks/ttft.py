@@ -22,8 +22,12 @@ step):
   off): its hits are S3 loads, which the workers' counters must show;
 - ``s3_default``: an engine with s3kv's default tiers (an empty NVMe
   directory, prefetch on), loading the same prompts from S3: what a user
-  gets. It and ``s3`` run side by side (``benchmarks._multi_runner``: both
-  engines alive, taking turns, the order turning with each prompt);
+  gets;
+- ``s3_no_prefetch``: the default config with prefetch off (an empty NVMe
+  directory of its own): what prefetch adds to, or costs, an idle
+  replica's S3 hit. It, ``s3`` and ``s3_default`` run side by side
+  (``benchmarks._multi_runner``: the three engines alive, taking turns, the
+  order turning with each prompt);
 - ``example``: vLLM's ExampleConnector (safetensors files per layer, loaded
   synchronously in ``start_load_kv``): an engine computes and saves, a
   restarted one loads;
@@ -53,7 +57,8 @@ TITLE = "TTFT of an 8k-token prompt: recompute vs s3kv's CPU, NVMe and S3 tiers 
 GOAL = (
     "s3kv hit TTFT <= 0.1x recompute from CPU, <= 0.2x from NVMe, <= 0.3x from S3; "
     "s3kv's NVMe hit <= 0.5x ExampleConnector's hit (equal work); the default config's S3 hit "
-    "<= 1.1x an S3-only engine's (a lower tier and prefetch never slow an idle replica's hit)"
+    "<= 1.1x an S3-only engine's, and <= 1.1x the same config's with prefetch off (a lower tier and "
+    "prefetch never slow an idle replica's hit)"
 )
 
 BUCKET = "bench"
@@ -62,9 +67,13 @@ WARMUP_TOKENS = 512
 MAX_TOKENS = 8
 TAIL_TOKENS = 2
 """Tokens past the last chunk (and block) boundary: what every hit leaves vLLM to compute."""
-GOALS = {"cpu": 0.1, "nvme": 0.2, "s3": 0.3, "s3_default": 0.3}
+GOALS = {"cpu": 0.1, "nvme": 0.2, "s3": 0.3, "s3_default": 0.3, "s3_no_prefetch": 0.3}
 GOAL_VS_EXAMPLE = 0.5
 GOAL_DEFAULT_VS_S3 = 1.1
+GOAL_PREFETCH_VS_OFF = 1.1
+"""The default config's S3 hit over the same hit with prefetch off: issue 31
+asks for the comparison and names no bound; the same as the S3-only one
+(prefetch never slows an idle replica's hit)."""
 LABELS = {
     "recompute": "s3kv, empty tiers: computes and stores",
     "vllm": "recompute (vLLM, no connector)",
@@ -73,6 +82,7 @@ LABELS = {
     "nvme": "s3kv hit: NVMe tier",
     "s3": "s3kv hit: S3 (S3 the only tier, prefetch off)",
     "s3_default": "s3kv hit from S3, default config (NVMe tier, prefetch on)",
+    "s3_no_prefetch": "s3kv hit from S3, default config with prefetch off (NVMe tier)",
     "example_save": "ExampleConnector: compute + save",
     "example": "ExampleConnector: hit",
 }
@@ -84,13 +94,25 @@ REFERENCE: dict[str, str | None] = {
     "nvme": "vllm_hit",
     "s3": "vllm_hit",
     "s3_default": "vllm_hit",
+    "s3_no_prefetch": "vllm_hit",
     "example_save": "recompute",
     "example": "vllm_hit",
 }
 """Whose outputs each row's must equal: the recompute, or (for hits, which
 compute the prompt's last tokens on top of loaded KV) vLLM's own prefix-cache
 hit, which splits the prompt the same way."""
-ROWS = ("vllm", "recompute", "vllm_hit", "cpu", "nvme", "s3", "s3_default", "example_save", "example")
+ROWS = (
+    "vllm",
+    "recompute",
+    "vllm_hit",
+    "cpu",
+    "nvme",
+    "s3",
+    "s3_default",
+    "s3_no_prefetch",
+    "example_save",
+    "example",
+)
 
 
 def _engine_args(max_model_len: int) -> dict[str, Any]:
@@ -208,7 +230,8 @@ def run(work: Path, quick: bool) -> Result:
     warm = [rng.randrange(3, 2000) for _ in range(WARMUP_TOKENS)]
     prompts = [[rng.randrange(3, 2000) for _ in range(tokens)] for _ in range(n)]
     disk, empty_disk, example_dir = work / "disk", work / "empty-disk", work / "example"
-    for d in (disk, empty_disk, example_dir):
+    empty_disk_off = work / "empty-disk-no-prefetch"
+    for d in (disk, empty_disk, empty_disk_off, example_dir):
         shutil.rmtree(d, ignore_errors=True)
     example_dir.mkdir(parents=True)
 
@@ -237,8 +260,10 @@ def run(work: Path, quick: bool) -> Result:
         evicted = drop_page_cache(disk)
         b = run_replica(work, "ttft-nvme", spec(_s3kv(ep, disk_path=str(disk)), [warm, *prompts]))
         runs["nvme"] = (b, first)
-        # Two engines alive at once (their KV caches sized, not a share of
-        # memory each): S3 the only tier, and the defaults.
+        # Three engines alive at once (their KV caches sized, not a share of
+        # memory each): S3 the only tier, the defaults, and the defaults
+        # with prefetch off (an NVMe directory of its own: none hits the
+        # copies another wrote).
         args = {**_engine_args(max_model_len), "kv_cache_memory_bytes": 1 << 30}
         args.pop("gpu_memory_utilization")
         both = _side_by_side(
@@ -250,11 +275,16 @@ def run(work: Path, quick: bool) -> Result:
                     "engine_args": args,
                     "kv_transfer_config": _s3kv(ep, disk_path=str(empty_disk)),
                 },
+                "s3_no_prefetch": {
+                    "engine_args": args,
+                    "kv_transfer_config": _s3kv(ep, disk_path=str(empty_disk_off), prefetch_bytes=0),
+                },
             },
             warm,
             prompts,
         )
-        runs["s3"], runs["s3_default"] = (both["s3"], slice(0, n)), (both["s3_default"], slice(0, n))
+        for key in ("s3", "s3_default", "s3_no_prefetch"):
+            runs[key] = (both[key], slice(0, n))
     finally:
         server.stop()
     d = run_replica(work, "ttft-example-save", spec(_example(example_dir), [warm, *prompts]))
@@ -266,7 +296,7 @@ def run(work: Path, quick: bool) -> Result:
     # compute the same last tokens as every other hit here.
     f = run_replica(work, "ttft-vllm", spec(None, [warm, *prompts, *prompts], enable_prefix_caching=True))
     runs["vllm"], runs["vllm_hit"] = (f, first), (f, second)
-    for p in (disk, empty_disk, example_dir):
+    for p in (disk, empty_disk, empty_disk_off, example_dir):
         shutil.rmtree(p, ignore_errors=True)
 
     per_prompt = (tokens - TAIL_TOKENS) // CHUNK_TOKENS
@@ -277,7 +307,7 @@ def run(work: Path, quick: bool) -> Result:
         "nvme": {k: _worker_total(b, k) for k in TIER_COUNTERS.values()},
         **{
             key: {k: sum(w.get(k, 0) for w in both[key]["turn_workers"]) for k in TIER_COUNTERS.values()}
-            for key in ("s3", "s3_default")
+            for key in ("s3", "s3_default", "s3_no_prefetch")
         },
     }
     ttft = {key: median(r["ttft_s"][sl]) for key, (r, sl) in runs.items()}
@@ -321,7 +351,12 @@ def run(work: Path, quick: bool) -> Result:
         bars.append(Bar(key, round(ratio, 3)))
     vs_example = ttft["nvme"] / ttft["example"]
     default_vs_s3 = ttft["s3_default"] / ttft["s3"]
+    prefetch_vs_off = ttft["s3_default"] / ttft["s3_no_prefetch"]
     per_turn = [d / s for d, s in zip(runs["s3_default"][0]["ttft_s"], runs["s3"][0]["ttft_s"], strict=True)]
+    per_turn_off = [
+        d / s
+        for d, s in zip(runs["s3_default"][0]["ttft_s"], runs["s3_no_prefetch"][0]["ttft_s"], strict=True)
+    ]
     rows.append(
         [
             "s3kv NVMe hit / ExampleConnector hit",
@@ -344,6 +379,17 @@ def run(work: Path, quick: bool) -> Result:
             f"<= {GOAL_DEFAULT_VS_S3}x",
         ]
     )
+    rows.append(
+        [
+            "s3kv S3 hit: default config / the same with prefetch off",
+            "",
+            round(prefetch_vs_off, 3),
+            "",
+            "",
+            "",
+            f"<= {GOAL_PREFETCH_VS_OFF}x",
+        ]
+    )
 
     misses = []
     for key, goal in GOALS.items():
@@ -361,6 +407,12 @@ def run(work: Path, quick: bool) -> Result:
             f"the default config's S3 hit is {default_vs_s3:.3f}x the S3-only engine's "
             f"({ttft['s3_default'] * 1000:.0f} vs {ttft['s3'] * 1000:.0f} ms; goal {GOAL_DEFAULT_VS_S3}x)"
         )
+    if prefetch_vs_off > GOAL_PREFETCH_VS_OFF:
+        misses.append(
+            f"the default config's S3 hit is {prefetch_vs_off:.3f}x the same config's with prefetch off "
+            f"({ttft['s3_default'] * 1000:.0f} vs {ttft['s3_no_prefetch'] * 1000:.0f} ms; goal "
+            f"{GOAL_PREFETCH_VS_OFF}x)"
+        )
     misses += [f"{LABELS[key]}: outputs differ from vLLM's (recompute and prefix-cache hit)" for key in wrong]
 
     # A row whose hits did not come from its tier measures something else.
@@ -368,6 +420,7 @@ def run(work: Path, quick: bool) -> Result:
         "cpu": ("load_chunks_cpu", n * per_prompt),
         "nvme": ("load_chunks_disk", n * per_prompt + warm_chunks),
         "s3": ("load_chunks_s3", n * per_prompt),
+        "s3_no_prefetch": ("load_chunks_s3", n * per_prompt),
     }
     invalid = [
         f"invalid: the {key} row loaded {_loaded(loaded[key])} chunk shards, expected {want} from "
@@ -379,7 +432,7 @@ def run(work: Path, quick: bool) -> Result:
     invalid += [
         f"invalid: {LABELS[key]} had {min(runs[key][0]['num_cached_tokens'][runs[key][1]])} tokens cached, "
         f"not {tokens - TAIL_TOKENS}"
-        for key in ("vllm_hit", "cpu", "nvme", "s3", "s3_default", "example")
+        for key in ("vllm_hit", "cpu", "nvme", "s3", "s3_default", "s3_no_prefetch", "example")
         if min(runs[key][0]["num_cached_tokens"][runs[key][1]]) != tokens - TAIL_TOKENS
     ]
     misses = invalid + misses
@@ -390,6 +443,12 @@ def run(work: Path, quick: bool) -> Result:
         f"{dm.get('vllm:s3kv_prefetch_chunks_started', 0):.0f} chunks prefetched, "
         f"{sum(w.get('store_chunks_disk', 0) for w in both['s3_default']['turn_workers']):.0f} copied into "
         "its NVMe tier"
+    )
+    om = both["s3_no_prefetch"]["metrics"]
+    off_how = (
+        f"planned from S3 {om.get('vllm:s3kv_hit_tokens_s3', 0):.0f} tokens, from NVMe "
+        f"{om.get('vllm:s3kv_hit_tokens_disk', 0):.0f}, "
+        f"{om.get('vllm:s3kv_prefetch_chunks_started', 0):.0f} chunks prefetched"
     )
     notes = [
         f"{tokens}-token prompts{' (quick run: a shorter prompt, one repeat; a hit saves less of it)' if quick else ''}; each row is "
@@ -409,12 +468,15 @@ def run(work: Path, quick: bool) -> Result:
         "(a prefetch's fetches from S3 count as S3 loads). The S3 row's engine has S3 as its only tier and "
         "prefetch off, and must have loaded every chunk from S3 and nothing else; the CPU and NVMe rows "
         "likewise from theirs.",
-        "S3 rows side by side: the S3-only engine and the default-config engine (an empty NVMe directory, "
-        "prefetch on) are alive at once (benchmarks._multi_runner: a process each, one driver) and take "
-        "turns, the order turning with each prompt, each idle when its request arrives (the turn before "
-        "drained), KV cache 1 GiB each. Per prompt, default / S3 only: "
+        "S3 rows side by side: the S3-only engine, the default-config engine (an empty NVMe directory, "
+        "prefetch on) and the default config with prefetch off (an empty NVMe directory of its own) are "
+        "alive at once (benchmarks._multi_runner: a process each, one driver) and take turns, the order "
+        "turning with each prompt, each idle when its request arrives (the turn before drained), KV cache "
+        "1 GiB each. Per prompt, default / S3 only: "
         + ", ".join(f"{x:.3f}x" for x in per_turn)
-        + f". The default-config engine: {default_how}.",
+        + "; default / prefetch off: "
+        + ", ".join(f"{x:.3f}x" for x in per_turn_off)
+        + f". The default-config engine: {default_how}; with prefetch off: {off_how}.",
         "Correctness: each row's greedy tokens must equal those of vLLM computing the same prompt, either as "
         "a full recompute or as a hit of its own prefix cache (the last tokens computed on cached KV): a "
         "random model's near-ties flip with the split of the prompt (a full prefill vs cached KV plus a "
@@ -423,7 +485,7 @@ def run(work: Path, quick: bool) -> Result:
         "restarted engine reads them (ExampleConnector's files likewise), so both read the device. S3 is "
         "moto on loopback (objects in RAM): its CPU time comes out of the same 2 cores as the engine's and "
         "s3kv's, which a remote S3 would not.",
-        f"Seven engines start (~30-40 s each here), which bounds the run time{' even of a quick run' if quick else ''}.",
+        f"Eight engines start (~30-40 s each here), which bounds the run time{' even of a quick run' if quick else ''}.",
     ]
     return Result(
         name=NAME,
