@@ -4,12 +4,22 @@ late write reaches blocks that are no longer the attempt's."""
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
-from s3kv.frame_sinks import FrameRead, FrameSink, PageTarget, scatter, scratch_buffer
+from s3kv.frame_sinks import (
+    ChunkFrames,
+    FrameRead,
+    FrameSink,
+    PageTarget,
+    chunk_scratch,
+    scatter,
+    scratch_buffer,
+)
 from s3kv.tiering.plan import LoadChunk
 
 
@@ -77,7 +87,8 @@ class Gate:
         still open. A read that returns after its load went on to the next
         source or gave its blocks back lands there, and goes no further."""
         if may_stall:
-            self._read_aside(layer, nbytes, read)
+            if self._open:
+                self._read_aside(layer, nbytes, read, self._target(layer))
             return
         with self._lock:
             if not self._open:
@@ -91,11 +102,56 @@ class Gate:
             read(target.buffers)
             self._commit(layer, nbytes, target, target.buffers)
 
-    def _read_aside(self, layer: int, nbytes: int, read: FrameRead) -> None:
-        """:meth:`read_into` for a read that may stall: read, then take the lock."""
+    def read_chunk_into(self, frames: ChunkFrames) -> None:
+        """Have every layer's frame of ``frames`` (a chunk's frames as
+        stored, one after another) read where it goes, checked there, then
+        committed and handed to the fills, in order, in two phases:
+
+        - What the page cache holds, in one pass (:meth:`ChunkFrames.cached`,
+          one read for the whole chunk, which never waits for a device)
+          under the lock, straight into each frame's target: the pages
+          themselves on the host, one copy in all. This is :meth:`read_into`'s
+          contract for a read that cannot stall: each frame is checked
+          after it was written there, so one that fails has written blocks
+          of this load alone, and fails it. :meth:`close` may wait for this
+          pass: a copy of a chunk, never a disk.
+        - Every frame from the first it did not get whole (not cached, a
+          short read) as :meth:`read_into` reads one that may stall: outside
+          the lock, into the target's private buffer or this thread's
+          scratch buffer, checked there, copied into the pages under the
+          lock if the gate is still open. A frame the first pass got only in
+          part is read again whole.
+
+        Nothing happens once the gate is closed."""
         if not self._open:
             return
-        target = self._target(layer)
+        nbytes = frames.nbytes
+        targets = [self._target(i) for i in range(len(nbytes))]
+        done = 0
+        with self._lock:
+            if not self._open:
+                return
+            parts = _destinations(targets, nbytes)
+            got = frames.cached([b for p in parts for b in p])
+            for i, n in enumerate(nbytes):
+                if got < n:
+                    break
+                got -= n
+                frames.check(i, parts[i])
+                target = targets[i]
+                if target is None:
+                    self._write(i, parts[i][0])
+                else:
+                    self._commit(i, n, target, parts[i])
+                done = i + 1
+        for i in range(done, len(nbytes)):
+            if not self._open:
+                return
+            self._read_aside(i, nbytes[i], functools.partial(frames.read, i), targets[i])
+
+    def _read_aside(self, layer: int, nbytes: int, read: FrameRead, target: PageTarget | None) -> None:
+        """:meth:`read_into` for a read that may stall (into ``target``, the
+        layer's): read, then take the lock."""
         parts = target.buffers if target is not None and target.private else [scratch_buffer(nbytes)]
         read(parts)
         with self._lock:
@@ -120,3 +176,19 @@ class Gate:
     def close(self) -> None:
         with self._lock:
             self._open = False
+
+
+def _destinations(targets: list[PageTarget | None], nbytes: Sequence[int]) -> list[list[np.ndarray]]:
+    """Where each frame of a chunk is read in one pass: its target's
+    buffers, or (a frame with no target: written, not read into place) a
+    part of this thread's chunk scratch buffer."""
+    spare = chunk_scratch(sum(n for t, n in zip(targets, nbytes) if t is None))
+    parts: list[list[np.ndarray]] = []
+    at = 0
+    for target, n in zip(targets, nbytes):
+        if target is None:
+            parts.append([spare[at : at + n]])
+            at += n
+        else:
+            parts.append(target.buffers)
+    return parts
