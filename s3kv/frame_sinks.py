@@ -62,10 +62,11 @@ class ChunkFrames(Protocol):
         page cache, or no such read here). Never waits on a disk, so it may
         run under a lock a load's other paths need."""
 
-    def read(self, frame: int, out: list[np.ndarray]) -> None:
-        """Read frame ``frame`` into ``out`` (their sizes summing to its
-        bytes) and check it there (see :data:`FrameRead`); may wait on a
-        device that never answers."""
+    def read(self, frame: int, out: list[np.ndarray], start: int = 0) -> None:
+        """Read frame ``frame``'s bytes from byte ``start`` of it on into
+        ``out`` (their sizes summing to what is left), unchecked;
+        CorruptChunk where the file ends first. May wait on a device that
+        never answers."""
 
     def check(self, frame: int, parts: Sequence[np.ndarray]) -> None:
         """Raise CorruptChunk unless ``parts`` (in order) hold frame

@@ -40,4 +40,5 @@ class Frames:
         for layer, nbytes in enumerate(frames.nbytes):
             buf = scratch_buffer(nbytes)
             frames.read(layer, [buf])
+            frames.check(layer, [buf])
             self.sink(layer, buf)

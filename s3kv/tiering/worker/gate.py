@@ -115,12 +115,14 @@ class Gate:
           after it was written there, so one that fails has written blocks
           of this load alone, and fails it. :meth:`close` may wait for this
           pass: a copy of a chunk, never a disk.
-        - Every frame from the first it did not get whole (not cached, a
-          short read) as :meth:`read_into` reads one that may stall: outside
-          the lock, into the target's private buffer or this thread's
-          scratch buffer, checked there, copied into the pages under the
-          lock if the gate is still open. A frame the first pass got only in
-          part is read again whole.
+        - The rest, from where that pass stopped (EAGAIN, a short read), as
+          :meth:`read_into` reads a frame that may stall: outside the lock,
+          into a buffer of this read's own (the target's private buffer, or
+          this thread's scratch buffer), then under the lock, if the gate is
+          still open, copied into the pages, checked, committed. The frame
+          the first pass got in part is read on from where it stopped (so
+          the file is read in order: the kernel's readahead sees one
+          sequential stream) and checked whole once its rest is in place.
 
         Nothing happens once the gate is closed."""
         if not self._open:
@@ -138,16 +140,51 @@ class Gate:
                     break
                 got -= n
                 frames.check(i, parts[i])
-                target = targets[i]
-                if target is None:
-                    self._write(i, parts[i][0])
-                else:
-                    self._commit(i, n, target, parts[i])
+                self._done(i, n, targets[i], parts[i])
                 done = i + 1
+        if done < len(nbytes) and got:
+            if not self._read_rest(done, nbytes[done], got, frames, targets[done], parts[done]):
+                return
+            done += 1
         for i in range(done, len(nbytes)):
             if not self._open:
                 return
-            self._read_aside(i, nbytes[i], functools.partial(frames.read, i), targets[i])
+            self._read_aside(i, nbytes[i], functools.partial(_read_checked, frames, i), targets[i])
+
+    def _read_rest(
+        self,
+        layer: int,
+        nbytes: int,
+        start: int,
+        frames: ChunkFrames,
+        target: PageTarget | None,
+        parts: list[np.ndarray],
+    ) -> bool:
+        """Read frame ``layer`` on from byte ``start`` (its bytes before are
+        in ``parts``, its destination) as a read that may stall, then check
+        it whole and commit it; False if the gate closed meanwhile. Where
+        ``parts`` are this read's own (a private target; no target: the
+        chunk scratch) the rest goes straight there, else into this
+        thread's scratch buffer, copied into the pages under the lock."""
+        own = target is None or target.private
+        rest = _after(parts, start) if own else [scratch_buffer(nbytes - start)]
+        frames.read(layer, rest, start)
+        with self._lock:
+            if not self._open:  # the attempt is over: the bytes stay where they are
+                return False
+            if not own:
+                scatter(rest[0], _after(parts, start))
+            frames.check(layer, parts)
+            self._done(layer, nbytes, target, parts)
+        return True
+
+    def _done(self, layer: int, nbytes: int, target: PageTarget | None, parts: list[np.ndarray]) -> None:
+        """Frame ``layer`` is checked in ``parts`` (its target's buffers, or
+        a buffer of its own without one): commit it, or write it."""
+        if target is None:
+            self._write(layer, parts[0])
+        else:
+            self._commit(layer, nbytes, target, parts)
 
     def _read_aside(self, layer: int, nbytes: int, read: FrameRead, target: PageTarget | None) -> None:
         """:meth:`read_into` for a read that may stall (into ``target``, the
@@ -192,3 +229,21 @@ def _destinations(targets: list[PageTarget | None], nbytes: Sequence[int]) -> li
         else:
             parts.append(target.buffers)
     return parts
+
+
+def _after(parts: list[np.ndarray], start: int) -> list[np.ndarray]:
+    """Views of ``parts`` (in order) from byte ``start`` of them on."""
+    out: list[np.ndarray] = []
+    for p in parts:
+        if start >= p.nbytes:
+            start -= p.nbytes
+            continue
+        out.append(p[start:])
+        start = 0
+    return out
+
+
+def _read_checked(frames: ChunkFrames, frame: int, out: list[np.ndarray]) -> None:
+    """Frame ``frame`` of ``frames`` read into ``out``, then checked there (a :data:`FrameRead`)."""
+    frames.read(frame, out)
+    frames.check(frame, out)

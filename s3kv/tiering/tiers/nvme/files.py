@@ -228,11 +228,10 @@ class FileFrames:
             return 0
         return got
 
-    def read(self, frame: int, out: list[np.ndarray]) -> None:
+    def read(self, frame: int, out: list[np.ndarray], start: int = 0) -> None:
         f = self._header.frames[frame]
-        if preadv_all(self._fd, out, f.offset) != f.length:
+        if preadv_all(self._fd, out, f.offset + start) != f.length - start:
             raise CorruptChunk(f"{self._where}: truncated in frame {frame}")
-        self.check(frame, out)
 
     def check(self, frame: int, parts: Sequence[np.ndarray]) -> None:
         try:  # checking_bytes(), at no context manager's cost a frame
