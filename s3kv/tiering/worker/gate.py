@@ -118,11 +118,12 @@ class Gate:
         - The rest, from where that pass stopped (EAGAIN, a short read), as
           :meth:`read_into` reads a frame that may stall: outside the lock,
           into a buffer of this read's own (the target's private buffer, or
-          this thread's scratch buffer), then under the lock, if the gate is
-          still open, copied into the pages, checked, committed. The frame
-          the first pass got in part is read on from where it stopped (so
-          the file is read in order: the kernel's readahead sees one
-          sequential stream) and checked whole once its rest is in place.
+          this thread's scratch buffer) and checked there, then, under the
+          lock and if the gate is still open, copied into the pages and
+          committed. The frame the first pass got in part is read on from
+          where it stopped (so the file is read in order: the kernel's
+          readahead sees one sequential stream), and checked whole under
+          the lock once its rest is in place.
 
         Nothing happens once the gate is closed."""
         if not self._open:
