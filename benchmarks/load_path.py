@@ -298,6 +298,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     os.environ.update(creds)  # both sides find them the standard way
     cases: list[Case] = []
     server_s_per_gb: dict[str, float] = {}
+    host_us: dict[str, float] = {}
     rows: list[list[Any]] = []
     bars: list[Bar] = []
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="plain-read")
@@ -456,6 +457,14 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
                         f"  {tier_name}, {codec_label}: "
                         + ", ".join(f"{c} {v}" for c, v in zip(COLUMNS[2:], row[2:]))
                     )
+                    if tier is Tier.DISK:  # CPU beyond the plain read's, per frame (a layer of a chunk)
+                        frames = len(case.chunks) * LAYERS
+                        host_us[f"{tier_name} {case.codec}"] = (
+                            (median(cpu["s3kv"]) - median(cpu["plain"])) / frames * 1e6
+                        )
+                        print(
+                            f"  {tier_name}, {codec_label}: s3kv host work {host_us[f'{tier_name} {case.codec}']:.1f} us a frame beyond plain"
+                        )
         finally:
             loop.run_until_complete(stack_cm.__aexit__(None, None, None))
     finally:
@@ -503,7 +512,10 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
         f"straight into the tensor's blocks, in {threads} threads.",
         "'disk, page cache' reads files just written and still cached (the CPU cost of each path); "
         "'disk, cold' evicts the files from the page cache (posix_fadvise DONTNEED, after an fsync) "
-        "before every run, so both sides read the block device.",
+        "before every run, so both sides read the block device. s3kv's host work a frame (a layer "
+        "of a chunk: its CPU seconds, every thread, less the plain read's, over the frames): "
+        + ", ".join(f"{k} {v:.1f} us" for k, v in host_us.items())
+        + ".",
         "CPU s/GB: CPU seconds of the client process (all threads) per GB of object bytes; the "
         f"{server_kind} server spent "
         + ", ".join(f"{v:.2f} s/GB with codec {k}" for k, v in server_s_per_gb.items())

@@ -354,7 +354,9 @@ def check_frame_parts(
     """:func:`check_frame` of a frame whose stored bytes are ``parts``, in
     order (a frame read straight into the pages it fills)."""
     frame = header.frames[index]
-    n = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
+    n = 0
+    for p in parts:
+        n += p.nbytes if isinstance(p, np.ndarray) else len(p)
     if n != frame.length:
         raise CorruptChunk(f"frame {index}: got {n} bytes, expected {frame.length}")
     if keys is not None:

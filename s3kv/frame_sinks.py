@@ -1,7 +1,8 @@
 """Where a chunk's checked frames go: a function that takes each layer's
 decoded bytes (:data:`FrameSink`), or, for the worker's loads, a
 :class:`FrameInto` that has each frame read straight into its destination
-(:class:`PageTarget`), and the buffers both use. The
+(:class:`PageTarget`), one frame at a time or a chunk's stored frames at
+once (:class:`ChunkFrames`), and the buffers both use. The
 :class:`~s3kv.chunk_reader.ChunkReader` hands frames to them only once
 checked."""
 
@@ -43,6 +44,35 @@ FrameRead = Callable[[list[np.ndarray]], None]
 them there: raises CorruptChunk if they fail."""
 
 
+class ChunkFrames(Protocol):
+    """A chunk's frames as they are stored, uncompressed, one after another
+    in a file (the NVMe tier's of codec ``none``): read into their
+    destinations with as few reads as the destinations allow
+    (:meth:`FrameInto.read_chunk_into`)."""
+
+    @property
+    def nbytes(self) -> Sequence[int]:
+        """Each frame's bytes, in order (its layer's pages: the engine's
+        sizes, checked against the header before anything is read)."""
+
+    def cached(self, buffers: Sequence[np.ndarray]) -> int:
+        """Read the frames' bytes, from the first frame's start, into
+        ``buffers`` (in order) as far as they can be read without waiting
+        for a device: the bytes read, 0 where none could be (not in the
+        page cache, or no such read here). Never waits on a disk, so it may
+        run under a lock a load's other paths need."""
+
+    def read(self, frame: int, out: list[np.ndarray], start: int = 0) -> None:
+        """Read frame ``frame``'s bytes from byte ``start`` of it on into
+        ``out`` (their sizes summing to what is left), unchecked;
+        CorruptChunk where the file ends first. May wait on a device that
+        never answers."""
+
+    def check(self, frame: int, parts: Sequence[np.ndarray]) -> None:
+        """Raise CorruptChunk unless ``parts`` (in order) hold frame
+        ``frame``'s stored bytes."""
+
+
 class FrameInto(Protocol):
     """Where the worker's loads put checked frames: a load attempt's
     :class:`~s3kv.tiering.worker.gate.Gate` into the KV cache (and the
@@ -55,6 +85,11 @@ class FrameInto(Protocol):
         """Have ``read`` put the layer's ``nbytes`` straight where they go
         and check them there; ``may_stall``: ``read`` waits on a device
         that may never answer (a disk)."""
+
+    def read_chunk_into(self, frames: ChunkFrames) -> None:
+        """Have every frame of ``frames`` read where it goes and checked
+        there, in order: what the page cache holds in one pass, the rest
+        as reads that may stall (a disk)."""
 
 
 class SinkFailed(Exception):
@@ -80,3 +115,16 @@ def scratch_buffer(nbytes: int) -> np.ndarray:
     if buf is None or buf.nbytes != nbytes:
         buf = _scratch.buf = np.empty(nbytes, dtype=np.uint8)
     return buf
+
+
+_chunk_scratch = threading.local()
+
+
+def chunk_scratch(nbytes: int) -> np.ndarray:
+    """``nbytes`` of this thread's second reused buffer (one that only
+    grows), for what a chunk's one-pass read puts nowhere else: apart from
+    :func:`scratch_buffer`, which each frame's own copies reuse meanwhile."""
+    buf = getattr(_chunk_scratch, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _chunk_scratch.buf = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from s3kv.frame_sinks import FrameRead, FrameSink, PageTarget, scratch_buffer
+from s3kv.frame_sinks import ChunkFrames, FrameRead, FrameSink, PageTarget, scratch_buffer
 from s3kv.tiering.plan import LoadChunk
 
 
@@ -35,3 +35,10 @@ class Frames:
         buf = scratch_buffer(nbytes)
         read([buf])
         self.sink(layer, buf)
+
+    def read_chunk_into(self, frames: ChunkFrames) -> None:
+        for layer, nbytes in enumerate(frames.nbytes):
+            buf = scratch_buffer(nbytes)
+            frames.read(layer, [buf])
+            frames.check(layer, [buf])
+            self.sink(layer, buf)

@@ -179,6 +179,74 @@ def test_group_frames_load_into_their_own_layers_through_targets_and_writes(shap
         assert torch.equal(buf.view(torch.uint8), expect), round_
 
 
+class _MemoryFrames:
+    """A chunk's stored frames (``data``, one array a frame) as the NVMe
+    tier's file offers them (:class:`~s3kv.frame_sinks.ChunkFrames`): the
+    page cache holds the first ``cached_bytes`` of them."""
+
+    def __init__(self, data: list[np.ndarray], cached_bytes: int) -> None:
+        self.data = data
+        self.nbytes = [d.nbytes for d in data]
+        self.cached_bytes = cached_bytes
+
+    def cached(self, buffers):
+        flat, at = np.concatenate(self.data)[: self.cached_bytes], 0
+        for b in buffers:
+            k = min(b.nbytes, flat.nbytes - at)
+            if k <= 0:
+                break
+            b[:k] = flat[at : at + k]
+            at += k
+        return at
+
+    def read(self, frame, out, start=0):
+        scatter(self.data[frame][start:], out)
+
+    def check(self, frame, parts):
+        assert np.array_equal(np.concatenate([np.asarray(p).reshape(-1) for p in parts]), self.data[frame])
+
+
+@pytest.mark.parametrize("shape", LAYOUTS)
+def test_a_chunk_read_from_the_page_cache_then_aside_lands_in_its_groups_layers(shape):
+    """Gate.read_chunk_into on a device (the NVMe tier's way for a chunk):
+    the page cache's part of the chunk read in one pass into each frame's
+    pinned staging buffer (a padding frame's into scratch), the rest from
+    where it stopped; every frame committed into its group's layer, pages
+    first..last of the part's block ids; a padding frame reaches no page.
+    The reference: torch's index_copy_ of each layer."""
+    from s3kv.tiering.worker.gate import Gate
+
+    rng = random.Random(7)
+    gen = torch.Generator().manual_seed(7)
+    buf, caches = _overlaid(shape)
+    io = PageIO(caches, NAMES, BLOCKS, GROUPS)
+    expect = buf.view(torch.uint8).clone()
+    for round_ in range(30):
+        group, n = rng.randrange(2), rng.randint(1, 6)
+        ids = _group_ids(rng, group, n)
+        first = rng.randrange(n)
+        last = rng.randint(first + 1, n)
+        chunk = LoadChunk(b"c" * 16, tuple(ids), first, last, (), group=group)
+        pages = [
+            torch.randint(0, 255, io.layers[0].shape_for(n), dtype=torch.uint8, generator=gen)
+            for _ in range(io.frames)
+        ]
+        data = [p.numpy().reshape(-1) for p in pages]
+        total = sum(d.nbytes for d in data)
+        cached = [total, 0, rng.randrange(1, total)][round_ % 3]  # all, none (EAGAIN), a short read
+        gate = Gate(io.load_pages(io.forward_mark()), chunk)
+        gate.read_chunk_into(_MemoryFrames(data, cached))
+        gate.close()
+        for frame, p in enumerate(pages):
+            layer = io.layer_of(group, frame)
+            if layer is not None:
+                axis = io.layers[layer].axis
+                idx = torch.tensor(ids[first:last], device="cuda")
+                expect[SLOT[layer]].index_copy_(axis, idx, p.cuda().narrow(axis, first, last - first))
+        io.fence()()
+        assert torch.equal(buf.view(torch.uint8), expect), round_
+
+
 def test_a_layerwise_load_of_group_parts_is_ordered_by_the_models_layers():
     """Each layer, once the forward waits for it, holds its group's frame
     in its group's blocks first..last; padding frames (filled 99 here)

@@ -6,6 +6,7 @@ behind, and reads that refuse what s3kv did not write."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import select
@@ -817,12 +818,211 @@ def _split_target(nbytes: int, pieces: int, private: bool = False) -> tuple[Page
     return PageTarget(buffers, lambda: commits.append(1), private=private), commits
 
 
+def _needs_page_cache_reads(tier: DiskTier) -> None:
+    """Skip unless reads from the page cache that never wait for the device
+    (``RWF_NOWAIT``) work where ``tier`` keeps its files (not on tmpfs, nor
+    before Linux 5.9)."""
+    probe = tier.root / "probe"
+    probe.write_bytes(b"x" * 4096)
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        got = disk.preadv_cached(fd, [np.zeros(4096, np.uint8)], 0) if disk.NOWAIT_READS else None
+    finally:
+        os.close(fd)
+        probe.unlink()
+    if got != 4096:
+        pytest.skip(f"no reads from the page cache without waiting here ({got})")
+
+
+def _recorded_preadv(monkeypatch, calls: list, nowait=None) -> None:
+    """Record every os.preadv as (buffers, offset, flags); ``nowait(fd,
+    buffers, offset, flags)`` stands in for the kernel's RWF_NOWAIT reads."""
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *flags):
+        calls.append((list(buffers), offset, flags))
+        if flags and nowait is not None:
+            return nowait(fd, buffers, offset, *flags)
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+
+
+def _gate_into(targets, promoted: list, pages_sink: list | None = None):
+    from s3kv.tiering.worker.gate import Gate
+
+    sink = pages_sink if pages_sink is not None else []
+    return Gate(
+        Pages(lambda c, i, a: sink.append(i), lambda c, i: targets[i]),
+        CHUNK,
+        [lambda i, a: promoted.append((i, a.tobytes()))],
+    )
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["pages", "staging"])
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_cached_none_file_is_read_straight_into_its_pages_in_one_pass(
+    tmp_path, monkeypatch, signed, private
+):
+    """A file the page cache holds: one preadv(RWF_NOWAIT) for the whole
+    chunk, from its first frame, into every frame's target buffers
+    themselves (the pages on the host: no copy of our own), each frame
+    checked there (checksum or MAC), then committed and promoted in order."""
+    from s3kv import codec
+    from s3kv.auth import FleetKeys
+
+    keys = FleetKeys(["disk-test-secret-0123456789abcdef-ours"]) if signed else None
+    tier, key = _none_tier(tmp_path / "disk", keys)
+    _needs_page_cache_reads(tier)
+    expected = [a.tobytes() for a in make_chunk(tier.codec, key).layers]
+    targets, commits = zip(*(_split_target(len(e), 3, private) for e in expected))
+    calls: list[Any] = []
+    _recorded_preadv(monkeypatch, calls)
+    pages_sink: list[int] = []
+    promoted: list[tuple[int, bytes]] = []
+    tier.read(key, _gate_into(targets, promoted, pages_sink))
+    assert [b"".join(b.tobytes() for b in t.buffers) for t in targets] == expected
+    assert all(c == [1] for c in commits) and pages_sink == []
+    assert promoted == list(enumerate(expected))
+    ((buffers, offset, flags),) = calls  # one read for the chunk
+    assert flags == (os.RWF_NOWAIT,)
+    assert offset == codec.parse_header(tier.path(key).read_bytes()).frames[0].offset
+    pages = [b for t in targets for b in t.buffers]
+    assert len(buffers) == len(pages) and all(g is b for g, b in zip(buffers, pages))
+
+
+_REAL_PREADV = os.preadv
+
+
+def _short(limit: int):
+    """A RWF_NOWAIT read that finds only the first ``limit`` bytes cached."""
+    real = _REAL_PREADV
+
+    def nowait(fd, buffers, offset, flags):
+        cut, left = [], limit
+        for b in buffers:
+            if left <= 0:
+                break
+            cut.append(memoryview(b)[:left])
+            left -= len(cut[-1])
+        return real(fd, cut, offset, flags)
+
+    return nowait
+
+
+def _eagain(fd, buffers, offset, flags):
+    raise BlockingIOError(errno.EAGAIN, "not in the page cache")
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["pages", "staging"])
+@pytest.mark.parametrize("cached", ["none (EAGAIN)", "frame 0 and part of 1"])
+def test_what_the_page_cache_lacks_is_read_aside_from_where_it_stopped(
+    tmp_path, monkeypatch, private, cached
+):
+    """The one pass gets frame 0 and part of frame 1 (a short read), or
+    nothing (EAGAIN): the rest is read from where it stopped (the file in
+    order, as the kernel's readahead wants it) with reads that may stall,
+    into buffers of the read's own (this thread's, not the pages; a
+    staging buffer is the target's own), and copied into the pages under
+    the lock; frame 1 is checked whole once its rest is there. Every frame
+    arrives, is committed and promoted once, in order."""
+    from s3kv import codec
+
+    tier, key = _none_tier(tmp_path / "disk")
+    expected = [a.tobytes() for a in make_chunk(tier.codec, key).layers]
+    frames = codec.parse_header(tier.path(key).read_bytes()).frames
+    targets, commits = zip(*(_split_target(len(e), 3, private) for e in expected))
+    partly = 700 if cached.startswith("frame 0") else 0
+    first_aside = 1 if partly else 0
+    calls: list[Any] = []
+    _recorded_preadv(monkeypatch, calls, _short(len(expected[0]) + partly) if partly else _eagain)
+    promoted: list[tuple[int, bytes]] = []
+    tier.read(key, _gate_into(targets, promoted))
+    assert [b"".join(b.tobytes() for b in t.buffers) for t in targets] == expected
+    assert all(c == [1] for c in commits) and promoted == list(enumerate(expected))
+    (nowait, *aside) = calls
+    assert nowait[2] == (os.RWF_NOWAIT,) and nowait[1] == frames[0].offset
+    starts = [frames[first_aside].offset + partly] + [f.offset for f in frames[first_aside + 1 :]]
+    assert [(off, flags) for _, off, flags in aside] == [(at, ()) for at in starts]
+    assert [sum(len(b) for b in buffers) for buffers, _, _ in aside] == [
+        f.length - (partly if i == 0 else 0) for i, f in enumerate(frames[first_aside:])
+    ]
+    for (buffers, _, _), t in zip(aside, targets[first_aside:]):
+        shared = [any(np.shares_memory(g.obj, b) for b in t.buffers) for g in buffers]
+        if private:  # the very buffers
+            assert all(shared)
+        else:  # this thread's own, not the pages
+            assert len(buffers) == 1 and not any(shared)
+
+
+@pytest.mark.parametrize("why", ["EOPNOTSUPP", "not the owner", "kernel"])
+def test_where_reads_cannot_skip_the_device_every_frame_is_read_aside(tmp_path, monkeypatch, why):
+    """A file system without RWF_NOWAIT (tmpfs; EOPNOTSUPP: the tier stops
+    asking), a file this user may not open with O_NOATIME (a read would
+    update its access time, and may wait for the journal), a kernel before
+    5.9 (its RWF_NOWAIT may start readahead): every frame is read aside,
+    and the chunk still loads. A control read first shows the one pass."""
+    tier, key = _none_tier(tmp_path / "disk")
+    _needs_page_cache_reads(tier)
+    expected = [a.tobytes() for a in make_chunk(tier.codec, key).layers]
+    calls: list[Any] = []
+
+    def load() -> list[tuple]:
+        calls.clear()
+        targets, _ = zip(*(_split_target(len(e), 2) for e in expected))
+        promoted: list[tuple[int, bytes]] = []
+        tier.read(key, _gate_into(targets, promoted))
+        assert [b"".join(b.tobytes() for b in t.buffers) for t in targets] == expected
+        return [flags for _, _, flags in calls]
+
+    real, unsupported = os.preadv, [False]
+
+    def nowait(fd, buffers, offset, flags):
+        if unsupported[0]:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real(fd, buffers, offset, flags)
+
+    _recorded_preadv(monkeypatch, calls, nowait)
+    assert load() == [(os.RWF_NOWAIT,)]  # the control: one pass from the page cache
+    if why == "EOPNOTSUPP":
+        unsupported[0] = True
+        assert load() == [(os.RWF_NOWAIT,)] + [()] * len(expected)
+        assert not tier.nowait
+    elif why == "not the owner":
+        real_open = os.open
+
+        def open_(path, flags, *a, **kw):
+            if flags & disk.O_NOATIME:
+                raise PermissionError(errno.EPERM, "Operation not permitted")
+            return real_open(path, flags, *a, **kw)
+
+        monkeypatch.setattr(os, "open", open_)
+    else:
+        monkeypatch.setattr(
+            os, "uname", lambda: os.uname_result(("Linux", "h", "5.8.18-100", "#1", "x86_64"))
+        )
+        assert not disk._kernel_at_least(5, 9)
+        monkeypatch.setattr(disk, "NOWAIT_READS", disk._kernel_at_least(5, 9))
+        tier = DiskTier(tier.root, tier.codec)
+    assert load() == [()] * len(expected)
+
+
+@pytest.mark.parametrize(
+    "release, at_least",
+    [("5.9.0", True), ("5.10.1-arch", True), ("6.18.44-fc-v1272", True), ("5.8.18", False), ("4.19", False)],
+)
+def test_reads_skip_the_device_from_linux_5_9(monkeypatch, release, at_least):
+    monkeypatch.setattr(os, "uname", lambda: os.uname_result(("Linux", "h", release, "#1", "x86_64")))
+    assert disk._kernel_at_least(5, 9) == at_least
+
+
 @pytest.mark.parametrize("private", [False, True], ids=["pages", "staging"])
 @pytest.mark.parametrize("signed", [False, True])
 def test_a_none_file_is_read_into_its_own_buffer_checked_there_then_committed(
     tmp_path, monkeypatch, signed, private
 ):
-    """preadv writes each frame into a buffer of the read's own: a target's
+    """What the page cache does not hold: preadv writes each frame into a
+    buffer of the read's own: a target's
     private staging buffer itself (no copy), else this thread's reused
     buffer, copied into the pages (the target's buffers) once its checksum
     or MAC passed there; the commit follows, and the promotions (the gate's
@@ -832,6 +1032,7 @@ def test_a_none_file_is_read_into_its_own_buffer_checked_there_then_committed(
 
     keys = FleetKeys(["disk-test-secret-0123456789abcdef-ours"]) if signed else None
     tier, key = _none_tier(tmp_path / "disk", keys)
+    monkeypatch.setattr(disk, "preadv_cached", lambda fd, buffers, offset: 0)  # none of it cached
     expected = [a.tobytes() for a in make_chunk(tier.codec, key).layers]
     targets, commits = zip(*(_split_target(len(e), 3, private) for e in expected))
     reads: list[list[Any]] = []
@@ -860,16 +1061,27 @@ def test_a_none_file_is_read_into_its_own_buffer_checked_there_then_committed(
         assert all(r[0].obj is reads[0][0].obj for r in reads)  # the thread's, reused
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["from the disk", "page cache"])
 @pytest.mark.parametrize("private", [False, True], ids=["pages", "staging"])
-def test_a_frame_that_fails_its_check_is_not_committed_and_the_load_fails(tmp_path, private):
-    """Frame 1's bad bytes never reach the pages (checked in the read's own
-    buffer: a private staging buffer gets them, but is never committed);
-    nothing is promoted, the read raises CorruptChunk (a load error: vLLM
-    recomputes those blocks) and the file goes."""
+def test_a_frame_that_fails_its_check_is_not_committed_and_the_load_fails(
+    tmp_path, monkeypatch, private, cached
+):
+    """Frame 1 fails its check: it is not committed and nothing after it
+    is promoted; the read raises CorruptChunk (a load error: vLLM
+    recomputes those blocks, or the next source writes them again) and the
+    file goes. Read from the disk, its bad bytes never reach the pages
+    (checked in the read's own buffer: a private staging buffer gets them,
+    but is never committed). Read from the page cache they were read
+    straight into the pages, and checked there: blocks of this load only
+    (:meth:`Gate.read_into`'s contract), which the failed load gives up."""
     from s3kv import codec
     from s3kv.tiering.worker.gate import Gate
 
     tier, key = _none_tier(tmp_path / "disk")
+    if cached:
+        _needs_page_cache_reads(tier)
+    else:
+        monkeypatch.setattr(disk, "preadv_cached", lambda fd, buffers, offset: 0)
     path = tier.path(key)
     data, f = _corrupt_frame_1(path)
     targets, commits = zip(
@@ -884,7 +1096,7 @@ def test_a_frame_that_fails_its_check_is_not_committed_and_the_load_fails(tmp_pa
             ),
         )
     got = b"".join(b.tobytes() for b in targets[1].buffers)
-    assert got == (bytes(data[f.offset : f.end]) if private else bytes(f.raw_length))
+    assert got == (bytes(data[f.offset : f.end]) if private or cached else bytes(f.raw_length))
     assert list(commits[:3]) == [[1], [], []] and promoted == [0]
     assert not path.exists()
 
@@ -956,3 +1168,123 @@ def test_preadv_all_continues_short_reads_and_splits_at_iov_max(tmp_path, monkey
         assert disk.preadv_all(fd, tail, len(payload) - 600) == 600  # the file's end
     finally:
         os.close(fd)
+
+
+def test_preadv_cached_splits_at_iov_max_and_stops_where_the_page_cache_does(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    payload = bytes(range(256)) * 40
+    path.write_bytes(payload)
+    tier = DiskTier(tmp_path, make_codec("none"))
+    _needs_page_cache_reads(tier)
+    monkeypatch.setattr(disk, "IOV_MAX", 2)
+    calls: list[Any] = []
+    cached = [4000]  # what the page cache holds of each call's bytes
+
+    def nowait(fd, buffers, offset, flags):
+        n = cached.pop(0) if cached else 10**9
+        if n == 0:
+            raise BlockingIOError(errno.EAGAIN, "not cached")
+        return _short(n)(fd, buffers, offset, flags)
+
+    _recorded_preadv(monkeypatch, calls, nowait)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        bufs = [np.zeros(n, np.uint8) for n in (100, 1, 3000, 7, 2000, 4000)]
+        cached[:] = [10**9, 10**9, 10**9]
+        assert disk.preadv_cached(fd, bufs, 50) == 9108  # three calls of two buffers
+        assert [len(c[0]) for c in calls] == [2, 2, 2]
+        assert b"".join(b.tobytes() for b in bufs) == payload[50 : 50 + 9108]
+        calls.clear()
+        cached[:] = [10**9, 1000]  # the second call is short: no third
+        assert (
+            disk.preadv_cached(fd, [np.zeros(n, np.uint8) for n in (100, 1, 3000, 7, 2000, 4000)], 0) == 1101
+        )
+        assert len(calls) == 2
+        calls.clear()
+        cached[:] = [10**9, 0]  # EAGAIN at the second: what the first got
+        assert disk.preadv_cached(fd, [np.zeros(n, np.uint8) for n in (100, 1, 3000, 7)], 0) == 101
+        cached[:] = [0]
+        assert disk.preadv_cached(fd, [np.zeros(10, np.uint8)], 0) == 0
+    finally:
+        os.close(fd)
+
+
+class _StallingFrames:
+    """A chunk of ``len(data)`` frames whose one pass gets frame 0 and part
+    of frame 1, and whose read of frame 1 hangs until ``resume``, then
+    answers ``late`` (what the disk holds by then); checks pass for
+    ``data``'s bytes only."""
+
+    def __init__(self, data: list[bytes], late: bytes) -> None:
+        self.data = data
+        self.nbytes = [len(d) for d in data]
+        self.late = late
+        self.reading, self.resume = threading.Event(), threading.Event()
+
+    def cached(self, buffers):
+        flat = np.frombuffer(b"".join(self.data), np.uint8)
+        n, at = self.nbytes[0] + self.nbytes[1] // 2, 0
+        for b in buffers:
+            k = min(b.nbytes, n - at)
+            if k <= 0:
+                break
+            b[:k] = flat[at : at + k]
+            at += k
+        return n
+
+    def read(self, frame, out, start=0):
+        data = self.data[frame]
+        if frame == 1:
+            self.reading.set()
+            self.resume.wait()
+            data = self.late
+        flat = np.frombuffer(data, np.uint8)
+        at = start
+        for b in out:
+            b[:] = flat[at : at + b.nbytes]
+            at += b.nbytes
+
+    def check(self, frame, parts):
+        if b"".join(bytes(p) for p in parts) != self.data[frame]:
+            raise CorruptChunk(f"frame {frame}: checksum mismatch")
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["pages", "staging"])
+def test_a_chunk_read_that_stalls_after_the_page_cache_holds_no_lock_and_lands_nowhere(private):
+    """The one pass got frame 0 (committed, promoted) and part of frame 1;
+    frame 1's read from the disk hangs. close() (the engine's loop, on the
+    load's timeout) does not wait for it; when it returns after the gate
+    closed, nothing more is committed or promoted, its bytes (the disk's
+    late answer, checked or not) never reach the pages, and frame 2 is
+    never read."""
+    from s3kv.tiering.worker.gate import Gate
+
+    data = [bytes([i + 1]) * 64 for i in range(3)]
+    frames = _StallingFrames(data, late=data[1])
+    targets, commits = zip(*(_split_target(64, 2, private) for _ in data))
+    promoted: list[int] = []
+    gate = Gate(
+        Pages(lambda c, i, a: promoted.append(-1), lambda c, i: targets[i]),
+        CHUNK,
+        [lambda i, a: promoted.append(i)],
+    )
+    reader = threading.Thread(target=gate.read_chunk_into, args=(frames,))
+    reader.start()
+    try:
+        assert frames.reading.wait(30)
+        assert list(commits) == [[1], [], []] and promoted == [0]
+        closer = threading.Thread(target=gate.close)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive()  # close() did not wait for the hung read
+    finally:
+        frames.resume.set()
+        reader.join(30)
+    assert not reader.is_alive()
+    assert list(commits) == [[1], [], []] and promoted == [0]
+    pages = [b"".join(b.tobytes() for b in t.buffers) for t in targets]
+    assert pages[0] == data[0] and pages[2] == bytes(64)
+    if private:  # a private buffer is the read's own: the late answer stays there
+        assert pages[1] == data[1]
+    else:  # the pages keep the one pass's part of frame 1 (this load's blocks, never committed)
+        assert pages[1] == data[1][:32] + bytes(32)

@@ -1028,6 +1028,8 @@ def test_a_disk_that_stalls_inside_a_read_pauses_the_disk_only(tmp_path, monkeyp
             read_over.set()
 
     monkeypatch.setattr(disk_mod, "preadv_all", stalling_preadv_all)
+    # Not in the page cache (from there no read waits for the disk): every frame is read from it.
+    monkeypatch.setattr(disk_mod, "preadv_cached", lambda fd, buffers, offset: 0)
     monkeypatch.setattr(files(e), "read", read)
     try:
         e.submit_load("j", [chunk(key, Tier.DISK, Tier.S3)], Pages(write, target))

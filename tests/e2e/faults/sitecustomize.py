@@ -31,7 +31,9 @@ if _limit:
 # ``S3KV_FAULT_DISK_READ_DELAY_S=S``: every NVMe tier read first waits S
 # seconds, as on a disk that stopped answering in time; with
 # ``S3KV_FAULT_DISK_READ_DELAY_AT=frame``, every frame's read does (inside
-# the read, once its load let it in: a disk that hangs in the middle of a file).
+# the read, once its load let it in: a disk that hangs in the middle of a
+# file), and the page cache holds none of the files (from there no read
+# waits for the disk).
 _delay = os.environ.get("S3KV_FAULT_DISK_READ_DELAY_S")
 if _delay:
     import time as _time
@@ -46,6 +48,7 @@ if _delay:
             return _real_preadv_all(*args, **kwargs)
 
         _disk_mod.preadv_all = _slow_preadv_all
+        _disk_mod.preadv_cached = lambda fd, buffers, offset: 0
     else:
         _real_read = _disk_mod.DiskTier.read
 

@@ -5,9 +5,10 @@
 chunk object format, encoded with ``disk_codec`` (by default ``none``: a
 disk is read faster than a frame decodes). A chunk promoted from S3 is
 written as fetched when the two codecs agree, else re-encoded from its
-pages; a file of codec ``none`` is read frame by frame into a buffer of the
-read's own, checked there, then copied into the KV pages
-(:meth:`DiskTier.read`).
+pages; a file of codec ``none`` is read straight into the KV pages where
+the page cache holds it (a read that cannot wait for the disk), else frame
+by frame into a buffer of the read's own, checked there, then copied into
+the pages (:meth:`DiskTier.read`).
 Files are written to a ``*.partial`` name that carries the writer's pid
 namespace and pid, optionally fsync'd, then renamed: a crash never leaves a
 half file under a real name, and a later process removes a dead writer's
@@ -32,6 +33,7 @@ import os
 import stat
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,7 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from s3kv import codec as codec_mod
-from s3kv.chunk_reader import checking_bytes
+from s3kv.chunk_reader import as_corrupt
 from s3kv.errors import CorruptChunk
 from s3kv.frame_sinks import FrameInto, SinkFailed
 from s3kv.keys import chunk_path, is_namespace_id, is_shard_name, parse_chunk_name
@@ -79,6 +81,10 @@ class DiskTier:
         self.fsync = fsync
         self.choice = choice
         """``disk_codec: auto``'s choice: files are written in the codec it picks."""
+        self.nowait = NOWAIT_READS
+        """Whether a read tries the page cache first, without waiting for
+        the device (:func:`preadv_cached`); off once the file system said
+        it cannot."""
 
     def store_codec(self) -> ChunkCodec:
         """The codec a chunk is written in now."""
@@ -86,6 +92,10 @@ class DiskTier:
 
     def path(self, key: bytes) -> Path:
         return shard_path(self.root, self.codec.namespace, key, self.codec.rank)
+
+    def _where(self, key: bytes) -> str:
+        """``str(self.path(key))``, without pathlib's cost (once a read)."""
+        return os.path.join(self.root, chunk_path(self.codec.namespace, key, self.codec.rank))
 
     def write(self, key: bytes, chunk: ChunkData) -> int:
         blob = chunk.blob_for(chunk.picked.get(Tier.DISK) or self.store_codec())
@@ -96,20 +106,26 @@ class DiskTier:
             raise map_os_error(e, str(path)) from e
         return len(blob)
 
-    def _open(self, key: bytes) -> tuple[int, int]:
-        """(descriptor, size) of the shard's file, read only from a regular
-        file at the shard's own name: never through a symlink, never
-        blocking on a FIFO. CorruptChunk for anything else (a symlink, FIFO
-        or directory there is left alone, as the scan leaves it)."""
-        path = self.path(key)
+    def _open(self, path: str) -> tuple[int, int, bool]:
+        """(descriptor, size, whether reads leave its access time alone) of
+        a shard's file at ``path``, read only from a regular file at the shard's own
+        name: never through a symlink, never blocking on a FIFO.
+        CorruptChunk for anything else (a symlink, FIFO or directory there
+        is left alone, as the scan leaves it)."""
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                fd = os.open(path, flags | O_NOATIME)
+                noatime = bool(O_NOATIME)
+            except PermissionError:  # O_NOATIME: not the file's owner
+                fd = os.open(path, flags)
+                noatime = False
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise CorruptChunk(f"{path}: a symlink where a chunk file belongs (not followed)") from None
             if e.errno == errno.ENXIO:  # a socket
                 raise CorruptChunk(f"{path}: not a regular file") from None
-            raise map_os_error(e, str(path)) from e
+            raise map_os_error(e, path) from e
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -117,25 +133,29 @@ class DiskTier:
         except BaseException as e:
             os.close(fd)
             if isinstance(e, OSError):
-                raise map_os_error(e, str(path)) from e
+                raise map_os_error(e, path) from e
             raise
-        return fd, st.st_size
+        return fd, st.st_size, noatime
 
     def read(self, key: bytes, sink: FrameInto) -> int:
         """Check and decode the file; one that fails (a newer format's
         included: this s3kv cannot use it) is deleted, so that a bad copy
         costs one failed load.
 
-        A file of codec ``none`` is read frame by frame with ``preadv`` into
-        a buffer of this read's own: the frame's staging buffer where the
-        sink's target has one (a device's), else this thread's reused buffer
-        of a frame's size, copied into the pages once checked; each frame's
-        checksum (or MAC) is computed there, over the bytes read. A read
-        that hangs (:meth:`Gate.read_into` with ``may_stall``) thus holds
-        no lock the load needs, and whatever it reads after its load went
-        on reaches no page. Other codecs read the file whole, then decode."""
-        where = str(self.path(key))
-        fd, size = self._open(key)  # a symlink or special file there is left alone
+        A file of codec ``none`` goes to the sink a chunk at a time
+        (:meth:`FrameInto.read_chunk_into`, :class:`FileFrames`): what the
+        page cache holds in one ``preadv`` that never waits for the device
+        (``RWF_NOWAIT``), straight into the frames' destinations (the pages
+        on the host, a device's staging buffer), each frame's checksum (or
+        MAC) computed there; the rest frame by frame with ``preadv`` into a
+        buffer of the read's own (the frame's staging buffer where the
+        target has one, else this thread's reused buffer, copied into the
+        pages once checked). A read that hangs thus holds no lock the load
+        needs, and whatever it reads after its load went on reaches no page
+        (:meth:`Gate.read_chunk_into`). Other codecs read the file whole,
+        then decode."""
+        where = self._where(key)
+        fd, size, noatime = self._open(where)  # a symlink or special file there is left alone
         try:
             try:
                 if size > self.codec.max_object:  # deleted unread
@@ -155,14 +175,10 @@ class DiskTier:
                 for i, f in enumerate(header.frames):
                     if f.length != f.raw_length:
                         raise CorruptChunk(f"{where}: frame {i} stores {f.length} bytes for {f.raw_length}")
-
-                    def read(out: list[np.ndarray], i: int = i, f: codec_mod.Frame = f) -> None:
-                        if preadv_all(fd, out, f.offset) != f.length:
-                            raise CorruptChunk(f"{where}: truncated in frame {i}")
-                        with checking_bytes(where):
-                            codec_mod.check_frame_parts(header, i, out, self.codec.keys)
-
-                    sink.read_into(i, f.raw_length, read, may_stall=True)
+                # Without O_NOATIME a read may update the file's access time,
+                # and wait for the file system's journal: then nothing is
+                # read from the page cache under the load's lock.
+                sink.read_chunk_into(FileFrames(self, fd, header, where, cached=noatime and self.nowait))
             except OSError as e:
                 raise map_os_error(e, where) from e
             finally:
@@ -185,6 +201,90 @@ PREFIX_READ = 64
 
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+O_NOATIME = getattr(os, "O_NOATIME", 0)
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    try:
+        release = os.uname().release.split(".")
+        return (int(release[0]), int(release[1].split("-")[0])) >= (major, minor)
+    except (AttributeError, ValueError, IndexError):
+        return False
+
+
+NOWAIT_READS = hasattr(os, "RWF_NOWAIT") and _kernel_at_least(5, 9)
+"""Reads from the page cache that never wait for the device: Linux's
+``preadv2(RWF_NOWAIT)``, which since 5.9 also starts no I/O (no readahead)
+and returns what the page cache holds (a short read) or EAGAIN. Earlier
+kernels and other platforms read every frame as one that may stall."""
+
+
+class FileFrames:
+    """The frames of a codec-``none`` file open at ``fd`` whose ``header``
+    passed its checks (a :class:`~s3kv.frame_sinks.ChunkFrames`): their
+    sizes are the engine's (the header's were checked against them), read
+    from the page cache in one pass where ``cached``, else frame by frame."""
+
+    def __init__(
+        self, files: DiskTier, fd: int, header: codec_mod.ChunkHeader, where: str, *, cached: bool
+    ) -> None:
+        self.nbytes = [f.raw_length for f in header.frames]
+        self._files = files
+        self._fd = fd
+        self._header = header
+        self._where = where
+        self._cached = cached
+
+    def cached(self, buffers: Sequence[np.ndarray]) -> int:
+        if not self._cached or not self._header.frames:
+            return 0
+        got = preadv_cached(self._fd, buffers, self._header.frames[0].offset)
+        if got is None:  # this file system (or kernel) cannot: not again
+            self._files.nowait = self._cached = False
+            return 0
+        return got
+
+    def read(self, frame: int, out: list[np.ndarray], start: int = 0) -> None:
+        f = self._header.frames[frame]
+        if preadv_all(self._fd, out, f.offset + start) != f.length - start:
+            raise CorruptChunk(f"{self._where}: truncated in frame {frame}")
+
+    def check(self, frame: int, parts: Sequence[np.ndarray]) -> None:
+        try:  # checking_bytes(), at no context manager's cost a frame
+            codec_mod.check_frame_parts(self._header, frame, parts, self._files.codec.keys)
+        except CorruptChunk:
+            raise
+        except Exception as e:
+            raise as_corrupt(e, self._where) from e
+
+
+_NOWAIT_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+def preadv_cached(fd: int, buffers: Sequence[np.ndarray], offset: int) -> int | None:
+    """Fill ``buffers`` from ``fd`` at ``offset`` with what the page cache
+    holds, never waiting for the device (``preadv2(RWF_NOWAIT)``, at most
+    IOV_MAX buffers a call): the bytes read, from none (EAGAIN) to all;
+    None where the file system or kernel cannot read so."""
+    total = 0
+    for at in range(0, len(buffers), IOV_MAX):
+        batch = buffers[at : at + IOV_MAX]
+        try:
+            n = os.preadv(fd, batch, offset + total, os.RWF_NOWAIT)  # type: ignore[arg-type]
+        except BlockingIOError:  # EAGAIN: not (all) in the page cache
+            return total
+        except NotImplementedError:  # a Python built without preadv2
+            return None if total == 0 else total
+        except OSError as e:
+            if e.errno in _NOWAIT_UNSUPPORTED:
+                return None if total == 0 else total
+            raise
+        total += n
+        if n < sum(b.nbytes for b in batch):
+            break
+    return total
 
 
 def preadv_all(fd: int, buffers: list[np.ndarray], offset: int) -> int:
