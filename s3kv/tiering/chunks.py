@@ -163,6 +163,10 @@ class ChunkData:
         self._blob = blob
         self._encoded: dict[tuple[str, int], bytes] = {}
         """The chunk in other codecs than its own (:meth:`blob_for`)."""
+        self._from_object = layers is None
+        """Known first as an object (a promotion's): :attr:`blob` is in the
+        codec its header names, which need not be ``chunk_codec``'s (an
+        object stored before ``codec: auto`` switched, or after)."""
         self._blob_codec: str | None = None
         self.picked: dict[object, ChunkCodec] = {}
         """The codec each tier's writer picked for this chunk when the store
@@ -190,22 +194,26 @@ class ChunkData:
         return self._blob
 
     def _is_stored_as(self, chunk_codec: ChunkCodec) -> bool:
-        """Is this chunk, known only as an object (a promotion), already in
-        ``chunk_codec``'s codec? The object's header says (one codec's
-        objects differ from this engine's codec only in that field)."""
-        if self._layers is not None or self._blob is None:
-            return False
+        """Is :attr:`blob` already ``chunk_codec``'s encoding? For a chunk
+        encoded here, if that is its own codec. For one known first as an
+        object (a promotion), if the object's header names ``chunk_codec``'s
+        codec, whatever codec the chunk was built with and whether its layers
+        were decoded since (one engine's codecs differ only in that field and
+        the level, which readers do not need)."""
+        if not self._from_object:
+            return chunk_codec == self.codec
         if dataclasses.replace(chunk_codec, codec=self.codec.codec, level=self.codec.level) != self.codec:
             return False
         if self._blob_codec is None:
-            self._blob_codec = self.codec.parse_header(self._blob).codec
+            self._blob_codec = self.codec.parse_header(self._blob).codec  # type: ignore[arg-type]
         return self._blob_codec == chunk_codec.codec
 
     def blob_for(self, chunk_codec: ChunkCodec) -> bytes:
-        """The chunk as ``chunk_codec`` encodes it: :attr:`blob` for this
-        chunk's own codec, else encoded from the layers (decoded from the
-        blob first if need be), once per codec."""
-        if chunk_codec == self.codec or self._is_stored_as(chunk_codec):
+        """The chunk as ``chunk_codec`` encodes it: :attr:`blob` where that is
+        already in ``chunk_codec``'s codec (:meth:`_is_stored_as`), else
+        encoded from the layers (decoded from the blob first if need be),
+        once per codec."""
+        if self._is_stored_as(chunk_codec):
             return self.blob
         which = (chunk_codec.codec, chunk_codec.level)
         blob = self._encoded.get(which)

@@ -102,9 +102,9 @@ def machine_cpu_seconds() -> float:
     try:
         with open("/proc/stat", "rb") as f:
             fields = f.readline().split()
-    except OSError:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    except (OSError, ValueError):  # unreadable, or not the line this expects: never fail the transfer timed
         return time.process_time()
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
@@ -238,14 +238,25 @@ class TierChoice:
         self.baseline: deque[float] = deque(maxlen=KEEP)
         """The machine's busy cores in the link's idle gaps of :data:`MIN_IDLE_S` or more."""
         self._acc = [0, 0.0, 0.0, 0.0, 0, 0]  # bytes, seconds, process CPU, machine CPU, raw none, raw comp
+        self._base: ChunkCodec | None = None
+        self._made: dict[str, ChunkCodec] = {}
+        """:meth:`chunk_codec`'s codecs for :attr:`_base`, by codec name."""
 
     def chunk_codec(self, base: ChunkCodec) -> ChunkCodec:
-        """``base`` as the writer encodes now."""
-        if self.codec == NONE:
-            return base if base.codec == NONE else dataclasses.replace(base, codec=NONE)
-        if base.codec == self.codec and base.level == self.level:
-            return base
-        return dataclasses.replace(base, codec=self.codec, level=self.level)
+        """``base`` as the writer encodes now: made once per codec (and
+        ``base``), so a store does not build a codec and its reader each time."""
+        if base is not self._base:
+            self._base, self._made = base, {}
+        made = self._made.get(self.codec)
+        if made is None:
+            if self.codec == NONE:
+                made = base if base.codec == NONE else dataclasses.replace(base, codec=NONE)
+            elif base.codec == self.codec and base.level == self.level:
+                made = base
+            else:
+                made = dataclasses.replace(base, codec=self.codec, level=self.level)
+            self._made[self.codec] = made
+        return made
 
     # -- feeds -----------------------------------------------------------------------
     @contextmanager

@@ -2,6 +2,7 @@
 transfers and calibrations the test makes up, on clocks the test drives."""
 
 import asyncio
+import io
 
 import numpy as np
 import pytest
@@ -319,3 +320,102 @@ def test_loads_feed_the_tiers_choice_with_what_they_read():
     assert choice._acc[0] > stored + 3 * t.PAGE * t.LAYERS  # each object: its KV and a header
     assert choice._acc[4] == 3 * t.PAGE * t.LAYERS  # raw bytes of uncompressed objects read
     e.close()
+
+
+def test_a_promoted_object_is_written_in_the_codec_the_tier_asks_for_not_the_one_it_came_in(tmp_path):
+    # S3's choice starts at none (the engine's codec), then switches: new S3
+    # objects are blosc2. A load's promotion to a disk_codec none NVMe tier
+    # must store none (the disk's direct read into pages), not the object as is.
+    from s3kv import codec
+    from s3kv.stores.memory import MemoryStore
+    from s3kv.testing.chunks import chunk_id
+    from s3kv.testing.pages import Frames, Pages
+    from s3kv.tiering.placement import Tier
+    from tests.unit import test_transfer as t
+
+    store = MemoryStore()
+    e = t.engine(store, disk_path=tmp_path, codec="auto", disk_codec="none")
+    choice = e.codec_choices[Tier.S3]
+    assert e.codec.codec == "none"
+    e.calibrations.add(CAL)
+    slow_link(choice)
+    assert choice.codec == "blosc2"
+    key = b"q" * 16
+    ls = compressible_layers(3, t.LAYERS, t.PAGE)
+    e.submit_store(t.job(key, ls, s3=True))
+    t.wait_for(e, lambda a: key in a.written.get(Tier.S3, {}))
+    assert codec.parse_header(asyncio.run(store.get(chunk_id(e, key).object_key))).codec == "blosc2"
+
+    e.submit_load("j", [t.chunk(key, Tier.S3, promote_disk=True)], Pages(t.collect({})))
+    acc = t.wait_for(e, lambda a: "j" in a.finished_loads and key in a.written.get(Tier.DISK, {}))
+    assert acc.finished_loads["j"] == []
+    assert codec.parse_header(t.files(e).path(key).read_bytes()).codec == "none"
+    got = {}
+    t.files(e).read(key, Frames(lambda i, a: got.__setitem__(i, a.copy())))
+    assert all((got[i] == d).all() for i, d in enumerate(ls))
+    e.close()
+
+
+def test_a_chunk_known_as_an_object_is_judged_by_its_header_even_once_its_layers_are_decoded():
+    from s3kv import codec
+    from s3kv.tiering.chunks import ChunkData
+
+    fmt = PageFormat(dtype="uint8", itemsize=1, page_shape=(64,), tokens=64, layer_bytes=4096)
+    none = ChunkCodec("n" * 32, 0, 2, fmt, "none")
+    comp = ChunkCodec("n" * 32, 0, 2, fmt, "blosc2", level=1)
+    ls = compressible_layers(4, 2, 4096)
+    key = b"k" * 16
+    blob = comp.encode(key, ls)
+    for decoded_first in (False, True):
+        chunk = ChunkData(key, none, blob=blob)  # built with the engine's codec, not the object's
+        if decoded_first:
+            assert all((a == b).all() for a, b in zip(chunk.layers, ls))
+        assert chunk.blob_for(comp) is blob  # already blosc2: as it is
+        as_none = chunk.blob_for(none)
+        assert codec.parse_header(as_none).codec == "none"
+        out = [None, None]
+        none.decode(key, as_none, out.__setitem__, "test")
+        assert all((a == b).all() for a, b in zip(out, ls))
+    # A chunk encoded here is in its own codec.
+    mine = ChunkData(key, none, layers=ls)
+    assert mine.blob_for(none) is mine.blob and codec.parse_header(mine.blob).codec == "none"
+
+
+def test_a_failed_calibration_costs_a_sample_never_the_store(monkeypatch, caplog):
+    from s3kv.stores.memory import MemoryStore
+    from s3kv.tiering.placement import Tier
+    from tests.unit import test_transfer as t
+
+    def no_memory(*a, **kw):
+        raise MemoryError("calibration")
+
+    monkeypatch.setattr(cc, "calibrate", no_memory)
+    monkeypatch.setattr(cc, "CALIBRATE_EVERY", 1)  # every store calibrates
+    store = MemoryStore()
+    e = t.engine(store, codec="auto")
+    keys = [bytes([i]) * 16 for i in range(3)]
+    with caplog.at_level("DEBUG", logger="s3kv.transfer"):
+        for i, key in enumerate(keys):
+            e.submit_store(t.store_job(key, i, s3=True))
+        acc = t.wait_for(e, lambda a: len(a.written.get(Tier.S3, {})) + len(a.failed.get(Tier.S3, {})) == 3)
+    assert not acc.failed.get(Tier.S3) and len(acc.written[Tier.S3]) == 3
+    assert not e.calibrations.samples
+    failed = [r for r in caplog.records if "calibration" in r.getMessage()]
+    assert len(failed) == 3 and [r.levelname for r in failed].count("WARNING") == 1  # logged once
+    assert not [r for r in caplog.records if "encoding chunk" in r.getMessage()]
+    e.close()
+
+
+def test_machine_cpu_falls_back_to_the_process_when_proc_stat_is_not_as_expected(monkeypatch):
+    monkeypatch.setattr(cc, "open", lambda *a, **kw: io.BytesIO(b"cpu  1 2 3 4\n"), raising=False)
+    monkeypatch.setattr(cc.time, "process_time", lambda: 42.0)
+    assert cc.machine_cpu_seconds() == 42.0
+
+
+def test_the_chunk_codec_is_made_once_per_codec():
+    fmt = PageFormat(dtype="uint8", itemsize=1, page_shape=(8,), tokens=8, layer_bytes=8)
+    base = ChunkCodec("n" * 32, 0, 1, fmt, "blosc2", level=3)
+    c = choice()
+    assert c.chunk_codec(base) is c.chunk_codec(base) and c.chunk_codec(base).codec == "none"
+    c.codec = "blosc2"
+    assert c.chunk_codec(base) is c.chunk_codec(base) and c.chunk_codec(base).level == 1

@@ -56,6 +56,8 @@ class Stores:
         self._lock = threading.Lock()
         self._inflight_bytes = 0
         self._closed = False
+        self._calibration_failed = False
+        """A calibration failed already (logged once, not per chunk)."""
 
     @property
     def closed(self) -> bool:
@@ -128,11 +130,7 @@ class Stores:
             def encode() -> Calibration | None:
                 for c in codecs:
                     chunk.blob_for(c)
-                return (
-                    codec_choice.calibrate(key, chunk.layers, chunk.codec, e.s.zstd_level)
-                    if calibrate
-                    else None
-                )
+                return self._calibrate(chunk) if calibrate else None
 
             try:
                 calibration = await self._loop.in_background(encode)
@@ -157,6 +155,25 @@ class Stores:
                 with self._lock:
                     self._inflight_bytes -= nbytes
                     e.counters.set("inflight_bytes", self._inflight_bytes)
+
+    def _calibrate(self, chunk: ChunkData) -> Calibration | None:
+        """A calibration of ``codec: auto`` on ``chunk`` (off the loop), or
+        None if it failed: its extra encodes and decodes (a MemoryError)
+        cost the choice one sample, never the store. The first failure is
+        logged, the later ones only at debug level."""
+        try:
+            return codec_choice.calibrate(chunk.key, chunk.layers, chunk.codec, self._e.s.zstd_level)
+        except Exception as err:
+            level = logging.DEBUG if self._calibration_failed else logging.WARNING
+            self._calibration_failed = True
+            log.log(
+                level,
+                "s3kv: codec calibration on chunk %s failed, the store goes on: %s: %s",
+                chunk.key.hex(),
+                type(err).__name__,
+                err,
+            )
+            return None
 
     async def _save(self, place: Place, chunk: ChunkData, start: float) -> None:
         """Write ``chunk`` to ``place``'s tier, timed for its codec choice (``codec: auto``)."""
