@@ -130,8 +130,9 @@ def chain_keys(
     *,
     parent: bytes | None = None,
     start_chunk: int = 0,
+    max_chunks: int | None = None,
 ) -> list[bytes]:
-    """Keys of the full chunks of ``token_ids``.
+    """Keys of the full chunks of ``token_ids`` (at most ``max_chunks``).
 
     ``extras[i]`` (optional) are the extra keys of chunk ``start_chunk + i``
     (anything :func:`canonical_bytes` accepts; ``None`` for none). To extend an
@@ -140,6 +141,8 @@ def chain_keys(
     """
     if chunk_tokens <= 0:
         raise ValueError("chunk_tokens must be positive")
+    if max_chunks is not None and len(token_ids) >= (max_chunks + 1) * chunk_tokens:
+        token_ids = token_ids[: max_chunks * chunk_tokens]  # a tail of less than a chunk makes no key
     data = tokens_bytes(token_ids)
     step = 4 * chunk_tokens
     n_chunks = len(data) // step

@@ -185,3 +185,10 @@ def test_one_chunk_name_in_s3_and_on_nvme(tmp_path):
         assert parse_chunk_name(name, key.hex()[:2]) is None
         assert parse_object_key(f"fleet/{NS.id}/{key.hex()[:2]}/{name}") is None
     assert parse_object_key(f"fleet/{NS.id.upper()}/{key.hex()[:2]}/{key.hex()}.r3") is None
+
+
+def test_max_chunks_bounds_a_chain():
+    keys = chain_keys(NS, TOKENS, 64)
+    assert chain_keys(NS, TOKENS, 64, max_chunks=3) == keys[:3]
+    assert chain_keys(NS, TOKENS[:200], 64, max_chunks=3) == keys[:3]  # a tail makes no key
+    assert chain_keys(NS, TOKENS, 64, max_chunks=100) == keys
