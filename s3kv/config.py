@@ -33,6 +33,7 @@ DIRECTORY_SUFFIX = "--x-s3"
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "local_only")
 DISK_FSYNC: tuple[str, ...] = ("never", "always")
 LOAD_POLICIES: tuple[str, ...] = ("cost", "always")
+CHUNK_KEYS: tuple[str, ...] = ("auto", "tokens")
 
 _DIGEST_RE = re.compile(r"^[A-Za-z0-9:._\-+/=]{8,256}$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
@@ -168,6 +169,13 @@ class S3KVConfig:
     )
     namespace_salt: str | None = _key(
         None, "Any string: replicas with different salts never share KV (per tenant, per deployment)."
+    )
+    chunk_keys: str = _key(
+        "auto",
+        '"auto" keys chunks by vLLM\'s block hashes where every replica computes the same ones '
+        "(a cryptographic prefix_caching_hash_algo, chunk_tokens a multiple of the hash block "
+        'size), else by their tokens; "tokens" always by their tokens (the namespace that '
+        "replicas keying by tokens, and earlier s3kv versions, share).",
     )
     share_across_tp: bool = _key(
         False,
@@ -421,6 +429,7 @@ _PARSERS = {
     "manifest_protocol": lambda v: _choice("manifest_protocol", v, MANIFEST_PROTOCOLS),
     "model_digest": _digest,
     "namespace_salt": _salt,
+    "chunk_keys": lambda v: _choice("chunk_keys", v, CHUNK_KEYS),
     "share_across_tp": lambda v: _bool("share_across_tp", v),
     "auth_key_file": _key_file,
 }

@@ -8,6 +8,13 @@ just its last chunk. Keys depend only on their inputs (never on
 ``PYTHONHASHSEED`` or vLLM's hash settings): two processes on two machines get
 the same key for the same prefix.
 
+With vLLM's block hashes (:func:`hash_keys`, the *block scheme*), a chunk's
+key is instead the first 16 bytes of the hash of the chunk's last block
+(which names every token and extra key up to the chunk's end) XOR a mask
+of the namespace (:func:`hash_key_mask`): no token is touched. vLLM's
+hashes are the same in every process only where its algorithm and seed
+are, so those are namespace fields under that scheme.
+
 A chunk shard's name, ``{namespace}/{kk}/{key}.r{rank}`` (:func:`chunk_path`),
 is the same in S3 (under the bucket's prefix) and on NVMe (under
 ``disk_path``); this module alone builds and parses it.
@@ -16,6 +23,7 @@ is the same in S3 (under the bucket's prefix) and on NVMe (under
 from __future__ import annotations
 
 import array
+import functools
 import struct
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -122,8 +130,9 @@ def chain_keys(
     *,
     parent: bytes | None = None,
     start_chunk: int = 0,
+    max_chunks: int | None = None,
 ) -> list[bytes]:
-    """Keys of the full chunks of ``token_ids``.
+    """Keys of the full chunks of ``token_ids`` (at most ``max_chunks``).
 
     ``extras[i]`` (optional) are the extra keys of chunk ``start_chunk + i``
     (anything :func:`canonical_bytes` accepts; ``None`` for none). To extend an
@@ -132,6 +141,8 @@ def chain_keys(
     """
     if chunk_tokens <= 0:
         raise ValueError("chunk_tokens must be positive")
+    if max_chunks is not None and len(token_ids) >= (max_chunks + 1) * chunk_tokens:
+        token_ids = token_ids[: max_chunks * chunk_tokens]  # a tail of less than a chunk makes no key
     data = tokens_bytes(token_ids)
     step = 4 * chunk_tokens
     n_chunks = len(data) // step
@@ -149,6 +160,40 @@ def chain_keys(
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def hash_key_mask(namespace: Namespace, adapter: str | None = None) -> bytes:
+    """The 16-byte mask that turns vLLM's block hashes into ``namespace``'s
+    chunk keys (:func:`hash_keys`); ``adapter`` (a LoRA adapter's content
+    digest) gives its requests their own keys: vLLM's hashes name an adapter
+    by its name and path, which may point at other weights on another replica."""
+    return xxhash.xxh3_128_digest(namespace.root_key + canonical_bytes(("block-hash-keys", adapter)))
+
+
+@functools.lru_cache(maxsize=256)
+def _hash_keys_layout(mask: bytes, n: int, hash_bytes: int) -> tuple[struct.Struct, int]:
+    """What :func:`hash_keys` needs for ``n`` hashes: the struct that cuts
+    each key out of the masked hashes, and the mask over all of them as one int."""
+    cut = struct.Struct(f"{KEY_BYTES}s{hash_bytes - KEY_BYTES}x" * n)
+    return cut, int.from_bytes((mask + bytes(hash_bytes - KEY_BYTES)) * n, "big")
+
+
+def hash_keys(hashes: Sequence[bytes], mask: bytes, hash_bytes: int) -> tuple[list[bytes], np.ndarray]:
+    """Chunk keys (and their fingerprints, as :func:`fingerprint` reads them)
+    from the hash of each chunk's last block: the hash's first 16 bytes XOR
+    ``mask``, all chunks at once (one XOR of two ints, one struct unpack:
+    fewer calls than numpy needs for 32 chunks). Every hash is
+    ``hash_bytes`` long (a multiple of 8, at least 16; ValueError otherwise)."""
+    n = len(hashes)
+    if not n:
+        return [], np.empty(0, dtype=np.uint64)
+    raw = b"".join(hashes)
+    if hash_bytes < KEY_BYTES or hash_bytes % 8 or len(raw) != n * hash_bytes or len(mask) != KEY_BYTES:
+        raise ValueError(f"block hashes must be {hash_bytes} bytes each, the mask {KEY_BYTES}")
+    cut, mask_int = _hash_keys_layout(mask, n, hash_bytes)
+    masked = (int.from_bytes(raw, "big") ^ mask_int).to_bytes(len(raw), "big")
+    fps = np.frombuffer(masked, dtype=">u8")[:: hash_bytes // 8].astype(np.uint64)
+    return list(cut.unpack(masked)), fps
 
 
 def fingerprint(key: bytes) -> int:

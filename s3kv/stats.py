@@ -155,9 +155,10 @@ FAMILIES: tuple[Family, ...] = (
     _c(
         "unkeyed_requests",
         "Requests served without the cache while the model's (or a LoRA adapter's) content digest was "
-        "being computed: no hits offered, nothing stored",
+        "being computed, or (chunks keyed by vLLM's block hashes) without block hashes of the engine's "
+        "granularity, or with vLLM's hash seed not the namespace's: no hits offered, nothing stored",
         "reason",
-        ("model", "adapter"),
+        ("model", "adapter", "hashes", "hash_seed"),
     ),
     _c(
         "breaker_trips",

@@ -34,6 +34,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from s3kv.auth import load_keys
 from s3kv.config import parse_config
 from s3kv.connector.compat import check_vllm_version
+from s3kv.connector.hashing import choose as choose_hashing
 from s3kv.connector.layout import engine_layout
 from s3kv.connector.metadata import S3KVMetadata
 from s3kv.connector.stats import S3KVPromMetrics, S3KVStats
@@ -141,6 +142,10 @@ class S3KVConnector(KVConnectorBase_V1, SupportsHMA):
         layout = engine_layout(vllm_config, kv_cache_config, self.config, pp_rank=stage)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = self.config.fit_block_size(layout.block_size, chunk_tokens_set="chunk_tokens" in extra)
+        hashing, why = choose_hashing(
+            vllm_config, kv_cache_config, self.config.chunk_tokens, self.config.chunk_keys
+        )
+        layout = layout.keyed_by(hashing)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -154,6 +159,10 @@ class S3KVConnector(KVConnectorBase_V1, SupportsHMA):
                 model=vllm_config.model_config.model,
                 emit_events=bool(events is not None and events.enable_kv_cache_events),
                 keys=keys,
+                hashing=hashing,
+            )
+            log.info(
+                "s3kv: chunks keyed by %s (%s)", "vLLM's block hashes" if hashing else "their tokens", why
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -23,10 +23,13 @@ from s3kv.shards import HEADS, ShardRole, Slicing, choose
 from s3kv.shards import ranks as rank_slicing
 from s3kv.shards import roles as shard_roles
 from s3kv.shards import writers as shard_writers
+from s3kv.tiering.scheduler.keychain import HashScheme
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from s3kv.connector.hashing import VllmHashing
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,16 @@ class EngineLayout:
     stage_frames: int = 0
     """Frames of every part with pipeline stages: the most layers a stage
     has, so that every stage's objects are one size (0: the groups')."""
+    hash_scheme: HashScheme | None = None
+    """Chunk keys from vLLM's block hashes (None: from the tokens; :meth:`keyed_by`)."""
+
+    def keyed_by(self, hashing: VllmHashing | None) -> EngineLayout:
+        """This layout with chunks keyed by vLLM's block hashes as ``hashing``
+        says (a namespace field), or unchanged under the token scheme."""
+        if hashing is None:
+            return self
+        fields = {**self.fields, "chunk_keys": hashing.fields()}
+        return dataclasses.replace(self, fields=fields, hash_scheme=hashing.scheme)
 
     @property
     def frames(self) -> int:

@@ -1,20 +1,24 @@
-"""What s3kv reads of a vLLM request beside its tokens: the extra keys of
-its blocks (LoRA, multimodal, cache_salt, prompt embeddings; an adapter
-named by its content), vLLM's block hashes as prefix ids, and its own load
-policy. A client's values are read once and quoted bounded."""
+"""What s3kv reads of a vLLM request beside its tokens: under the block
+scheme (:mod:`s3kv.connector.hashing`) vLLM's block hashes, which key its
+chunks; else the extra keys of its blocks (LoRA, multimodal, cache_salt,
+prompt embeddings) and vLLM's block hashes as prefix ids. Either way a LoRA
+adapter is named by its content, and the request's own load policy is read.
+A client's values are read once and quoted bounded."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from s3kv.config import LOAD_POLICIES
+from s3kv.connector.hashing import VllmHashing, seed_in_use
 from s3kv.identity import DigestCache, content_digest
 from s3kv.stats import Counters
-from s3kv.tiering.scheduler.keychain import ExtrasFn, PrefixIds
+from s3kv.tiering.scheduler.keychain import BlockHashes, ExtrasFn, PrefixIds
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -93,10 +97,13 @@ class AdapterDigests:
 
 @dataclass(frozen=True)
 class Keying:
-    """How a request's chunks are keyed beside their tokens."""
+    """How a request's chunks are keyed: by vLLM's block hashes
+    (``block_hashes``, the block scheme), or by their tokens with ``extras``
+    (``prefix_ids`` naming prefixes keyed before)."""
 
     extras: ExtrasFn | None
     prefix_ids: PrefixIds | None
+    block_hashes: BlockHashes | None = None
 
 
 class RequestReader:
@@ -105,29 +112,61 @@ class RequestReader:
     requests looked up unkeyed."""
 
     def __init__(
-        self, block_size: int, chunk_tokens: int, digests: DigestCache | None, counters: Counters
+        self,
+        block_size: int,
+        chunk_tokens: int,
+        digests: DigestCache | None,
+        counters: Counters,
+        hashing: VllmHashing | None = None,
+        seed_now: Callable[[], str] = seed_in_use,
     ) -> None:
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.counters = counters
+        self.hashing = hashing
+        """The engine's block scheme (None: chunks keyed by their tokens)."""
+        self._seed_now = seed_now
+        self._seed_ok: bool | None = None
+        """vLLM's hash seed is the namespace's (checked at the first request: vLLM sets it after s3kv starts)."""
         self.adapters = AdapterDigests(digests)
         self._unkeyed: dict[str, None] = {}
         self._bad_policies: set[str] = set()
         self._policies: dict[str, str | None] = {}
         """Each request's own load policy, read once (:meth:`policy`)."""
 
-    def keying(self, request: Request) -> Keying | None:
-        """The request's keying, or None while its LoRA adapter is hashed."""
+    def keying(self, request: Request) -> Keying | str:
+        """The request's keying, or why it has none (:meth:`unkeyed`):
+        "adapter" while its LoRA adapter is hashed; under the block scheme
+        "hashes" when vLLM's block hashes do not cover its tokens at the
+        engine's hash block size (it is never keyed by its tokens instead),
+        "hash_seed" when vLLM's hashes start from another seed than the
+        namespace says."""
         adapter = None
         if request.lora_request is not None:
             adapter = self.adapters.get(request.lora_request)
             if adapter is None:
-                return None
-        return Keying(extras_fn(request, adapter), self.prefix_ids(request))
+                return "adapter"
+        hashing = self.hashing
+        if hashing is None:
+            return Keying(extras_fn(request, adapter), self.prefix_ids(request))
+        if not self._seed_ok:
+            if self._seed_ok is None:
+                self._seed_ok = self._seed_now() == hashing.seed
+                if not self._seed_ok:
+                    log.error(
+                        "s3kv: vLLM's block hashes start from another seed than s3kv resolved at start-up "
+                        "(PYTHONHASHSEED changed?); this replica serves without the KV cache"
+                    )
+            if not self._seed_ok:
+                return "hash_seed"
+        hashes = getattr(request, "block_hashes", None)
+        if hashes is None or len(hashes) != request.num_tokens // hashing.scheme.hash_block_size:
+            return "hashes"
+        return Keying(None, None, BlockHashes(hashes, adapter))
 
     def unkeyed(self, request: Request, why: str) -> None:
         """A lookup of the request found no keys for it (``why``: "model",
-        "adapter"): counted once per request."""
+        "adapter", "hashes", "hash_seed"): counted once per request."""
         if request.request_id in self._unkeyed:
             return
         if len(self._unkeyed) > 4096:

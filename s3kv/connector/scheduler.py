@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from s3kv.auth import FleetKeys
 from s3kv.config import S3KVConfig
+from s3kv.connector.hashing import VllmHashing
 from s3kv.connector.layout import EngineLayout
 from s3kv.connector.metadata import S3KVMetadata, S3KVWorkerMetadata
-from s3kv.connector.requests import RequestReader
+from s3kv.connector.requests import Keying, RequestReader
 from s3kv.identity import DigestCache
 from s3kv.keys import Namespace
 from s3kv.manifest import Manifest
@@ -48,6 +49,7 @@ class SchedulerSide:
         emit_events: bool = False,
         digest_cache: DigestCache | None = None,
         keys: FleetKeys | None = None,
+        hashing: VllmHashing | None = None,
     ) -> None:
         self.keys = keys
         self.counters = Counters("scheduler")
@@ -71,7 +73,9 @@ class SchedulerSide:
         """The tiers, the manifest and the planner, started (a config a tier refuses raised here)."""
         self.config = self.runtime.config
         """The config, its prefetch budget checked against the model's chunks."""
-        self.requests = RequestReader(layout.block_size, self.config.chunk_tokens, digests, self.counters)
+        self.requests = RequestReader(
+            layout.block_size, self.config.chunk_tokens, digests, self.counters, hashing
+        )
         """Reads each request's keying and load policy."""
         self.kv_cache_manager: KVCacheManager | None = None
 
@@ -94,9 +98,9 @@ class SchedulerSide:
         if request.prompt_token_ids is None:  # prompt embeddings only: nothing to key on
             return 0, False
         planner = self.planner
-        keying = self.requests.keying(request) if planner is not None else None
-        if keying is None:  # no hits, and (the planner not knowing it) no stores
-            self.requests.unkeyed(request, "model" if planner is None else "adapter")
+        keying = self.requests.keying(request) if planner is not None else "model"
+        if not isinstance(keying, Keying):  # no hits, and (the planner not knowing it) no stores
+            self.requests.unkeyed(request, keying)
             return 0, False
         assert planner is not None
         if not planner.knows(request.request_id):
@@ -111,6 +115,7 @@ class SchedulerSide:
             num_prompt_tokens=request.num_prompt_tokens,
             prefix_ids=keying.prefix_ids,
             policy=self.requests.policy(request),
+            block_hashes=keying.block_hashes,
         )
 
     def on_arrival(self, request: Request) -> None:
@@ -119,7 +124,7 @@ class SchedulerSide:
         if planner is None or not planner.prefetcher.enabled or request.prompt_token_ids is None:
             return
         keying = self.requests.keying(request)
-        if keying is None:
+        if not isinstance(keying, Keying):
             return
         planner.prefetch(
             request.request_id,
@@ -128,6 +133,7 @@ class SchedulerSide:
             keying.extras,
             num_prompt_tokens=request.num_prompt_tokens,
             prefix_ids=keying.prefix_ids,
+            block_hashes=keying.block_hashes,
         )
 
     def on_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from s3kv import codec
 from s3kv.chunk_reader import decode_chunk
-from s3kv.keys import Namespace, chain_keys, parse_object_key
+from s3kv.keys import Namespace, chain_keys, hash_key_mask, hash_keys, parse_object_key
 from s3kv.kvgroups import part_key
 
 ENGINE_ARGS = {
@@ -386,11 +386,43 @@ def group_kinds(client: Any, bucket: str) -> list[str]:
     return [g["kind"] for g in descriptor(client, bucket)["fields"]["kv_groups"]]
 
 
+def vllm_block_hashes(tokens: list[int], hash_block_size: int, algo: str = "sha256") -> list[bytes]:
+    """vLLM's block hashes of a plain prompt (no extra keys), as every engine
+    here computes them: vLLM's own functions, its seed resolved as an engine's
+    (PYTHONHASHSEED, else vLLM's fixed default)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(fn)
+    out: list[bytes] = []
+    prev = None
+    for i in range(0, len(tokens) - hash_block_size + 1, hash_block_size):
+        prev = kv_cache_utils.hash_block_tokens(fn, prev, tokens[i : i + hash_block_size], None)
+        out.append(prev)
+    return out
+
+
+def engine_keys(namespace: Namespace, tokens: list[int], chunk: int = CHUNK_TOKENS) -> list[bytes]:
+    """The chunk keys an engine gives ``tokens`` in ``namespace``: from
+    vLLM's block hashes (s3kv's default), as its fields say, or, for a
+    namespace known by its id alone, as the engines here hash (sha256 of
+    ``ENGINE_ARGS`` blocks); from the tokens where its fields say that."""
+    fields = namespace.fields
+    if fields and "chunk_keys" not in fields:
+        return chain_keys(namespace, tokens, chunk)
+    scheme = fields.get("chunk_keys") or {"hash_algo": "sha256", "hash_block_size": ENGINE_ARGS["block_size"]}
+    size = int(scheme["hash_block_size"])
+    per = chunk // size
+    hashes = vllm_block_hashes(tokens, size, str(scheme["hash_algo"]))
+    return hash_keys(hashes[per - 1 :: per], hash_key_mask(namespace), 32)[0]
+
+
 def part_keys(client: Any, bucket: str, tokens: list[int], chunk: int) -> dict[int, list[bytes]]:
     """Each KV cache group's part keys of the whole chunks of ``tokens`` (one
     group, the chain keys themselves, where the namespace has no ``kv_groups``)."""
     d = descriptor(client, bucket)
-    chain = chain_keys(Namespace.from_fields(d["fields"]), tokens, chunk)
+    chain = engine_keys(Namespace.from_fields(d["fields"]), tokens, chunk)
     return {g: [part_key(k, g) for k in chain] for g in range(len(d["fields"].get("kv_groups", [None])))}
 
 

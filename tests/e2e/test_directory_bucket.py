@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from s3kv.config import DEFAULTS
-from s3kv.keys import Namespace, chain_keys, fingerprint, namespace_prefix, parse_object_key
+from s3kv.keys import Namespace, fingerprint, namespace_prefix, parse_object_key
 from s3kv.manifest import protocol as mp
 from s3kv.manifest.keyset import Manifest
 from s3kv.manifest.sync import ManifestSync
@@ -25,7 +25,7 @@ from s3kv.stores.s3 import S3Options, S3Store
 from s3kv.testing.latency_proxy import LatencyProxy
 from tests.conftest import load_manifest
 from tests.e2e.conftest import PROMPTS
-from tests.e2e.harness import CHUNK_TOKENS, chunk_objects, metric, run_replica, worker_total
+from tests.e2e.harness import CHUNK_TOKENS, chunk_objects, engine_keys, metric, run_replica, worker_total
 from tests.infra.terraform import bucket_render_call, tf_outputs
 
 pytestmark = pytest.mark.engine
@@ -57,7 +57,7 @@ def test_a_replica_configured_by_terraform_shares_through_a_directory_bucket(
     # depend on the bucket's kind), and a segment naming them.
     a_objects = chunk_objects(s3_server.client(), bucket_a)
     ns = parse_object_key(next(iter(a_objects)))[0]
-    shared = chain_keys(Namespace(ns, {}), PROMPTS[0], CHUNK_TOKENS)
+    shared = engine_keys(Namespace(ns, {}), PROMPTS[0], CHUNK_TOKENS)
     assert len(shared) == SHARED_CHUNKS
     client = s3_server.directory_client()
     for name, body in a_objects.items():

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 
 from s3kv.chunk_reader import decode_chunk
-from s3kv.keys import Namespace, chain_keys, object_key, parse_object_key
+from s3kv.keys import Namespace, object_key, parse_object_key
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import (
     CHUNK_TOKENS,
     REPLICA_ENV,
     chunk_objects,
     copy_bucket,
+    engine_keys,
     finish_replica,
     greedy_params,
     kv_config,
@@ -123,7 +124,7 @@ def test_deleted_object_is_recomputed_and_dropped(replica_a, baseline, workdir, 
     bucket = copy_bucket(s3_server, bucket_a)  # A's chunks and manifest
     client = s3_server.client()
     ns = {parse_object_key(n)[0] for n in chunk_objects(client, bucket)}.pop()
-    chain = chain_keys(Namespace(ns, {}), PROMPTS[0], CHUNK_TOKENS)
+    chain = engine_keys(Namespace(ns, {}), PROMPTS[0], CHUNK_TOKENS)
     gone = [object_key("s3kv", ns, k, 0) for k in chain[1:3]]  # the family's 2nd and 3rd chunks
     for name in gone:
         client.delete_object(Bucket=bucket, Key=name)

@@ -14,7 +14,7 @@ import pytest
 
 from s3kv import descriptor
 from s3kv.connector.replica import metrics
-from s3kv.keys import Namespace, chain_keys, fingerprint, object_key, parse_object_key
+from s3kv.keys import Namespace, fingerprint, object_key, parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.ops.chunks import check_chunk
 from tests.conftest import wait_until
@@ -23,6 +23,7 @@ from tests.e2e.harness import (
     ENGINE_ARGS,
     MAX_TOKENS,
     REPLICA_ENV,
+    engine_keys,
     kv_config,
     run_replica,
     wait_for_value,
@@ -67,7 +68,7 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
         return {
             object_key("s3kv", ns, k, 0)
             for p in prompts
-            for k in chain_keys(Namespace(ns, {}), p, CHUNK_TOKENS)
+            for k in engine_keys(Namespace(ns, {}), p, CHUNK_TOKENS)
         }
 
     hot, cold = objects(HOT), objects(COLD)
@@ -176,7 +177,7 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
 
         # Negative control: an object deleted behind the manifest's back (no
         # tombstone) is still offered, fails to load, and shows as a load error.
-        gone = object_key("s3kv", ns, chain_keys(Namespace(ns, {}), FAMILIES[1], CHUNK_TOKENS)[2], 0)
+        gone = object_key("s3kv", ns, engine_keys(Namespace(ns, {}), FAMILIES[1], CHUNK_TOKENS)[2], 0)
         client.delete_object(Bucket=bucket, Key=gone)
         tokens, _ = serve(1)
         assert tokens == expected[1]

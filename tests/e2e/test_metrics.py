@@ -9,12 +9,13 @@ import os
 
 import pytest
 
-from s3kv.keys import Namespace, chain_keys, object_key, parse_object_key
+from s3kv.keys import Namespace, object_key, parse_object_key
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import (
     CHUNK_TOKENS,
     chunk_objects,
     copy_bucket,
+    engine_keys,
     kv_config,
     metric,
     run_replica,
@@ -31,7 +32,10 @@ FLUSH = [7] * 10  # shorter than a chunk: neither loads nor stores
 def metered(replica_a, baseline, workdir, model, s3_server, bucket_a, tmp_path_factory):
     client = s3_server.client()
     ns = {parse_object_key(n)[0] for n in chunk_objects(client, bucket_a)}.pop()
-    name = lambda prompt, c: object_key("s3kv", ns, chain_keys(Namespace(ns, {}), prompt, CHUNK_TOKENS)[c], 0)  # noqa: E731
+
+    def name(prompt, c):
+        return object_key("s3kv", ns, engine_keys(Namespace(ns, {}), prompt, CHUNK_TOKENS)[c], 0)
+
     corrupt = name(PROMPTS[1], 6)  # prompt 1's 2nd chunk of its own
     missing = name(PROMPTS[2], 5)  # prompt 2's only chunk of its own
 

@@ -27,7 +27,7 @@ import pytest
 
 from s3kv import codec
 from s3kv.chunk_reader import decode_chunk
-from s3kv.keys import Namespace, chain_keys, fingerprint, parse_object_key
+from s3kv.keys import Namespace, fingerprint, parse_object_key
 from s3kv.manifest.protocol import replica_of
 from tests.e2e.harness import (
     CHUNK_TOKENS,
@@ -35,6 +35,7 @@ from tests.e2e.harness import (
     chunk_objects,
     copy_bucket,
     descriptor,
+    engine_keys,
     kv_config,
     run_replica,
     segments_by_writer,
@@ -84,7 +85,9 @@ def _shards_by_chunk(client: Any, bucket: str) -> dict[bytes, set[int]]:
 
 def _chunk_names(client: Any, bucket: str, prompt: list[int], index: int) -> dict[int, str]:
     """The object names of chunk ``index`` of ``prompt``, by shard."""
-    key = chain_keys(Namespace.from_fields(descriptor(client, bucket)["fields"]), prompt, CHUNK_TOKENS)[index]
+    key = engine_keys(Namespace.from_fields(descriptor(client, bucket)["fields"]), prompt, CHUNK_TOKENS)[
+        index
+    ]
     return {
         parse_object_key(name)[2]: name
         for name in chunk_objects(client, bucket)

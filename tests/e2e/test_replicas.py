@@ -7,12 +7,13 @@ import pytest
 
 from s3kv import codec
 from s3kv.chunk_reader import decode_chunk
-from s3kv.keys import Namespace, chain_keys, parse_object_key
+from s3kv.keys import Namespace, parse_object_key
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.harness import (
     CHUNK_TOKENS,
     chunk_objects,
     copy_bucket,
+    engine_keys,
     kv_config,
     lookalike_model,
     metric,
@@ -124,7 +125,7 @@ def test_corrupt_objects_are_recomputed_and_replaced(
     checked = 0
     for key, blob in after.items():
         ns, chunk_key, rank = parse_object_key(key)
-        looked_up = {k for p in PROMPTS for k in chain_keys(Namespace(ns, {}), p, CHUNK_TOKENS)}
+        looked_up = {k for p in PROMPTS for k in engine_keys(Namespace(ns, {}), p, CHUNK_TOKENS)}
         if chunk_key in looked_up:
             decode_chunk(blob, namespace=ns, key=chunk_key.hex(), rank=rank)
             checked += 1

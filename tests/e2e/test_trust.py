@@ -20,7 +20,7 @@ import pytest
 from s3kv import codec
 from s3kv.auth import ENV_VAR, FleetKeys
 from s3kv.chunk_reader import decode_chunk
-from s3kv.keys import Namespace, chain_keys, parse_object_key
+from s3kv.keys import Namespace, parse_object_key
 from s3kv.manifest import format as mf
 from tests.conftest import S3Server, free_port
 from tests.e2e.conftest import PROMPTS
@@ -29,6 +29,7 @@ from tests.e2e.harness import (
     REPLICA_ENV,
     chunk_objects,
     copy_objects,
+    engine_keys,
     greedy_params,
     kv_config,
     metric,
@@ -81,7 +82,7 @@ def test_forged_objects_are_never_served_with_a_fleet_secret(
     sign = _resign(objects, keys)
     forge = _rotate_pages(objects)
     ns = parse_object_key(next(iter(objects)))[0]
-    family = {k for k in chain_keys(Namespace(ns, {}), PROMPTS[0], CHUNK_TOKENS)}
+    family = {k for k in engine_keys(Namespace(ns, {}), PROMPTS[0], CHUNK_TOKENS)}
     forged = 0
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket_a):
         for obj in page.get("Contents", ()):
@@ -174,7 +175,7 @@ def test_a_corrupt_object_no_replica_may_delete_costs_one_load_each(
         names = copy_objects(s3_server.client(), bucket_a, admin, bucket)
         ns = next(parse_object_key(n)[0] for n in names if parse_object_key(n) is not None)
         # The family's third chunk is damaged: every family prompt would hit it.
-        key = chain_keys(Namespace(ns, {}), PROMPTS[0], CHUNK_TOKENS)[2]
+        key = engine_keys(Namespace(ns, {}), PROMPTS[0], CHUNK_TOKENS)[2]
         name = f"s3kv/{ns}/{key.hex()[:2]}/{key.hex()}.r0"
         good = admin.get_object(Bucket=bucket, Key=name)["Body"].read()
         bad = bytearray(good)

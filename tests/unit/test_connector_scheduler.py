@@ -214,6 +214,49 @@ def test_lora_requests_are_keyed_by_the_adapters_content(tmp_path, patient_start
         s.shutdown()
 
 
+def test_under_the_block_scheme_two_replicas_share_keys_and_an_adapters_weights_split_them(
+    tmp_path, patient_startup, monkeypatch
+):
+    """Two replicas (scheduler sides) keying by vLLM's block hashes get the
+    same keys for the same hashes; a LoRA adapter whose weights differ
+    between them (same name and path, so vLLM's hashes are equal) does not."""
+    import hashlib
+
+    from s3kv.connector.hashing import VllmHashing
+    from s3kv.tiering.scheduler.keychain import HashScheme
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    hashing = VllmHashing(HashScheme(32), "sha256", "vllm-none-hash")
+    layout = LAYOUT.keyed_by(hashing)
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    lora = SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path=str(adapter))
+    hashes = [hashlib.sha256(b"%d" % i).digest() for i in range(8)]  # 256 tokens of 32-token blocks
+
+    def keys(s, req_id, lo=None):
+        req = _request(req_id, lora=lo)
+        req.block_hashes = hashes
+        s.lookup(req, 0)
+        return s.planner._requests[req_id].keys
+
+    out = []
+    for weights in (b"A" * 4096, b"B" * 4096):  # the adapter's file changed between the replicas
+        (adapter / "adapter_model.safetensors").write_bytes(weights)
+        config = parse_config({"write_policy": "local_only", "cpu_bytes": "4MiB", "chunk_tokens": 64})
+        s = SchedulerSide(config, layout, failure_policy="recompute", model="unit", hashing=hashing)
+        try:
+            assert s.lookup(_request("probe", lora=lora), 0) == (0, False)  # hashing the adapter
+            wait_until("the adapter's digest", lambda s=s: s.requests.adapters.get(lora), STARTUP_BOUND_S)
+            out.append((keys(s, "plain"), keys(s, "lora", lora), s.namespace))
+        finally:
+            s.shutdown()
+    (plain_a, lora_a, ns_a), (plain_b, lora_b, ns_b) = out
+    assert ns_a == ns_b and "chunk_keys" in ns_a.fields
+    assert plain_a == plain_b and len(plain_a) == 4
+    assert lora_a != lora_b and set(lora_a).isdisjoint(plain_a)
+
+
 class _CountingParams(dict):
     """A request's ``kv_transfer_params`` that counts how often s3kv reads it."""
 

@@ -1,7 +1,10 @@
+import hashlib
+import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from s3kv.keys import (
@@ -10,6 +13,8 @@ from s3kv.keys import (
     chain_keys,
     chunk_path,
     fingerprint,
+    hash_key_mask,
+    hash_keys,
     object_key,
     parse_chunk_name,
     parse_object_key,
@@ -39,6 +44,63 @@ def test_same_keys_in_separate_processes_with_different_hash_seeds():
     assert outs[0] == outs[1]
     here = chain_keys(NS, TOKENS, 64, [None, ("lora", "x", "/p"), None, ("cache_salt", "s")])
     assert outs[0].strip() == "[" + ", ".join(f'"{k.hex()}"' for k in here) + "]"
+
+
+_HASH_SCRIPT = """
+import hashlib, json
+from s3kv.keys import Namespace, hash_key_mask, hash_keys
+ns = Namespace.from_fields({"model_content": "abc", "model_dtype": "torch.bfloat16", "block_size": 32})
+hashes = [hashlib.sha256(b"block %d" % i).digest() for i in range(4)]
+keys, fps = hash_keys(hashes, hash_key_mask(ns), 32)
+print(json.dumps([[k.hex() for k in keys], fps.tolist()]))
+"""
+
+
+def test_keys_from_block_hashes_are_the_same_in_separate_processes():
+    """Two "processes" (replicas) given the same vLLM block hashes get the
+    same chunk keys and fingerprints, whatever their own hash seeds."""
+    outs = []
+    for seed in ("1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.append(
+            subprocess.run(
+                [sys.executable, "-c", _HASH_SCRIPT], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
+    assert outs[0] == outs[1]
+    hashes = [hashlib.sha256(b"block %d" % i).digest() for i in range(4)]
+    keys, fps = hash_keys(hashes, hash_key_mask(NS), 32)
+    assert json.loads(outs[0]) == [[k.hex() for k in keys], fps.tolist()]
+
+
+def test_a_key_from_a_block_hash_is_its_first_16_bytes_masked_by_the_namespace():
+    hashes = [hashlib.sha256(b"block %d" % i).digest() for i in range(5)]
+    mask = hash_key_mask(NS)
+    keys, fps = hash_keys(hashes, mask, 32)
+    assert keys == [bytes(a ^ b for a, b in zip(h[:16], mask, strict=True)) for h in hashes]
+    assert fps.dtype == np.uint64 and fps.tolist() == [fingerprint(k) for k in keys]
+    assert hash_keys(hashes[2:4], mask, 32)[0] == keys[2:4]  # a key names its hash alone: any slice
+    assert hash_keys([], mask, 32)[0] == [] and len(hash_keys([], mask, 32)[1]) == 0
+
+
+def test_keys_from_block_hashes_differ_by_namespace_and_adapter():
+    hashes = [hashlib.sha256(b"block %d" % i).digest() for i in range(4)]
+    other = Namespace.from_fields({"model_content": "abd"})
+    base = hash_keys(hashes, hash_key_mask(NS), 32)[0]
+    for mask in (hash_key_mask(other), hash_key_mask(NS, "adapter:x"), hash_key_mask(NS, "adapter:y")):
+        assert set(hash_keys(hashes, mask, 32)[0]).isdisjoint(base)
+    assert hash_key_mask(NS, "adapter:x") != hash_key_mask(NS, "adapter:y")
+    assert hash_key_mask(NS, None) == hash_key_mask(NS)
+
+
+def test_block_hashes_of_another_size_are_refused():
+    mask = hash_key_mask(NS)
+    with pytest.raises(ValueError):
+        hash_keys([b"x" * 32, b"y" * 31], mask, 32)
+    with pytest.raises(ValueError):
+        hash_keys([b"x" * 8], mask, 8)  # shorter than a key
+    with pytest.raises(ValueError):
+        hash_keys([b"x" * 32], mask[:8], 32)
 
 
 def test_keys_chain_over_the_prefix():
@@ -123,3 +185,10 @@ def test_one_chunk_name_in_s3_and_on_nvme(tmp_path):
         assert parse_chunk_name(name, key.hex()[:2]) is None
         assert parse_object_key(f"fleet/{NS.id}/{key.hex()[:2]}/{name}") is None
     assert parse_object_key(f"fleet/{NS.id.upper()}/{key.hex()[:2]}/{key.hex()}.r3") is None
+
+
+def test_max_chunks_bounds_a_chain():
+    keys = chain_keys(NS, TOKENS, 64)
+    assert chain_keys(NS, TOKENS, 64, max_chunks=3) == keys[:3]
+    assert chain_keys(NS, TOKENS[:200], 64, max_chunks=3) == keys[:3]  # a tail makes no key
+    assert chain_keys(NS, TOKENS, 64, max_chunks=100) == keys

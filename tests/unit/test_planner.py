@@ -1,11 +1,14 @@
 """The scheduler side's decisions, without vLLM: tiers per chunk, sync or
 async loads, stores and where they go, evictions, reports from ranks."""
 
-from s3kv.keys import Namespace, chain_keys
+import hashlib
+
+from s3kv.keys import Namespace, chain_keys, fingerprint, hash_key_mask, hash_keys
 from s3kv.manifest import Manifest
 from s3kv.manifest.keyset import fingerprints
 from s3kv.tiering.placement import Tier, TierIndex
 from s3kv.tiering.plan import Place, ScheduledRequest, TierReport
+from s3kv.tiering.scheduler.keychain import BlockHashes, HashScheme
 from s3kv.tiering.scheduler.planner import Planner
 from s3kv.tiering.tiers.cpu.manager import CpuTierManager
 from s3kv.tiering.tiers.nvme.manager import NvmeTierManager, disk_estimate
@@ -731,3 +734,85 @@ def test_with_replica_segments_the_scheduler_side_publishes_every_whole_chunk_on
     on_written(p, Tier.S3, {k2: 2})  # found there, but reported bad
     assert k0 in index and k1 in index and k2 not in index
     assert journal.published == [fingerprints([k])[0].item() for k in (k0, k1)]
+
+
+def _block_hashes(tokens, seed=b"vllm-none-hash"):
+    """A stand-in for vLLM's block hashes: a sha256 chain over BS-token blocks."""
+    out, prev = [], hashlib.sha256(seed).digest()
+    for i in range(0, len(tokens) - BS + 1, BS):
+        prev = hashlib.sha256(prev + repr(tokens[i : i + BS]).encode()).digest()
+        out.append(prev)
+    return out
+
+
+def _hash_planner(index):
+    return Planner(
+        namespace=NS, chunk_tokens=CT, block_size=BS, tiers=[S3TierManager(index)], hash_scheme=HashScheme(BS)
+    )
+
+
+class _NoTokens(list):
+    """A request's tokens that must not be read (the block scheme keys without them)."""
+
+    def __getitem__(self, i):
+        raise AssertionError("tokens read")
+
+    def __iter__(self):
+        raise AssertionError("tokens read")
+
+
+def test_under_the_block_scheme_another_replica_finds_a_prefix_by_its_block_hashes():
+    """Replica A stores a prompt keyed by vLLM's block hashes; replica B,
+    which never saw it, finds every chunk at its first lookup without
+    reading a token: the keys are the hashes of each chunk's last block
+    (every second one here), masked by the namespace."""
+    index = Manifest()
+    a, b = _hash_planner(index), _hash_planner(index)
+    hashes = _block_hashes(PROMPT)
+    assert a.lookup("r", PROMPT, len(PROMPT), 0, block_hashes=BlockHashes(hashes)) == (0, False)
+    stores = a.plan_step([sched("r", 0, len(PROMPT), list(range(10)))]).stores
+    expected = hash_keys(hashes[CT // BS - 1 :: CT // BS][:4], hash_key_mask(NS), 32)[0]
+    assert [st.key for st in stores] == expected
+    assert expected != KEYS[:4]  # not the token scheme's keys
+    on_written(a, Tier.S3, {k: 1 for k in expected})
+    tokens = _NoTokens(PROMPT)
+    assert b.lookup("q", tokens, len(PROMPT), 0, block_hashes=BlockHashes(hashes)) == (4 * CT, True)
+    assert b._requests["q"].keys == expected and b._requests["q"].fps.tolist() == [
+        fingerprint(k) for k in expected
+    ]
+    # Another adapter's (same name and path, so the same vLLM hashes): no hit.
+    assert b.lookup("l", PROMPT, len(PROMPT), 0, block_hashes=BlockHashes(hashes, "adapter:other")) == (
+        0,
+        False,
+    )
+    assert set(b._requests["l"].keys).isdisjoint(expected)
+
+
+def test_under_the_block_scheme_a_request_without_hashes_is_not_keyed_by_its_tokens():
+    index = Manifest()
+    index.update(KEYS)  # the token scheme's keys are there
+    p = _hash_planner(index)
+    assert p.lookup("r", PROMPT, len(PROMPT), 0) == (0, False)
+    assert p._requests["r"].keys == []
+    assert p.plan_step([sched("r", 0, len(PROMPT), list(range(10)))]).stores == []
+    # Hashes of the first two chunks only: keys (and stores) for those alone.
+    hashes = _block_hashes(PROMPT)
+    p.lookup("s", PROMPT, len(PROMPT), 0, block_hashes=BlockHashes(hashes[:4]))
+    assert len(p._requests["s"].keys) == 2
+    assert len(p.plan_step([sched("s", 0, len(PROMPT), list(range(10)))]).stores) == 2
+
+
+def test_under_the_block_scheme_chunks_filled_in_decode_are_keyed_as_hashes_grow():
+    """vLLM appends a block hash as generated tokens fill a block (its live
+    list): the chunks they complete are keyed and stored from them."""
+    index = Manifest()
+    p = _hash_planner(index)
+    tokens = list(PROMPT[: 2 * CT])
+    hashes = _block_hashes(tokens)
+    p.lookup("r", tokens, len(tokens), 0, block_hashes=BlockHashes(hashes))
+    assert len(p.plan_step([sched("r", 0, len(tokens), list(range(4)))]).stores) == 2
+    tokens += PROMPT[2 * CT : 3 * CT]  # decode filled a third chunk
+    hashes[:] = _block_hashes(tokens)
+    stores = p.plan_step([sched("r", 2 * CT, CT, list(range(6)))]).stores
+    mask = hash_key_mask(NS)
+    assert [st.key for st in stores] == hash_keys([hashes[5]], mask, 32)[0]

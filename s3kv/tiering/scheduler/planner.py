@@ -30,7 +30,7 @@ from s3kv.tiering.plan import (
     TierReport,
 )
 from s3kv.tiering.scheduler.cost import CostModel
-from s3kv.tiering.scheduler.keychain import ChainKeys, ExtrasFn, Keyed, PrefixIds
+from s3kv.tiering.scheduler.keychain import BlockHashes, ChainKeys, ExtrasFn, HashScheme, Keyed, PrefixIds
 from s3kv.tiering.scheduler.loads import LoadsInFlight, PrefillBacklog
 from s3kv.tiering.scheduler.parts import BlockIds, GroupHit, GroupParts, by_group, chunk_load
 from s3kv.tiering.scheduler.prefetch import Prefetcher
@@ -59,6 +59,7 @@ class Planner:
         prefetch_wait_s: float = DEFAULTS.load_timeout_s + 5.0,
         clock: Callable[[], float] = time.monotonic,
         groups: GroupLayout | None = None,
+        hash_scheme: HashScheme | None = None,
     ) -> None:
         if chunk_tokens % block_size:
             raise ValueError("chunk_tokens must be a multiple of block_size")
@@ -66,7 +67,8 @@ class Planner:
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
-        self.chain = ChainKeys(namespace, chunk_tokens)
+        self.chain = ChainKeys(namespace, chunk_tokens, hash_scheme)
+        """The requests' chunk keys, by the engine's scheme (``hash_scheme``: from vLLM's block hashes)."""
         self.ranks = RankCount(world_size)
         self.events = TierEvents(emit_events)
         self.counters = counters or Counters()
@@ -114,10 +116,12 @@ class Planner:
         counters: Counters | None = None,
         chunk_bytes: int = 0,
         groups: GroupLayout | None = None,
+        hash_scheme: HashScheme | None = None,
     ) -> Planner:
         """The planner ``config`` asks for, over ``tiers`` (nearest first);
         ``chunk_bytes``: the raw KV bytes of one object (a chunk's shard, or
-        its part of one KV cache group), for the cost model."""
+        its part of one KV cache group), for the cost model; ``hash_scheme``:
+        chunk keys from vLLM's block hashes (None: from the tokens)."""
         return cls(
             namespace=namespace,
             chunk_tokens=config.chunk_tokens,
@@ -135,6 +139,7 @@ class Planner:
             prefetch_bytes=config.prefetch_bytes,
             prefetch_wait_s=config.load_timeout_s + 5.0,
             groups=groups,
+            hash_scheme=hash_scheme,
         )
 
     def tier(self, tier: Tier) -> TierManager | None:
@@ -154,11 +159,12 @@ class Planner:
         num_prompt_tokens: int | None,
         extras: ExtrasFn | None,
         prefix_ids: PrefixIds | None,
+        block_hashes: BlockHashes | None,
     ) -> RequestState:
         req = self._requests.get(req_id)
         if req is None:
             prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
-            req = self._requests[req_id] = RequestState(token_ids, prompt, extras, prefix_ids)
+            req = self._requests[req_id] = RequestState(token_ids, prompt, extras, prefix_ids, block_hashes)
         req.token_ids = token_ids
         return req
 
@@ -174,15 +180,19 @@ class Planner:
         num_prompt_tokens: int | None = None,
         prefix_ids: PrefixIds | None = None,
         policy: str | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> tuple[int | None, bool]:
         """(tokens beyond ``num_computed_tokens`` that the tiers can supply,
         load asynchronously?). No I/O; repeated calls are cheap. None while
         the request's prefetch is under way: vLLM asks again next step.
         ``policy`` (``cost``, ``always``) overrides the load policy for it.
+        Under the block scheme ``block_hashes`` key it (not its tokens).
 
         A load only from synchronous tiers (the CPU pool) leaves the last
         block with a token to compute to vLLM; any other is asynchronous."""
-        req = self._request(req_id, token_ids, num_tokens, num_prompt_tokens, extras, prefix_ids)
+        req = self._request(
+            req_id, token_ids, num_tokens, num_prompt_tokens, extras, prefix_ids, block_hashes
+        )
         req.looked_up = True
         req.local_tokens = num_computed_tokens
         req.hit = []
@@ -201,6 +211,12 @@ class Planner:
             self.prefetcher.leave(req_id)  # vLLM holds all of it: nothing to fetch
             return 0, False
         keys = self.chain.extend(req, n_chunks)
+        n_chunks = min(
+            n_chunks, len(keys)
+        )  # block hashes cover fewer (none under the block scheme without them)
+        if start >= n_chunks:
+            self.prefetcher.leave(req_id)
+            return 0, False
         waiting = self.prefetcher.awaits(keys, start, n_chunks)
         if not waiting and self.parts is not None:
             waiting = self.parts.prefetching(self.prefetcher, req, start, n_chunks)
@@ -281,13 +297,16 @@ class Planner:
         *,
         num_prompt_tokens: int | None = None,
         prefix_ids: PrefixIds | None = None,
+        block_hashes: BlockHashes | None = None,
     ) -> None:
         """A request arrived: fetch the chunks of its hit that only a remote
         tier (S3) holds into the nearer tiers, planned with the next step
         (:class:`Prefetcher`); its lookups wait for chunks in flight."""
         if not self.prefetcher.enabled:
             return
-        req = self._request(req_id, token_ids, num_tokens, num_prompt_tokens, extras, prefix_ids)
+        req = self._request(
+            req_id, token_ids, num_tokens, num_prompt_tokens, extras, prefix_ids, block_hashes
+        )
         if num_tokens // self.chunk_tokens == 0 or req.load_failed:
             return
         self.prefetcher.arrive(req_id)
@@ -375,6 +394,7 @@ class Planner:
         if done_chunks <= req.stored_until:
             return []
         keys = self.chain.extend(req, done_chunks)
+        done_chunks = min(done_chunks, len(keys))  # block hashes cover fewer: the rest later
         bpc = self.blocks_per_chunk
         group_ids: tuple[Sequence[int], ...] | None = None
         out = []

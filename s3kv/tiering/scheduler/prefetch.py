@@ -161,6 +161,7 @@ class Prefetcher:
         ct = self.chain.chunk_tokens
         n_chunks = min(len(req.token_ids), req.num_prompt_tokens) // ct
         keys = self.chain.extend(req, n_chunks)
+        n_chunks = min(n_chunks, len(keys))  # what block hashes cover, under the block scheme
         owner = ("prefetch", req_id)
         wanted: list[tuple[int, int, bytes, TierManager]]
         if self.parts is None:

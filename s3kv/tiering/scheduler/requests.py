@@ -10,7 +10,7 @@ import numpy as np
 
 from s3kv.manifest.keyset import EMPTY
 from s3kv.tiering.placement import Tier
-from s3kv.tiering.scheduler.keychain import ExtrasFn, PrefixIds
+from s3kv.tiering.scheduler.keychain import BlockHashes, ExtrasFn, PrefixIds
 from s3kv.tiering.scheduler.parts import GroupHit, PartKeys
 from s3kv.tiering.tiers.manager import TierManager
 
@@ -25,6 +25,8 @@ class RequestState:
     num_prompt_tokens: int
     extras: ExtrasFn | None
     prefix_ids: PrefixIds | None = None
+    block_hashes: BlockHashes | None = None
+    """Under the block scheme, what its chunk keys are made from."""
     keys: list[bytes] = field(default_factory=list)
     fps: np.ndarray = field(default_factory=lambda: EMPTY)
     """Fingerprints of ``keys``, for the manifest's vectorised lookup."""

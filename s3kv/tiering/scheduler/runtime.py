@@ -38,6 +38,7 @@ from s3kv.stats import SERIES, Counters
 from s3kv.stores.base import PutMode
 from s3kv.stores.factory import make_store
 from s3kv.tiering.loop import BackgroundLoop
+from s3kv.tiering.scheduler.keychain import HashScheme
 from s3kv.tiering.scheduler.planner import Planner
 from s3kv.tiering.tiers.manager import TierManager
 from s3kv.tiering.tiers.registry import TIERS
@@ -77,6 +78,11 @@ class ModelShape(Protocol):
     def shards_per_part(self) -> int: ...
 
     def object_bytes(self, chunk_tokens: int) -> int: ...
+
+    @property
+    def hash_scheme(self) -> HashScheme | None:
+        """Chunk keys from vLLM's block hashes (None: from the tokens)."""
+        ...
 
     @property
     def kv_groups(self) -> GroupLayout: ...
@@ -208,6 +214,7 @@ class SchedulerRuntime:
             counters=self.counters,
             chunk_bytes=shape.shard_bytes(config.chunk_tokens),
             groups=shape.kv_groups,
+            hash_scheme=shape.hash_scheme,
         )
         self.namespace = namespace
         self.planner = planner  # last: the scheduling loop starts using it now
