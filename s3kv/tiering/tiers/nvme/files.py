@@ -6,7 +6,8 @@ chunk object format, encoded with ``disk_codec`` (by default ``none``: a
 disk is read faster than a frame decodes). A chunk promoted from S3 is
 written as fetched when the two codecs agree, else re-encoded from its
 pages; a file of codec ``none`` is read straight into the KV pages where
-the page cache holds it (a read that cannot wait for the disk), else frame
+the page cache holds it (a read that neither waits for the disk nor starts
+I/O: :mod:`~s3kv.tiering.tiers.nvme.residency`), else frame
 by frame into a buffer of the read's own, checked there, then copied into
 the pages (:meth:`DiskTier.read`).
 Files are written to a ``*.partial`` name that carries the writer's pid
