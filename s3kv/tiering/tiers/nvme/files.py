@@ -265,7 +265,7 @@ class FileFrames:
         """The first pass, under the load's lock: nothing is read while the
         disk is not answering in time (:attr:`DiskTier.steady`), nor, where
         a ``RWF_NOWAIT`` read starts I/O for what it lacks, unless the
-        page cache holds the whole file just before (one ``cachestat``, ~3 µs).
+        page cache holds the whole file just before (one ``cachestat``).
 
         What remains: pages evicted between that check and the read (the
         microseconds of one system call, in which reclaim must pick exactly
