@@ -1318,15 +1318,17 @@ def _probe_fakes(starts_io: bool, refused: bool = False):
 
 
 @pytest.mark.parametrize("starts_io", [True, False], ids=["starts I/O", "no I/O"])
-def test_the_probe_asks_for_residency_checks_only_where_a_nowait_read_starts_io(tmp_path, starts_io):
+def test_the_probe_keeps_the_residency_check_whether_or_not_a_nowait_read_starts_io(tmp_path, starts_io):
     """In the tier's directory: a probe file, its pages dropped, one
     RWF_NOWAIT read, then its pages counted. Readahead there (this
-    kernel's kind): every read under the lock asks the check first; none
-    (older kernels): NOWAIT alone, no check. The probe leaves no file."""
+    kernel's kind) or none (older kernels, where a read meeting a readahead
+    marker may still start it): every read under the lock asks the check
+    first; the reason says which. The probe leaves no file."""
     preadv, resident, calls = _probe_fakes(starts_io)
-    got = residency.probe_direct(tmp_path / "disk", preadv=preadv, resident=resident, settle_s=0)
+    got = residency.probe_direct(tmp_path / "disk", preadv=preadv, resident=resident)
     assert got.nowait
-    assert got.resident is (resident if starts_io else None)
+    assert got.resident is resident
+    assert got.why == ("NOWAIT starts readahead" if starts_io else "no readahead seen")
     assert calls[:3] == ["resident", "read", "resident"]
     assert list((tmp_path / "disk").iterdir()) == []
 
@@ -1336,14 +1338,12 @@ def test_the_probe_turns_reads_under_the_lock_off_where_it_cannot_tell(tmp_path)
     system that refuses RWF_NOWAIT (tmpfs), or pages that would not drop
     (then the check is kept): every read goes aside, or is checked."""
     preadv, resident, _ = _probe_fakes(starts_io=False)
-    assert not residency.probe_direct(tmp_path, preadv=preadv, resident=None, settle_s=0).nowait
-    assert not residency.probe_direct(
-        tmp_path, preadv=preadv, resident=lambda fd, size: None, settle_s=0
-    ).nowait
+    assert not residency.probe_direct(tmp_path, preadv=preadv, resident=None).nowait
+    assert not residency.probe_direct(tmp_path, preadv=preadv, resident=lambda fd, size: None).nowait
     preadv, resident, _ = _probe_fakes(starts_io=False, refused=True)
-    assert not residency.probe_direct(tmp_path, preadv=preadv, resident=resident, settle_s=0).nowait
+    assert not residency.probe_direct(tmp_path, preadv=preadv, resident=resident).nowait
     preadv, _, _ = _probe_fakes(starts_io=False)
-    stayed = residency.probe_direct(tmp_path, preadv=preadv, resident=lambda fd, size: 1, settle_s=0)
+    stayed = residency.probe_direct(tmp_path, preadv=preadv, resident=lambda fd, size: 1)
     assert stayed.nowait and stayed.resident is not None
     assert list(tmp_path.iterdir()) == []
 
@@ -1423,7 +1423,7 @@ def test_a_file_the_page_cache_does_not_hold_whole_is_never_read_under_the_gate_
     else:
         real = tier.direct.resident
         if real is None:
-            pytest.skip(f"RWF_NOWAIT starts no I/O here ({tier.direct.why}): no check to make")
+            pytest.skip(f"no residency check on this machine ({tier.direct.why})")
 
         def evicted_first(fd, size):  # the header's read brought the file in: out it goes
             os.fsync(fd)  # written, not yet on the disk: its pages would not drop

@@ -237,7 +237,8 @@ NOWAIT_READS = hasattr(os, "RWF_NOWAIT") and _kernel_at_least(5, 9)
 ``preadv2(RWF_NOWAIT)``, which returns what the page cache holds (a short
 read) or EAGAIN. Whether it also starts no I/O depends on the kernel (5.9
 to the 2024 readahead change: none; since, readahead of what it lacks), so
-each tier probes (:func:`~s3kv.tiering.tiers.nvme.residency.probe_direct`).
+a read under a gate's lock first checks that the page cache holds the
+whole file (:mod:`~s3kv.tiering.tiers.nvme.residency`).
 Earlier kernels and other platforms read every frame as one that may stall."""
 
 
