@@ -59,8 +59,10 @@ class ChunkFrames(Protocol):
         """Read the frames' bytes, from the first frame's start, into
         ``buffers`` (in order) as far as they can be read without waiting
         for a device: the bytes read, 0 where none could be (not in the
-        page cache, or no such read here). Never waits on a disk, so it may
-        run under a lock a load's other paths need."""
+        page cache, or no such read here). Never waits on a disk nor starts
+        I/O (it reads nothing rather than risk either: a disk that is not
+        answering in time, a file the page cache does not hold whole), so
+        it may run under a lock a load's other paths need."""
 
     def read(self, frame: int, out: list[np.ndarray], start: int = 0) -> None:
         """Read frame ``frame``'s bytes from byte ``start`` of it on into

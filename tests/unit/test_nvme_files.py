@@ -39,6 +39,7 @@ from s3kv.testing.pages import Frames, Pages
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.plan import LoadChunk
 from s3kv.tiering.tiers.nvme import files as disk
+from s3kv.tiering.tiers.nvme import residency
 from s3kv.tiering.tiers.nvme.directory import open_disk, release_lock
 from s3kv.tiering.tiers.nvme.files import DiskTier
 from s3kv.tiering.tiers.nvme.handler import NvmeHandler
@@ -987,7 +988,7 @@ def test_where_reads_cannot_skip_the_device_every_frame_is_read_aside(tmp_path, 
     if why == "EOPNOTSUPP":
         unsupported[0] = True
         assert load() == [(os.RWF_NOWAIT,)] + [()] * len(expected)
-        assert not tier.nowait
+        assert not tier.direct.nowait
     elif why == "not the owner":
         real_open = os.open
 
@@ -1288,3 +1289,203 @@ def test_a_chunk_read_that_stalls_after_the_page_cache_holds_no_lock_and_lands_n
         assert pages[1] == data[1]
     else:  # the pages keep the one pass's part of frame 1 (this load's blocks, never committed)
         assert pages[1] == data[1][:32] + bytes(32)
+
+
+# -- reads under the gate's lock: only what the page cache holds whole, from a steady disk --
+
+
+def _probe_fakes(starts_io: bool, refused: bool = False):
+    """A kernel's RWF_NOWAIT read of the probe's evicted page (EAGAIN; where
+    ``starts_io``, readahead of the file after it; ``refused``: EOPNOTSUPP)
+    and the residency check that sees it: (preadv, resident, calls)."""
+    cached = [0]
+    calls: list[str] = []
+
+    def preadv(fd, buffers, offset, flags):
+        calls.append("read")
+        assert flags == os.RWF_NOWAIT
+        if refused:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        if starts_io:
+            cached[0] = 32
+        raise BlockingIOError(errno.EAGAIN, "not in the page cache")
+
+    def resident(fd, size):
+        calls.append("resident")
+        return cached[0]
+
+    return preadv, resident, calls
+
+
+@pytest.mark.parametrize("starts_io", [True, False], ids=["starts I/O", "no I/O"])
+def test_the_probe_keeps_the_residency_check_whether_or_not_a_nowait_read_starts_io(tmp_path, starts_io):
+    """In the tier's directory: a probe file, its pages dropped, one
+    RWF_NOWAIT read, then its pages counted. Readahead there (this
+    kernel's kind) or none (older kernels, where a read meeting a readahead
+    marker may still start it): every read under the lock asks the check
+    first; the reason says which. The probe leaves no file."""
+    preadv, resident, calls = _probe_fakes(starts_io)
+    got = residency.probe_direct(tmp_path / "disk", preadv=preadv, resident=resident)
+    assert got.nowait
+    assert got.resident is resident
+    assert got.why == ("NOWAIT starts readahead" if starts_io else "no readahead seen")
+    assert calls[:3] == ["resident", "read", "resident"]
+    assert list((tmp_path / "disk").iterdir()) == []
+
+
+def test_the_probe_turns_reads_under_the_lock_off_where_it_cannot_tell(tmp_path):
+    """No residency check here (no cachestat, mincore failing), or a file
+    system that refuses RWF_NOWAIT (tmpfs), or pages that would not drop
+    (then the check is kept): every read goes aside, or is checked."""
+    preadv, resident, _ = _probe_fakes(starts_io=False)
+    assert not residency.probe_direct(tmp_path, preadv=preadv, resident=None).nowait
+    assert not residency.probe_direct(tmp_path, preadv=preadv, resident=lambda fd, size: None).nowait
+    preadv, resident, _ = _probe_fakes(starts_io=False, refused=True)
+    assert not residency.probe_direct(tmp_path, preadv=preadv, resident=resident).nowait
+    preadv, _, _ = _probe_fakes(starts_io=False)
+    stayed = residency.probe_direct(tmp_path, preadv=preadv, resident=lambda fd, size: 1)
+    assert stayed.nowait and stayed.resident is not None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("check", ["cachestat", "mincore"])
+def test_the_residency_check_sees_evicted_pages(tmp_path, check):
+    """The real checks (cachestat, Linux 6.5+; mincore over an mmap): a
+    file the page cache holds whole passes; evicted, it fails."""
+    tier, key = _none_tier(tmp_path / "disk")
+    _needs_page_cache_reads(tier)
+    path = tier.path(key)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        made = (residency._cachestat_fn if check == "cachestat" else residency._mincore_fn)()
+        fn = made if made is not None and made(fd, 1) is not None else None
+        if fn is None:
+            pytest.skip("no residency check here")
+        size = os.fstat(fd).st_size
+        direct = residency.DirectReads(True, fn)
+        os.pread(fd, size, 0)
+        assert direct.all_cached(fd, size)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert fn(fd, size) == 0 and not direct.all_cached(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _locked_reads(monkeypatch, gate_of) -> list[tuple[int, tuple, bool]]:
+    """Record every os.preadv as (offset, flags, whether the gate's lock is
+    held), the gate being ``gate_of()``'s."""
+    calls: list[tuple[int, tuple, bool]] = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *flags):
+        calls.append((offset, flags, gate_of()._lock.locked()))
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return calls
+
+
+def _load(tier: DiskTier, key: bytes, monkeypatch) -> list[tuple[int, tuple, bool]]:
+    """Load ``key`` through a Gate into split targets (the pages); its
+    preadv calls as :func:`_locked_reads` records them."""
+    expected = [a.tobytes() for a in make_chunk(tier.codec, key).layers]
+    targets, commits = zip(*(_split_target(len(e), 2) for e in expected))
+    promoted: list[tuple[int, bytes]] = []
+    gate = _gate_into(targets, promoted)
+    calls = _locked_reads(monkeypatch, lambda: gate)
+    tier.read(key, gate)
+    monkeypatch.undo()
+    assert [b"".join(b.tobytes() for b in t.buffers) for t in targets] == expected
+    assert all(c == [1] for c in commits) and promoted == list(enumerate(expected))
+    return calls
+
+
+@pytest.mark.parametrize("how", ["a fake check", "evicted (this kernel's check)"])
+def test_a_file_the_page_cache_does_not_hold_whole_is_never_read_under_the_gate_lock(
+    tmp_path, monkeypatch, how
+):
+    """Where a RWF_NOWAIT read starts I/O, the residency check comes first:
+    a file that lacks a page (a fake check saying one short; or evicted
+    just before the real check) gets no read at all under the gate's lock, every frame is
+    read aside and the chunk loads. The control: all of it cached, one
+    read under the lock."""
+    tier, key = _none_tier(tmp_path / "disk")
+    _needs_page_cache_reads(tier)
+    n_frames = len(make_chunk(tier.codec, key).layers)
+    if how == "a fake check":
+        short = [False]
+        tier.direct = residency.DirectReads(
+            True, lambda fd, size: residency.pages_of(size) - (1 if short[0] else 0)
+        )
+        assert _load(tier, key, monkeypatch) == [(_first_offset(tier, key), (os.RWF_NOWAIT,), True)]
+        short[0] = True
+    else:
+        real = tier.direct.resident
+        if real is None:
+            pytest.skip(f"no residency check on this machine ({tier.direct.why})")
+
+        def evicted_first(fd, size):  # the header's read brought the file in: out it goes
+            os.fsync(fd)  # written, not yet on the disk: its pages would not drop
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return real(fd, size)
+
+        tier.direct = residency.DirectReads(True, evicted_first)
+    calls = _load(tier, key, monkeypatch)
+    assert len(calls) == n_frames
+    assert all(flags == () and not locked for _, flags, locked in calls)
+
+
+def _first_offset(tier: DiskTier, key: bytes) -> int:
+    from s3kv import codec
+
+    return codec.parse_header(tier.path(key).read_bytes()).frames[0].offset
+
+
+def test_a_disk_that_is_not_answering_in_time_gets_no_read_under_the_gate_lock(tmp_path, monkeypatch):
+    """A read or write on the disk's threads past the tier's timeout, or a
+    transfer that failed for the disk's sake (the breaker's pause) since
+    the last success: the page cache's pass is skipped, every frame read
+    aside. A read that goes well clears the failure."""
+    from s3kv.tiering.placement import Tier
+    from s3kv.tiering.plan import Place
+    from s3kv.tiering.tiers.handler import Began
+    from tests.tiers.conformance import _loop
+
+    tier, key = _none_tier(tmp_path / "disk")
+    _needs_page_cache_reads(tier)
+    tier.direct = residency.DirectReads(True, None)  # the pass runs whenever it may
+    handler = NvmeHandler(tier, timeout_s=5, write_queue_s=5)
+    now = [100.0]
+    handler.clock = lambda: now[0]
+    n_frames = len(make_chunk(tier.codec, key).layers)
+    one_pass = [(_first_offset(tier, key), (os.RWF_NOWAIT,), True)]
+    assert _load(tier, key, monkeypatch) == one_pass
+
+    async def began_at(at: float) -> Began:
+        job = Began(handler._running[True], handler.clock)
+        job.at = at
+        return job
+
+    stuck = _loop().run(began_at(now[0]), timeout=60)
+    handler._running[True].add(stuck)  # a write under way for 5 s: not yet overdue
+    now[0] += 5
+    assert _load(tier, key, monkeypatch) == one_pass
+    now[0] += 0.5  # overdue
+    assert all(flags == () and not locked for _, flags, locked in _load(tier, key, monkeypatch))
+    handler._running[True].discard(stuck)
+    assert _load(tier, key, monkeypatch) == one_pass
+
+    handler.failing()  # a transfer timed out: the breaker pauses the tier
+    calls = _load(tier, key, monkeypatch)
+    assert len(calls) == n_frames and all(flags == () and not locked for _, flags, locked in calls)
+    gate = _gate_into(*_targets_for(tier, key))
+    _loop().run(handler.read(Place(Tier.DISK), key, gate), timeout=60)  # the probe read goes well
+    assert _load(tier, key, monkeypatch) == one_pass
+    handler.close()
+
+
+def _targets_for(tier: DiskTier, key: bytes):
+    expected = [a.tobytes() for a in make_chunk(tier.codec, key).layers]
+    targets, _ = zip(*(_split_target(len(e), 2) for e in expected))
+    return targets, []

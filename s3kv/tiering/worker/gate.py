@@ -108,7 +108,8 @@ class Gate:
         committed and handed to the fills, in order, in two phases:
 
         - What the page cache holds, in one pass (:meth:`ChunkFrames.cached`,
-          one read for the whole chunk, which never waits for a device)
+          one read for the whole chunk, which never waits for a device nor
+          starts I/O: where it could, it reads nothing)
           under the lock, straight into each frame's target: the pages
           themselves on the host, one copy in all. This is :meth:`read_into`'s
           contract for a read that cannot stall: each frame is checked

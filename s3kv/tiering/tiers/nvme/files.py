@@ -6,7 +6,8 @@ chunk object format, encoded with ``disk_codec`` (by default ``none``: a
 disk is read faster than a frame decodes). A chunk promoted from S3 is
 written as fetched when the two codecs agree, else re-encoded from its
 pages; a file of codec ``none`` is read straight into the KV pages where
-the page cache holds it (a read that cannot wait for the disk), else frame
+the page cache holds it (a read that neither waits for the disk nor starts
+I/O: :mod:`~s3kv.tiering.tiers.nvme.residency`), else frame
 by frame into a buffer of the read's own, checked there, then copied into
 the pages (:meth:`DiskTier.read`).
 Files are written to a ``*.partial`` name that carries the writer's pid
@@ -33,7 +34,7 @@ import os
 import stat
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +49,7 @@ from s3kv.keys import chunk_path, is_namespace_id, is_shard_name, parse_chunk_na
 from s3kv.stores.local import PARTIAL_SUFFIX, atomic_write, is_stale_partial, map_os_error
 from s3kv.tiering.chunks import ChunkCodec, ChunkData
 from s3kv.tiering.placement import Tier
+from s3kv.tiering.tiers.nvme.residency import DIRECT_OFF, DirectReads, probe_direct
 
 if TYPE_CHECKING:
     from s3kv.tiering.codec_choice import TierChoice
@@ -75,16 +77,28 @@ class DiskTier:
         *,
         fsync: bool = False,
         choice: TierChoice | None = None,
+        direct: DirectReads | None = None,
     ) -> None:
         self.root = Path(root)
         self.codec = chunk_codec
         self.fsync = fsync
         self.choice = choice
         """``disk_codec: auto``'s choice: files are written in the codec it picks."""
-        self.nowait = NOWAIT_READS
-        """Whether a read tries the page cache first, without waiting for
-        the device (:func:`preadv_cached`); off once the file system said
-        it cannot."""
+        if direct is None:
+            direct = probe_direct(self.root) if NOWAIT_READS else DIRECT_OFF
+            log.info(
+                "s3kv: NVMe tier %s: reads from the page cache under the load's lock: %s", root, direct.why
+            )
+        self.direct = direct
+        """Whether a read tries the page cache first under the load's lock,
+        without waiting for the device (:func:`preadv_cached`), and whether
+        it asks first that the page cache holds the whole file (decided by
+        :func:`~s3kv.tiering.tiers.nvme.residency.probe_direct` in
+        ``root``); off once the file system said it cannot."""
+        self.steady: Callable[[], bool] = _always
+        """Whether the disk answers in time now (the handler's view: no read
+        or write overdue, no failure since its last success): a read under
+        the load's lock is tried only then."""
 
     def store_codec(self) -> ChunkCodec:
         """The codec a chunk is written in now."""
@@ -145,7 +159,9 @@ class DiskTier:
         A file of codec ``none`` goes to the sink a chunk at a time
         (:meth:`FrameInto.read_chunk_into`, :class:`FileFrames`): what the
         page cache holds in one ``preadv`` that never waits for the device
-        (``RWF_NOWAIT``), straight into the frames' destinations (the pages
+        (``RWF_NOWAIT``; only while the disk answers in time and, where such
+        a read starts I/O, the page cache holds the whole file:
+        :meth:`FileFrames.cached`), straight into the frames' destinations (the pages
         on the host, a device's staging buffer), each frame's checksum (or
         MAC) computed there; the rest frame by frame with ``preadv`` into a
         buffer of the read's own (the frame's staging buffer where the
@@ -178,7 +194,9 @@ class DiskTier:
                 # Without O_NOATIME a read may update the file's access time,
                 # and wait for the file system's journal: then nothing is
                 # read from the page cache under the load's lock.
-                sink.read_chunk_into(FileFrames(self, fd, header, where, cached=noatime and self.nowait))
+                sink.read_chunk_into(
+                    FileFrames(self, fd, header, where, cached=noatime and self.direct.nowait)
+                )
             except OSError as e:
                 raise map_os_error(e, where) from e
             finally:
@@ -216,9 +234,16 @@ def _kernel_at_least(major: int, minor: int) -> bool:
 
 NOWAIT_READS = hasattr(os, "RWF_NOWAIT") and _kernel_at_least(5, 9)
 """Reads from the page cache that never wait for the device: Linux's
-``preadv2(RWF_NOWAIT)``, which since 5.9 also starts no I/O (no readahead)
-and returns what the page cache holds (a short read) or EAGAIN. Earlier
-kernels and other platforms read every frame as one that may stall."""
+``preadv2(RWF_NOWAIT)``, which returns what the page cache holds (a short
+read) or EAGAIN. Whether it also starts no I/O depends on the kernel (5.9
+to the 2024 readahead change: none; since, readahead of what it lacks), so
+a read under a gate's lock first checks that the page cache holds the
+whole file (:mod:`~s3kv.tiering.tiers.nvme.residency`).
+Earlier kernels and other platforms read every frame as one that may stall."""
+
+
+def _always() -> bool:
+    return True
 
 
 class FileFrames:
@@ -238,11 +263,33 @@ class FileFrames:
         self._cached = cached
 
     def cached(self, buffers: Sequence[np.ndarray]) -> int:
+        """The first pass, under the load's lock: nothing is read while the
+        disk is not answering in time (:attr:`DiskTier.steady`), nor, where
+        a ``RWF_NOWAIT`` read starts I/O for what it lacks, unless the
+        page cache holds the whole file just before (one ``cachestat``).
+
+        What remains: pages evicted between that check and the read (the
+        microseconds of one system call, in which reclaim must pick exactly
+        this file's pages). The read then submits readahead for them, which
+        may sleep (the device's request tags when its queue is full, an
+        extent block the file system must read). Taken as acceptable: a disk
+        that stalls does so first for reads of its own, which leave the tier
+        not :attr:`~DiskTier.steady` (overdue, or failed), and no pass runs
+        from then on; the lock is held across a stall only where one begins
+        within that window. Neither ``RWF_NOWAIT`` (the kernel's no-I/O flag
+        is not user space's) nor a read through ``mmap`` (a fault reads the
+        page in) can forbid the readahead, so the window is narrowed, not
+        closed."""
         if not self._cached or not self._header.frames:
             return 0
+        files = self._files
+        direct = files.direct
+        if not files.steady() or not direct.all_cached(self._fd, self._header.object_length):
+            return 0  # everything goes aside, as after an EAGAIN
         got = preadv_cached(self._fd, buffers, self._header.frames[0].offset)
         if got is None:  # this file system (or kernel) cannot: not again
-            self._files.nowait = self._cached = False
+            files.direct = DIRECT_OFF
+            self._cached = False
             return 0
         return got
 

@@ -69,6 +69,32 @@ class NvmeHandler(TierHandler):
         }
         self._running: dict[bool, set[Began]] = {False: set(), True: set()}
         """Reads (False) and writes (True) under way on the disk's threads."""
+        self._failed = False
+        """A transfer failed for the disk's sake since the last that went
+        well (the breaker's view, which pauses the tier until a probe
+        succeeds): no read under a load's lock meanwhile."""
+        files.steady = self.steady
+
+    def steady(self) -> bool:
+        """Is the disk answering in time: no failure since the last success,
+        and no read or write under way on its threads for longer than
+        ``timeout_s``? Called on the disk's threads before a read from the
+        page cache under a load's lock (:attr:`DiskTier.steady`), so that a
+        disk that stalls gets no such read at all."""
+        if self._failed:
+            return False
+        now = self.clock()
+        limit = self.timeout_s
+        for jobs in self._running.values():
+            for job in list(jobs):
+                at = job.at
+                if at is not None and now - at > limit:
+                    return False
+        return True
+
+    def failing(self, *, loads: bool = True) -> None:
+        self._failed = True
+        super().failing(loads=loads)
 
     def store_codec(self) -> ChunkCodec:
         return self.files.store_codec()
@@ -95,7 +121,9 @@ class NvmeHandler(TierHandler):
     ) -> tuple[int, bytes | None]:
         read, began = self._op(self.files.read, key, sink)
         t = self.timeout_s
-        return await self.guard(read, t, load=True, began=began, queue_s=t, deadline=deadline), None
+        n = await self.guard(read, t, load=True, began=began, queue_s=t, deadline=deadline)
+        self._failed = False
+        return n, None
 
     async def write(self, place: Place, chunk: ChunkData, start: float | None = None) -> int | None:
         write, began = self._op(self.files.write, chunk.key, chunk, write=True)
@@ -104,6 +132,7 @@ class NvmeHandler(TierHandler):
             # long as a load may take, then it is dropped (a disk failure
             # only if the threads are stuck).
             n = await self.guard(write, self.timeout_s, load=False, began=began, queue_s=self.write_queue_s)
+            self._failed = False
         except StorageFull as e:
             self.counters.add("store_dropped_disk_full")
             log.warning("s3kv: NVMe tier full, chunk not stored there: %s", e)
