@@ -77,7 +77,7 @@ def measure(n_keys: int, rounds: int) -> dict[str, float]:
         + [hash_keys(h[per - 1 :: per], mask, 32)[1] for h in hashes]
     )
     manifest.fps.replace(np.unique(np.concatenate([background, own])))
-    bytes_per_key = manifest.fps.nbytes / len(manifest)  # after a merge: the array alone
+    bytes_per_key = manifest.fps.nbytes / len(manifest)  # after a merge: the array and its index
     for fp in rng.integers(0, 2**63, PENDING, dtype=np.uint64).tolist():
         manifest.fps.add(fp)
     out: dict[str, list[float]] = {case: [] for case in CASES}

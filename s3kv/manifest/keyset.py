@@ -10,7 +10,10 @@ keys at once, so it must answer from memory, fast, for millions of keys. A
   (the fleet's manifest segments) changed, with a parallel bool array saying
   whether each is now present;
 - the *base*: a sorted ``uint64`` array of the members as of the last merge
-  (8 bytes a key).
+  (8 bytes a key), with a :class:`~s3kv.manifest.arrays.BucketIndex` over it
+  (1 to 2 bytes a key) that answers a lookup in ~3 cache misses a key
+  instead of a binary search's ~24: the first lookup of a prefix at 10M
+  keys waits on these.
 
 Segments are applied with numpy (sorting, ``searchsorted``), never through
 Python sets of ints; :meth:`merge` folds the delta and the sets into a new
@@ -30,7 +33,17 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from s3kv.keys import fingerprint
-from s3kv.manifest.arrays import EMPTY, NO_STATE, apply_to, lookup, member, overlay, positions, resolve
+from s3kv.manifest.arrays import (
+    EMPTY,
+    NO_INDEX,
+    NO_STATE,
+    BucketIndex,
+    apply_to,
+    lookup,
+    overlay,
+    positions,
+    resolve,
+)
 
 
 def fingerprints(keys: Sequence[bytes]) -> np.ndarray:
@@ -53,10 +66,12 @@ class _View(NamedTuple):
     """Sorted, unique: fingerprints bulk updates changed since."""
     state: np.ndarray
     """Parallel to ``delta``: whether each is present now."""
+    buckets: BucketIndex
+    """Over ``base``: made with it, replaced with it."""
 
     def present(self, fps: np.ndarray) -> np.ndarray:
-        base, delta, state = self
-        hit = member(base, fps)
+        _, delta, state, index = self
+        hit = index.present(fps)
         if len(delta):
             idx, found = lookup(delta, fps)
             if np.count_nonzero(found):
@@ -78,7 +93,7 @@ class FingerprintSet:
 
     def __init__(self, merge_at: int = 1 << 16) -> None:
         self.merge_at = merge_at
-        self._view = _View(EMPTY, EMPTY, NO_STATE)
+        self._view = _View(EMPTY, EMPTY, NO_STATE, NO_INDEX)
         self._added: set[int] = set()
         self._removed: set[int] = set()
         """Single changes, each newer than the delta's and the base's word on
@@ -101,24 +116,19 @@ class FingerprintSet:
             return True
         if fp in self._removed:
             return False
-        base, delta, state = self._view
-        key = np.uint64(fp)
+        _, delta, state, index = self._view
         if len(delta):
-            i = int(delta.searchsorted(key))
+            i = int(delta.searchsorted(np.uint64(fp)))
             if i < len(delta) and int(delta[i]) == fp:
                 return bool(state[i])
-        i = int(base.searchsorted(key))
-        return i < len(base) and int(base[i]) == fp
+        return fp in index
 
     def present(self, fps: np.ndarray) -> np.ndarray:
         """A bool array: which of ``fps`` are present (one vectorised pass)."""
         added, removed = self._added, self._removed
-        base, delta, state = self._view
+        _, delta, state, index = self._view
         # _View.present, inlined: a Python call costs as much as a numpy one here.
-        if len(base):
-            hit = base.take(base.searchsorted(fps), mode="clip") == fps
-        else:
-            hit = np.zeros(len(fps), dtype=bool)
+        hit = index.present(fps)
         if len(delta):
             idx = delta.searchsorted(fps)
             found = delta.take(idx, mode="clip") == fps
@@ -139,9 +149,11 @@ class FingerprintSet:
 
     @property
     def nbytes(self) -> int:
-        """Memory held, roughly: the arrays plus ~40 bytes per set entry."""
-        base, delta, state = self._view
-        return int(base.nbytes + delta.nbytes + state.nbytes) + 40 * (len(self._added) + len(self._removed))
+        """Memory held, roughly: the arrays and the base's index plus ~40 bytes per set entry."""
+        base, delta, state, index = self._view
+        return int(base.nbytes + delta.nbytes + state.nbytes + index.nbytes) + 40 * (
+            len(self._added) + len(self._removed)
+        )
 
     def array(self) -> np.ndarray:
         """Every present fingerprint, sorted (a merge)."""
@@ -205,7 +217,7 @@ class FingerprintSet:
                             gained += int(np.count_nonzero(p))
                     touched.append(values)
                 self._n += gained - lost
-                self._view = _View(view.base, delta, state)
+                self._view = _View(view.base, delta, state, view.buckets)
                 if touched[0]:
                     self._added = added - touched[0]
                 if touched[1]:
@@ -230,12 +242,13 @@ class FingerprintSet:
         with self._merge_lock:
             view = self._view
             n = len(base)
+            index = BucketIndex(base)
             if len(view.delta):
-                in_base = member(base, view.delta)
+                in_base = index.present(view.delta)
                 n += int(np.count_nonzero(view.state & ~in_base)) - int(
                     np.count_nonzero(~view.state & in_base)
                 )
-            new = _View(base, view.delta, view.state)
+            new = _View(base, view.delta, view.state, index)
             with self._lock:
                 for members, value in ((self._added, True), (self._removed, False)):
                     if members:
@@ -263,8 +276,9 @@ class FingerprintSet:
                 resolve([(_set_array(added), _set_array(removed))]) if added or removed else (EMPTY, NO_STATE)
             )
             base = apply_to(view.base, *overlay(view.delta, view.state, *ops))
+            index = BucketIndex(base)  # before the lock: O(len(base))
             with self._lock:
-                self._view = _View(base, EMPTY, NO_STATE)
+                self._view = _View(base, EMPTY, NO_STATE, index)
                 # What changed while merging stays in the sets: values tell
                 # the merged members from the newer ones (only single
                 # writers ran meanwhile, and each leaves an fp in one set).

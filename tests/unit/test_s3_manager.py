@@ -2,6 +2,8 @@
 (:mod:`s3kv.tiering.tiers.s3.manager`): stores in flight, the retry of a key
 whose object was bad, and the bad objects its ranks report."""
 
+import numpy as np
+
 from s3kv.keys import Namespace, chain_keys, fingerprint, object_key
 from s3kv.manifest import Manifest
 from s3kv.stats import Counters
@@ -72,3 +74,24 @@ def test_the_s3_manager_tells_the_fleet_of_bad_objects_its_ranks_reported():
     s3.on_report(report, [(KEYS[0], True)], [])
     assert manifest.is_bad(KEYS[0]) and KEYS[0] not in manifest  # the 412 found the bad object: not published
     assert told == [("bad", fingerprint(KEYS[0]), object_key("p/", "ns0", KEYS[0], 1), '"e"')]
+
+
+def test_lookup_trusts_keys_seen_present_until_a_removal():
+    """A new prefix (nothing of it trusted) and one partly trusted give the
+    manifest's answer; present keys are trusted, missing ones asked again,
+    and a removal (a new epoch) forgets the trust."""
+    manifest = Manifest()
+    s3 = S3TierManager(manifest)
+    keys = [bytes([i]) * 16 for i in range(8)]
+    fps = np.array([fingerprint(k) for k in keys], dtype=np.uint64)
+    for k in keys[1:6]:
+        manifest.add(k, publish=False)
+    assert s3.lookup(keys, fps, 1, 4) == [True, True, True]
+    assert set(s3._verified) == set(keys[1:4])
+    assert s3.lookup(keys, fps, 0, 8) == [False] + [True] * 5 + [False, False]
+    assert set(s3._verified) == set(keys[1:6])
+    manifest.add(keys[0], publish=False)
+    assert s3.lookup(keys, fps, 0, 2) == [True, True]  # the missing key is asked again
+    manifest.discard(keys[1])
+    assert s3.lookup(keys, fps, 0, 3) == [True, False, True]  # trust forgotten
+    assert set(s3._verified) == {keys[0], keys[2]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import compress
 
 import numpy as np
 
@@ -114,9 +115,16 @@ class S3TierManager(TierManager):
             self._verified.clear()
             self._verified_epoch = epoch
         verified = self._verified
-        todo = [i for i in range(start, end) if keys[i] not in verified]
-        if not todo:
-            return [True] * (end - start)
+        if not verified.keys().isdisjoint(keys[start:end]):
+            todo = [i for i in range(start, end) if keys[i] not in verified]
+            if not todo:
+                return [True] * (end - start)
+        else:  # a new prefix: all of them, without a list of indices and a copy
+            found = self.manifest.present_fps(fps[start:end]).tolist()
+            verified.update(dict.fromkeys(compress(keys[start:end], found)))
+            if len(verified) > VERIFIED_SIZE:
+                verified.clear()
+            return found
         found = self.manifest.present_fps(fps[todo]).tolist()
         out = [True] * (end - start)
         for i, has in zip(todo, found):
