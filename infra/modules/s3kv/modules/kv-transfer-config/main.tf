@@ -39,6 +39,7 @@ locals {
     "manifest_protocol",
     "model_digest",
     "namespace_salt",
+    "chunk_keys",
     "share_across_tp",
     "auth_key_file",
   ]
