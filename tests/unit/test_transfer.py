@@ -246,6 +246,25 @@ def test_store_then_load_roundtrip():
     e.close()
 
 
+def test_stored_encoded_bytes_are_the_s3_objects_beside_an_uncompressed_disk_file(tmp_path):
+    """The compression ratio's bytes: one figure a chunk, its object in
+    S3's codec (the shared copy), also where the NVMe tier writes its file
+    uncompressed beside it (disk_codec none: the disk's object is listed
+    first among the targets)."""
+    store = MemoryStore()
+    e = engine(store, disk_path=tmp_path, disk_codec="none")
+    key = b"z" * 16
+    pages = [np.zeros(PAGE, np.uint8) for _ in range(LAYERS)]  # compresses well
+    assert e.submit_store(job(key, pages, disk=True, s3=True))
+    wait_for(e, lambda a: key in a.written.get(Tier.S3, {}) and key in a.written.get(Tier.DISK, {}))
+    s3_object = asyncio.run(store.get(chunk_id(e, key).object_key))
+    assert len(s3_object) < len(files(e).path(key).read_bytes())  # the two copies differ
+    totals = e.counters.totals()
+    assert totals["store_encoded_bytes"] == len(s3_object)
+    assert totals["store_raw_bytes"] == LAYERS * PAGE
+    e.close()
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_rank_0_times_each_load_by_tier_for_the_cost_model(tmp_path, rank):
     store = MemoryStore()

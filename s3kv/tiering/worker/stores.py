@@ -20,6 +20,7 @@ from s3kv.tiering import codec_choice
 from s3kv.tiering.chunks import ChunkData
 from s3kv.tiering.codec_choice import Calibration
 from s3kv.tiering.loop import JobLoop
+from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import Place
 
 if TYPE_CHECKING:
@@ -146,7 +147,10 @@ class Stores:
             if calibration is not None:
                 e.calibrations.add(calibration)
             e.counters.add("store_raw_bytes", chunk.raw_bytes)
-            e.counters.add("store_encoded_bytes", len(chunk.blob_for(codecs[0])))
+            # One figure a chunk, as the compression ratio reads it: its
+            # object in S3's codec (the shared copy), else the first tier's.
+            counted = chunk.picked.get(Tier.S3) or codecs[0]
+            e.counters.add("store_encoded_bytes", len(chunk.blob_for(counted)))
             await asyncio.gather(*(self._save(p, chunk, start) for p in encoded))
         finally:
             if pins:
