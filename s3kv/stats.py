@@ -115,6 +115,10 @@ FAMILIES: tuple[Family, ...] = (
     _c("manifest_segments_published", "Manifest segments this replica wrote"),
     _c("manifest_segments_loaded", "Manifest segments of the fleet applied"),
     _c("manifest_snapshots_written", "Manifest snapshots this replica wrote"),
+    _c(
+        "manifest_prune_denied",
+        "Prunes of old manifest snapshots the store refused (no s3:DeleteObject: left to gc)",
+    ),
     _c("manifest_epochs_read", "Manifest epochs (protocol epochs) of the fleet read"),
     _c("manifest_epochs_written", "Manifest epochs this replica aggregated and wrote"),
     _c("manifest_epochs_missing", "Asks for a manifest epoch not written yet (asked again shortly)"),

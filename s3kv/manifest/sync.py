@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from s3kv.auth import FleetKeys
-from s3kv.errors import S3KVError
+from s3kv.errors import PermissionDenied, S3KVError
 from s3kv.manifest import format as mf
 from s3kv.manifest.arrays import EMPTY, as_sorted_unique
 from s3kv.manifest.chain import EpochChain
@@ -148,6 +148,8 @@ class ManifestSync:
         replica's segment is its chunks' under protocol "epochs": a PUT 30 s
         slow made this replica read the fleet's epochs 30 s late)."""
         self._in_run = False
+        self._prune_denied = False
+        """Told once that old snapshots may not be deleted here."""
         self.chain = EpochChain(self) if self.s.protocol == "epochs" else None
         """Protocol "epochs": how other replicas' segments are read (else each one, every refresh)."""
         manifest.sync = self
@@ -422,8 +424,19 @@ class ManifestSync:
         listed = [m.key async for m in self.store.list(self.base + SNAPSHOTS)]
         limit = self._now_ms() + int(self.s.skew_s * 1000)
         old = stale_snapshots(self.base, listed, limit_ms=limit, kept=self.s.snapshots_kept)
-        if old:
+        if not old:
+            return
+        try:
             await self.store.delete_many(old)
+        except PermissionDenied as e:
+            # A replica may run without s3:DeleteObject (gc prunes with its
+            # own role): the snapshot is written, the pruning is not this
+            # replica's to do. Failing here would fail the tick after it,
+            # again at every try, and stop the manifest for good.
+            self.counters.add("manifest_prune_denied")
+            if not self._prune_denied:
+                self._prune_denied = True
+                log.warning("s3kv: may not delete old manifest snapshots (%s); leaving them to `s3kv gc`", e)
 
     # -- the loop ----------------------------------------------------------------
     def next_due(self) -> float:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from s3kv.auth import FleetKeys
-from s3kv.errors import CorruptManifest, UnsignedManifest
+from s3kv.errors import CorruptManifest, PermissionDenied, UnsignedManifest
 from s3kv.manifest import epochs as me
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
@@ -954,3 +954,37 @@ def test_a_snapshot_without_epoch_before_any_epoch_lists_only_the_segments_after
     segment_gets = [g.key for g in f.inner.gets if "/seg/" in g.key]
     floor = c._lister.floor(mp.name_ts(horizon.last), int(SKEW_S * 1000))
     assert segment_gets and not [n for n in segment_gets if n <= floor or n in horizon.recent]
+
+
+class NoDeletes(MemoryStore):
+    """A replica's role without s3:DeleteObject (gc deletes with its own)."""
+
+    async def delete_many(self, keys):
+        keys = list(keys)
+        if keys:
+            raise PermissionDenied(f"{keys[0]}: AccessDenied")
+
+
+def test_a_replica_that_may_not_delete_keeps_reading_epochs_after_writing_snapshots():
+    """Its snapshot is written and its pruning refused: counted, told once,
+    and the manifest goes on (the refusal used to fail the tick that wrote
+    the snapshot, again at every try: the replica read no epoch after it)."""
+    store = NoDeletes()
+    clock = Clock()
+    a, b = (replica(store, clock, w, snapshot_epochs=2) for w in ("aaaa", "bbbb"))
+
+    async def go():
+        await start([a, b], clock)
+        for i in range(16):
+            (a if i % 2 else b).manifest.add(key(i))
+            await drive([a, b], clock, clock.t + 1)
+        await drive([a, b], clock, clock.t + 4)
+
+    run(go())
+    assert len(run(store.list_keys(BASE + "snap/"))) > a.s.snapshots_kept  # none pruned
+    denied = a.counters.totals().get("manifest_prune_denied", 0) + b.counters.totals().get(
+        "manifest_prune_denied", 0
+    )
+    assert denied >= 1
+    assert all(key(i) in a.manifest and key(i) in b.manifest for i in range(16))
+    assert a.counters.totals().get("manifest_errors", 0) == 0 == b.counters.totals().get("manifest_errors", 0)
