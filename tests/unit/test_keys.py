@@ -32,18 +32,25 @@ print(json.dumps([k.hex() for k in keys]))
 """
 
 
-def test_same_keys_in_separate_processes_with_different_hash_seeds():
+def _same_output_whatever_the_hash_seed(script: str) -> str:
+    """``script``'s stdout, run in two processes with different hash seeds;
+    asserts both printed the same."""
     outs = []
     for seed in ("1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         outs.append(
             subprocess.run(
-                [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True
+                [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
             ).stdout
         )
     assert outs[0] == outs[1]
+    return outs[0]
+
+
+def test_same_keys_in_separate_processes_with_different_hash_seeds():
+    out = _same_output_whatever_the_hash_seed(_SCRIPT)
     here = chain_keys(NS, TOKENS, 64, [None, ("lora", "x", "/p"), None, ("cache_salt", "s")])
-    assert outs[0].strip() == "[" + ", ".join(f'"{k.hex()}"' for k in here) + "]"
+    assert out.strip() == "[" + ", ".join(f'"{k.hex()}"' for k in here) + "]"
 
 
 _HASH_SCRIPT = """
@@ -59,18 +66,10 @@ print(json.dumps([[k.hex() for k in keys], fps.tolist()]))
 def test_keys_from_block_hashes_are_the_same_in_separate_processes():
     """Two "processes" (replicas) given the same vLLM block hashes get the
     same chunk keys and fingerprints, whatever their own hash seeds."""
-    outs = []
-    for seed in ("1", "12345"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        outs.append(
-            subprocess.run(
-                [sys.executable, "-c", _HASH_SCRIPT], env=env, capture_output=True, text=True, check=True
-            ).stdout
-        )
-    assert outs[0] == outs[1]
+    out = _same_output_whatever_the_hash_seed(_HASH_SCRIPT)
     hashes = [hashlib.sha256(b"block %d" % i).digest() for i in range(4)]
     keys, fps = hash_keys(hashes, hash_key_mask(NS), 32)
-    assert json.loads(outs[0]) == [[k.hex() for k in keys], fps.tolist()]
+    assert json.loads(out) == [[k.hex() for k in keys], fps.tolist()]
 
 
 def test_a_key_from_a_block_hash_is_its_first_16_bytes_masked_by_the_namespace():
