@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import Bar, Result, main_for, median, start_server, verdict
-from benchmarks.load_path import BLOCKS_PER_CHUNK, CHUNK_TOKENS, LAYERS, _kv_cache
+from benchmarks.load_path import BLOCKS_PER_CHUNK, CHUNK_TOKENS, LAYERS, _kv_cache, make_engine
 
 NAME = "codec_choice"
 TITLE = "Codec choice: what codec auto picks per link, and each codec's load time there"
@@ -87,16 +87,12 @@ def run(work: Path, quick: bool, mbps: float = 100.0) -> Result:
     from s3kv.config import S3KVConfig
     from s3kv.connector.pages import PageIO
     from s3kv.keys import Namespace
-    from s3kv.stores.factory import make_store
     from s3kv.testing.latency_proxy import LatencyProxy
     from s3kv.tiering.placement import Tier
     from s3kv.tiering.plan import LoadChunk, Place
-    from s3kv.tiering.tiers.s3.settings import S3Settings
-    from s3kv.tiering.worker.transfer import EngineSettings, TransferEngine
 
     n_chunks = 16 if quick else 32
     repeats = 3 if quick else 7
-    defaults = S3KVConfig(bucket=BUCKET)
     namespace = Namespace.from_fields({"bench": NAME}).id
     num_blocks = 2 * n_chunks * BLOCKS_PER_CHUNK + 3
     gen = torch.Generator().manual_seed(1)
@@ -169,20 +165,7 @@ def run(work: Path, quick: bool, mbps: float = 100.0) -> Result:
                 config = S3KVConfig(bucket=BUCKET, endpoint_url=endpoint, region="us-east-1")
                 engines: dict[str, Any] = {}
                 for codec in ("none", "blosc2", "auto"):
-                    e = TransferEngine(
-                        make_store(config),
-                        EngineSettings(
-                            namespace=namespace,
-                            prefix=f"bench-{li}-{codec}",
-                            rank=0,
-                            num_layers=LAYERS,
-                            codec=codec,
-                            zstd_level=defaults.zstd_level,
-                            wings={Tier.S3: S3Settings(range_bytes=defaults.range_bytes)},
-                        ),
-                    )
-                    e.configure(fmt)
-                    engines[codec] = e
+                    engines[codec] = make_engine(config, namespace, f"bench-{li}-{codec}", codec, fmt)
                 auto = engines["auto"]
                 choice = auto.codec_choices[Tier.S3]
                 # auto learns from its own stores and loads, then stores the timed set in its pick.

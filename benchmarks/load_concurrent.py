@@ -58,10 +58,12 @@ from benchmarks.load_path import (
     POLL_S,
     Case,
     _drop_cached,
-    _fsync,
     _kv_cache,
     _obstore_range,
     _scatter,
+    make_engine,
+    preadv_chunk,
+    store_case,
 )
 
 NAME = "load_concurrent"
@@ -279,25 +281,7 @@ def _plain_disk(
     done: dict[bytes, float] = {}
 
     def one(i: int) -> None:
-        _key, size, frames = case.layout[i]
-        ids = case.chunks[i].block_ids
-        iov: list[Any] = [bytearray(frames[0][0])]  # the header, read aside
-        for layer, (_off, length) in enumerate(frames):
-            left = length
-            for b in ids:
-                page = blocks[layer][b]
-                n = min(page.nbytes, left)
-                if n <= 0:
-                    break
-                iov.append(memoryview(page)[:n])
-                left -= n
-        fd = os.open(paths[i], os.O_RDONLY)
-        try:
-            got = os.preadv(fd, iov, 0)
-        finally:
-            os.close(fd)
-        if got != size:
-            raise OSError(f"{paths[i]}: read {got} of {size} bytes")
+        preadv_chunk(case, i, paths[i], blocks)
         done[case.chunks[i].key] = time.perf_counter()
 
     t0 = time.perf_counter()
@@ -317,64 +301,6 @@ def _plain_disk(
 
 def _run_async(loop: asyncio.AbstractEventLoop, coro_fn: Callable[[], Any]) -> Any:
     return loop.run_until_complete(coro_fn())
-
-
-def _build_case(
-    codec_name: str,
-    work: Path,
-    config: Any,
-    namespace: str,
-    fmt: Any,
-    put: Any,
-    keys: list[bytes],
-    block_ids: list[tuple[int, ...]],
-    exp_u8: list[Any],
-) -> Case:
-    """An engine with ``codec_name`` on S3 and disk, every chunk stored in both."""
-    import torch
-
-    from s3kv.config import S3KVConfig
-    from s3kv.stores.factory import make_store
-    from s3kv.testing.chunks import chunk_id
-    from s3kv.tiering.chunks import ChunkData
-    from s3kv.tiering.placement import Tier
-    from s3kv.tiering.plan import LoadChunk, Place
-    from s3kv.tiering.tiers.nvme.settings import NvmeSettings
-    from s3kv.tiering.tiers.s3.settings import S3Settings
-    from s3kv.tiering.worker.transfer import EngineSettings, TransferEngine
-
-    defaults = S3KVConfig(bucket=BUCKET)
-    disk = work / f"disk-{codec_name}"
-    shutil.rmtree(disk, ignore_errors=True)
-    engine = TransferEngine(
-        make_store(config),
-        EngineSettings(
-            namespace=namespace,
-            prefix=f"conc-{codec_name}",
-            rank=0,
-            num_layers=LAYERS,
-            codec=codec_name,
-            zstd_level=defaults.zstd_level,
-            wings={
-                Tier.DISK: NvmeSettings(str(disk), codec=codec_name),
-                Tier.S3: S3Settings(range_bytes=defaults.range_bytes),
-            },
-        ),
-    )
-    engine.configure(fmt)
-    chunks, blobs = [], []
-    for key, ids in zip(keys, block_ids):
-        idx = torch.tensor(ids)
-        layers = [u.index_select(0, idx).contiguous().view(-1).numpy() for u in exp_u8]
-        data = ChunkData(key, engine.codec, layers=layers)
-        blob = data.blob
-        put.put_object(Bucket=BUCKET, Key=chunk_id(engine, key).object_key, Body=blob)
-        files = engine.handlers[Tier.DISK].files  # type: ignore[attr-defined]
-        files.write(key, data)
-        _fsync(files.path(key))
-        blobs.append(blob)
-        chunks.append(LoadChunk(key, ids, 0, BLOCKS_PER_CHUNK, (Place(Tier.S3),)))
-    return Case(codec_name, engine, chunks, blobs)
 
 
 def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
@@ -447,9 +373,10 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
         config = S3KVConfig(bucket=BUCKET, endpoint_url=server.endpoint_url, region="us-east-1")
         put = server.client()
         for codec_name in codecs:
-            cases[codec_name] = _build_case(
-                codec_name, work, config, namespace, fmt, put, keys, block_ids, exp_u8
+            engine = make_engine(
+                config, namespace, f"conc-{codec_name}", codec_name, fmt, disk=work / f"disk-{codec_name}"
             )
+            cases[codec_name] = store_case(codec_name, engine, put, keys, block_ids, exp_u8)
         from obstore.store import S3Store as ObstoreS3
 
         native = ObstoreS3(

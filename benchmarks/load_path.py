@@ -163,32 +163,94 @@ def _run_plain_s3(
     loop.run_until_complete(_plain_s3(client, case, blocks, range_bytes, get_range))
 
 
+def preadv_chunk(case: Case, i: int, path: str, blocks: list[list[np.ndarray]]) -> None:
+    """The plain client's read of chunk ``i``'s file: one ``preadv`` straight
+    into the tensor's blocks (the header read aside)."""
+    _key, size, frames = case.layout[i]
+    ids = case.chunks[i].block_ids
+    iov: list[Any] = [bytearray(frames[0][0])]  # the header, read aside
+    for layer, (_off, length) in enumerate(frames):
+        left = length
+        for b in ids:
+            page = blocks[layer][b]
+            n = min(page.nbytes, left)
+            if n <= 0:
+                break
+            iov.append(memoryview(page)[:n])
+            left -= n
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = os.preadv(fd, iov, 0)
+    finally:
+        os.close(fd)
+    if got != size:
+        raise OSError(f"{path}: read {got} of {size} bytes")
+
+
 def _plain_disk(case: Case, paths: list[str], blocks: list[list[np.ndarray]], pool: Any) -> None:
     """Every file with one ``preadv`` straight into the tensor's blocks."""
+    list(pool.map(lambda i: preadv_chunk(case, i, paths[i], blocks), range(len(case.chunks))))
 
-    def one(i: int) -> None:
-        _key, size, frames = case.layout[i]
-        ids = case.chunks[i].block_ids
-        header = bytearray(frames[0][0])
-        iov: list[Any] = [header]
-        for layer, (_off, length) in enumerate(frames):
-            left = length
-            for b in ids:
-                page = blocks[layer][b]
-                n = min(page.nbytes, left)
-                if n <= 0:
-                    break
-                iov.append(memoryview(page)[:n])
-                left -= n
-        fd = os.open(paths[i], os.O_RDONLY)
-        try:
-            got = os.preadv(fd, iov, 0)
-        finally:
-            os.close(fd)
-        if got != size:
-            raise OSError(f"{paths[i]}: read {got} of {size} bytes")
 
-    list(pool.map(one, range(len(case.chunks))))
+def make_engine(
+    config: Any, namespace: str, prefix: str, codec: str, fmt: Any, disk: Path | None = None
+) -> Any:
+    """A configured TransferEngine with the default config's settings, storing
+    ``codec`` on S3 under ``prefix`` (and in a fresh ``disk`` directory, when given)."""
+    from s3kv.config import S3KVConfig
+    from s3kv.stores.factory import make_store
+    from s3kv.tiering.placement import Tier
+    from s3kv.tiering.tiers.nvme.settings import NvmeSettings
+    from s3kv.tiering.tiers.s3.settings import S3Settings
+    from s3kv.tiering.worker.transfer import EngineSettings, TransferEngine
+
+    defaults = S3KVConfig(bucket=BUCKET)
+    wings: dict[Any, Any] = {}
+    if disk is not None:
+        shutil.rmtree(disk, ignore_errors=True)
+        wings[Tier.DISK] = NvmeSettings(str(disk), codec=codec)
+    wings[Tier.S3] = S3Settings(range_bytes=defaults.range_bytes)
+    engine = TransferEngine(
+        make_store(config),
+        EngineSettings(
+            namespace=namespace,
+            prefix=prefix,
+            rank=0,
+            num_layers=LAYERS,
+            codec=codec,
+            zstd_level=defaults.zstd_level,
+            wings=wings,
+        ),
+    )
+    engine.configure(fmt)
+    return engine
+
+
+def store_case(
+    codec: str, engine: Any, put: Any, keys: list[bytes], block_ids: list[tuple[int, ...]], exp_u8: list[Any]
+) -> Case:
+    """Every chunk (``exp_u8``'s pages at ``block_ids``) put in S3 with ``put``
+    and written (fsynced) to ``engine``'s disk, as one :class:`Case`."""
+    import torch
+
+    from s3kv.testing.chunks import chunk_id
+    from s3kv.tiering.chunks import ChunkData
+    from s3kv.tiering.placement import Tier
+    from s3kv.tiering.plan import LoadChunk, Place
+
+    chunks, blobs = [], []
+    for key, ids in zip(keys, block_ids):
+        idx = torch.tensor(ids)
+        layers = [u.index_select(0, idx).contiguous().view(-1).numpy() for u in exp_u8]
+        data = ChunkData(key, engine.codec, layers=layers)
+        blob = data.blob
+        put.put_object(Bucket=BUCKET, Key=chunk_id(engine, key).object_key, Body=blob)
+        files = engine.handlers[Tier.DISK].files
+        files.write(key, data)
+        _fsync(files.path(key))
+        blobs.append(blob)
+        chunks.append(LoadChunk(key, ids, 0, BLOCKS_PER_CHUNK, (Place(Tier.S3),)))
+    return Case(codec, engine, chunks, blobs)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -241,15 +303,9 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     from s3kv.config import S3KVConfig
     from s3kv.connector.pages import PageIO
     from s3kv.keys import Namespace
-    from s3kv.stores.factory import make_store
-    from s3kv.testing.chunks import chunk_id
-    from s3kv.tiering.chunks import ChunkData
     from s3kv.tiering.placement import Tier
-    from s3kv.tiering.plan import LoadChunk, Place
     from s3kv.tiering.tiers.nvme.files import shard_path
-    from s3kv.tiering.tiers.nvme.settings import NvmeSettings
-    from s3kv.tiering.tiers.s3.settings import S3Settings
-    from s3kv.tiering.worker.transfer import EngineSettings, TransferEngine
+    from s3kv.tiering.worker.transfer import EngineSettings
 
     n_chunks = 16 if quick else 64
     repeats = 3 if quick else 9
@@ -308,39 +364,11 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
         put = server.client()
         config = S3KVConfig(bucket=BUCKET, endpoint_url=server.endpoint_url, region="us-east-1")
         for codec_name in codecs:
-            disk = work / f"disk-{codec_name}"
-            shutil.rmtree(disk, ignore_errors=True)
-            engine = TransferEngine(
-                make_store(config),
-                EngineSettings(
-                    namespace=namespace,
-                    prefix=f"bench-{codec_name}",
-                    rank=0,
-                    num_layers=LAYERS,
-                    codec=codec_name,
-                    zstd_level=defaults.zstd_level,
-                    # each case on disk too; the default disk codec is none
-                    wings={
-                        Tier.DISK: NvmeSettings(str(disk), codec=codec_name),
-                        Tier.S3: S3Settings(range_bytes=range_bytes),
-                    },
-                ),
+            # each case on disk too; the default disk codec is none
+            engine = make_engine(
+                config, namespace, f"bench-{codec_name}", codec_name, fmt, disk=work / f"disk-{codec_name}"
             )
-            engine.configure(fmt)
-            chunks, blobs = [], []
-            for key, ids in zip(keys, block_ids):
-                idx = torch.tensor(ids)
-                layers = [u.index_select(0, idx).contiguous().view(-1).numpy() for u in exp_u8]
-                data = ChunkData(key, engine.codec, layers=layers)
-                blob = data.blob
-                put.put_object(Bucket=BUCKET, Key=chunk_id(engine, key).object_key, Body=blob)
-                files = engine.handlers[Tier.DISK].files  # type: ignore[attr-defined]
-                files.write(key, data)
-                _fsync(files.path(key))
-                blobs.append(blob)
-                chunks.append(LoadChunk(key, ids, 0, BLOCKS_PER_CHUNK, (Place(Tier.S3),)))
-            cases.append(Case(codec_name, engine, chunks, blobs))
-            del blobs
+            cases.append(store_case(codec_name, engine, put, keys, block_ids, exp_u8))
 
         session = get_session()
         aio_config = AioConfig(
