@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import Bar, Result, main_for, median, start_server, verdict
-from benchmarks.load_path import BLOCKS_PER_CHUNK, CHUNK_TOKENS, LAYERS, _kv_cache, make_engine
+from benchmarks.load_path import BLOCKS_PER_CHUNK, CHUNK_TOKENS, LAYERS, kv_pages, make_engine
 
 NAME = "codec_choice"
 TITLE = "Codec choice: what codec auto picks per link, and each codec's load time there"
@@ -83,9 +83,7 @@ def _load(engine: Any, loads: list[Any], into: Any, job: str) -> float:
 def run(work: Path, quick: bool, mbps: float = 100.0) -> Result:
     import torch
 
-    from s3kv.chunk_reader import PageFormat
     from s3kv.config import S3KVConfig
-    from s3kv.connector.pages import PageIO
     from s3kv.keys import Namespace
     from s3kv.testing.latency_proxy import LatencyProxy
     from s3kv.tiering.placement import Tier
@@ -96,17 +94,7 @@ def run(work: Path, quick: bool, mbps: float = 100.0) -> Result:
     namespace = Namespace.from_fields({"bench": NAME}).id
     num_blocks = 2 * n_chunks * BLOCKS_PER_CHUNK + 3
     gen = torch.Generator().manual_seed(1)
-    target = _kv_cache(num_blocks)
-    names = [f"layer.{i}" for i in range(LAYERS)]
-    pages = PageIO(dict(zip(names, target)), names, num_blocks)
-    first = pages.layers[0]
-    fmt = PageFormat(
-        first.dtype,
-        first.itemsize,
-        first.shape_for(BLOCKS_PER_CHUNK),
-        CHUNK_TOKENS,
-        BLOCKS_PER_CHUNK * first.page_bytes,
-    )
+    target, pages, fmt = kv_pages(num_blocks)
     into = pages.load_pages(None)
     raw_chunk = fmt.layer_bytes * LAYERS
     rng = np.random.default_rng(2)

@@ -58,10 +58,12 @@ from benchmarks.load_path import (
     POLL_S,
     Case,
     _drop_cached,
-    _kv_cache,
     _obstore_range,
     _scatter,
+    expected_chunks,
+    kv_pages,
     make_engine,
+    obstore_client,
     preadv_chunk,
     store_case,
 )
@@ -306,9 +308,7 @@ def _run_async(loop: asyncio.AbstractEventLoop, coro_fn: Callable[[], Any]) -> A
 def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     import torch
 
-    from s3kv.chunk_reader import PageFormat
     from s3kv.config import S3KVConfig
-    from s3kv.connector.pages import PageIO
     from s3kv.keys import Namespace
     from s3kv.tiering.placement import Tier
     from s3kv.tiering.plan import Place
@@ -323,29 +323,10 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     namespace = Namespace.from_fields({"bench": NAME}).id
 
     num_blocks = n_chunks * BLOCKS_PER_CHUNK + 3
-    gen = torch.Generator().manual_seed(3)
-    expected = _kv_cache(num_blocks)
-    for t in expected:
-        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.bfloat16))
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    for t in expected:
-        t[perm[n_chunks * BLOCKS_PER_CHUNK :]] = 0
-    rng = np.random.default_rng(4)
-    keys = [rng.bytes(16) for _ in range(n_chunks)]
-    block_ids = [tuple(perm[i * BLOCKS_PER_CHUNK : (i + 1) * BLOCKS_PER_CHUNK]) for i in range(n_chunks)]
+    expected, keys, block_ids = expected_chunks(n_chunks, num_blocks, seed=3, key_seed=4)
     exp_u8 = [t.view(torch.uint8) for t in expected]
-    target = _kv_cache(num_blocks)
-    names = [f"layer.{i}" for i in range(LAYERS)]
-    pages = PageIO(dict(zip(names, target)), names, num_blocks)
+    target, pages, fmt = kv_pages(num_blocks)
     blocks = [t.view(torch.uint8).reshape(num_blocks, -1).numpy() for t in target]
-    first = pages.layers[0]
-    fmt = PageFormat(
-        first.dtype,
-        first.itemsize,
-        first.shape_for(BLOCKS_PER_CHUNK),
-        CHUNK_TOKENS,
-        BLOCKS_PER_CHUNK * first.page_bytes,
-    )
     sink = TimedPages(pages.load_pages(None), LAYERS)
 
     def clear(check: str | None = None) -> None:
@@ -377,17 +358,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
                 config, namespace, f"conc-{codec_name}", codec_name, fmt, disk=work / f"disk-{codec_name}"
             )
             cases[codec_name] = store_case(codec_name, engine, put, keys, block_ids, exp_u8)
-        from obstore.store import S3Store as ObstoreS3
-
-        native = ObstoreS3(
-            BUCKET,
-            endpoint=server.endpoint_url,
-            region="us-east-1",
-            access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-            secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
-            virtual_hosted_style_request=False,
-            client_options={"allow_http": True, "pool_max_idle_per_host": str(defaults.max_connections)},
-        )
+        native = obstore_client(server.endpoint_url, defaults.max_connections)
         for tier_name, codec_name in tiers:
             case = cases[codec_name]
             tier = Tier.S3 if tier_name == "S3" else Tier.DISK

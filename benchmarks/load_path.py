@@ -104,6 +104,63 @@ def _kv_cache(num_blocks: int) -> list[Any]:
     ]
 
 
+def kv_pages(num_blocks: int) -> tuple[list[Any], Any, Any]:
+    """A zeroed KV cache of ``num_blocks`` blocks (its tensors), the worker's
+    PageIO over it and the PageFormat of a chunk of it."""
+    from s3kv.chunk_reader import PageFormat
+    from s3kv.connector.pages import PageIO
+
+    target = _kv_cache(num_blocks)
+    names = [f"layer.{i}" for i in range(LAYERS)]
+    pages = PageIO(dict(zip(names, target)), names, num_blocks)
+    first = pages.layers[0]
+    fmt = PageFormat(
+        first.dtype,
+        first.itemsize,
+        first.shape_for(BLOCKS_PER_CHUNK),
+        CHUNK_TOKENS,
+        BLOCKS_PER_CHUNK * first.page_bytes,
+    )
+    return target, pages, fmt
+
+
+def expected_chunks(
+    n_chunks: int, num_blocks: int, seed: int, key_seed: int
+) -> tuple[list[Any], list[bytes], list[tuple[int, ...]]]:
+    """The expected KV cache (random bf16 pages from ``seed``, the blocks no
+    chunk loads into zero), ``n_chunks`` random keys (from ``key_seed``) and
+    each chunk's random block ids."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    expected = _kv_cache(num_blocks)
+    for t in expected:
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.bfloat16))
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    for t in expected:  # blocks no chunk loads into stay zero
+        t[perm[n_chunks * BLOCKS_PER_CHUNK :]] = 0
+    rng = np.random.default_rng(key_seed)
+    keys = [rng.bytes(16) for _ in range(n_chunks)]
+    block_ids = [tuple(perm[i * BLOCKS_PER_CHUNK : (i + 1) * BLOCKS_PER_CHUNK]) for i in range(n_chunks)]
+    return expected, keys, block_ids
+
+
+def obstore_client(endpoint_url: str, max_connections: int) -> Any:
+    """The plain obstore client of the benchmark's bucket: path-style, plain
+    HTTP, keeping up to ``max_connections`` idle connections to the endpoint."""
+    from obstore.store import S3Store as ObstoreS3
+
+    return ObstoreS3(
+        BUCKET,
+        endpoint=endpoint_url,
+        region="us-east-1",
+        access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+        secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        virtual_hosted_style_request=False,
+        client_options={"allow_http": True, "pool_max_idle_per_host": str(max_connections)},
+    )
+
+
 def _scatter(data: bytes, offset: int, length: int, pages: list[np.ndarray], skip: int = 0) -> None:
     """Copy ``data[offset:offset+length]``, the bytes of a layer's frame from
     ``skip`` on, into that layer's block pages in order (a none-codec frame
@@ -299,9 +356,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
     from aiobotocore.config import AioConfig
     from aiobotocore.session import get_session
 
-    from s3kv.chunk_reader import PageFormat
     from s3kv.config import S3KVConfig
-    from s3kv.connector.pages import PageIO
     from s3kv.keys import Namespace
     from s3kv.tiering.placement import Tier
     from s3kv.tiering.tiers.nvme.files import shard_path
@@ -318,29 +373,10 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
 
     # The expected KV cache: random bf16 pages at random block ids.
     num_blocks = n_chunks * BLOCKS_PER_CHUNK + 3  # no other axis has this length
-    gen = torch.Generator().manual_seed(1)
-    expected = _kv_cache(num_blocks)
-    for t in expected:
-        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.bfloat16))
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    for t in expected:  # blocks no chunk loads into stay zero
-        t[perm[n_chunks * BLOCKS_PER_CHUNK :]] = 0
-    rng = np.random.default_rng(2)
-    keys = [rng.bytes(16) for _ in range(n_chunks)]
-    block_ids = [tuple(perm[i * BLOCKS_PER_CHUNK : (i + 1) * BLOCKS_PER_CHUNK]) for i in range(n_chunks)]
-    target = _kv_cache(num_blocks)
-    names = [f"layer.{i}" for i in range(LAYERS)]
-    pages = PageIO(dict(zip(names, target)), names, num_blocks)
+    expected, keys, block_ids = expected_chunks(n_chunks, num_blocks, seed=1, key_seed=2)
+    target, pages, fmt = kv_pages(num_blocks)
     exp_u8 = [t.view(torch.uint8) for t in expected]
     blocks = [t.view(torch.uint8).reshape(num_blocks, -1).numpy() for t in target]
-    first = pages.layers[0]
-    fmt = PageFormat(
-        first.dtype,
-        first.itemsize,
-        first.shape_for(BLOCKS_PER_CHUNK),
-        CHUNK_TOKENS,
-        BLOCKS_PER_CHUNK * first.page_bytes,
-    )
 
     into = pages.load_pages(None)  # the worker's: frames read straight in, or written
 
@@ -380,17 +416,7 @@ def run(work: Path, quick: bool, server_kind: str = "moto") -> Result:
         )
         stack_cm = session.create_client("s3", endpoint_url=server.endpoint_url, config=aio_config)
         client = loop.run_until_complete(stack_cm.__aenter__())
-        from obstore.store import S3Store as ObstoreS3
-
-        native = ObstoreS3(
-            BUCKET,
-            endpoint=server.endpoint_url,
-            region="us-east-1",
-            access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-            secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
-            virtual_hosted_style_request=False,
-            client_options={"allow_http": True, "pool_max_idle_per_host": str(max_conn)},
-        )
+        native = obstore_client(server.endpoint_url, max_conn)
         plain_names: dict[str, str] = {}
         try:
             for case in cases:
