@@ -65,7 +65,8 @@ test: install infra-tools
 unit: install infra-tools
 	$(PY) -m pytest -q -m "not engine"
 
-# The benchmark suite (benchmarks/RESULTS.md, results.png); ~20 min here.
+# The benchmark suite (benchmarks/RESULTS.md, results.png); about 1.5 h here
+# (the parts' times are in RESULTS.md and benchmarks/ANALYSIS.md).
 bench: install
 	$(PY) -m pip install --quiet -e '.[bench]'
 	S3KV_BENCH_VIA_MAKE=1 $(PY) -m benchmarks $(BENCH_ARGS)

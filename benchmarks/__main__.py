@@ -1,6 +1,6 @@
 """Run s3kv's benchmark suite and write benchmarks/RESULTS.md and results.png.
 
-    make bench                      # everything (~65-80 min on 2 cores)
+    make bench                      # everything (about 1.5 h on 2 cores)
     .venv/bin/python -m benchmarks [--quick] [--only codec,lookup]
 
 Benchmarks run one after another, each in its own process (they share the
