@@ -196,12 +196,9 @@ class Gate:
         with self._lock:
             if not self._open:  # the attempt is over: the bytes stay where they are
                 return
-            if target is None:
-                self._write(layer, parts[0])
-                return
-            if not target.private:
+            if target is not None and not target.private:
                 scatter(parts[0], target.buffers)
-            self._commit(layer, nbytes, target, parts)
+            self._done(layer, nbytes, target, parts)
 
     def _commit(self, layer: int, nbytes: int, target: PageTarget, parts: list[np.ndarray]) -> None:
         """``target`` holds the checked frame (also in ``parts``): commit it,
