@@ -211,9 +211,8 @@ class Planner:
             self.prefetcher.leave(req_id)  # vLLM holds all of it: nothing to fetch
             return 0, False
         keys = self.chain.extend(req, n_chunks)
-        n_chunks = min(
-            n_chunks, len(keys)
-        )  # block hashes cover fewer (none under the block scheme without them)
+        # Block hashes may cover fewer (none under the block scheme without them).
+        n_chunks = min(n_chunks, len(keys))
         if start >= n_chunks:
             self.prefetcher.leave(req_id)
             return 0, False
