@@ -54,7 +54,10 @@ def zstd_bound(raw_bytes: int) -> int:
 
 def as_corrupt(e: BaseException, where: str | None) -> CorruptChunk:
     """Any failure to make sense of an object's bytes is corruption: a bad
-    size, shuffle value or header, a zstd error, even MemoryError."""
+    size, shuffle value or header, a zstd error. Not a MemoryError, which
+    callers let pass: what a decode allocates is bounded by the reader's own
+    layout before a header is believed, so running out of memory is the
+    host's state, and calling it corrupt would delete a good shared object."""
     if isinstance(e, CorruptChunk):
         return e
     return CorruptChunk(_at(where, f"{type(e).__name__}: {e}"))
@@ -66,7 +69,7 @@ def checking_bytes(where: str | None) -> Iterator[None]:
     MACs, decompression): whatever it raises means the bytes are bad."""
     try:
         yield
-    except CorruptChunk:
+    except (CorruptChunk, MemoryError):
         raise
     except Exception as e:
         raise as_corrupt(e, where) from e
@@ -342,7 +345,7 @@ class ChunkReader:
                 data = np.frombuffer(stored, dtype=np.uint8)
             else:
                 data = codec.decode_frame(header, i, stored, out=scratch_buffer(f.raw_length), keys=self.keys)
-        except CorruptChunk:
+        except (CorruptChunk, MemoryError):
             raise
         except Exception as e:  # what checking_bytes says, without a context manager per frame
             raise as_corrupt(e, where) from e

@@ -240,7 +240,9 @@ async def _read(where: str, body: Callable[[_Reading], Awaitable[T]]) -> T:
 
     CorruptChunk only for the object's bytes (what the :class:`ChunkReader`
     guards: header, MAC, checksums, sizes, frames, truncation) and a 416, with
-    the ETag read so that a delete is conditional; MemoryError counts too.
+    the ETag read so that a delete is conditional. A MemoryError is the
+    host's, not the object's (every allocation a read makes is bounded by the
+    reader's layout): Transient, so memory pressure never deletes an object.
     A too new format version is NotFound: this s3kv cannot use the object,
     but another can, so it is never deleted. Store errors pass as they are;
     anything else (a library's surprise: a connection dropped mid-body, an
@@ -257,9 +259,10 @@ async def _read(where: str, body: Callable[[_Reading], Awaitable[T]]) -> T:
     except CorruptChunk as e:
         e.etag = r.etag
         raise
-    except (RangeNotSatisfiable, MemoryError) as e:
-        why = "shorter than its header says" if isinstance(e, RangeNotSatisfiable) else "MemoryError"
-        corrupt = CorruptChunk(f"{where}: {why} ({e})")
+    except MemoryError as e:
+        raise Transient(f"{where}: out of memory while reading it (MemoryError), not a fault of the object") from e
+    except RangeNotSatisfiable as e:
+        corrupt = CorruptChunk(f"{where}: shorter than its header says ({e})")
         corrupt.etag = r.etag
         raise corrupt from e
     except _STORE_ERRORS:

@@ -517,24 +517,58 @@ def test_a_network_fault_is_transient_never_corrupt(fault, at):
 
 
 @pytest.mark.parametrize("at", [1, 2])
-def test_a_416_and_memory_error_are_corrupt_with_the_etag_read(at):
+def test_a_416_is_corrupt_with_the_etag_read(at):
     from s3kv.errors import RangeNotSatisfiable
 
     key = b"m" * 16
-    for fault, why in (
-        (RangeNotSatisfiable("range not satisfiable"), "shorter than its header says"),
-        (MemoryError(), "MemoryError"),
-    ):
-        store = Faulty(fault, at=0)
-        e = stored_chunk(store, key, 7)
-        name = chunk_id(e, key).object_key
-        etag = asyncio.run(store.head(name)).etag
-        store.gets, store.at = 0, at
-        with pytest.raises(CorruptChunk, match=why) as raised:
-            _load(store, key, e)
-        # The ETag of the GET that brought the header (none: the first GET failed).
-        assert raised.value.etag == (etag if at > 1 else None) and raised.value.__cause__ is fault
-        e.close()
+    fault = RangeNotSatisfiable("range not satisfiable")
+    store = Faulty(fault, at=0)
+    e = stored_chunk(store, key, 7)
+    name = chunk_id(e, key).object_key
+    etag = asyncio.run(store.head(name)).etag
+    store.gets, store.at = 0, at
+    with pytest.raises(CorruptChunk, match="shorter than its header says") as raised:
+        _load(store, key, e)
+    # The ETag of the GET that brought the header (none: the first GET failed).
+    assert raised.value.etag == (etag if at > 1 else None) and raised.value.__cause__ is fault
+    e.close()
+
+
+@pytest.mark.parametrize("where", ["get 1", "get 2", "decode"])
+def test_out_of_memory_is_the_hosts_never_the_objects(where, monkeypatch):
+    """A MemoryError while reading an object (its GET, or decoding a frame:
+    what a decode allocates is bounded by the reader's layout, so memory
+    pressure is the host's) is Transient: the object is not deleted, not
+    reported bad, no corrupt load counted; the tier is blamed instead."""
+    from s3kv import codec
+
+    key = b"o" * 16
+    fault = MemoryError()
+    store = Faulty(fault, at=0)
+    e = stored_chunk(store, key, 7)
+    name = chunk_id(e, key).object_key
+    good = get(store, name)
+    if where == "decode":
+
+        def out_of_memory(*a, **k):
+            raise fault
+
+        monkeypatch.setattr(codec, "decode_frame", out_of_memory)
+        monkeypatch.setattr(codec, "check_frame", out_of_memory)
+    else:
+        store.gets, store.at = 0, int(where[-1])
+    with pytest.raises(Transient, match="out of memory") as raised:
+        _load(store, key, e)
+    assert not isinstance(raised.value, CorruptChunk) and raised.value.__cause__ is fault
+    assert name in str(raised.value)
+    # Through the engine: the object is kept and not reported bad.
+    store.gets = 0
+    e.submit_load("j", [chunk(key)], Pages(lambda *a: None))
+    acc = wait_for(e, lambda a: "j" in a.finished_loads)
+    assert acc.finished_loads["j"] and acc.bad == {} and acc.missing == {}
+    assert acc.tier_failed == {Tier.S3: 1}
+    assert get(store, name) == good and "load_errors_corrupt" not in e.counters.totals()
+    e.close()
 
 
 @pytest.mark.parametrize(
