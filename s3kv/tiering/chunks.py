@@ -260,7 +260,9 @@ async def _read(where: str, body: Callable[[_Reading], Awaitable[T]]) -> T:
         e.etag = r.etag
         raise
     except MemoryError as e:
-        raise Transient(f"{where}: out of memory while reading it (MemoryError), not a fault of the object") from e
+        raise Transient(
+            f"{where}: out of memory while reading it (MemoryError), not a fault of the object"
+        ) from e
     except RangeNotSatisfiable as e:
         corrupt = CorruptChunk(f"{where}: shorter than its header says ({e})")
         corrupt.etag = r.etag
