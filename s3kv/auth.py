@@ -116,7 +116,7 @@ def load_keys(auth_key_file: str | None, environ: Mapping[str, str] | None = Non
         return parse_secrets(value, ENV_VAR)
     if auth_key_file is None:
         return None
-    path = Path(auth_key_file)
+    path = Path(auth_key_file).expanduser()  # "~/.s3kv/key", as a shell would read it
     name = key_file_name(auth_key_file)
     try:
         st = path.stat()

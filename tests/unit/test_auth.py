@@ -89,6 +89,19 @@ def test_keys_know_the_key_file_they_were_read_from(tmp_path):
     assert FleetKeys([SECRET]).key_file is None
 
 
+def test_a_key_file_under_home_is_read_as_a_shell_would(tmp_path, monkeypatch):
+    """``auth_key_file: ~/.s3kv/key`` names the file in the home directory, not a directory called "~"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # a literal "~" directory would be looked for here
+    (tmp_path / ".s3kv").mkdir()
+    f = tmp_path / ".s3kv" / "key"
+    f.write_text(SECRET)
+    f.chmod(0o600)
+    keys = load_keys("~/.s3kv/key", {})
+    assert keys is not None and keys.key_file == "~/.s3kv/key"
+    assert keys.signing_kid == FleetKeys([SECRET]).signing_kid
+
+
 def test_a_key_file_value_that_is_no_path_is_never_shown(tmp_path, monkeypatch, caplog):
     """A value without a "/" may be the secret itself, pasted in place of its file's path."""
     with pytest.raises(ConfigError) as info:
