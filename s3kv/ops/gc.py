@@ -334,7 +334,7 @@ async def execute(
     # 2. The chunks.
     names = [o.key for o in p.objects]
     failed = set(await delete_keys(store, names, concurrency=concurrency, lease=lease, progress=progress))
-    result.failed = sorted(failed)
+    result.failed += sorted(failed)  # after the bad objects that could not be deleted
     for d in p.deletions:
         if any(o.key in failed for o in d.chunk.objects):
             continue

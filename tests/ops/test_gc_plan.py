@@ -197,3 +197,27 @@ def test_incomplete_uploads_older_than_the_bound_under_the_scope_are_aborted():
     assert [u.upload_id for u in gc.plan(inv, gc.Policy(), NOW, uploads).uploads] == ["u0", "u1"]
     assert [u.upload_id for u in gc.plan(inv, gc.Policy(namespaces=(B,)), NOW, uploads).uploads] == ["u1"]
     assert gc.plan(inv, gc.Policy(abort_uploads_after_s=None), NOW, uploads).uploads == []
+
+
+def test_execute_reports_the_bad_objects_it_failed_to_delete_beside_the_chunks():
+    """``execute`` is not pure, but its result's ``failed`` is the plan's
+    bookkeeping: a reported-bad object whose delete failed (no ETag to delete
+    it by) stays listed after the chunk deletions that follow succeed."""
+    import asyncio
+
+    from s3kv.ops.reported import BadObject
+    from s3kv.stores.memory import MemoryStore
+
+    old = chunk(A, 1, written=30 * DAY)
+    inv = inventory(old, chunk(A, 2, written=30 * DAY))
+    store = MemoryStore()
+    for c in inv.namespaces[A].chunks.values():
+        for o in c.objects:
+            asyncio.run(store.put(o.key, b"x" * o.size))
+    p = gc.plan(inv, gc.Policy(max_age_s=DAY, min_age_s=0, compact=False), NOW)
+    assert deleted(p) == {(A, 1): "max-age", (A, 2): "max-age"}
+    bad_name = f"{PREFIX}/{A}/bad/object.r0"
+    bad = [BadObject(A, b"\x09" * 16, bad_name, None, "checksum")]
+    result = asyncio.run(gc.execute(store, inv, p, lease=None, clock=lambda: NOW, bad=bad))
+    assert result.failed == [bad_name]
+    assert result.deleted[A]["chunks"] == 2 and not asyncio.run(store.exists(old.objects[0].key))
