@@ -7,9 +7,13 @@ scheduling loop), chained over the whole prefix with its extra keys (LoRA,
 multimodal, cache_salt, prompt embeddings). With a cryptographic algorithm
 (``sha256``, ``sha256_cbor``) its chain starts from a seed that is fixed, or
 ``PYTHONHASHSEED`` where that is set: equal in every process that shares
-the algorithm and the seed. Those, and the hash block size, become
-namespace fields under the block scheme, so replicas that hash differently
-never share a namespace. A non-cryptographic algorithm (``xxhash``) seeds
+the algorithm and the seed. Those, the hash block size and ``chunk_tokens``
+become namespace fields under the block scheme, so replicas that hash
+differently never share a namespace: a chunk's key is its last block's hash,
+which does not say where the chunk starts (under the token scheme the chunk
+size is in the key chain itself). The seed is there as a digest, which does
+not make it secret: CPython's PYTHONHASHSEED is an integer below 2**32, so
+anyone who reads the namespace descriptor can find it by trying them all. A non-cryptographic algorithm (``xxhash``) seeds
 each process at random unless ``PYTHONHASHSEED`` is set, and is not
 collision resistant: those engines key by tokens.
 """
@@ -40,15 +44,19 @@ class VllmHashing:
     scheme: HashScheme
     algo: str
     seed: str
-    """The seed vLLM derives its first parent hash from (never logged: it may be PYTHONHASHSEED)."""
+    """The seed vLLM derives its first parent hash from (not logged: it may be PYTHONHASHSEED)."""
+    chunk_tokens: int
+    """Tokens a chunk: the same last block ends a chunk of 256 tokens and one of 512."""
 
     def fields(self) -> dict[str, Any]:
-        """The namespace field: replicas that hash differently never share keys."""
+        """The namespace field: replicas that hash differently, or cut chunks
+        differently, never share keys."""
         return {
             "scheme": SCHEME,
             "hash_algo": self.algo,
             "none_hash_seed": hashlib.sha256(self.seed.encode()).hexdigest()[:32],
             "hash_block_size": self.scheme.hash_block_size,
+            "chunk_tokens": self.chunk_tokens,
         }
 
 
@@ -83,7 +91,7 @@ def choose(
     # fixed default), and RequestReader checks vLLM's own value once.
     seed = resolve_none_hash_seed(get_hash_fn_by_name(algo))
     scheme = HashScheme(int(hash_block_size), HASH_BYTES[algo])
-    return VllmHashing(scheme, algo, seed), f"{algo} block hashes of {hash_block_size} tokens"
+    return VllmHashing(scheme, algo, seed, chunk_tokens), f"{algo} block hashes of {hash_block_size} tokens"
 
 
 def seed_in_use() -> str:

@@ -72,7 +72,7 @@ def _hashing(seed="vllm-none-hash", hash_block_size=16):
     from s3kv.connector.hashing import VllmHashing
     from s3kv.tiering.scheduler.keychain import HashScheme
 
-    return VllmHashing(HashScheme(hash_block_size), "sha256", seed)
+    return VllmHashing(HashScheme(hash_block_size), "sha256", seed, 64)
 
 
 def block_reader(seed_now=lambda: "vllm-none-hash", **kw):

@@ -226,7 +226,7 @@ def test_under_the_block_scheme_two_replicas_share_keys_and_an_adapters_weights_
     from s3kv.tiering.scheduler.keychain import HashScheme
 
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    hashing = VllmHashing(HashScheme(32), "sha256", "vllm-none-hash")
+    hashing = VllmHashing(HashScheme(32), "sha256", "vllm-none-hash", 256)
     layout = LAYOUT.keyed_by(hashing)
     adapter = tmp_path / "sql"
     adapter.mkdir()
