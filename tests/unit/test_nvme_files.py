@@ -1489,3 +1489,34 @@ def _targets_for(tier: DiskTier, key: bytes):
     expected = [a.tobytes() for a in make_chunk(tier.codec, key).layers]
     targets, _ = zip(*(_split_target(len(e), 2) for e in expected))
     return targets, []
+
+
+def test_the_page_cache_probe_runs_on_the_disks_threads_never_the_callers(tmp_path, monkeypatch):
+    """A handler is made on vLLM's thread (when a step first carries the
+    namespace): its probe of page-cache reads (a write, an fsync, a read) runs
+    on the disk's own threads, so a disk that stalls then holds no forward.
+    Reads go aside until the probe is done, then as it decided."""
+    tier, key = _none_tier(tmp_path / "disk")
+    _needs_page_cache_reads(tier)
+    expected = residency.probe_direct(tmp_path / "other")
+    release, ran_on = threading.Event(), []
+    real = disk.probe_direct
+
+    def stalled(root, **kw):
+        ran_on.append(threading.current_thread().name)
+        assert release.wait(60)
+        return real(root, **kw)
+
+    monkeypatch.setattr(disk, "probe_direct", stalled)
+    tier.direct = residency.DIRECT_OFF
+    handler = NvmeHandler(tier, timeout_s=5, write_queue_s=5, probe_reads=True)  # returns: the disk stalls
+    assert handler.probe is not None and not handler.probe.done()
+    calls = _load(tier, key, monkeypatch)
+    assert calls and all(flags == () and not locked for _, flags, locked in calls)
+    release.set()
+    handler.probe.result(60)
+    assert len(ran_on) == 1 and ran_on[0].startswith("s3kv-disk-write")
+    assert tier.direct.nowait == expected.nowait
+    if expected.nowait:
+        assert _load(tier, key, monkeypatch) == [(_first_offset(tier, key), (os.RWF_NOWAIT,), True)]
+    handler.close()

@@ -96,6 +96,36 @@ def test_the_nvme_spec_cuts_its_worker_settings_and_reads_only_its_own(tmp_path)
         NvmeSpec().handler(wrong)
 
 
+def test_the_nvme_handler_probes_page_cache_reads_on_the_disks_threads(tmp_path, monkeypatch):
+    """The handler is made on vLLM's thread: the probe of ``disk_path`` (disk
+    I/O that a stalled disk holds) is left to the disk's own threads."""
+    import threading
+
+    from tests.tiers.conformance import make_codec
+
+    ran_on = []
+    monkeypatch.setattr(disk, "NOWAIT_READS", True)
+    monkeypatch.setattr(
+        disk, "probe_direct", lambda root: ran_on.append(threading.current_thread()) or disk.DIRECT_OFF
+    )
+    cfg = config(disk_path=str(tmp_path))
+    env = WorkerEnv(
+        EngineSettings.from_config(cfg, rank=0, num_layers=1),
+        make_codec("none"),
+        RankReport(),
+        Counters(),
+        None,
+        None,
+        None,
+    )  # type: ignore[arg-type]
+    handler = NvmeSpec().handler(env)
+    assert handler is not None and handler.probe is not None
+    handler.probe.result(60)
+    assert len(ran_on) == 1 and ran_on[0] is not threading.current_thread()
+    assert ran_on[0].name.startswith("s3kv-disk-write")
+    handler.close()
+
+
 def test_the_s3_spec_cuts_its_worker_settings_and_reads_only_its_own():
     """The S3 wing's slice of the config (``range_bytes``) travels to each
     worker in EngineSettings.wings; its handler reads it back (the config's

@@ -84,21 +84,29 @@ class DiskTier:
         self.fsync = fsync
         self.choice = choice
         """``disk_codec: auto``'s choice: files are written in the codec it picks."""
-        if direct is None:
-            direct = probe_direct(self.root) if NOWAIT_READS else DIRECT_OFF
-            log.info(
-                "s3kv: NVMe tier %s: reads from the page cache under the load's lock: %s", root, direct.why
-            )
-        self.direct = direct
+        self.direct = DIRECT_OFF if direct is None else direct
         """Whether a read tries the page cache first under the load's lock,
         without waiting for the device (:func:`preadv_cached`), and whether
         it asks first that the page cache holds the whole file (decided by
         :func:`~s3kv.tiering.tiers.nvme.residency.probe_direct` in
         ``root``); off once the file system said it cannot."""
+        if direct is None:
+            self.probe_reads()
         self.steady: Callable[[], bool] = _always
         """Whether the disk answers in time now (the handler's view: no read
         or write overdue, no failure since its last success): a read under
         the load's lock is tried only then."""
+
+    def probe_reads(self) -> None:
+        """Decide :attr:`direct` by probing ``root`` (a write, an fsync and a
+        read: disk I/O, which may stall with the disk; the tier's handler
+        runs it on the disk's threads, never on vLLM's). Reads go aside
+        until it is done."""
+        direct = probe_direct(self.root) if NOWAIT_READS else DIRECT_OFF
+        log.info(
+            "s3kv: NVMe tier %s: reads from the page cache under the load's lock: %s", self.root, direct.why
+        )
+        self.direct = direct
 
     def store_codec(self) -> ChunkCodec:
         """The codec a chunk is written in now."""

@@ -31,6 +31,11 @@ disk ties up these, never the ones that decode S3 loads or encode stores,
 and writes queued behind slow writes never hold up a read."""
 
 
+def _log_probe_failure(probe: concurrent.futures.Future[None]) -> None:
+    if not probe.cancelled() and probe.exception() is not None:  # reads stay aside
+        log.warning("s3kv: NVMe tier: probing page-cache reads failed: %r", probe.exception())
+
+
 class NvmeHandler(TierHandler):
     """The directory's files (:class:`~s3kv.tiering.tiers.nvme.files.DiskTier`), on
     threads of their own. A read or write slower than ``timeout_s`` from
@@ -52,7 +57,11 @@ class NvmeHandler(TierHandler):
         write_queue_s: float = DEFAULTS.load_timeout_s,
         report: RankReport | None = None,
         counters: Counters | None = None,
+        probe_reads: bool = False,
     ) -> None:
+        """``probe_reads``: decide how ``files`` reads from the page cache
+        (:meth:`DiskTier.probe_reads`) on the disk's own threads: a handler is
+        made on vLLM's thread, which a stalled disk must never hold."""
         super().__init__(report, counters)
         self.files = files
         self.timeout_s = timeout_s
@@ -74,6 +83,11 @@ class NvmeHandler(TierHandler):
         well (the breaker's view, which pauses the tier until a probe
         succeeds): no read under a load's lock meanwhile."""
         files.steady = self.steady
+        self.probe: concurrent.futures.Future[None] | None = None
+        """The probe of page-cache reads under way or done (None: not asked for)."""
+        if probe_reads:
+            self.probe = self._threads[True].submit(files.probe_reads)
+            self.probe.add_done_callback(_log_probe_failure)
 
     def steady(self) -> bool:
         """Is the disk answering in time: no failure since the last success,

@@ -12,6 +12,7 @@ from s3kv.tiering.tiers.nvme.directory import Directory
 from s3kv.tiering.tiers.nvme.files import DiskTier
 from s3kv.tiering.tiers.nvme.handler import NvmeHandler
 from s3kv.tiering.tiers.nvme.manager import NvmeTierManager
+from s3kv.tiering.tiers.nvme.residency import DIRECT_OFF
 from s3kv.tiering.tiers.nvme.settings import NvmeSettings
 from s3kv.tiering.tiers.settings import WorkerEnv
 from s3kv.tiering.tiers.spec import ManagerEnv, TierPrior, TierSpec
@@ -50,9 +51,10 @@ class NvmeSpec(TierSpec):
         choice = env.choices.get(self.tier)
         files_codec = dataclasses.replace(env.codec, codec=choice.codec if choice is not None else s.codec)
         return NvmeHandler(
-            DiskTier(Path(s.path), files_codec, fsync=s.fsync, choice=choice),
+            DiskTier(Path(s.path), files_codec, fsync=s.fsync, choice=choice, direct=DIRECT_OFF),
             timeout_s=s.timeout_s,
             write_queue_s=env.settings.load_timeout_s,
             report=env.report,
             counters=env.counters,
+            probe_reads=True,
         )
