@@ -105,3 +105,53 @@ def test_chunk_keys_is_a_config_key():
     assert parse_config({"bucket": "b-ok", "chunk_keys": "tokens"}).chunk_keys == "tokens"
     with pytest.raises(ConfigError, match="chunk_keys"):
         parse_config({"bucket": "b-ok", "chunk_keys": "blocks"})
+
+
+_VLLM_HASH_SCRIPT = """
+import json
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+from s3kv.connector.hashing import choose
+from s3kv.connector.layout import EngineLayout
+from s3kv.identity import ModelSource
+from s3kv.keys import hash_key_mask, hash_keys
+from types import SimpleNamespace as S
+
+init_none_hash(get_hash_fn_by_name("sha256"))  # as vLLM's engine core does at start-up
+parent, hashes = None, []
+for b in range(8):
+    parent = hash_block_tokens(get_hash_fn_by_name("sha256"), parent, list(range(16 * b, 16 * b + 16)))
+    hashes.append(bytes(parent))
+vllm = S(cache_config=S(enable_prefix_caching=True, prefix_caching_hash_algo="sha256"), kv_transfer_config=1)
+hashing, _ = choose(vllm, S(hash_block_size=16), 64, "auto")
+layout = EngineLayout({"m": 2}, ModelSource("/models/x"), 16, ("l0",), 1, 1, 16 << 10).keyed_by(hashing)
+ns = layout.namespace({"model_content": "w"})
+keys, _ = hash_keys(hashes[3::4], hash_key_mask(ns), 32)
+print(json.dumps([ns.id, [k.hex() for k in keys]]))
+"""
+
+
+def test_replicas_get_the_same_block_hash_keys_from_vllms_own_hashes():
+    """vLLM's own block hashes (sha256, its default), in separate processes
+    as replicas are, with PYTHONHASHSEED unset: equal keys in one namespace
+    (vLLM's fixed seed). A vLLM that seeded sha256 at random would fail here;
+    that another seed makes another namespace is checked in process above."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _VLLM_HASH_SCRIPT], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [json.loads(p.communicate(timeout=300)[0]) for p in runs]
+    assert [p.returncode for p in runs] == [0, 0]
+    assert outs[0] == outs[1] and len(outs[0][1]) == 2
+    hashing, _ = choose(_vllm(), _kv(), 64, "auto")
+    assert outs[0][0] == _namespace(
+        hashing
+    )  # the namespace this process computes: the seed is vLLM's default
