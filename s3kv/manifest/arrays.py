@@ -174,7 +174,14 @@ class BucketIndex:
         if not self.nbytes:
             return np.zeros(len(fps), dtype=bool)
         buckets = fps >> self._shift
-        hit = (self._rows[self._starts.take(buckets)] == fps[:, None]).any(1)
+        eq = self._rows[self._starts.take(buckets)] == fps[:, None]
+        # A row holds a fingerprint at most once (the array is unique): as
+        # many matches as rows is every one found, without the per-row reduce
+        # (a stored prefix's lookup, the common case; 1 us of 5 here).
+        if np.count_nonzero(eq) == len(fps):
+            return np.ones(len(fps), dtype=bool)
+        # The ufunc's reduce, not ``any(1)``: that is a Python wrapper around it.
+        hit = np.logical_or.reduce(eq, 1)
         long = self._long
         if len(long):
             at = long.take(long.searchsorted(buckets), mode="clip") == buckets

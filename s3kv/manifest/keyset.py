@@ -134,7 +134,11 @@ class FingerprintSet:
             found = delta.take(idx, mode="clip") == fps
             if np.count_nonzero(found):
                 hit[found] = state[idx[found]]
-        if added or removed:
+        # An fp in ``added`` is present and one in ``removed`` absent, whatever
+        # the arrays say: with nothing removed and every fp found (a stored
+        # prefix's lookup, the common case) ``added`` could change nothing,
+        # and asking it costs a cache miss a fp while it is large.
+        if removed or (added and np.count_nonzero(hit) < len(hit)):
             values = fps.tolist()
             if not (added.isdisjoint(values) and removed.isdisjoint(values)):
                 for i, fp in enumerate(values):

@@ -78,6 +78,30 @@ def test_buckets_longer_than_the_window_are_searched(crowd):
     assert index.present(crafted[-1:]).tolist() == [True]
 
 
+def test_batches_of_members_agree_with_a_binary_search():
+    """A lookup whose every fingerprint is found skips the per-row reduce (a
+    stored prefix's lookup, the common case): batches of members alone (with
+    repeats), the same with one stranger, and members of a bucket longer
+    than the window (found by the search, not in their windows)."""
+    rng = np.random.default_rng(11)
+    background = rng.integers(0, U64_MAX, 100_000, dtype=np.uint64, endpoint=True)
+    crafted = (np.uint64(0xABCDE) << np.uint64(44)) + rng.integers(0, 1 << 44, 100, dtype=np.uint64)
+    arr = np.unique(np.concatenate([background, crafted]))
+    index = BucketIndex(arr)
+    assert len(index._long) == 1
+    for size in (1, 2, 31, 32, 33, 200):
+        for _ in range(30):
+            members = arr[rng.integers(0, len(arr), size)]
+            assert index.present(members).tolist() == [True] * size
+            one_off = members.copy()
+            one_off[rng.integers(size)] ^= np.uint64(1)  # a neighbour: the same bucket, mostly not a member
+            assert index.present(one_off).tolist() == searched(arr, one_off).tolist()
+    assert index.present(crafted).tolist() == [True] * len(crafted)
+    assert index.present(np.concatenate([crafted, crafted + np.uint64(1)])).tolist() == searched(
+        arr, np.concatenate([crafted, crafted + np.uint64(1)])
+    ).tolist()
+
+
 def test_the_set_indexes_every_new_base():
     """replace and merge put a new base in the view with its own index; the
     set's answers with a delta and single changes on top are a search's."""
