@@ -34,6 +34,8 @@ def check(arr: np.ndarray, rng: np.random.Generator) -> BucketIndex:
     fps = probes(arr, rng)
     want = searched(arr, fps)
     assert index.present(fps).tolist() == want.tolist()
+    hit, every = index.find(fps)
+    assert hit.tolist() == want.tolist() and every == bool(want.all())
     assert index.present(fps[:0]).tolist() == []
     assert [int(f) in index for f in fps[:300].tolist() + fps[-300:].tolist()] == (
         want[:300].tolist() + want[-300:].tolist()
@@ -93,10 +95,14 @@ def test_batches_of_members_agree_with_a_binary_search():
         for _ in range(30):
             members = arr[rng.integers(0, len(arr), size)]
             assert index.present(members).tolist() == [True] * size
+            assert index.find(members)[1] is True
             one_off = members.copy()
             one_off[rng.integers(size)] ^= np.uint64(1)  # a neighbour: the same bucket, mostly not a member
-            assert index.present(one_off).tolist() == searched(arr, one_off).tolist()
+            want = searched(arr, one_off)
+            hit, every = index.find(one_off)
+            assert hit.tolist() == want.tolist() and every == bool(want.all())
     assert index.present(crafted).tolist() == [True] * len(crafted)
+    assert index.find(crafted)[1] is True  # some found by the search, past their windows
     assert index.present(np.concatenate([crafted, crafted + np.uint64(1)])).tolist() == searched(
         arr, np.concatenate([crafted, crafted + np.uint64(1)])
     ).tolist()
