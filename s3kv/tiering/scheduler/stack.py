@@ -45,10 +45,16 @@ class TierStack:
         held: list[list[bool]] = []
         for m in self.tiers:
             if m.allows(owner, take=False):
-                asked.append(m)
-                held.append(m.lookup(keys, fps, start, end))
+                has = m.lookup(keys, fps, start, end)
+                # A tier holding none of them answers no chunk (the local
+                # tiers, on a prefix another replica stored): left out of the rows.
+                if True in has:
+                    asked.append(m)
+                    held.append(has)
         hit: list[TierManager]
-        if len(held) == 1:  # one tier to ask (a remote-only replica): the prefix it holds
+        if not held:
+            hit = []
+        elif len(held) == 1:  # one tier holds any (a remote-only replica): the prefix it holds
             has = held[0]
             hit = asked * (has.index(False) if False in has else len(has))
         else:
