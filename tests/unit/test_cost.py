@@ -11,7 +11,7 @@ from s3kv.keys import chain_keys
 from s3kv.tiering.meter import LoadMeter
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadTiming, StepTiming, TierReport
-from s3kv.tiering.scheduler.cost import EXPLORE_S, PRIORS, CostModel, context_bucket
+from s3kv.tiering.scheduler.cost import EXPLORE_S, PRIORS, CostModel, Decision, context_bucket
 from s3kv.tiering.tiers.registry import TIERS
 from tests.unit.test_planner import CT, NS, SHARD, on_load_results, planner, put_cpu, sched
 
@@ -451,3 +451,21 @@ def test_the_choice_is_the_prefix_with_the_best_gain_on_random_estimates():
         assert got.chunks == first_choice(m, hit, sync, **kw)
         chosen.add(got.chunks == n)
     assert chosen == {True, False}  # whole hits and shorter ones both chosen
+
+
+def test_exploring_a_windowed_hit_offers_all_of_it():
+    """A hit with windowed parts whose tiers are stale is offered whole to
+    measure them: all its chunks, not the count of the last prefix's parts."""
+    m = model()
+    m.observe_step(8 * CT, 8 * CT, 0.001)  # a prefill far faster than any load: no prefix is worth it
+    d = m.choose(
+        [Tier.S3] * 3,
+        [False] * 3,
+        first_token=0,
+        chunk_tokens=CT,
+        local_tokens=0,
+        context_tokens=3 * CT + 1,
+        full_parts=1,
+        windowed=lambda k: {Tier.S3: 5},
+    )
+    assert d == Decision(3, explored=True)

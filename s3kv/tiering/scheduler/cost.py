@@ -315,13 +315,13 @@ class CostModel:
         # Each tier's first chunk, bandwidth and chunks in flight, read once.
         read: dict[Tier, tuple[float, float, int]] = {}
         loads: dict[Tier, float] = {}  # each tier's load of its chunks so far
-        for k in range(1, n + 1):
-            t = tiers[k - 1]
+        for k, t, s in zip(range(1, n + 1), tiers, sync):
             c = counts[t] = counts.get(t, 0) + 1
-            has_async = has_async or not sync[k - 1]
+            if not s:
+                has_async = True
             end = first_token + k * chunk_tokens
-            if end_tokens is not None:
-                end = min(end, end_tokens)
+            if end_tokens is not None and end_tokens < end:
+                end = end_tokens
             if windowed is None:
                 # _load_seconds(counts, ...) with TierEstimate.seconds spelled
                 # out (the same expression: the same floats), each tier's
@@ -331,15 +331,17 @@ class CostModel:
                 if e is None:
                     te = self.tiers[t]
                     e = read[t] = (te.first_s.value, te.bytes_per_s.value, inflight.get(t, 0))
-                loads[t] = e[0] + (c - 1 + e[2]) * cb / e[1]
-                load = max(loads.values()) + (round_trip if has_async else 0.0)
+                load = loads[t] = e[0] + (c - 1 + e[2]) * cb / e[1]
+                if len(loads) > 1:
+                    load = max(loads.values())
+                load += round_trip if has_async else 0.0
             else:
                 extra = windowed(k)
                 if extra is None:
                     continue
-                parts = {t: full_parts * n for t, n in counts.items() if full_parts}
-                for t, n in extra.items():
-                    parts[t] = parts.get(t, 0) + n
+                parts = {t: full_parts * m for t, m in counts.items() if full_parts}
+                for t, m in extra.items():  # not n: the hit's length, asked below
+                    parts[t] = parts.get(t, 0) + m
                 load = self._load_seconds(parts, has_async, inflight)
             gain = (end - local_tokens) * per_token - max(0.0, load - hidden)
             if gain > best_gain:
