@@ -181,7 +181,7 @@ class BucketIndex:
         eq = self._rows[self._starts.take(buckets)] == fps[:, None]
         # A row holds a fingerprint at most once (the array is unique): as
         # many matches as rows is every one found, without the per-row reduce
-        # (a stored prefix's lookup, the common case; 1 us of 5 here).
+        # (a stored prefix's lookup, the common case).
         if np.count_nonzero(eq) == len(fps):
             return np.ones(len(fps), dtype=bool), True
         # The ufunc's reduce, not ``any(1)``: that is a Python wrapper around it.

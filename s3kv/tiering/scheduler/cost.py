@@ -324,9 +324,9 @@ class CostModel:
                 end = end_tokens
             if windowed is None:
                 # _load_seconds(counts, ...) with TierEstimate.seconds spelled
-                # out (the same expression: the same floats), each tier's
-                # estimate read once and only the chunk's tier updated, not
-                # every tier asked again for each k.
+                # out (the same expression: the same floats; a test holds the
+                # choice to load_seconds'), each tier's estimate read once and
+                # only the chunk's tier updated, not every tier asked again for each k.
                 e = read.get(t)
                 if e is None:
                     te = self.tiers[t]

@@ -63,8 +63,8 @@ class S3TierManager(TierManager):
         """S3 did not answer at start-up (:func:`check_bucket`): paused until
         the manifest loads from it (:meth:`resume`). The one place this is kept."""
         self._verified: set[bytes] = set()
-        """Keys seen in the manifest at ``_verified_epoch`` (a set: a dict's
-        inserts cost twice a set's, which a new prefix's lookup pays per key)."""
+        """Keys seen in the manifest at ``_verified_epoch`` (a set, not a dict:
+        its inserts are cheaper, and a new prefix's lookup pays one a key)."""
         self._verified_epoch = -1
         self._storing: dict[bytes, float] = {}
         """Keys planned for a store and not yet reported, or whose store found
