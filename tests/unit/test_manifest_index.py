@@ -103,10 +103,8 @@ def test_batches_of_members_agree_with_a_binary_search():
             assert hit.tolist() == want.tolist() and every == bool(want.all())
     assert index.present(crafted).tolist() == [True] * len(crafted)
     assert index.find(crafted)[1] is True  # some found by the search, past their windows
-    assert (
-        index.present(np.concatenate([crafted, crafted + np.uint64(1)])).tolist()
-        == searched(arr, np.concatenate([crafted, crafted + np.uint64(1)])).tolist()
-    )
+    crowd = np.concatenate([crafted, crafted + np.uint64(1)])
+    assert index.present(crowd).tolist() == searched(arr, crowd).tolist()
 
 
 def test_the_set_indexes_every_new_base():
