@@ -103,6 +103,7 @@ class Namespace:
 
 
 _UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def tokens_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -171,28 +172,34 @@ def hash_key_mask(namespace: Namespace, adapter: str | None = None) -> bytes:
 
 
 @functools.lru_cache(maxsize=256)
-def _hash_keys_layout(mask: bytes, n: int, hash_bytes: int) -> tuple[struct.Struct, int]:
+def _hash_keys_layout(mask: bytes, n: int, hash_bytes: int) -> tuple[struct.Struct, np.ndarray]:
     """What :func:`hash_keys` needs for ``n`` hashes: the struct that cuts
-    each key out of the masked hashes, and the mask over all of them as one int."""
+    each key out of the masked hashes, and the mask laid over all of them
+    as 64-bit words (zero past each key's 16 bytes)."""
     cut = struct.Struct(f"{KEY_BYTES}s{hash_bytes - KEY_BYTES}x" * n)
-    return cut, int.from_bytes((mask + bytes(hash_bytes - KEY_BYTES)) * n, "big")
+    words = np.frombuffer((mask + bytes(hash_bytes - KEY_BYTES)) * n, dtype=np.uint64)
+    return cut, words
 
 
 def hash_keys(hashes: Sequence[bytes], mask: bytes, hash_bytes: int) -> tuple[list[bytes], np.ndarray]:
     """Chunk keys (and their fingerprints, as :func:`fingerprint` reads them)
     from the hash of each chunk's last block: the hash's first 16 bytes XOR
-    ``mask``, all chunks at once (one XOR of two ints, one struct unpack:
-    fewer calls than numpy needs for 32 chunks). Every hash is
-    ``hash_bytes`` long (a multiple of 8, at least 16; ValueError otherwise)."""
+    ``mask``, all chunks at once: one numpy XOR of the joined hashes' words
+    (XOR is bytewise: the words' byte order does not matter), one struct
+    unpack of the keys from its buffer, the fingerprints the first word of
+    each read big-endian (fewer and cheaper calls than an XOR of two Python
+    ints of the same bytes). Every hash is ``hash_bytes`` long (a multiple
+    of 8, at least 16; ValueError otherwise)."""
     n = len(hashes)
     if not n:
         return [], np.empty(0, dtype=np.uint64)
     raw = b"".join(hashes)
     if hash_bytes < KEY_BYTES or hash_bytes % 8 or len(raw) != n * hash_bytes or len(mask) != KEY_BYTES:
         raise ValueError(f"block hashes must be {hash_bytes} bytes each, the mask {KEY_BYTES}")
-    cut, mask_int = _hash_keys_layout(mask, n, hash_bytes)
-    masked = (int.from_bytes(raw, "big") ^ mask_int).to_bytes(len(raw), "big")
-    fps = np.frombuffer(masked, dtype=">u8")[:: hash_bytes // 8].astype(np.uint64)
+    cut, words = _hash_keys_layout(mask, n, hash_bytes)
+    masked = np.frombuffer(raw, dtype=np.uint64) ^ words
+    first = masked[:: hash_bytes // 8]  # each key's first 8 bytes, in this machine's order
+    fps = first.copy() if _BIG_ENDIAN else first.byteswap()
     return list(cut.unpack(masked)), fps
 
 

@@ -171,16 +171,28 @@ class BucketIndex:
 
     def present(self, fps: np.ndarray) -> np.ndarray:
         """Which of ``fps`` (uint64, any order) are in the array."""
+        return self.find(fps)[0]
+
+    def find(self, fps: np.ndarray) -> tuple[np.ndarray, bool]:
+        """(which of ``fps`` are in the array, whether all of them are)."""
         if not self.nbytes:
-            return np.zeros(len(fps), dtype=bool)
+            return np.zeros(len(fps), dtype=bool), not len(fps)
         buckets = fps >> self._shift
-        hit = (self._rows[self._starts.take(buckets)] == fps[:, None]).any(1)
+        eq = self._rows[self._starts.take(buckets)] == fps[:, None]
+        # A row holds a fingerprint at most once (the array is unique): as
+        # many matches as rows is every one found, without the per-row reduce
+        # (a stored prefix's lookup, the common case).
+        if np.count_nonzero(eq) == len(fps):
+            return np.ones(len(fps), dtype=bool), True
+        # The ufunc's reduce, not ``any(1)``: that is a Python wrapper around it.
+        hit = np.logical_or.reduce(eq, 1)
         long = self._long
         if len(long):
             at = long.take(long.searchsorted(buckets), mode="clip") == buckets
             if np.count_nonzero(at):
                 hit[at] = lookup(self.arr, fps[at])[1]
-        return hit
+                return hit, bool(np.count_nonzero(hit) == len(hit))
+        return hit, False
 
     def __contains__(self, fp: int) -> bool:
         if not self.nbytes:

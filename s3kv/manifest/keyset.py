@@ -128,13 +128,18 @@ class FingerprintSet:
         added, removed = self._added, self._removed
         _, delta, state, index = self._view
         # _View.present, inlined: a Python call costs as much as a numpy one here.
-        hit = index.present(fps)
+        hit, every = index.find(fps)
         if len(delta):
             idx = delta.searchsorted(fps)
             found = delta.take(idx, mode="clip") == fps
             if np.count_nonzero(found):
                 hit[found] = state[idx[found]]
-        if added or removed:
+                every = np.count_nonzero(hit) == len(hit)
+        # An fp in ``added`` is present and one in ``removed`` absent, whatever
+        # the arrays say: with nothing removed and every fp found (a stored
+        # prefix's lookup, the common case) ``added`` could change nothing,
+        # and asking it costs a cache miss a fp while it is large.
+        if removed or (added and not every):
             values = fps.tolist()
             if not (added.isdisjoint(values) and removed.isdisjoint(values)):
                 for i, fp in enumerate(values):

@@ -11,7 +11,7 @@ from s3kv.keys import chain_keys
 from s3kv.tiering.meter import LoadMeter
 from s3kv.tiering.placement import Tier
 from s3kv.tiering.plan import LoadTiming, StepTiming, TierReport
-from s3kv.tiering.scheduler.cost import EXPLORE_S, PRIORS, CostModel, context_bucket
+from s3kv.tiering.scheduler.cost import EXPLORE_S, PRIORS, CostModel, Decision, context_bucket
 from s3kv.tiering.tiers.registry import TIERS
 from tests.unit.test_planner import CT, NS, SHARD, on_load_results, planner, put_cpu, sched
 
@@ -385,3 +385,87 @@ def test_the_meter_counts_the_chunks_that_shared_a_tier_with_a_load():
     (t,) = LoadMeter.timings("theirs", [b, c], 2.0)  # 0..2 s: beside a for 1 s
     assert (t.chunks, t.first_s, t.last_s) == (2, 1.5, 2.0)
     assert t.others == pytest.approx(0.5)
+
+
+def first_choice(
+    m,
+    tiers,
+    sync,
+    *,
+    first_token,
+    chunk_tokens,
+    local_tokens,
+    context_tokens,
+    end_tokens,
+    ahead_tokens,
+    inflight,
+):
+    """The choice as first written: every tier's load asked again for each
+    prefix of the hit (``load_seconds``), the best gain's first prefix."""
+    per_token = m.prefill.seconds_per_token(context_tokens)
+    hidden = ahead_tokens * per_token
+    best, best_gain = 0, 0.0
+    for k in range(1, len(tiers) + 1):
+        end = min(first_token + k * chunk_tokens, end_tokens)
+        load = m.load_seconds(tiers[:k], sync[:k], inflight)
+        gain = (end - local_tokens) * per_token - max(0.0, load - hidden)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
+
+
+def test_the_choice_is_the_prefix_with_the_best_gain_on_random_estimates():
+    """choose keeps each tier's load as the hit grows (not every tier's asked
+    again for each prefix): the same floats, the same choice, on random
+    estimates, hits, flights and backlogs."""
+    import random
+
+    rng = random.Random(5)
+    tiers = list(PRIORS)
+    chosen = set()
+    for _ in range(400):
+        clock = Clock()
+        m = model(clock=clock)
+        for t in tiers:  # every tier measured now: none is stale (no exploring)
+            for _ in range(rng.randrange(1, 4)):
+                first = rng.uniform(1e-4, 0.3)
+                m.observe_load(t, rng.randrange(1, 20), first, first + rng.uniform(0, 2), rng.randrange(0, 8))
+        m.observe_round_trip(rng.uniform(0, 0.05))
+        for _ in range(rng.randrange(0, 4)):
+            m.observe_step(rng.randrange(CT, 8 * CT), rng.randrange(1, 40 * CT), rng.uniform(0.01, 2))
+        n = rng.randrange(1, 41)
+        hit = [rng.choice(tiers) for _ in range(n)]
+        sync = [t is Tier.CPU for t in hit]
+        local = rng.randrange(0, 2) * CT
+        kw = dict(
+            first_token=local,
+            chunk_tokens=CT,
+            local_tokens=local,
+            context_tokens=local + n * CT + rng.randrange(0, CT),
+            ahead_tokens=rng.choice([0, rng.randrange(0, 50_000)]),
+            inflight={t: rng.randrange(0, 30) for t in tiers if rng.random() < 0.5},
+        )
+        kw["end_tokens"] = kw["context_tokens"] - 1
+        got = m.choose(hit, sync, **kw)
+        assert not got.explored
+        assert got.chunks == first_choice(m, hit, sync, **kw)
+        chosen.add(got.chunks == n)
+    assert chosen == {True, False}  # whole hits and shorter ones both chosen
+
+
+def test_exploring_a_windowed_hit_offers_all_of_it():
+    """A hit with windowed parts whose tiers are stale is offered whole to
+    measure them: all its chunks, not the count of the last prefix's parts."""
+    m = model()
+    m.observe_step(8 * CT, 8 * CT, 0.001)  # a prefill far faster than any load: no prefix is worth it
+    d = m.choose(
+        [Tier.S3] * 3,
+        [False] * 3,
+        first_token=0,
+        chunk_tokens=CT,
+        local_tokens=0,
+        context_tokens=3 * CT + 1,
+        full_parts=1,
+        windowed=lambda k: {Tier.S3: 5},
+    )
+    assert d == Decision(3, explored=True)

@@ -82,6 +82,20 @@ def test_a_key_from_a_block_hash_is_its_first_16_bytes_masked_by_the_namespace()
     assert hash_keys([], mask, 32)[0] == [] and len(hash_keys([], mask, 32)[1]) == 0
 
 
+@pytest.mark.parametrize("hash_bytes", [16, 24, 32, 64])
+def test_keys_from_block_hashes_agree_with_each_hash_masked_alone(hash_bytes):
+    """All chunks at once (one XOR of the joined hashes) is each hash's
+    first 16 bytes XOR the mask, for any count and hash size."""
+    rng = np.random.default_rng(hash_bytes)
+    mask = hash_key_mask(NS)
+    for n in (1, 2, 3, 32, 100):
+        hashes = [rng.bytes(hash_bytes) for _ in range(n)]
+        keys, fps = hash_keys(hashes, mask, hash_bytes)
+        assert keys == [bytes(a ^ b for a, b in zip(h[:16], mask, strict=True)) for h in hashes]
+        assert fps.dtype == np.uint64 and fps.tolist() == [fingerprint(k) for k in keys]
+        assert fps.flags.c_contiguous and fps.flags.writeable
+
+
 def test_keys_from_block_hashes_differ_by_namespace_and_adapter():
     hashes = [hashlib.sha256(b"block %d" % i).digest() for i in range(4)]
     other = Namespace.from_fields({"model_content": "abd"})

@@ -34,6 +34,8 @@ def check(arr: np.ndarray, rng: np.random.Generator) -> BucketIndex:
     fps = probes(arr, rng)
     want = searched(arr, fps)
     assert index.present(fps).tolist() == want.tolist()
+    hit, every = index.find(fps)
+    assert hit.tolist() == want.tolist() and every == bool(want.all())
     assert index.present(fps[:0]).tolist() == []
     assert [int(f) in index for f in fps[:300].tolist() + fps[-300:].tolist()] == (
         want[:300].tolist() + want[-300:].tolist()
@@ -76,6 +78,33 @@ def test_buckets_longer_than_the_window_are_searched(crowd):
     assert all(int(f) in index for f in crafted.tolist())
     # the last of the crowd is past any window that starts at its bucket
     assert index.present(crafted[-1:]).tolist() == [True]
+
+
+def test_batches_of_members_agree_with_a_binary_search():
+    """A lookup whose every fingerprint is found skips the per-row reduce (a
+    stored prefix's lookup, the common case): batches of members alone (with
+    repeats), the same with one stranger, and members of a bucket longer
+    than the window (found by the search, not in their windows)."""
+    rng = np.random.default_rng(11)
+    background = rng.integers(0, U64_MAX, 100_000, dtype=np.uint64, endpoint=True)
+    crafted = (np.uint64(0xABCDE) << np.uint64(44)) + rng.integers(0, 1 << 44, 100, dtype=np.uint64)
+    arr = np.unique(np.concatenate([background, crafted]))
+    index = BucketIndex(arr)
+    assert len(index._long) == 1
+    for size in (1, 2, 31, 32, 33, 200):
+        for _ in range(30):
+            members = arr[rng.integers(0, len(arr), size)]
+            assert index.present(members).tolist() == [True] * size
+            assert index.find(members)[1] is True
+            one_off = members.copy()
+            one_off[rng.integers(size)] ^= np.uint64(1)  # a neighbour: the same bucket, mostly not a member
+            want = searched(arr, one_off)
+            hit, every = index.find(one_off)
+            assert hit.tolist() == want.tolist() and every == bool(want.all())
+    assert index.present(crafted).tolist() == [True] * len(crafted)
+    assert index.find(crafted)[1] is True  # some found by the search, past their windows
+    crowd = np.concatenate([crafted, crafted + np.uint64(1)])
+    assert index.present(crowd).tolist() == searched(arr, crowd).tolist()
 
 
 def test_the_set_indexes_every_new_base():

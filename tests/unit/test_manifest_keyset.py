@@ -73,6 +73,11 @@ def check(s: FingerprintSet, m: Model, probe: np.ndarray) -> None:
     assert len(s) == len(m.members)
     got = set(probe[s.present(probe)].tolist())
     assert got == m.members
+    # Every fp the arrays hold (all found there: the sets decide alone, a
+    # removal among them included) and every member (the same, or an
+    # addition the arrays lack).
+    for fps in (s._view.base, arr(m.members)):
+        assert s.present(fps).tolist() == [f in m.members for f in fps.tolist()]
 
 
 def test_random_operations_agree_with_a_plain_set():

@@ -54,6 +54,23 @@ def test_hits_come_from_the_nearest_tier_up_to_the_first_gap():
     assert s.hits("r", KEYS, FPS, 3, 4) == []
 
 
+def test_hits_of_a_prefix_only_farther_tiers_hold():
+    """The nearer tiers holding none of a prefix (another replica stored it)
+    answer no chunk; the others still split it nearest first."""
+    cpu = CpuTierManager(TierIndex("cpu", 4, slots=True))
+    disk = NvmeTierManager(TierIndex("disk", 10**6))
+    s3 = S3TierManager(Manifest())
+    s = stack(cpu, disk, s3)
+    assert s.hits("r", KEYS, FPS, 0, 4) == []
+    s3.manifest.update(KEYS[:3])
+    assert s.hits("r", KEYS, FPS, 0, 4) == [s3, s3, s3]  # chunk 3 is nowhere
+    disk.index.insert_ready(KEYS[1], 10)
+    assert s.hits("r", KEYS, FPS, 0, 4) == [s3, disk, s3]
+    disk.index.insert_ready(KEYS[3], 10)
+    assert s.hits("r", KEYS, FPS, 0, 4) == [s3, disk, s3, disk]
+    assert s.hits("r", KEYS, FPS, 2, 4) == [s3, disk]
+
+
 def test_sources_and_promotions_follow_the_order_of_the_tiers():
     cpu = CpuTierManager(TierIndex("cpu", 4, slots=True))
     disk = NvmeTierManager(TierIndex("disk", 10 * disk_estimate(0)))

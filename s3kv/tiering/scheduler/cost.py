@@ -311,22 +311,38 @@ class CostModel:
         best, best_gain = 0, 0.0
         counts: dict[Tier, int] = {}
         has_async = False
-        for k in range(1, n + 1):
-            t = tiers[k - 1]
-            counts[t] = counts.get(t, 0) + 1
-            has_async = has_async or not sync[k - 1]
+        cb, round_trip = self.chunk_bytes, self.round_trip_s.value
+        # Each tier's first chunk, bandwidth and chunks in flight, read once.
+        read: dict[Tier, tuple[float, float, int]] = {}
+        loads: dict[Tier, float] = {}  # each tier's load of its chunks so far
+        for k, t, s in zip(range(1, n + 1), tiers, sync):
+            c = counts[t] = counts.get(t, 0) + 1
+            if not s:
+                has_async = True
             end = first_token + k * chunk_tokens
-            if end_tokens is not None:
-                end = min(end, end_tokens)
-            parts = counts
-            if windowed is not None:
+            if end_tokens is not None and end_tokens < end:
+                end = end_tokens
+            if windowed is None:
+                # _load_seconds(counts, ...) with TierEstimate.seconds spelled
+                # out (the same expression: the same floats; a test holds the
+                # choice to load_seconds'), each tier's estimate read once and
+                # only the chunk's tier updated, not every tier asked again for each k.
+                e = read.get(t)
+                if e is None:
+                    te = self.tiers[t]
+                    e = read[t] = (te.first_s.value, te.bytes_per_s.value, inflight.get(t, 0))
+                load = loads[t] = e[0] + (c - 1 + e[2]) * cb / e[1]
+                if len(loads) > 1:
+                    load = max(loads.values())
+                load += round_trip if has_async else 0.0
+            else:
                 extra = windowed(k)
                 if extra is None:
                     continue
-                parts = {t: full_parts * n for t, n in counts.items() if full_parts}
-                for t, n in extra.items():
-                    parts[t] = parts.get(t, 0) + n
-            load = self._load_seconds(parts, has_async, inflight)
+                parts = {t: full_parts * m for t, m in counts.items() if full_parts}
+                for t, m in extra.items():  # not n: the hit's length, asked below
+                    parts[t] = parts.get(t, 0) + m
+                load = self._load_seconds(parts, has_async, inflight)
             gain = (end - local_tokens) * per_token - max(0.0, load - hidden)
             if gain > best_gain:
                 best, best_gain = k, gain

@@ -24,7 +24,7 @@ from s3kv.tiering.scheduler.stack import TierStack
 from s3kv.tiering.tiers.manager import TierManager
 
 
-@dataclass
+@dataclass(slots=True)
 class PartKeys:
     """One request's part keys (and fingerprints) of the groups after the
     first (group 0's are its chain keys), grown with its chain."""

@@ -196,7 +196,6 @@ class Planner:
         req.looked_up = True
         req.local_tokens = num_computed_tokens
         req.hit = []
-        ahead = self._backlog.ahead_of(req_id)
         self._backlog.set(req_id, num_tokens - num_computed_tokens)  # until a load is offered
         if req.load_failed:
             return 0, False
@@ -232,7 +231,8 @@ class Planner:
             ghit = self.parts.hit(self.stack, req_id, keys, req.fps, req.parts, start, n_chunks, num_tokens)
             hit = self.parts.chunk_tiers(ghit, ghit.longest, self.stack)
         req.group_hit = ghit
-        whole, _ = self._offer(hit, start, num_tokens, num_computed_tokens)
+        whole, sync = self._offer(hit, start, num_tokens, num_computed_tokens)
+        n = whole
         if self.cost is not None and hit:
             inflight = self._loads.by_tier
             if self.prefetcher.in_flight:  # prefetches share their source tier with the loads
@@ -248,7 +248,7 @@ class Planner:
                 context_tokens=num_tokens,
                 end_tokens=num_tokens - 1,
                 policy=policy,
-                ahead_tokens=ahead,
+                ahead_tokens=self._backlog.ahead_of(req_id),
                 inflight=inflight,
                 **(self.parts.costs(ghit, start) if self.parts is not None and ghit is not None else {}),
             )
@@ -260,10 +260,10 @@ class Planner:
                     self.stack.release(req_id, keep=ghit.managers(end))
                 else:
                     self.stack.release(req_id, keep=hit)  # a probe of a tier it no longer loads from
+                n, sync = self._offer(hit, start, num_tokens, num_computed_tokens)
             if not req.decided and decision.explored:
                 self.counters.add("load_policy_explored")
         req.hit_start, req.hit = start, hit
-        n, sync = self._offer(hit, start, num_tokens, num_computed_tokens)
         if not req.decided:  # vLLM asks again while the request waits: count it once
             req.decided = True
             self.counters.add("load_policy_tokens_offered", n)
@@ -279,7 +279,7 @@ class Planner:
         end = (start + len(hit)) * self.chunk_tokens
         # With several KV cache groups every load is asynchronous: vLLM takes
         # a failed one only as a whole request, which a synchronous load is not.
-        sync = bool(hit) and self.parts is None and all(m.sync_load for m in hit)
+        sync = bool(hit) and self.parts is None and hit[0].sync_load and all(m.sync_load for m in hit)
         if sync:
             # vLLM must compute at least one prompt token; leave it the whole
             # last block so our copies and its writes never share a block.

@@ -15,7 +15,7 @@ from s3kv.tiering.scheduler.parts import GroupHit, PartKeys
 from s3kv.tiering.tiers.manager import TierManager
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """What the planner knows of one request, from its arrival or first
     lookup until vLLM is done with its blocks."""

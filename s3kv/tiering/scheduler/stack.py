@@ -40,10 +40,21 @@ class TierStack:
         """The tier to load each of chunks [start, end) from, the nearest that
         has it, up to the first chunk that none has. Half-open tiers it hits
         take ``owner`` as their probe; the others let a probe of it go."""
-        asked = [m for m in self.tiers if m.allows(owner, take=False)]
-        held = [m.lookup(keys, fps, start, end) for m in asked]
+        # Loops, not comprehensions: a new prefix's lookup pays each one's call.
+        asked: list[TierManager] = []
+        held: list[list[bool]] = []
+        for m in self.tiers:
+            if m.allows(owner, take=False):
+                has = m.lookup(keys, fps, start, end)
+                # A tier holding none of them answers no chunk (the local
+                # tiers, on a prefix another replica stored): left out of the rows.
+                if True in has:
+                    asked.append(m)
+                    held.append(has)
         hit: list[TierManager]
-        if len(held) == 1:  # one tier to ask (a remote-only replica): the prefix it holds
+        if not held:
+            hit = []
+        elif len(held) == 1:  # one tier holds any (a remote-only replica): the prefix it holds
             has = held[0]
             hit = asked * (has.index(False) if False in has else len(has))
         else:

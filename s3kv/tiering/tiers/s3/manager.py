@@ -62,8 +62,9 @@ class S3TierManager(TierManager):
         self.down = False
         """S3 did not answer at start-up (:func:`check_bucket`): paused until
         the manifest loads from it (:meth:`resume`). The one place this is kept."""
-        self._verified: dict[bytes, None] = {}
-        """Keys seen in the manifest at ``_verified_epoch``."""
+        self._verified: set[bytes] = set()
+        """Keys seen in the manifest at ``_verified_epoch`` (a set, not a dict:
+        its inserts are cheaper, and a new prefix's lookup pays one a key)."""
         self._verified_epoch = -1
         self._storing: dict[bytes, float] = {}
         """Keys planned for a store and not yet reported, or whose store found
@@ -115,13 +116,14 @@ class S3TierManager(TierManager):
             self._verified.clear()
             self._verified_epoch = epoch
         verified = self._verified
-        if not verified.keys().isdisjoint(keys[start:end]):
+        asked = keys[start:end]
+        if not verified.isdisjoint(asked):
             todo = [i for i in range(start, end) if keys[i] not in verified]
             if not todo:
                 return [True] * (end - start)
         else:  # a new prefix: all of them, without a list of indices and a copy
             found = self.manifest.present_fps(fps[start:end]).tolist()
-            verified.update(dict.fromkeys(compress(keys[start:end], found)))
+            verified.update(compress(asked, found))
             if len(verified) > VERIFIED_SIZE:
                 verified.clear()
             return found
@@ -129,7 +131,7 @@ class S3TierManager(TierManager):
         out = [True] * (end - start)
         for i, has in zip(todo, found):
             if has:
-                verified[keys[i]] = None
+                verified.add(keys[i])
             else:
                 out[i - start] = False
         if len(verified) > VERIFIED_SIZE:
