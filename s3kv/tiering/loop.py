@@ -95,16 +95,29 @@ class BackgroundLoop:
 
 
 STORE_NICE = 10
-"""Niceness of the write-through threads (Linux: per thread)."""
+"""Niceness of the write-through threads (Linux: per thread) where
+:data:`STORE_IDLE` cannot be had."""
+
+STORE_IDLE = True
+"""Run the write-through threads under ``SCHED_IDLE`` (Linux): they get a
+core only when nothing else wants it."""
 
 
 def background_thread() -> None:
     """Initializer of threads that do background work (write-through
-    encoding, NVMe writes): unbound, at :data:`STORE_NICE`, so that they
-    take a core only when the forward and the loads leave it."""
+    encoding, NVMe writes): unbound, under ``SCHED_IDLE`` (:data:`STORE_IDLE`),
+    else at :data:`STORE_NICE`, so that they take a core only when the
+    forward and the loads leave it."""
     unbind_thread()
+    tid = threading.get_native_id()
+    if STORE_IDLE:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError):
+            pass
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICE)
+        os.setpriority(os.PRIO_PROCESS, tid, STORE_NICE)
 
 
 def store_threads(threads: int) -> int:
