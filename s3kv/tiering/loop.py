@@ -100,7 +100,9 @@ STORE_NICE = 10
 
 STORE_IDLE = True
 """Run the write-through threads under ``SCHED_IDLE`` (Linux): they get a
-core only when nothing else wants it."""
+core only when nothing else wants it, and a forward that wakes on their
+core takes it at once. At nice 10 they still had a tenth of a shared core,
+and the forward waited for them (benchmarks/store_stall.py)."""
 
 
 def background_thread() -> None:
@@ -134,8 +136,8 @@ def store_threads(threads: int) -> int:
 class JobLoop(BackgroundLoop):
     """A background loop that keeps track of the jobs it runs (:meth:`drain`
     waits for them), with threads for blocking work: ``threads`` for
-    decoding and copies, and :func:`store_threads` at a lower CPU priority
-    (:data:`STORE_NICE`) for write-through (encoding), so that it never
+    decoding and copies, and :func:`store_threads` that run only on idle
+    cores (:func:`background_thread`) for write-through (encoding), so that it never
     slows a forward or a load."""
 
     def __init__(self, name: str, threads: int, clock: Callable[[], float] = time.monotonic) -> None:
