@@ -95,31 +95,16 @@ class BackgroundLoop:
 
 
 STORE_NICE = 10
-"""Niceness of the write-through threads (Linux: per thread) where
-:data:`STORE_IDLE` cannot be had."""
-
-STORE_IDLE = True
-"""Run the write-through threads under ``SCHED_IDLE`` (Linux): they get a
-core only when nothing else wants it, and a forward that wakes on their
-core takes it at once. At nice 10 they still had a tenth of a shared core,
-and the forward waited for them (benchmarks/store_stall.py)."""
+"""Niceness of the write-through threads (Linux: per thread)."""
 
 
 def background_thread() -> None:
     """Initializer of threads that do background work (write-through
-    encoding, NVMe writes): unbound, under ``SCHED_IDLE`` (:data:`STORE_IDLE`),
-    else at :data:`STORE_NICE`, so that they take a core only when the
-    forward and the loads leave it."""
+    encoding, NVMe writes): unbound, at :data:`STORE_NICE`, so that they
+    take a core only when the forward and the loads leave it."""
     unbind_thread()
-    tid = threading.get_native_id()
-    if STORE_IDLE:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            return
-        except (AttributeError, OSError):
-            pass
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, tid, STORE_NICE)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICE)
 
 
 def store_threads(threads: int) -> int:
@@ -136,8 +121,8 @@ def store_threads(threads: int) -> int:
 class JobLoop(BackgroundLoop):
     """A background loop that keeps track of the jobs it runs (:meth:`drain`
     waits for them), with threads for blocking work: ``threads`` for
-    decoding and copies, and :func:`store_threads` that run only on idle
-    cores (:func:`background_thread`) for write-through (encoding), so that it never
+    decoding and copies, and :func:`store_threads` at a lower CPU priority
+    (:data:`STORE_NICE`) for write-through (encoding), so that it never
     slows a forward or a load."""
 
     def __init__(self, name: str, threads: int, clock: Callable[[], float] = time.monotonic) -> None:

@@ -587,56 +587,26 @@ def test_no_write_reaches_pages_after_a_timeout():
     e.close()
 
 
-def _thread_policy() -> tuple[int, int]:
-    """(scheduling policy, niceness) of the calling thread (Linux: per thread)."""
+def test_write_through_runs_at_background_priority(tmp_path):
+    """Encoding and NVMe writes (a store's, and the copies a load promotes)
+    must not take CPU from the forward or loads; NVMe reads must not wait
+    behind them."""
     import threading
 
-    tid = threading.get_native_id()
-    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+    from s3kv.tiering.loop import STORE_NICE
 
-
-def test_write_through_runs_only_on_idle_cores(tmp_path):
-    """Encoding and NVMe writes (a store's, and the copies a load promotes)
-    run under SCHED_IDLE: a forward that wakes on their core takes it at
-    once, where at nice 10 it still shared it with them (store_stall: the
-    burst's step waited ~20 ms for its core). Codec threads and NVMe reads
-    keep the process's policy: loads must not wait behind stores."""
-    if not hasattr(os, "SCHED_IDLE"):
-        pytest.skip("no SCHED_IDLE here")
-    if os.sched_getscheduler(0) == os.SCHED_IDLE:
-        pytest.skip("the tests already run under SCHED_IDLE")
-    e = engine(FlakyStore(), disk_path=tmp_path)
-    try:
-        background = e._loop.run(e._loop.in_background(_thread_policy), timeout=5)
-        foreground = e._loop.run(e._loop.in_threads(_thread_policy), timeout=5)
-        assert background[0] == os.SCHED_IDLE
-        assert foreground == (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
-        disk = e.handlers[Tier.DISK]
-        assert e._loop.run(disk.run(_thread_policy, write=True), timeout=5) == background
-        assert e._loop.run(disk.run(_thread_policy), timeout=5) == foreground
-    finally:
-        e.close(0.1)
-
-
-def test_write_through_runs_at_background_priority_without_sched_idle(tmp_path, monkeypatch):
-    """Where SCHED_IDLE cannot be had, the write-through threads run at
-    STORE_NICE instead; NVMe reads do not."""
-    import s3kv.tiering.loop as loop
-
-    monkeypatch.setattr(loop, "STORE_IDLE", False)
-    if os.nice(0) >= loop.STORE_NICE:
+    if os.nice(0) >= STORE_NICE:
         pytest.skip("the tests already run at a lower priority than s3kv's store threads")
     e = engine(FlakyStore(), disk_path=tmp_path)
-    try:
-        background = e._loop.run(e._loop.in_background(_thread_policy), timeout=5)
-        foreground = e._loop.run(e._loop.in_threads(_thread_policy), timeout=5)
-        assert background[1] == loop.STORE_NICE > foreground[1]
-        assert background[0] == foreground[0] != getattr(os, "SCHED_IDLE", None)
-        disk = e.handlers[Tier.DISK]
-        assert e._loop.run(disk.run(_thread_policy, write=True), timeout=5) == background
-        assert e._loop.run(disk.run(_thread_policy), timeout=5) == foreground
-    finally:
-        e.close(0.1)
+    nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
+    background = e._loop.run(e._loop.in_background(nice), timeout=5)
+    foreground = e._loop.run(e._loop.in_threads(nice), timeout=5)
+    assert background > foreground
+    disk = e.handlers[Tier.DISK]
+    disk_writes = e._loop.run(disk.run(nice, write=True), timeout=5)
+    disk_reads = e._loop.run(disk.run(nice), timeout=5)
+    assert disk_writes == background and disk_reads == foreground
+    e.close(0.1)
 
 
 def test_the_job_loops_timers_and_bounds_run_on_its_clock():
