@@ -244,3 +244,27 @@ def test_the_prefetcher_plans_within_its_budget_and_frees_it_as_copies_are_repor
     off.prefetcher.arrive("r")
     off.prefetcher.start_arrived()
     assert not off.prefetcher.enabled and off.prefetcher.take() == []
+
+
+def test_a_request_loading_beside_prefetches_is_offered_its_whole_hit_under_the_cost_policy():
+    """As above, under the load policy ``cost`` (the default): the chunks
+    prefetches have in flight weigh on S3's estimate, and do not become the
+    number of tokens offered (a count of chunks in flight once stood in for
+    the hit's tokens)."""
+    from s3kv.tiering.scheduler.cost import CostModel
+
+    clock = Clock()
+    p, index, _ = prefetching(
+        budget_chunks=2,
+        cpu_slots=16,
+        clock=clock,
+        cost=CostModel(chunk_bytes=SHARD, policy="always", clock=clock),
+    )
+    index.update(KEYS)
+    other = list(range(5000, 5000 + 2 * CT + 3))
+    index.update(chain_keys(NS, other, CT))
+    arrive(p, "a")
+    arrive(p, "b", other)
+    step(p)
+    assert p.prefetcher.in_flight == 2
+    assert p.lookup("b", other, len(other), 0, policy="cost") == (2 * CT, True)

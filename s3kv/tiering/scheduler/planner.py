@@ -237,8 +237,8 @@ class Planner:
             inflight = self._loads.by_tier
             if self.prefetcher.in_flight:  # prefetches share their source tier with the loads
                 inflight = dict(inflight)
-                for tier, n in self.prefetcher.in_flight_by_tier().items():
-                    inflight[tier] = inflight.get(tier, 0) + n
+                for tier, count in self.prefetcher.in_flight_by_tier().items():
+                    inflight[tier] = inflight.get(tier, 0) + count
             decision = self.cost.choose(
                 [m.tier for m in hit],
                 [m.sync_load and self.parts is None for m in hit],
