@@ -98,14 +98,21 @@ def test_the_byte_budget_bounds_chunks_in_flight_and_requests_queue_for_it_in_or
     assert p.counters.totals().get("prefetch_chunks_skipped", 0) == 0
 
 
-def test_a_request_scheduled_before_its_turn_loads_by_itself():
-    p, index, _ = prefetching(budget_chunks=2, cpu_slots=16)
+def b_behind_a(p, index):
+    """Requests a (4 chunks in S3) and b (2) arrive; a step hands out a's
+    prefetch of 2 chunks (the budget) and b waits its turn. b's tokens."""
     index.update(KEYS)
     other = list(range(5000, 5000 + 2 * CT + 3))
     index.update(chain_keys(NS, other, CT))
     arrive(p, "a")
     arrive(p, "b", other)
     step(p)
+    return other
+
+
+def test_a_request_scheduled_before_its_turn_loads_by_itself():
+    p, index, _ = prefetching(budget_chunks=2, cpu_slots=16)
+    other = b_behind_a(p, index)
     # vLLM reaches b while a's chunks are in flight: b loads from S3.
     assert lookup(p, "b", other) == (2 * CT, True)
     assert p.counters.totals()["prefetch_chunks_skipped"] == 2
@@ -260,11 +267,6 @@ def test_a_request_loading_beside_prefetches_is_offered_its_whole_hit_under_the_
         clock=clock,
         cost=CostModel(chunk_bytes=SHARD, policy="always", clock=clock),
     )
-    index.update(KEYS)
-    other = list(range(5000, 5000 + 2 * CT + 3))
-    index.update(chain_keys(NS, other, CT))
-    arrive(p, "a")
-    arrive(p, "b", other)
-    step(p)
+    other = b_behind_a(p, index)
     assert p.prefetcher.in_flight == 2
     assert p.lookup("b", other, len(other), 0, policy="cost") == (2 * CT, True)
