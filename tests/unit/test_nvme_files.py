@@ -780,6 +780,24 @@ def test_a_none_file_corrupted_after_its_header_fails_at_that_frame_and_is_delet
     assert seen == [0] and not path.exists()
 
 
+def test_out_of_memory_while_checking_a_none_file_keeps_it(tmp_path, monkeypatch):
+    """A MemoryError while a frame is checked is the host's, not the file's
+    (as for an S3 object, :func:`~s3kv.chunk_reader.as_corrupt`): the read
+    fails with it and the file stays."""
+    from s3kv import codec
+
+    tier, key = _none_tier(tmp_path / "disk")
+    path = tier.path(key)
+
+    def out_of_memory(*a, **kw):
+        raise MemoryError
+
+    monkeypatch.setattr(codec, "check_frame_parts", out_of_memory)
+    with pytest.raises(MemoryError):
+        tier.read(key, Frames(lambda i, a: None))
+    assert path.exists()
+
+
 def test_a_none_file_cut_short_or_signed_with_another_key_is_refused(tmp_path):
     from s3kv.auth import FleetKeys
 

@@ -309,7 +309,7 @@ class FileFrames:
     def check(self, frame: int, parts: Sequence[np.ndarray]) -> None:
         try:  # checking_bytes(), at no context manager's cost a frame
             codec_mod.check_frame_parts(self._header, frame, parts, self._files.codec.keys)
-        except CorruptChunk:
+        except (CorruptChunk, MemoryError):
             raise
         except Exception as e:
             raise as_corrupt(e, self._where) from e
