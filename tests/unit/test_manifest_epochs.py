@@ -191,6 +191,16 @@ async def start(replicas, clock):
             r.chain.due = r._clock()
 
 
+async def add_in_turn(a, b, clock, n):
+    """Start ``a`` and ``b``; keys 0..n-1 added one a second, by b and a in
+    turn; then 4 s more, for the last epochs and snapshots to be written."""
+    await start([a, b], clock)
+    for i in range(n):
+        (a if i % 2 else b).manifest.add(key(i))
+        await drive([a, b], clock, clock.t + 1)
+    await drive([a, b], clock, clock.t + 4)
+
+
 def epochs_in(store):
     return sorted(run(store.list_keys(BASE + "ep/")))
 
@@ -238,15 +248,7 @@ def test_a_new_replica_starts_from_the_snapshot_and_the_epochs_after_it(bucket_k
     store = bucket_kind(store)
     clock = Clock()
     a, b = replica(store, clock, "aaaa", snapshot_epochs=4), replica(store, clock, "bbbb", snapshot_epochs=4)
-
-    async def go():
-        await start([a, b], clock)
-        for i in range(12):
-            (a if i % 2 else b).manifest.add(key(i))
-            await drive([a, b], clock, clock.t + 1)
-        await drive([a, b], clock, clock.t + 4)
-
-    run(go())
+    run(add_in_turn(a, b, clock, 12))
     snaps = run(store.list_keys(BASE + "snap/"))
     assert snaps
     snap = mf.decode(run(store.get(sorted(snaps)[-1])))
@@ -972,15 +974,7 @@ def test_a_replica_that_may_not_delete_keeps_reading_epochs_after_writing_snapsh
     store = NoDeletes()
     clock = Clock()
     a, b = (replica(store, clock, w, snapshot_epochs=2) for w in ("aaaa", "bbbb"))
-
-    async def go():
-        await start([a, b], clock)
-        for i in range(16):
-            (a if i % 2 else b).manifest.add(key(i))
-            await drive([a, b], clock, clock.t + 1)
-        await drive([a, b], clock, clock.t + 4)
-
-    run(go())
+    run(add_in_turn(a, b, clock, 16))
     assert len(run(store.list_keys(BASE + "snap/"))) > a.s.snapshots_kept  # none pruned
     denied = a.counters.totals().get("manifest_prune_denied", 0) + b.counters.totals().get(
         "manifest_prune_denied", 0
