@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +30,7 @@ from tests.e2e.harness import (
     chunk_objects,
     copy_objects,
     engine_keys,
+    gc_command,
     greedy_params,
     kv_config,
     metric,
@@ -231,17 +231,7 @@ def test_a_corrupt_object_no_replica_may_delete_costs_one_load_each(
         # gc could not read this run (it says so) is judged the next run, as an operator's cron does.
         for _ in range(3):
             gc = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "s3kv.cli",
-                    "gc",
-                    "--bucket",
-                    bucket,
-                    "--endpoint-url",
-                    server.endpoint_url,
-                ]
-                + ["--region", "us-east-1", "--json"],
+                gc_command(bucket, server.endpoint_url, "--region", "us-east-1", "--json"),
                 capture_output=True,
                 text=True,
                 timeout=300,
