@@ -17,7 +17,11 @@ the goal but the token scheme's (shown beside them):
 - *repeat*: vLLM asks again (a load is pending, or the request waited);
 - *new prefix, load policy*: the new prefix with the default load policy
   (``cost``: the cost model weighs each prefix of the hit), which the cases
-  above leave out (every hit offered, as ``load_policy: always`` does).
+  above leave out (every hit offered, as ``load_policy: always`` does);
+- *new prefix, load policy, CPU + NVMe*: the same with a CPU tier and an
+  NVMe tier before S3 (``cpu_bytes`` and ``disk_path`` set, as most
+  deployments run), each holding other prefixes' chunks: every local tier
+  is asked for the hit's keys too.
 
 Measured with 32k recent changes pending in the manifest (half the merge
 threshold, the average between merges). Memory: the manifest's bytes per key.
@@ -36,9 +40,12 @@ import numpy as np
 from benchmarks.common import Bar, Result, main_for, median, verdict
 from s3kv.keys import Namespace, chain_keys, hash_key_mask, hash_keys
 from s3kv.manifest import Manifest, fingerprints
+from s3kv.tiering.placement import TierIndex
 from s3kv.tiering.scheduler.cost import CostModel
 from s3kv.tiering.scheduler.keychain import BlockHashes, HashScheme
 from s3kv.tiering.scheduler.planner import Planner
+from s3kv.tiering.tiers.cpu.manager import CpuTierManager
+from s3kv.tiering.tiers.nvme.manager import NvmeTierManager
 from s3kv.tiering.tiers.s3.manager import S3TierManager
 
 NAME = "lookup"
@@ -49,6 +56,8 @@ PENDING = 32768
 CHUNK_BYTES = 4 << 20
 """Raw KV bytes of a chunk for the load policy's estimates (256 tokens of an 8B model, bf16)."""
 GOAL_US = 20.0
+LOCAL_CHUNKS = 4096
+"""Chunks of other prefixes each local tier holds (the CPU tier: 16 GiB of 4 MiB chunks)."""
 
 
 def _block_hashes(tokens: list[int]) -> list[bytes]:
@@ -66,8 +75,19 @@ CASES = {
     "known": "known prefix, tokens",
     "repeat": "repeat",
     "policy": "new prefix, load policy",
+    "local": "new prefix, load policy, CPU + NVMe",
 }
 """Each case's label; "new" is the engine's default (block hashes)."""
+
+
+def _local_tiers(rng: np.random.Generator) -> list[CpuTierManager | NvmeTierManager]:
+    """A CPU tier and an NVMe tier, each holding ``LOCAL_CHUNKS`` chunks of other prefixes."""
+    cpu = CpuTierManager(TierIndex("cpu", LOCAL_CHUNKS, slots=True))
+    nvme = NvmeTierManager(TierIndex("disk", LOCAL_CHUNKS * CHUNK_BYTES), object_bytes=CHUNK_BYTES)
+    for index in (cpu.index, nvme.index):
+        for _ in range(LOCAL_CHUNKS):
+            index.insert_ready(rng.bytes(16), CHUNK_BYTES if index is nvme.index else 1)
+    return [cpu, nvme]
 
 
 def measure(n_keys: int, rounds: int) -> dict[str, float]:
@@ -90,16 +110,16 @@ def measure(n_keys: int, rounds: int) -> dict[str, float]:
     for fp in rng.integers(0, 2**63, PENDING, dtype=np.uint64).tolist():
         manifest.fps.add(fp)
     out: dict[str, list[float]] = {case: [] for case in CASES}
-    for case in ("new", "tokens", "known", "policy"):
+    for case in ("new", "tokens", "known", "policy", "local"):
         s3 = S3TierManager(manifest)
-        scheme = HashScheme(BLOCK) if case in ("new", "policy") else None
+        scheme = HashScheme(BLOCK) if case in ("new", "policy", "local") else None
         planner = Planner(
             namespace=block_ns if scheme else ns,
             chunk_tokens=CHUNK,
             block_size=BLOCK,
-            tiers=[s3],
+            tiers=[*_local_tiers(rng), s3] if case == "local" else [s3],
             hash_scheme=scheme,
-            cost=CostModel(chunk_bytes=CHUNK_BYTES) if case == "policy" else None,
+            cost=CostModel(chunk_bytes=CHUNK_BYTES) if case in ("policy", "local") else None,
         )
         if case == "known":  # an earlier request keyed every prefix
             for i, p in enumerate(prompts):
@@ -144,6 +164,7 @@ def run(work: Path, quick: bool) -> Result:
                 round(r["known"], 1),
                 round(r["repeat"], 1),
                 round(r["policy"], 1),
+                round(r["local"], 1),
                 round(r["bytes_per_key"], 2),
             ]
         )
@@ -169,6 +190,8 @@ def run(work: Path, quick: bool) -> Result:
         + f" (token scheme's new prefix {at_max['tokens']:.1f} us, not judged).",
         f"New prefix under the default load policy (cost: the cost model weighs each of the 32 prefixes "
         f"of the hit): {at_max['policy']:.1f} us; the other cases offer every hit (load_policy: always).",
+        f"CPU + NVMe: the same with a CPU tier and an NVMe tier before S3, each holding {LOCAL_CHUNKS:,} "
+        f"chunks of other prefixes (asked for the hit's keys, holding none): {at_max['local']:.1f} us.",
     ]
     return Result(
         name=NAME,
@@ -181,6 +204,7 @@ def run(work: Path, quick: bool) -> Result:
             "known prefix, tokens (us)",
             "repeat (us)",
             "new prefix, load policy cost (us)",
+            "new prefix, load policy cost, CPU + NVMe tiers (us)",
             "bytes/key",
         ],
         rows=rows,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 
@@ -62,6 +62,11 @@ class TierIndex:
         """Ready to be loaded."""
         e = self._entries.get(key)
         return e is not None and e.ready and not e.doomed
+
+    def holds_none(self, keys: Iterable[Hashable]) -> bool:
+        """None of ``keys`` has an entry, ready or not: then none is ready
+        (checked in one pass, without a call per key)."""
+        return self._entries.keys().isdisjoint(keys)
 
     def has(self, key: Hashable) -> bool:
         """Ready or being written: no need to write it again."""

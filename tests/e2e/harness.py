@@ -258,6 +258,11 @@ def start_engine(model: Path, kv_transfer_config: dict[str, Any], **engine_args:
     )
 
 
+def gc_command(bucket: str, endpoint_url: str, *args: str) -> list[str]:
+    """``s3kv gc`` of ``bucket`` at the loopback server, with ``args``."""
+    return [sys.executable, "-m", "s3kv.cli", "gc", "--bucket", bucket, "--endpoint-url", endpoint_url, *args]
+
+
 def greedy_params() -> Any:
     from vllm import SamplingParams
 

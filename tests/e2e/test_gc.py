@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 
 import pytest
@@ -24,6 +23,7 @@ from tests.e2e.harness import (
     MAX_TOKENS,
     REPLICA_ENV,
     engine_keys,
+    gc_command,
     kv_config,
     run_replica,
     wait_for_value,
@@ -119,23 +119,11 @@ def test_gc_while_a_replica_serves(workdir, model, s3_server, monkeypatch):
 
         # gc to the hot families' size: least recently used first deletes the cold ones.
         budget = sum(chunks[k] for k in hot)
-        cmd = [
-            sys.executable,
-            "-m",
-            "s3kv.cli",
-            "gc",
-            "--bucket",
+        cmd = gc_command(
             bucket,
-            "--endpoint-url",
             s3_server.endpoint_url,
-            "--region",
-            "us-east-1",
-            "--max-bytes",
-            str(budget),
-            "--min-age",
-            "0",
-            "--json",
-        ]
+            *("--region", "us-east-1", "--max-bytes", str(budget), "--min-age", "0", "--json"),
+        )
         gc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         served: list[tuple[int, list[int], int]] = []
         stop = threading.Event()

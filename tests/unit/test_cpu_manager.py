@@ -46,3 +46,21 @@ def test_a_store_pins_the_staging_slot_only_for_farther_writes():
     assert [p.tier for p in targets] == [Tier.CPU] and cpu.index.get(KEYS[1]).pins == 0 and not pinned
     s.released(KEYS[0])
     assert cpu.index.get(KEYS[0]).pins == 0
+
+
+def test_lookup_answers_per_key_whether_the_tier_holds_none_some_or_pending_ones():
+    # A local tier's lookup: only ready, undoomed entries count; a range it holds none of is
+    # answered in one pass (a fleet hit's new prefix), and must answer the same.
+    cpu = CpuTierManager(TierIndex("cpu", 8, slots=True))
+    idx = cpu.index
+    assert cpu.lookup(KEYS, None, 0, 4) == [False] * 4
+    idx.insert_ready(KEYS[1])
+    idx.reserve(KEYS[2])  # being written: not loadable yet
+    idx.insert_ready(KEYS[3])
+    idx.pin(KEYS[3])
+    idx.remove(KEYS[3])  # doomed while pinned
+    assert cpu.lookup(KEYS, None, 0, 4) == [False, True, False, False]
+    assert cpu.lookup(KEYS, None, 2, 4) == [False, False]
+    assert cpu.lookup(KEYS, None, 0, 1) == [False]
+    idx.commit(KEYS[2])
+    assert cpu.lookup(KEYS, None, 1, 3) == [True, True]

@@ -249,7 +249,10 @@ class IndexedTierManager(TierManager):
 
     def lookup(self, keys: Sequence[bytes], fps: np.ndarray, start: int, end: int) -> list[bool]:
         index = self.index
-        return [k in index for k in keys[start:end]]
+        wanted = keys[start:end]
+        if index.holds_none(wanted):
+            return [False] * len(wanted)  # a prefix this tier never saw (a fleet hit): one C-level pass
+        return [k in index for k in wanted]
 
     def prepare_load(self, key: bytes) -> Place:
         self.index.touch(key)
