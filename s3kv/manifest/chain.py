@@ -418,11 +418,15 @@ class EpochChain:
                 self._probed = (nxt, early)
         return keys
 
-    async def advance(self) -> int:
-        """Every epoch due by now, in order."""
+    async def advance(self, between: Callable[[], None] | None = None) -> int:
+        """Every epoch due by now, in order; ``between`` is called after each
+        (a first start catches up the whole lookback, hundreds of epochs at
+        a short interval: what else is due must not wait for all of them)."""
         keys = 0
         while (got := await self.step()) is not None:
             keys += got
+            if between is not None:
+                between()
         # Up to date: every epoch its aggregators have had time to write, read.
         if self.next_epoch > self.last_closed(int(self._fleet_now() * 1000) - self._late_ms):
             self._sync.refreshed_at = self._clock()

@@ -325,6 +325,11 @@ class ManifestSync:
         """Write what this replica stored and used since the last call, and
         the bad objects it found. On any failure (or cancellation) they go
         back for the next call."""
+        task = self._publishing
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            # The loop's publish first (the shutdown's comes while it is being
+            # cancelled): what it took goes back, or out, before this one takes.
+            await asyncio.gather(task, return_exceptions=True)
         with self._lock:
             fps, self._to_publish = self._to_publish, []
             bad, self._bad = self._bad, []
@@ -447,21 +452,30 @@ class ManifestSync:
         """What is due now: a publish, a refresh (and maybe a snapshot);
         protocol "epochs": a publish, the epochs due."""
         now = self._clock()
-        if now >= self._next_publish:
+        if now >= self._next_publish and not self._in_run:
             self._next_publish = now + self.s.publish_s
-            if not self._in_run:
-                await self.publish()
-            elif self._publishing is None or self._publishing.done():
-                # One at a time: while one is slow, what comes waits for the next.
-                self._publishing = asyncio.ensure_future(self._publish_logged())
+            await self.publish()
+        self._publish_due()
         if self.chain is not None:
             if now >= self.chain.due:
                 self.chain.due = now + self.s.epoch_retry_s  # unless it says when (S3 down: not at once)
-                await self.chain.advance()
+                # A publish falls due between its epochs too: a first start's
+                # catch-up of the lookback must not hold back this replica's
+                # stores and bad records (a run shorter than it published none).
+                await self.chain.advance(between=self._publish_due)
         elif now >= self._next_refresh:
             self._next_refresh = now + self.s.refresh_s
             await self.refresh()
             await self.maybe_snapshot()
+
+    def _publish_due(self) -> None:
+        """In :meth:`run`: a publish in a task of its own when one is due."""
+        now = self._clock()
+        if self._in_run and now >= self._next_publish:
+            self._next_publish = now + self.s.publish_s
+            if self._publishing is None or self._publishing.done():
+                # One at a time: while one is slow, what comes waits for the next.
+                self._publishing = asyncio.ensure_future(self._publish_logged())
 
     async def _publish_logged(self) -> None:
         """:meth:`publish`, its failure counted and logged (tried again at the next interval)."""
@@ -509,7 +523,8 @@ class ManifestSync:
                 await asyncio.sleep(min(longest, max(0.05, self.next_due() - self._clock())))
         finally:
             self._in_run = False
-            task, self._publishing = self._publishing, None
+            task = self._publishing
             if task is not None and not task.done():
                 task.cancel()  # what it was publishing goes back, for the shutdown's publish
                 await asyncio.gather(task, return_exceptions=True)
+            self._publishing = None

@@ -982,3 +982,107 @@ def test_a_replica_that_may_not_delete_keeps_reading_epochs_after_writing_snapsh
     assert denied >= 1
     assert all(key(i) in a.manifest and key(i) in b.manifest for i in range(16))
     assert a.counters.totals().get("manifest_errors", 0) == 0 == b.counters.totals().get("manifest_errors", 0)
+
+
+def test_a_first_start_catching_up_its_epochs_still_publishes_what_is_due():
+    """A first start reads the whole lookback (2 x skew) epoch by epoch. While
+    that catch-up runs, a bad record (and a store) still goes out when its
+    publish is due: a replica whose run was shorter than its catch-up, then
+    killed at shutdown, published neither (the e2e trust test caught it)."""
+    from s3kv.testing import virtual_loop
+
+    bucket = MemoryStore()
+    read_s = 0.5  # each epoch read: the catch-up of ~20 epochs takes ~10 s
+
+    class SlowEpochs(MemoryStore):
+        def __init__(self):
+            super().__init__()
+            self._objects = bucket._objects
+
+        async def get_object(self, key, range=None):
+            if "/ep/" in key:
+                await asyncio.sleep(read_s)
+            return await super().get_object(key, range)
+
+        async def get(self, key, range=None):
+            if "/ep/" in key:
+                await asyncio.sleep(read_s)
+            return await super().get(key, range)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+
+        def clock():
+            return T0 + loop.time()
+
+        settings = SyncSettings(publish_s=PUBLISH_S, refresh_s=PUBLISH_S, skew_s=SKEW_S, protocol="epochs")
+        r = ManifestSync(SlowEpochs(), BASE, Manifest(), settings, writer="rrrr", clock=clock, offload=inline)
+        task = asyncio.ensure_future(r.run())
+        try:
+            while not r.loaded:
+                await asyncio.sleep(0.05)
+            start = loop.time()
+            r.manifest.add(key(1))
+            r.manifest.quarantine(key(2), BASE + "bad-object", "etag")
+            loaded_at = r.refreshed_at
+            while loop.time() < start + 4 * PUBLISH_S:
+                if any(m.get("bad") for m in await _segment_metas(bucket)):
+                    break
+                await asyncio.sleep(0.05)
+            caught_up = r.refreshed_at != loaded_at
+            return loop.time() - start, caught_up, await _segment_metas(bucket)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    took, caught_up, metas = virtual_loop.run(go())
+    assert [m["bad"] for m in metas if m.get("bad")] == [[[BASE + "bad-object", "etag"]]], metas
+    assert took <= 2 * PUBLISH_S + read_s, took
+    assert not caught_up  # the catch-up was still going when the record went out
+
+
+async def _segment_metas(store):
+    out = []
+    for name in await store.list_keys(BASE + "seg/"):
+        out.append(mf.decode(await store.get(name), name=name).meta)
+    return out
+
+
+def test_the_shutdown_publish_waits_for_the_loops_publish_it_cancels():
+    """At shutdown the loop is cancelled and the last publish called at once:
+    the loop's own publish, cancelled mid-PUT, puts its bad record back while
+    the last one runs. The last one waits for it, so the record goes out."""
+    bucket = MemoryStore()
+    release = asyncio.Event()
+
+    class FirstPutHangs(MemoryStore):
+        def __init__(self):
+            super().__init__()
+            self._objects = bucket._objects
+            self.hung = False
+
+        async def put(self, key, data, *, mode=PutMode.OVERWRITE):
+            if "/seg/" in key and not self.hung:
+                self.hung = True
+                await release.wait()  # until cancelled
+            return await super().put(key, data, mode=mode)
+
+    async def go():
+        clock = Clock(T0)
+        settings = SyncSettings(publish_s=PUBLISH_S, refresh_s=PUBLISH_S, skew_s=SKEW_S, protocol="segments")
+        store = FirstPutHangs()
+        r = ManifestSync(store, BASE, Manifest(), settings, writer="rrrr", clock=clock, offload=inline)
+        task = asyncio.ensure_future(r.run())
+        while not r.loaded:
+            await asyncio.sleep(0)
+        r.manifest.quarantine(key(2), BASE + "bad-object", "etag")
+        clock.t += 2 * PUBLISH_S
+        while not store.hung:  # the loop's publish took the record and hangs in its PUT
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await r.publish()  # as the shutdown's, scheduled right behind the cancel
+        await asyncio.gather(task, return_exceptions=True)
+        return await _segment_metas(bucket)
+
+    metas = run(go())
+    assert [m["bad"] for m in metas if m.get("bad")] == [[[BASE + "bad-object", "etag"]]], metas
