@@ -762,6 +762,15 @@ def test_the_loop_of_each_replica_carries_keys_through_epochs_on_the_wall_clock(
     assert epochs_in(store)
 
 
+class View(MemoryStore):
+    """``bucket`` as one replica sees it: the same objects (a subclass slows
+    or hangs some of its requests)."""
+
+    def __init__(self, bucket):
+        super().__init__()
+        self._objects = bucket._objects
+
+
 def test_a_slow_segment_put_does_not_hold_up_reading_epochs():
     """ManifestSync.run publishes in a task of its own: while this replica's
     segment PUT takes 0.9 of the margin, its loop still reads the fleet's
@@ -771,13 +780,10 @@ def test_a_slow_segment_put_does_not_hold_up_reading_epochs():
 
     bucket = MemoryStore()
 
-    class SlowSegments(MemoryStore):
+    class SlowSegments(View):
         """``bucket`` as replica "ssss" sees it: its segment PUTs take 0.9 of the margin."""
 
-        def __init__(self):
-            super().__init__()
-            self._objects = bucket._objects
-            self.slow = True
+        slow = True
 
         async def put(self, key, data, *, mode=PutMode.OVERWRITE):
             if "/seg/" in key and self.slow:
@@ -796,7 +802,7 @@ def test_a_slow_segment_put_does_not_hold_up_reading_epochs():
             )
             return ManifestSync(store, BASE, Manifest(), settings, writer=writer, clock=clock, offload=inline)
 
-        slow_store = SlowSegments()
+        slow_store = SlowSegments(bucket)
         a, slow = make(bucket, "aaaa"), make(slow_store, "ssss")
         tasks = [asyncio.ensure_future(r.run()) for r in (a, slow)]
         try:
@@ -994,11 +1000,7 @@ def test_a_first_start_catching_up_its_epochs_still_publishes_what_is_due():
     bucket = MemoryStore()
     read_s = 0.5  # each epoch read: the catch-up of ~20 epochs takes ~10 s
 
-    class SlowEpochs(MemoryStore):
-        def __init__(self):
-            super().__init__()
-            self._objects = bucket._objects
-
+    class SlowEpochs(View):
         async def get_object(self, key, range=None):
             if "/ep/" in key:
                 await asyncio.sleep(read_s)
@@ -1016,7 +1018,9 @@ def test_a_first_start_catching_up_its_epochs_still_publishes_what_is_due():
             return T0 + loop.time()
 
         settings = SyncSettings(publish_s=PUBLISH_S, refresh_s=PUBLISH_S, skew_s=SKEW_S, protocol="epochs")
-        r = ManifestSync(SlowEpochs(), BASE, Manifest(), settings, writer="rrrr", clock=clock, offload=inline)
+        r = ManifestSync(
+            SlowEpochs(bucket), BASE, Manifest(), settings, writer="rrrr", clock=clock, offload=inline
+        )
         task = asyncio.ensure_future(r.run())
         try:
             while not r.loaded:
@@ -1055,11 +1059,8 @@ def test_the_shutdown_publish_waits_for_the_loops_publish_it_cancels():
     bucket = MemoryStore()
     release = asyncio.Event()
 
-    class FirstPutHangs(MemoryStore):
-        def __init__(self):
-            super().__init__()
-            self._objects = bucket._objects
-            self.hung = False
+    class FirstPutHangs(View):
+        hung = False
 
         async def put(self, key, data, *, mode=PutMode.OVERWRITE):
             if "/seg/" in key and not self.hung:
@@ -1070,7 +1071,7 @@ def test_the_shutdown_publish_waits_for_the_loops_publish_it_cancels():
     async def go():
         clock = Clock(T0)
         settings = SyncSettings(publish_s=PUBLISH_S, refresh_s=PUBLISH_S, skew_s=SKEW_S, protocol="segments")
-        store = FirstPutHangs()
+        store = FirstPutHangs(bucket)
         r = ManifestSync(store, BASE, Manifest(), settings, writer="rrrr", clock=clock, offload=inline)
         task = asyncio.ensure_future(r.run())
         while not r.loaded:
