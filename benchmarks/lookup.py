@@ -84,9 +84,9 @@ def _local_tiers(rng: np.random.Generator) -> list[CpuTierManager | NvmeTierMana
     """A CPU tier and an NVMe tier, each holding ``LOCAL_CHUNKS`` chunks of other prefixes."""
     cpu = CpuTierManager(TierIndex("cpu", LOCAL_CHUNKS, slots=True))
     nvme = NvmeTierManager(TierIndex("disk", LOCAL_CHUNKS * CHUNK_BYTES), object_bytes=CHUNK_BYTES)
-    for index in (cpu.index, nvme.index):
+    for index, size in ((cpu.index, 1), (nvme.index, CHUNK_BYTES)):  # slots; bytes
         for _ in range(LOCAL_CHUNKS):
-            index.insert_ready(rng.bytes(16), CHUNK_BYTES if index is nvme.index else 1)
+            index.insert_ready(rng.bytes(16), size)
     return [cpu, nvme]
 
 

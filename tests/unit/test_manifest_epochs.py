@@ -120,7 +120,7 @@ from s3kv.manifest.keyset import Manifest, fingerprints  # noqa: E402
 from s3kv.manifest.sync import ManifestSync, SyncSettings  # noqa: E402
 from s3kv.stores.base import PutMode  # noqa: E402
 from s3kv.stores.memory import MemoryStore  # noqa: E402
-from tests.stores.wrappers import DirectoryBucketStore, WrappedStore  # noqa: E402
+from tests.stores.wrappers import DirectoryBucketStore, HeldPuts, WrappedStore  # noqa: E402
 
 PUBLISH_S = 1.0
 SKEW_S = 10.0
@@ -1057,28 +1057,18 @@ def test_the_shutdown_publish_waits_for_the_loops_publish_it_cancels():
     the loop's own publish, cancelled mid-PUT, puts its bad record back while
     the last one runs. The last one waits for it, so the record goes out."""
     bucket = MemoryStore()
-    release = asyncio.Event()
-
-    class FirstPutHangs(View):
-        hung = False
-
-        async def put(self, key, data, *, mode=PutMode.OVERWRITE):
-            if "/seg/" in key and not self.hung:
-                self.hung = True
-                await release.wait()  # until cancelled
-            return await super().put(key, data, mode=mode)
 
     async def go():
         clock = Clock(T0)
         settings = SyncSettings(publish_s=PUBLISH_S, refresh_s=PUBLISH_S, skew_s=SKEW_S, protocol="segments")
-        store = FirstPutHangs(bucket)
+        store = HeldPuts(bucket, hold="/seg/")  # the first segment PUT, until cancelled
         r = ManifestSync(store, BASE, Manifest(), settings, writer="rrrr", clock=clock, offload=inline)
         task = asyncio.ensure_future(r.run())
         while not r.loaded:
             await asyncio.sleep(0)
         r.manifest.quarantine(key(2), BASE + "bad-object", "etag")
         clock.t += 2 * PUBLISH_S
-        while not store.hung:  # the loop's publish took the record and hangs in its PUT
+        while not store.held:  # the loop's publish took the record and hangs in its PUT
             await asyncio.sleep(0.01)
         task.cancel()
         await r.publish()  # as the shutdown's, scheduled right behind the cancel
