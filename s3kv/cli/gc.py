@@ -160,6 +160,7 @@ def gc_cmd(
                     progress=b.advance,
                     keys=s.keys,
                     bad=bad.objects,
+                    carried=bad.carried,
                 )
             return p, res, bad
 

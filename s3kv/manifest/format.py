@@ -13,7 +13,9 @@ refused as :class:`~s3kv.errors.UnsupportedManifestVersion`.
 A segment may name *bad* chunk objects (``meta["bad"]``: object names and
 the ETags read), corrupt ones a replica could not delete: its removals drop
 them from every replica's manifest, replicas then never publish them from a
-412, and ``s3kv gc`` deletes them.
+412, and ``s3kv gc`` deletes them. A snapshot's header carries the bad
+records of the segments it covers, in the same format
+(:mod:`s3kv.manifest.bad`).
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from s3kv.manifest.arrays import (
     positions,
     resolve,
 )
+from s3kv.manifest.bad import BadRecords
 
 
 def fingerprints(keys: Sequence[bytes]) -> np.ndarray:
@@ -300,11 +301,11 @@ class Manifest:
         self.sync: Sync | None = None
         """Told of this replica's own additions, uses and bad objects, to
         publish them to the fleet (a :class:`~s3kv.manifest.sync.ManifestSync`)."""
-        self.bad: set[int] = set()
-        """Fingerprints of chunks some replica found corrupt in S3 and could
-        not delete: a store that finds such an object there (a 412) must not
-        publish it (``s3kv gc`` deletes them; a new object is published as
-        usual)."""
+        self.bad = BadRecords()
+        """Chunks some replica found corrupt in S3 and could not delete: a
+        store that finds such an object there (a 412) must not publish it
+        (``s3kv gc`` deletes them; a new object is published as usual).
+        Snapshots carry them."""
 
     def __contains__(self, key: bytes) -> bool:
         return fingerprint(key) in self.fps
@@ -347,6 +348,7 @@ class Manifest:
         delete it: forget it, and tell the fleet (a bad record)."""
         fp = fingerprint(key)
         self.bad.add(fp)
+        self.bad.record(name, etag)
         self.fps.discard(fp)
         if self.sync is not None:
             self.sync.bad(fp, name, etag)

@@ -219,7 +219,9 @@ class ManifestSync:
         """Segments applied: seen (their stamps observed), and the chunks they
         report bad never republished from a 412."""
         for name, obj in fetched:
-            self.manifest.bad.update(bad_removals(obj).tolist())
+            bad = bad_removals(obj)
+            if len(bad):
+                self.manifest.bad.from_segment(bad.tolist(), obj.meta)
             ts = name_ts(name) or 0
             self._seen[name] = ts
             self._stamps.observe(ts)
@@ -264,6 +266,7 @@ class ManifestSync:
                 continue
             horizon = Horizon.of(snap.meta)
             self._snapshot_meta = snap.meta
+            self.manifest.bad.from_snapshot(snap.meta)  # the bad records of the segments it covers
             self._snapshot_ts = name_ts(meta.key) or 0
             for name in horizon.recent:
                 n = parse_name(self.base, name, directory=self.store.directory)
@@ -410,8 +413,13 @@ class ManifestSync:
 
     async def _snapshot(self, horizon: Horizon, extra: dict[str, Any] | None = None) -> None:
         """Write a snapshot of the live set covering ``horizon`` (and
-        ``extra`` in its header), then prune all but the newest few."""
+        ``extra`` in its header, and the bad records this replica knows:
+        a replica that starts from it must not publish those from a 412),
+        then prune all but the newest few."""
         live = await self._offload(self.manifest.fps.array)  # a merge: millions of keys
+        bad = self.manifest.bad.header()
+        if bad:
+            extra = {**(extra or {}), "bad": bad}
         snap = await write_snapshot(
             self.store,
             self.base,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -44,6 +44,7 @@ from s3kv.errors import (
 from s3kv.keys import fingerprint, parse_object_key
 from s3kv.manifest import format as mf
 from s3kv.manifest.arrays import as_sorted_unique
+from s3kv.manifest.bad import entries
 from s3kv.manifest.protocol import (
     SEGMENTS,
     Horizon,
@@ -162,11 +163,17 @@ async def compact(
     changed: bool,
     clock: Callable[[], float],
     lease: Held | None = None,
+    bad: Mapping[str, str | None] | None = None,
 ) -> None:
     """Compact namespace ``info``'s manifest, counting in ``done``:
     ``since_s``, when the listing began (segments from then on are
-    replayed); ``changed``, whether this run deleted chunks of it."""
-    await _Namespace(store, info, stamps, settings, done).compact(since_s, changed, clock, lease)
+    replayed); ``changed``, whether this run deleted chunks of it; ``bad``,
+    the bad records (object name: ETag) its snapshot carries on
+    (:attr:`~s3kv.ops.reported.BadFound.carried`), with those of the segments
+    it replays that the listing did not hold (written since: not judged)."""
+    ns = _Namespace(store, info, stamps, settings, done)
+    ns.bad.update(bad or {})
+    await ns.compact(since_s, changed, clock, lease)
 
 
 class _Namespace:
@@ -180,6 +187,9 @@ class _Namespace:
         self._heads: dict[str, dict[str, Any]] = {}
         """Snapshots' headers read this compaction (with the fleet secret a
         snapshot is read whole to check its MAC: once, not once a use)."""
+        self.bad: dict[str, str | None] = {}
+        """Bad records the snapshot carries (:mod:`s3kv.manifest.bad`): a
+        replica that starts from it must know those of the segments it covers."""
 
     async def segment(self, m: ObjectMeta) -> mf.ManifestObject:
         """A segment, read once a compaction (the orphan check and the live
@@ -256,6 +266,7 @@ class _Namespace:
                     next_ts=lambda: stamps.next(now_ms),
                     keys=self.s.keys,
                     by="gc",
+                    extra={"bad": [[n, e] for n, e in self.bad.items()]} if self.bad else None,
                 )
             )
             done.snapshots_written += 1
@@ -267,6 +278,7 @@ class _Namespace:
         replayed over it; a rank segment's chunk counts once every rank
         named it or the listing holds its objects (:func:`_held`)."""
         read: list[tuple[str, mf.ManifestObject]] = []
+        scanned = {m.key for m in self.info.segments}
         for m in recent:
             try:
                 obj = await self.segment(m)
@@ -277,6 +289,8 @@ class _Namespace:
             except (NotFound, CorruptManifest):
                 continue
             read.append((m.key, obj))
+            if m.key not in scanned:  # reported since gc's scan: not judged, carried
+                self.bad.update(entries(obj.meta.get("bad")))
         chunks = {fingerprint(k): c for k, c in self.info.chunks.items()}
         slicing = self.info.described.slicing if self.info.described is not None else None
         tally = RankTally(held=lambda fp: _held(chunks.get(fp), slicing))

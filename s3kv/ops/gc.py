@@ -40,7 +40,7 @@ wrong tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,9 +305,13 @@ async def execute(
     clock: Callable[[], float] = time.time,
     keys: FleetKeys | None = None,
     bad: Iterable[BadObject] = (),
+    carried: Mapping[str, Mapping[str, str | None]] | None = None,
 ) -> Result:
     """Carry the plan out (and delete ``bad`` objects); with ``keys``, every
-    manifest object gc writes is signed and only signed ones are read."""
+    manifest object gc writes is signed and only signed ones are read.
+    ``carried``: by namespace, the bad records its snapshots carry on
+    (:attr:`BadFound.carried`), but for the objects deleted here."""
+    bad = list(bad)
     writer = writer or gc_writer_id()
     result = Result()
     if keys is None:
@@ -319,6 +323,7 @@ async def execute(
                 )
     # 0. Bad objects replicas could not delete (their keys are tombstoned already).
     result.bad_deleted, result.failed = await delete_bad(store, inv, bad)
+    gone = {b.name for b in bad} - set(result.failed)  # deleted, or gone or rewritten since read
     stamps = {ns: inv.namespaces[ns].stamps(writer, skew_s=p.policy.skew_s, clock=clock) for ns in p.scope}
     by_ns: dict[str, list[Deletion]] = {}
     for d in p.deletions:
@@ -383,6 +388,7 @@ async def execute(
                     changed=ns in result.deleted,
                     clock=clock,
                     lease=lease,
+                    bad={n: e for n, e in (carried or {}).get(ns, {}).items() if n not in gone},
                 )
             except compaction.Unread as e:
                 result.compactions_skipped[ns] = str(e)

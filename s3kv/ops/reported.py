@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from s3kv.auth import FleetKeys
 from s3kv.config import DEFAULTS
@@ -22,10 +23,11 @@ from s3kv.errors import (
     UnsupportedFormat,
 )
 from s3kv.keys import parse_object_key
+from s3kv.manifest.bad import entries
 from s3kv.ops.chunks import check_object
 from s3kv.ops.inventory import Inventory
 from s3kv.ops.reads import read_manifest_head
-from s3kv.stores.base import ObjectStore
+from s3kv.stores.base import ObjectMeta, ObjectStore
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,13 @@ class BadFound:
     KMS key, a bucket policy) or reading it failed (a 503). Judged again the
     next run."""
     segments_skipped: int = 0
-    """Segments whose reports gc did not read this run, so (a 403, a 503), or
-    larger than ``manifest_max_bytes``."""
+    """Segments (or snapshots) whose reports gc did not read this run, so (a
+    403, a 503), or larger than ``manifest_max_bytes``."""
+    carried: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    """By namespace, the records (object name: ETag) a snapshot gc writes
+    carries on, as replicas' snapshots do (:mod:`s3kv.manifest.bad`): those
+    still bad (with the ETag gc read) and those not judged this run; not those
+    gone or good again. gc leaves out those it deletes."""
 
 
 async def find_bad(
@@ -64,32 +71,43 @@ async def find_bad(
     manifest_max_bytes: int = DEFAULTS.manifest_max_bytes,
 ) -> BadFound:
     """The chunk objects replicas reported bad (in their segments' ``bad``
-    lists) that are still there and still fail to verify; an object that
+    lists, and the newest snapshot's that reads) that are still there and
+    still fail to verify; an object that
     reads well now (stored again since, or named by a bogus record) is not
     bad. One gc may not read, or that fails to read, is skipped and counted:
     it does not stop the run. Reads only."""
-    named: dict[str, str] = {}
+    named: dict[str, tuple[str, str | None]] = {}  # object name: (namespace, ETag reported)
     out = BadFound()
+
+    async def head(m: ObjectMeta) -> dict[str, Any] | None:
+        try:
+            return (await read_manifest_head(store, m, keys, manifest_max_bytes))[3]
+        except (NotFound, CorruptManifest):
+            return None
+        except (PermissionDenied, Transient, TooLarge) as e:
+            if isinstance(e, PermissionDenied) and e.credentials:
+                raise  # S3 refuses gc itself, not this object
+            out.segments_skipped += 1
+            return None
+
     for ns, info in inv.namespaces.items():
-        for m in info.segments:
-            try:
-                meta = (await read_manifest_head(store, m, keys, manifest_max_bytes))[3]
-            except (NotFound, CorruptManifest):
-                continue
-            except (PermissionDenied, Transient, TooLarge) as e:
-                if isinstance(e, PermissionDenied) and e.credentials:
-                    raise  # S3 refuses gc itself, not this object
-                out.segments_skipped += 1
-                continue
-            for entry in meta.get("bad") or ():
-                if isinstance(entry, list) and entry and isinstance(entry[0], str):
-                    name = entry[0]
-                    parsed = parse_object_key(name)
-                    if name.startswith(info.base) and parsed is not None and parsed[0] == ns:
-                        named[name] = ns
+        out.carried[ns] = {}
+        # The newest snapshot that reads carries the reports of the segments
+        # it covers (they may be pruned since); then each segment its own.
+        heads = []
+        for m in sorted(info.snapshots, key=lambda m: m.key, reverse=True):
+            if (meta := await head(m)) is not None:
+                heads.append(meta)
+                break
+        heads += [meta for m in info.segments if (meta := await head(m)) is not None]
+        for meta in heads:
+            for name, etag in entries(meta.get("bad")):
+                parsed = parse_object_key(name)
+                if name.startswith(info.base) and parsed is not None and parsed[0] == ns:
+                    named[name] = (ns, etag)
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(name: str, ns: str) -> BadObject | None:
+    async def one(name: str, ns: str, etag: str | None) -> BadObject | None:
         key = parse_object_key(name)[1]  # type: ignore[index]
         async with sem:
             try:
@@ -100,16 +118,19 @@ async def find_bad(
             except (NotFound, Precondition):
                 return None  # gone, or stored again while read
             except UnsupportedFormat:
-                return None  # a newer s3kv's object, or one not decoded: never deleted
+                # A newer s3kv's object, or one not decoded: never deleted, not judged.
+                out.carried[ns][name] = etag
             except CorruptChunk as e:
+                out.carried[ns][name] = e.etag
                 return BadObject(ns, key, name, e.etag, str(e))
             except (PermissionDenied, Transient) as e:
                 if isinstance(e, PermissionDenied) and e.credentials:
                     raise  # S3 refuses gc itself, not this object
                 out.skipped += 1
+                out.carried[ns][name] = etag
         return None
 
-    found = await asyncio.gather(*(one(n, ns) for n, ns in sorted(named.items())))
+    found = await asyncio.gather(*(one(n, ns, etag) for n, (ns, etag) in sorted(named.items())))
     out.objects = [b for b in found if b is not None]
     return out
 

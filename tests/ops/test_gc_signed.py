@@ -75,6 +75,10 @@ def test_gc_deletes_the_objects_replicas_reported_bad(fleet, s3_server, capsys, 
     assert done["result"]["bad_objects_deleted"] == 1
     left = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}/{NS}/")["Contents"]}
     assert names[5] not in left and names[1] in left and names[6] in left
+    # gc's snapshot carries on the record it did not judge, not the one it
+    # deleted nor the one that reads well: a replica that starts from it must
+    # not publish key 6 from a 412.
+    assert _newest_snapshot(client, bucket, keys).meta["bad"] == [[names[6], '"newer"']]
     # Stored again (a good one), it stays: gc removes only what is still bad.
     client.put_object(Bucket=bucket, Key=names[5], Body=chunk(5, keys))
     rc, again, _ = cli(capsys, s3_server, bucket, "gc")
@@ -179,3 +183,32 @@ def test_a_chunk_head_longer_than_one_ranged_get_is_read_in_two():
     head = asyncio.run(read_chunk_head(store, name))
     assert head.data == data[: codec.header_length(data)] and head.size == len(data)
     check_chunk_head(name, head.data, head.size, keys)
+
+
+def _newest_snapshot(client, bucket, keys):
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=BASE + "snap/")["Contents"]
+    name = max(o["Key"] for o in listed)
+    return mf.decode(client.get_object(Bucket=bucket, Key=name)["Body"].read(), name=name, keys=keys)
+
+
+def test_gc_deletes_an_object_reported_bad_in_a_snapshot_once_its_segment_is_gone(
+    fleet, s3_server, capsys, monkeypatch
+):
+    """A snapshot carries the bad records of the segments it covers, which
+    gc may have pruned since: gc judges those too."""
+    bucket, names, keys = fleet
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key=names[3], Body=chunk(3, keys)[:-7])  # torn: bad
+    etag = client.head_object(Bucket=bucket, Key=names[3])["ETag"]
+    snapshot = mf.ManifestObject("snapshot", meta={"bad": [[names[3], etag]], "writer": "replica"})
+    client.put_object(
+        Bucket=bucket,
+        Key=mp.snapshot_name(BASE, int(time.time() * 1000), "replica"),
+        Body=mf.encode(snapshot, keys),
+    )
+    monkeypatch.setenv(ENV_VAR, SECRET)
+    rc, done, err = cli(capsys, s3_server, bucket, "gc")
+    assert rc == 0, err
+    assert done["result"]["bad_objects_deleted"] == 1
+    left = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}/{NS}/")["Contents"]}
+    assert names[3] not in left and names[2] in left

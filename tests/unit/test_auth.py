@@ -14,7 +14,7 @@ import pytest
 from s3kv.auth import ENV_VAR, FleetKeys, load_keys
 from s3kv.config import parse_config
 from s3kv.errors import ConfigError, CorruptManifest, UnsignedManifest
-from s3kv.keys import Namespace, chain_keys, fingerprint
+from s3kv.keys import Namespace, chain_keys, fingerprint, object_key
 from s3kv.manifest import Manifest, ManifestSync, SyncSettings
 from s3kv.manifest import format as mf
 from s3kv.manifest import protocol as mp
@@ -242,6 +242,55 @@ def test_bad_records_drop_a_key_everywhere_and_block_publishing_it_from_a_412():
     assert keys[0] not in mb
     p.on_report(TierReport(written={(Tier.S3, keys[0]): 1}))  # written anew (after gc removed the bad one)
     assert keys[0] in mb
+
+
+def test_a_replica_that_starts_from_a_snapshot_knows_the_bad_records_it_covers():
+    """A snapshot covers the segments before its horizon, their bad records
+    too: a replica that starts from one written after a bad record must not
+    publish that chunk from a 412 either. (One did: it then took the chunk
+    for stored, and never stored it again once gc removed the bad object.)
+    Its own snapshots carry the record on; one that names no chunk object
+    is skipped."""
+    store = MemoryStore()
+    ns = Namespace.from_fields({"m": "bad-snapshot"})
+    keys = chain_keys(ns, list(range(256)), 64)
+    name = object_key("p", ns.id, keys[0], 0)
+    every = SyncSettings(skew_s=5.0, snapshot_every=1, snapshot_interval_s=0)
+    ma, mb, mc = Manifest(), Manifest(), Manifest()
+    a = ManifestSync(store, BASE, ma, every, writer="writerz")
+    ma.update(keys[:3])
+    ma.quarantine(keys[0], name, '"etag-1"')
+    ma.quarantine(keys[1], "p/x/not-a-chunk.r0", '"etag-2"')
+    asyncio.run(a.publish())
+    assert asyncio.run(a.maybe_snapshot())
+    snaps = asyncio.run(store.list_keys(BASE + "snap/"))
+    assert mf.decode(asyncio.run(store.get(snaps[-1]))).meta["bad"] == [
+        [name, '"etag-1"'],
+        ["p/x/not-a-chunk.r0", '"etag-2"'],
+    ]
+    b = ManifestSync(store, BASE, mb, every, writer="writerb")
+    asyncio.run(b.load())
+    assert b.counters.totals().get("manifest_segments_loaded", 0) == 0  # the snapshot alone
+    assert (
+        keys[0] not in mb
+        and keys[2] in mb
+        and keys[3] not in mb
+        and mb.is_bad(keys[0])
+        and not mb.is_bad(keys[1])
+    )
+    s3_tier = S3TierManager(mb)
+    p = Planner(namespace=ns, chunk_tokens=64, block_size=32, tiers=[s3_tier])
+    s3_tier._storing[keys[0]] = 0.0
+    p.on_report(TierReport(written={(Tier.S3, keys[0]): 1}, sections={Tier.S3: S3Report(existing={keys[0]})}))
+    assert keys[0] not in mb  # the bad object in the way: not published
+    # Replica b's snapshot carries the record on to a replica that starts from it.
+    mb.add(keys[3])
+    asyncio.run(b.publish())
+    assert asyncio.run(b.maybe_snapshot())
+    assert asyncio.run(store.list_keys(BASE + "snap/"))[-1] != snaps[-1]
+    c = ManifestSync(store, BASE, mc, every, writer="writerc")
+    asyncio.run(c.load())
+    assert mc.is_bad(keys[0]) and keys[3] in mc
 
 
 def test_one_bad_object_reported_by_many_loads_is_recorded_once():
