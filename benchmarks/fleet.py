@@ -1023,13 +1023,14 @@ def scaled_settings(factor: float) -> dict[str, Any]:
 
 
 async def realtime(
-    endpoint: str, n: int, protocol: str, factor: float, wall_s: float, warm_s: float
+    endpoint: str, n: int, protocol: str, factor: float, wall_s: float, warm_s: float, bucket: str = BUCKET
 ) -> dict[str, Any]:
     """``n`` replicas running the real loops on moto through S3Store, in
     real time, intervals divided by ``factor`` and the workload multiplied
-    by it. Requests per replica-second (at those settings) and staleness."""
+    by it, in ``bucket`` (empty: a fleet's first start). Requests per
+    replica-second (at those settings) and staleness."""
     settings = settings_for(protocol, **scaled_settings(factor))
-    config = S3KVConfig(bucket=BUCKET, endpoint_url=endpoint, region="us-east-1")
+    config = S3KVConfig(bucket=bucket, endpoint_url=endpoint, region="us-east-1")
     rng = np.random.default_rng(3)
     reps = []
     for i, writer in enumerate(_writer_ids(n, rng)):
@@ -1275,6 +1276,11 @@ def _run(work: Path, quick: bool, opts: Options, t_start: float) -> Result:
             for n, p in CROSSCHECKS:
                 if p in protocols:
                     factor = REALTIME_FACTOR if n == 10 else 1.0
+                    # A bucket of its own: the fleet before it (other
+                    # intervals, so another epoch length) left its segments,
+                    # which a new fleet aggregates into its own epochs first.
+                    bucket = f"{BUCKET}-{p}-{n}"
+                    server.create_bucket(bucket)
                     try:
                         real = asyncio.run(
                             realtime(
@@ -1284,6 +1290,7 @@ def _run(work: Path, quick: bool, opts: Options, t_start: float) -> Result:
                                 factor,
                                 wall_s=CROSSCHECK_WALL_S,
                                 warm_s=CROSSCHECK_WARM_S,
+                                bucket=bucket,
                             )
                         )
                     except RuntimeError as e:
@@ -1395,7 +1402,7 @@ def _run(work: Path, quick: bool, opts: Options, t_start: float) -> Result:
     notes += [f"Cross-check failed: {e}." for e in failed]
     for n, p, real, model in checks:
         notes.append(
-            f"Cross-check N={n}, {p}: the real loops on loopback moto (real clock, intervals "
+            f"Cross-check N={n}, {p}: the real loops on loopback moto, a fleet's first start in a bucket of its own (real clock, intervals "
             f"/{REALTIME_FACTOR if n == 10 else 1.0:g}) sent PUT {real['put']:.2f}, LIST {real['list']:.2f}, "
             f"GET {real['get'] + real['head']:.2f} per replica-second; the model at the same settings "
             f"{model['put']:.2f}, {model['list']:.2f}, {model['get'] + model['head']:.2f}; staleness per pair "
